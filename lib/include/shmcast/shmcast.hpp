@@ -1,0 +1,316 @@
+// shmcast: move tensors between processes on one machine through a named,
+// pinned POSIX shared-memory region. No CUDA IPC handles, no pidfd_getfd.
+//
+// This is the one public header. Everything a user calls is declared here:
+//
+//   Producer (the trainer)                 Consumer (each inference worker)
+//   ----------------------                 --------------------------------
+//   auto p = shmcast::Producer::create(    auto c = shmcast::Consumer::open("actor-0");
+//       "actor-0", {.slot_bytes = 256<<20});
+//   p.begin_sync(specs);                   shmcast::Sync s = c.wait_sync(30s);
+//   for (i...) p.write(i, host_ptr);       c.read_into(dst_ptrs);   // or c.visit(fn)
+//   p.end_sync();
+//
+// With CUDA (built with SHMCAST_WITH_CUDA and a GPU present at run time):
+//   p.write_device(i, dev_ptr, stream)     c.read_into_device(dst_ptrs, stream)
+//
+// Errors are reported by throwing shmcast::Error, whose code() tells what went
+// wrong and whose what() tells the user what to do about it.
+#pragma once
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <span>
+#include <stdexcept>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace shmcast {
+
+inline constexpr int kVersionMajor = 0;
+inline constexpr int kVersionMinor = 1;
+
+// ---------------------------------------------------------------- errors
+
+enum class Errc : int {
+  kInvalidArgument = 1,  // bad call: wrong index, wrong order, bad option
+  kBadName,              // region name fails validation
+  kExists,               // a region of that name exists and its producer is alive
+  kNotFound,             // no region of that name (yet)
+  kRegionFull,           // not enough free space in the region directory
+  kPermission,           // the OS refused (file mode, owner, seccomp)
+  kCorrupt,              // region bytes fail validation: untrusted input rejected
+  kVersionMismatch,      // region was made by an incompatible shmcast
+  kTimeout,              // a deadline passed while the peer was still alive
+  kPeerDied,             // the producer (or a needed consumer) died
+  kClosed,               // the producer closed the region cleanly
+  kNoSeat,               // all consumer seats are taken
+  kEvicted,              // the producer evicted this consumer (it stalled)
+  kAborted,              // the producer aborted the sync in progress
+  kChecksum,             // slot checksum mismatch: bytes changed in flight
+  kCuda,                 // a CUDA call failed
+  kCudaUnavailable,      // built without CUDA, or no GPU present
+  kSystem,               // unexpected OS error (errno attached)
+};
+
+const char* errc_name(Errc code) noexcept;
+
+class Error : public std::runtime_error {
+ public:
+  Error(Errc code, const std::string& message, int sys_errno = 0);
+  Errc code() const noexcept { return code_; }
+  // errno of the failing system call when there was one, else 0.
+  int sys_errno() const noexcept { return errno_; }
+
+ private:
+  Errc code_;
+  int errno_;
+};
+
+// ---------------------------------------------------------------- tensors
+
+// Element types. The numeric values are part of the on-shm format.
+enum class DType : std::uint16_t {
+  kBool = 1, kU8 = 2, kI8 = 3, kI16 = 4, kI32 = 5, kI64 = 6,
+  kU16 = 7, kU32 = 8, kU64 = 9,
+  kF16 = 10, kBF16 = 11, kF32 = 12, kF64 = 13,
+  kF8E4M3FN = 14, kF8E5M2 = 15, kF8E4M3FNUZ = 16, kF8E5M2FNUZ = 17,
+  kC64 = 18, kC128 = 19, kF8E8M0FNU = 20,
+  kRaw = 255,  // untyped bytes: shape must be {nbytes}
+};
+
+std::size_t dtype_size(DType) noexcept;          // 0 for unknown
+std::string_view dtype_name(DType) noexcept;     // "bf16", "f32", ...
+bool dtype_from_name(std::string_view name, DType* out) noexcept;
+
+inline constexpr int kMaxDims = 8;
+inline constexpr std::size_t kMaxNameBytes = 1024;
+
+struct TensorSpec {
+  std::string name;
+  DType dtype = DType::kRaw;
+  std::vector<std::int64_t> shape;  // empty = scalar
+  std::uint64_t nbytes() const;     // dtype_size * prod(shape); throws on overflow
+};
+
+// What a consumer sees of one tensor of a sync.
+struct TensorInfo {
+  std::string name;
+  DType dtype;
+  std::vector<std::int64_t> shape;
+  std::uint64_t nbytes;
+  std::uint64_t stream_offset;  // where it starts in the sync's byte stream
+};
+
+struct SyncInfo {
+  std::uint64_t version = 0;          // producer-assigned, strictly increasing
+  std::uint64_t stream_bytes = 0;     // bytes including alignment padding
+  std::uint64_t payload_bytes = 0;    // sum of tensor sizes
+  std::uint64_t first_seq = 0;        // first chunk sequence number
+  std::uint64_t chunks = 0;           // chunks (one per slot fill)
+  std::vector<TensorInfo> tensors;
+  // Index of a tensor by name, or -1.
+  std::ptrdiff_t find(std::string_view name) const;
+};
+
+// A contiguous piece of one tensor inside a slot, valid only during visit().
+struct Piece {
+  std::size_t tensor;          // index into SyncInfo::tensors
+  std::uint64_t offset;        // byte offset of this piece within the tensor
+  const std::byte* data;       // in the shared region
+  std::uint64_t bytes;
+  std::uint64_t tensor_bytes;  // size of the whole tensor
+  bool whole() const noexcept { return offset == 0 && bytes == tensor_bytes; }
+};
+
+// ---------------------------------------------------------------- regions
+
+using Clock = std::chrono::steady_clock;
+using Duration = std::chrono::nanoseconds;
+
+// Region directory: $SHMCAST_DIR if set, else /dev/shm. A tmpfs volume that
+// two containers share works the same as /dev/shm.
+std::string region_dir();
+// Path of the file that backs region `name`.
+std::string region_path(std::string_view name);
+// Validates a region name: 1..128 chars of [A-Za-z0-9._-], not starting with
+// '.' or '-'. Returns an empty string when valid, else the reason.
+std::string validate_name(std::string_view name);
+// Removes the region's name. Attached processes keep their mapping.
+// Returns false when there was nothing to remove.
+bool unlink_region(std::string_view name);
+
+enum class StallPolicy : std::uint8_t {
+  kFail,   // a live consumer that stalls past consumer_timeout fails the sync
+  kEvict,  // ... is evicted (it gets Errc::kEvicted); the producer carries on
+};
+
+// Whether to pin the region with cudaHostRegister (once, at create/open).
+enum class Pin : std::uint8_t {
+  kNo,
+  kYes,   // fail with kCudaUnavailable when CUDA or a GPU is missing
+  kAuto,  // pin when built with CUDA and a GPU is present
+};
+
+struct ProducerOptions {
+  std::uint64_t slot_bytes = 256ull << 20;    // S, rounded up to 2 MiB
+  std::uint32_t slots = 2;                    // K >= 2: double buffering
+  std::uint32_t max_consumers = 8;            // N, 1..64, fixed at create
+  std::uint64_t manifest_bytes = 1ull << 20;  // room for one sync's manifest
+  bool group_access = false;     // create mode 0660 instead of 0600
+  bool replace_stale = true;     // replace a same-named region whose producer is dead
+  bool unlink_on_close = true;   // remove the name when the producer closes
+  bool checksums = false;        // XXH3-64 per slot, verified by consumers
+  StallPolicy stall_policy = StallPolicy::kFail;
+  // How long a live consumer may hold back a slot or a manifest ack.
+  Duration consumer_timeout = std::chrono::seconds(60);
+  Pin pin = Pin::kAuto;
+};
+
+struct ConsumerOptions {
+  // How long open() waits for the region to exist, be initialised and have a
+  // live producer (for example while the trainer restarts).
+  Duration open_timeout = std::chrono::seconds(30);
+  // How long one slot may take to arrive, mid-sync, while the producer is alive.
+  Duration chunk_timeout = std::chrono::seconds(60);
+  Pin pin = Pin::kAuto;
+  bool verify_checksums = true;  // when the producer writes them
+};
+
+// A tensor stored with a constant row pitch (e.g. a column slice of a matrix):
+// `rows` rows of `row_bytes` bytes, row r starting at src + r * pitch_bytes.
+struct Strided2D {
+  std::uint64_t rows = 0;
+  std::uint64_t row_bytes = 0;
+  std::uint64_t pitch_bytes = 0;
+};
+
+// ---------------------------------------------------------------- producer
+
+class Producer {
+ public:
+  // Creates region `name` (O_EXCL, mode 0600): header, seats, slots, manifest.
+  static Producer create(std::string_view name, const ProducerOptions& options = {});
+
+  Producer(Producer&&) noexcept;
+  Producer& operator=(Producer&&) noexcept;
+  ~Producer();  // close()
+
+  // Blocks until at least `n` live consumers are attached.
+  void wait_for_consumers(std::uint32_t n, Duration timeout);
+  std::uint32_t consumers() const;  // attached consumers whose process is alive
+
+  // Starts a sync: packs `tensors` (in order) into the stream and publishes the
+  // manifest. Consumers attached now take part; later ones start with the
+  // next sync. Returns the sync's version.
+  std::uint64_t begin_sync(std::span<const TensorSpec> tensors);
+  // Copies tensor `index` from host memory. Tensors are written in order.
+  void write(std::size_t index, const void* src);
+  void write_strided(std::size_t index, const void* src, const Strided2D& layout);
+  // Copies tensor `index` from device memory with async D2H copies on a
+  // stream the library owns, ordered after `cuda_stream` (a cudaStream_t, or
+  // nullptr for the legacy default stream). Slots are published as their
+  // copies complete. The source may be reused once end_sync() returns.
+  void write_device(std::size_t index, const void* src, void* cuda_stream);
+  void write_device_strided(std::size_t index, const void* src, const Strided2D& layout,
+                            void* cuda_stream);
+  // Publishes the last slot and returns once every slot of the sync has been
+  // filled (all D2H copies done). Consumers may still be reading.
+  void end_sync();
+  // Abandons the sync in progress; consumers get Errc::kAborted with `why`.
+  void abort_sync(std::string_view why);
+
+  // begin_sync + write each + end_sync, from host memory.
+  std::uint64_t send(std::span<const TensorSpec> tensors, std::span<const void* const> srcs);
+
+  // Blocks until every consumer of the last sync has released all its slots.
+  void wait_drained(Duration timeout);
+
+  // Things the producer did on its own since the last call, such as
+  // evicting a dead consumer's seat. One line each.
+  std::vector<std::string> take_events();
+
+  const std::string& name() const;
+  const std::string& path() const;
+  std::uint64_t region_bytes() const;
+  std::uint64_t slot_bytes() const;
+  std::uint32_t slots() const;
+  std::uint64_t last_version() const;
+  bool pinned() const;
+  double pin_seconds() const;  // time spent in cudaHostRegister
+  double create_seconds() const;  // time to create and fallocate the region
+
+  // Marks the region closed (consumers get Errc::kClosed after the last
+  // sync), unpins, unmaps and, by default, unlinks the name.
+  void close();
+
+  struct Impl;
+
+ private:
+  explicit Producer(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+// ---------------------------------------------------------------- consumer
+
+class Consumer {
+ public:
+  // Opens region `name`, claims a consumer seat and waits for nothing else.
+  static Consumer open(std::string_view name, const ConsumerOptions& options = {});
+
+  Consumer(Consumer&&) noexcept;
+  Consumer& operator=(Consumer&&) noexcept;
+  ~Consumer();  // close()
+
+  // Waits for the next sync this consumer takes part in and copies its
+  // manifest. The previous sync must have been read or skipped.
+  const SyncInfo& wait_sync(Duration timeout);
+
+  // Reads the sync into caller memory: dsts[i] receives tensor i (nullptr
+  // skips it). Releases each slot as soon as it has been copied out.
+  void read_into(std::span<void* const> dsts);
+  // Zero-copy: calls fn for every piece of every tensor, in stream order,
+  // while its slot is held. A tensor no larger than a slot is one piece.
+  void visit(const std::function<void(const Piece&)>& fn);
+  // Releases the rest of the sync without reading it.
+  void skip();
+
+  // H2D (needs CUDA): dsts[i] is a device pointer for tensor i (nullptr
+  // skips). Copies run on a library stream; `cuda_stream` is made to wait for
+  // them, so work queued on it afterwards sees the data. Slots are released
+  // as their copies complete.
+  void read_into_device(std::span<void* const> dsts, void* cuda_stream);
+  // H2D into a device buffer the library owns on `device`; returns one device
+  // pointer per tensor, valid until the next wait_sync() on this consumer.
+  std::vector<void*> read_to_staging(int device, void* cuda_stream);
+
+  const SyncInfo& sync() const;     // the current (or last) sync
+  std::uint64_t last_version() const;
+  int seat() const;
+  const std::string& name() const;
+  bool pinned() const;
+  double pin_seconds() const;
+  double open_seconds() const;
+
+  // Leaves the seat; the producer stops waiting for this consumer.
+  void close();
+
+  struct Impl;
+
+ private:
+  explicit Consumer(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+// ---------------------------------------------------------------- CUDA
+
+// True when built with CUDA and at least one device is usable.
+bool cuda_available() noexcept;
+// Why not, in words, when cuda_available() is false.
+std::string cuda_unavailable_reason();
+
+}  // namespace shmcast

@@ -1,0 +1,250 @@
+// Layer 2: the versioned on-shm layout. docs/protocol.md specifies these
+// bytes; keep the two in step. Offsets only, never pointers: every process
+// maps the region at a different address.
+//
+// The region is untrusted input. Nothing here is used before
+// validate_header() has checked it, and every offset or size read from the
+// region afterwards is checked again where it is used.
+#pragma once
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+namespace shmcast::detail {
+
+inline constexpr std::uint64_t kMagic = 0x0054534143'4d4853ull;  // "SHMCAST\0" (LE)
+inline constexpr std::uint32_t kLayoutVersion = 1;
+inline constexpr std::uint64_t kHeaderBytes = 4096;
+inline constexpr std::uint64_t kSeatBytes = 512;
+inline constexpr std::uint64_t kSlotDescBytes = 64;
+inline constexpr std::uint64_t kDataAlign = 2ull << 20;  // huge-page / DMA friendly
+inline constexpr std::uint64_t kTensorAlign = 256;       // start of each tensor in the stream
+inline constexpr std::uint32_t kMaxConsumers = 64;
+inline constexpr std::uint32_t kMaxSlots = 4096;
+inline constexpr std::uint64_t kMaxSlotBytes = 64ull << 30;
+inline constexpr std::uint64_t kMinManifestBytes = 4096;
+inline constexpr std::uint64_t kMaxManifestBytes = 1ull << 30;
+inline constexpr std::size_t kErrorTextBytes = 256;
+
+// Feature bits (Header::features). A reader rejects bits it does not know.
+inline constexpr std::uint64_t kFeatureChecksums = 1ull << 0;  // SlotDesc::checksum valid
+inline constexpr std::uint64_t kKnownFeatures = kFeatureChecksums;
+
+enum InitState : std::uint32_t {
+  kInitCreating = 0,  // file exists, creator still writing
+  kInitReady = 1,     // header valid, consumers may attach
+  kInitClosed = 2,    // producer closed cleanly; no more syncs
+};
+
+enum SeatState : std::uint32_t {
+  kSeatFree = 0,
+  kSeatActive = 1,   // claimed by a consumer
+  kSeatEvicted = 2,  // the producer gave up on this consumer
+};
+
+// Lock bytes (fcntl OFD locks on the region file). A process holds a write
+// lock on its byte for as long as it is attached; the kernel drops it when
+// the process dies, whatever PID namespace it is in.
+inline constexpr std::int64_t kProducerLockByte = 0;
+inline constexpr std::int64_t seat_lock_byte(std::uint32_t seat) { return 1 + seat; }
+
+// A futex word and a count of its sleepers ("wake only when someone waits").
+struct alignas(8) Bell {
+  std::atomic<std::uint32_t> word;
+  std::atomic<std::uint32_t> waiters;
+};
+static_assert(sizeof(Bell) == 8);
+
+struct Identity {
+  std::atomic<std::uint32_t> pid;    // in the writer's PID namespace
+  std::uint32_t reserved;
+  std::atomic<std::uint64_t> start_time;  // /proc/pid/stat field 22 (clock ticks since boot)
+  std::atomic<std::uint64_t> pidns;       // inode of /proc/self/ns/pid
+};
+static_assert(sizeof(Identity) == 24);
+
+// The sync record: what the producer announces. Written under a seqlock:
+// `announce.word` is odd while the producer writes the record, even when it
+// is stable; consumers sleep on it.
+struct SyncRecord {
+  Bell announce;                            // +0
+  std::atomic<std::uint64_t> version;       // +8
+  std::atomic<std::uint64_t> first_seq;     // +16 first chunk of the sync
+  std::atomic<std::uint64_t> chunks;        // +24
+  std::atomic<std::uint64_t> stream_bytes;  // +32
+  std::atomic<std::uint64_t> manifest_used; // +40 bytes of manifest area in use
+  std::atomic<std::uint64_t> manifest_hash; // +48 XXH3-64 of those bytes
+  std::atomic<std::uint32_t> aborted;       // +56 1 when the producer aborted it
+  std::uint32_t reserved;                   // +60
+};
+static_assert(sizeof(SyncRecord) == 64);
+
+// The immutable geometry: [0, 128). Plain bytes, no atomics, so a reader can
+// take a private snapshot (memcpy) and validate that instead of bytes a
+// hostile writer could change under it.
+struct HeaderFixed {
+  std::uint64_t magic;            // 0
+  std::uint32_t layout_version;   // 8
+  std::uint32_t header_bytes;     // 12
+  std::uint64_t total_bytes;      // 16 == file size
+  std::uint64_t features;         // 24
+  std::uint32_t max_consumers;    // 32 N
+  std::uint32_t slot_count;       // 36 K
+  std::uint64_t slot_bytes;       // 40 S
+  std::uint64_t seats_offset;     // 48
+  std::uint64_t slots_offset;     // 56 slot descriptors
+  std::uint64_t manifest_offset;  // 64
+  std::uint64_t manifest_bytes;   // 72
+  std::uint64_t data_offset;      // 80 slot k's data at data_offset + k * S
+  std::uint64_t created_unix_ns;  // 88
+  std::uint8_t reserved0[32];     // 96
+};
+static_assert(sizeof(HeaderFixed) == 128);
+
+struct alignas(64) Header {
+  // ---- [0, 128) geometry: immutable once init_state is kInitReady
+  HeaderFixed fixed;
+
+  // ---- [128, 192) lifecycle
+  std::atomic<std::uint32_t> init_state;  // 128 written last at create
+  std::atomic<std::uint32_t> error_code;  // 132 producer-side error (Errc), 0 = none
+  Identity producer;                      // 136
+  std::atomic<std::uint64_t> generation;  // 160 bumped by every producer that creates
+  std::atomic<std::uint64_t> evictions;   // 168 seats the producer evicted
+  std::uint8_t reserved1[16];             // 176
+
+  // ---- [192, 256) sync record (producer writes, consumers read)
+  SyncRecord sync;                        // 192
+
+  // ---- [256, 320) chunk publication (producer writes)
+  std::atomic<std::uint64_t> published_seq;  // 256 every chunk <= this is filled
+  Bell publish;                              // 264
+  std::atomic<std::uint64_t> syncs_done;     // 272 syncs the producer finished
+  std::atomic<std::uint64_t> bytes_done;     // 280 payload bytes of those
+  std::atomic<std::uint64_t> last_sync_ns;   // 288 duration of the last sync
+  std::atomic<std::uint64_t> last_end_unix_ns;  // 296
+  std::uint8_t reserved2[16];                // 304
+
+  // ---- [320, 384) consumer -> producer (consumers ring it on release/ack/attach)
+  Bell release;                              // 320
+  std::uint8_t reserved3[56];                // 328
+
+  // ---- [384, 640) producer error text, NUL-terminated
+  char error_text[kErrorTextBytes];          // 384
+
+  std::uint8_t reserved4[kHeaderBytes - 640];
+};
+
+struct alignas(64) Seat {
+  // ---- [0, 64) ownership; word = generation << 32 | SeatState
+  std::atomic<std::uint64_t> word;           // 0
+  Identity consumer;                         // 8
+  std::atomic<std::uint64_t> attach_unix_ns; // 32
+  std::uint8_t reserved0[24];                // 40
+
+  // ---- [64, 128) written by the consumer
+  std::atomic<std::uint64_t> released_seq;   // 64 every chunk <= this is released
+  std::atomic<std::uint64_t> acked_version;  // 72 manifest of this sync copied
+  std::atomic<std::uint64_t> syncs_done;     // 80
+  std::atomic<std::uint64_t> bytes_done;     // 88
+  std::atomic<std::uint32_t> error_code;     // 96 consumer-side error (Errc), 0 = none
+  std::uint32_t reserved1;                   // 100
+  std::uint8_t reserved2[24];                // 104
+
+  // ---- [128, 192) written by the producer
+  std::atomic<std::uint64_t> included_gen;   // 128 seat generation the producer enrolled
+  std::atomic<std::uint64_t> first_seq;      // 136 first chunk that seat must read
+  std::atomic<std::uint64_t> first_version;  // 144 first sync it takes part in
+  std::atomic<std::uint32_t> evict_reason;   // 152 Errc of the eviction
+  std::uint32_t reserved3;                   // 156
+  std::uint8_t reserved4[32];                // 160
+
+  // ---- [192, 448) consumer error text
+  char error_text[kErrorTextBytes];          // 192
+  std::uint8_t reserved5[kSeatBytes - 448];
+};
+
+struct alignas(64) SlotDesc {
+  std::atomic<std::uint64_t> seq;       // 0 chunk sequence held, 0 = never filled
+  std::atomic<std::uint64_t> version;   // 8 sync the chunk belongs to
+  std::atomic<std::uint64_t> bytes;     // 16 valid bytes from the slot's start
+  std::atomic<std::uint64_t> checksum;  // 24 XXH3-64 of those bytes (kFeatureChecksums)
+  std::uint8_t reserved[32];            // 32
+};
+
+// ---- the layout is part of the protocol: pin it down.
+static_assert(sizeof(Header) == kHeaderBytes);
+static_assert(sizeof(Seat) == kSeatBytes);
+static_assert(sizeof(SlotDesc) == kSlotDescBytes);
+static_assert(offsetof(Header, init_state) == 128);
+static_assert(offsetof(Header, producer) == 136);
+static_assert(offsetof(Header, generation) == 160);
+static_assert(offsetof(Header, sync) == 192);
+static_assert(offsetof(Header, published_seq) == 256);
+static_assert(offsetof(Header, publish) == 264);
+static_assert(offsetof(Header, release) == 320);
+static_assert(offsetof(Header, error_text) == 384);
+static_assert(offsetof(Seat, released_seq) == 64);
+static_assert(offsetof(Seat, included_gen) == 128);
+static_assert(offsetof(Seat, error_text) == 192);
+static_assert(std::atomic<std::uint32_t>::is_always_lock_free);
+static_assert(std::atomic<std::uint64_t>::is_always_lock_free);
+static_assert(sizeof(std::atomic<std::uint64_t>) == 8 && sizeof(std::atomic<std::uint32_t>) == 4);
+
+// ---- the manifest area (written by the producer for each sync)
+inline constexpr std::uint32_t kManifestMagic = 0x464d4353;  // "SCMF"
+inline constexpr std::uint32_t kManifestVersion = 1;
+
+struct ManifestHeader {
+  std::uint32_t magic;          // 0
+  std::uint32_t format;         // 4 kManifestVersion
+  std::uint64_t sync_version;   // 8
+  std::uint32_t tensor_count;   // 16
+  std::uint32_t entry_bytes;    // 20 sizeof(ManifestEntry)
+  std::uint64_t names_offset;   // 24 from the manifest start
+  std::uint64_t names_bytes;    // 32
+  std::uint64_t stream_bytes;   // 40
+  std::uint64_t payload_bytes;  // 48
+  std::uint64_t reserved;       // 56
+};
+static_assert(sizeof(ManifestHeader) == 64);
+
+struct ManifestEntry {
+  std::uint32_t name_offset;    // 0 into the names blob
+  std::uint32_t name_bytes;     // 4
+  std::uint16_t dtype;          // 8 shmcast::DType
+  std::uint16_t ndim;           // 10 <= 8
+  std::uint32_t reserved;       // 12
+  std::uint64_t nbytes;         // 16
+  std::uint64_t stream_offset;  // 24
+  std::int64_t shape[8];        // 32
+};
+static_assert(sizeof(ManifestEntry) == 96);
+
+// Geometry computed from creation parameters.
+struct Geometry {
+  std::uint32_t max_consumers;
+  std::uint32_t slot_count;
+  std::uint64_t slot_bytes;
+  std::uint64_t manifest_bytes;
+  std::uint64_t seats_offset;
+  std::uint64_t slots_offset;
+  std::uint64_t manifest_offset;
+  std::uint64_t data_offset;
+  std::uint64_t total_bytes;
+};
+
+constexpr std::uint64_t align_up(std::uint64_t v, std::uint64_t a) { return (v + a - 1) / a * a; }
+
+// Computes the geometry; returns an empty string or the reason it is invalid.
+std::string compute_geometry(std::uint32_t max_consumers, std::uint32_t slots, std::uint64_t slot_bytes,
+                             std::uint64_t manifest_bytes, Geometry* out);
+
+// Checks every immutable header field against itself and against the file
+// size the opener saw. Returns an empty string when valid. `version_mismatch`
+// is set when the magic is ours but the layout version is not.
+std::string validate_header(const HeaderFixed& h, std::uint64_t file_bytes, bool* version_mismatch);
+
+}  // namespace shmcast::detail

@@ -1,0 +1,44 @@
+// Liveness of peers. Each attached process holds an fcntl OFD write lock on
+// its own byte of the region file (layout.hpp: kProducerLockByte,
+// seat_lock_byte). The kernel drops the lock when the process dies, so a
+// probe with F_OFD_GETLK answers "is the holder alive" without trusting a
+// pid: it works across PID namespaces and is immune to pid reuse. The pid,
+// start time and PID namespace are recorded too, for people and tools.
+//
+// Calls return 0 or -errno.
+#pragma once
+
+#include <cstdint>
+
+#include "layout.hpp"
+
+namespace shmcast::detail {
+
+struct SelfIdentity {
+  std::uint32_t pid;
+  std::uint64_t start_time;  // clock ticks since boot, /proc/self/stat field 22
+  std::uint64_t pidns;       // inode of /proc/self/ns/pid, 0 if unknown
+};
+
+SelfIdentity self_identity();
+void write_identity(Identity& dst, const SelfIdentity& me);
+
+// Start time of `pid` in this PID namespace, or 0 when it has none.
+std::uint64_t process_start_time(std::uint32_t pid);
+
+// Takes the write lock on `byte` without blocking: 0, -EAGAIN when another
+// open file description holds it, or another -errno.
+int lock_byte(int fd, std::int64_t byte);
+int unlock_byte(int fd, std::int64_t byte);
+
+enum class Alive { kYes, kNo, kUnknown };
+
+// Is some other open file description holding the lock on `byte`?
+Alive lock_held(int fd, std::int64_t byte);
+
+// Liveness of the process recorded in `id` whose lock byte is `byte`: the
+// lock answers when it can; else pid + start time when the recorded PID
+// namespace is ours.
+Alive peer_alive(int fd, std::int64_t byte, const Identity& id);
+
+}  // namespace shmcast::detail

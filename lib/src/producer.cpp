@@ -1,0 +1,412 @@
+// Layer 6: the public Producer.
+#include <sys/stat.h>
+#include <unistd.h>
+#include <xxhash.h>
+
+#include <cstring>
+#include <optional>
+#include <unordered_set>
+
+#include "doorbell.hpp"
+#include "engine.hpp"
+#include "liveness.hpp"
+#include "manifest.hpp"
+#include "region.hpp"
+#include "ring.hpp"
+#include "shmcast/shmcast.hpp"
+
+namespace shmcast {
+
+using namespace detail;
+
+struct Producer::Impl {
+  std::string name, path;
+  ProducerOptions opts;
+  RegionView view;
+  std::optional<ProducerRing> ring;
+  std::unique_ptr<ProducerEngine> engine;
+  PinInfo pin;
+  double create_s = 0;
+  bool checksums = false;
+
+  // the sync in progress
+  bool in_sync = false;
+  std::uint64_t version = 0;         // of the sync in progress or the last one
+  std::uint64_t last_completed = 0;  // last sync that was not aborted
+  std::uint64_t next_seq = 1;
+  std::vector<TensorSpec> specs;
+  std::vector<std::uint64_t> offsets;
+  std::uint64_t stream_bytes = 0, payload_bytes = 0, first_seq = 0, chunks = 0;
+  std::size_t next_tensor = 0;
+  std::uint64_t acquired = 0, published = 0;  // chunks of this sync
+  std::int64_t sync_start_ns = 0;
+
+  ~Impl() { close_quietly(); }
+
+  void require_open() const {
+    if (!view.mapped()) throw Error(Errc::kClosed, "this producer is closed");
+  }
+
+  void acquire_chunk(std::uint64_t c) {
+    while (acquired <= c) {
+      const std::uint64_t seq = first_seq + acquired;
+      ring->acquire(seq);
+      ring->begin_fill(seq);
+      ++acquired;
+    }
+  }
+
+  void publish_below(std::uint64_t c_end) {
+    if (c_end > chunks) c_end = chunks;
+    while (published < c_end) {
+      acquire_chunk(published);  // a chunk no tensor touched (all padding)
+      const std::uint64_t c = published;
+      const std::uint64_t seq = first_seq + c;
+      const std::uint64_t bytes = chunk_len(c, stream_bytes, view.geo().slot_bytes);
+      const std::uint64_t ver = version;
+      std::byte* data = view.slot_data(view.slot_of(seq));
+      ProducerRing* r = &*ring;
+      const bool sum = checksums;
+      engine->chunk_done([r, seq, ver, bytes, data, sum] {
+        r->publish(seq, ver, bytes, sum ? XXH3_64bits(data, bytes) : 0);
+      });
+      ++published;
+    }
+  }
+
+  void write_tensor(std::size_t index, const Buffer& src, void* stream) {
+    require_open();
+    if (!in_sync) throw Error(Errc::kInvalidArgument, "write() outside a sync: call begin_sync() first");
+    if (index != next_tensor) {
+      if (index >= specs.size())
+        throw Error(Errc::kInvalidArgument, "tensor index " + std::to_string(index) + " is out of range (the sync has " +
+                                                std::to_string(specs.size()) + " tensors)");
+      throw Error(Errc::kInvalidArgument, "tensors must be written in manifest order: expected index " +
+                                              std::to_string(next_tensor) + " ('" +
+                                              (next_tensor < specs.size() ? specs[next_tensor].name : "") + "'), got " +
+                                              std::to_string(index));
+    }
+    const std::uint64_t n = specs[index].nbytes();
+    if (src.layout.rows != 0) {
+      std::uint64_t total;
+      if (__builtin_mul_overflow(src.layout.rows, src.layout.row_bytes, &total) || total != n ||
+          src.layout.pitch_bytes < src.layout.row_bytes)
+        throw Error(Errc::kInvalidArgument, "strided layout of '" + specs[index].name +
+                                                "' does not match its size (rows x row_bytes must equal nbytes, "
+                                                "pitch_bytes >= row_bytes)");
+    }
+    if (n > 0 && src.ptr == nullptr)
+      throw Error(Errc::kInvalidArgument, "null source for tensor '" + specs[index].name + "'");
+    const std::uint64_t S = view.geo().slot_bytes;
+    const std::uint64_t off = offsets[index];
+    if (src.device) engine->begin(stream);
+    std::uint64_t done = 0;
+    while (done < n) {
+      const std::uint64_t pos = off + done;
+      const std::uint64_t c = pos / S;
+      publish_below(c);
+      acquire_chunk(c);
+      const std::uint64_t in_chunk = pos - c * S;
+      const std::uint64_t len = (n - done) < (S - in_chunk) ? (n - done) : (S - in_chunk);
+      engine->copy(view.slot_data(view.slot_of(first_seq + c)) + in_chunk, src, done, len);
+      done += len;
+    }
+    ++next_tensor;
+    const std::uint64_t next_start = next_tensor < specs.size() ? offsets[next_tensor] : stream_bytes;
+    publish_below(next_start == stream_bytes ? chunks : next_start / S);
+  }
+
+  void set_error_text(Errc code, const std::string& text) {
+    Header& h = view.header();
+    const std::size_t n = text.size() < kErrorTextBytes - 1 ? text.size() : kErrorTextBytes - 1;
+    std::memcpy(h.error_text, text.data(), n);
+    h.error_text[n] = 0;
+    h.error_code.store(static_cast<std::uint32_t>(code), std::memory_order_release);
+  }
+
+  void abort(std::string_view why) {
+    if (!in_sync) return;
+    set_error_text(Errc::kAborted, std::string(why));
+    try {
+      engine->drain();
+    } catch (...) {
+    }
+    ring->abort(version);
+    next_seq = first_seq + chunks;
+    in_sync = false;
+  }
+
+  bool still_ours() const {
+    struct stat st {};
+    return ::stat(path.c_str(), &st) == 0 && st.st_ino == view.file().inode();
+  }
+
+  void close_quietly() noexcept {
+    if (!view.mapped()) return;
+    try {
+      abort("the producer closed in the middle of the sync");
+    } catch (...) {
+    }
+    Header& h = view.header();
+    h.init_state.store(kInitClosed, std::memory_order_release);
+    detail::ring(h.sync.announce);
+    detail::ring(h.publish);
+    if (opts.unlink_on_close && still_ours()) ::unlink(path.c_str());
+    engine.reset();
+    if (pin.pinned) cuda_unpin(view.file().data(), view.file().size());  // unregister before unmap
+    pin.pinned = false;
+    unlock_byte(view.fd(), kProducerLockByte);
+    view.file().unmap();
+  }
+};
+
+namespace {
+
+// Is the producer of the region file at `path` alive? Probes its lock byte.
+Alive existing_producer(const std::string& dir, std::string_view name) {
+  try {
+    MappedFile f = MappedFile::open(dir, name, false);
+    return lock_held(f.fd(), kProducerLockByte);
+  } catch (const Error&) {
+    return Alive::kUnknown;
+  }
+}
+
+void init_header(RegionView& v, const ProducerOptions& o, bool checksums) {
+  const Geometry& g = v.geo();
+  Header& hdr = v.header();
+  HeaderFixed& h = hdr.fixed;
+  // The file is fresh from posix_fallocate, so every byte is zero already;
+  // write the geometry, then flip init_state last.
+  h.magic = kMagic;
+  h.layout_version = kLayoutVersion;
+  h.header_bytes = kHeaderBytes;
+  h.total_bytes = g.total_bytes;
+  h.features = checksums ? kFeatureChecksums : 0;
+  h.max_consumers = g.max_consumers;
+  h.slot_count = g.slot_count;
+  h.slot_bytes = g.slot_bytes;
+  h.seats_offset = g.seats_offset;
+  h.slots_offset = g.slots_offset;
+  h.manifest_offset = g.manifest_offset;
+  h.manifest_bytes = g.manifest_bytes;
+  h.data_offset = g.data_offset;
+  h.created_unix_ns = static_cast<std::uint64_t>(unix_ns());
+  write_identity(hdr.producer, self_identity());
+  hdr.generation.store(1, std::memory_order_relaxed);
+  (void)o;
+  std::atomic_thread_fence(std::memory_order_release);
+  hdr.init_state.store(kInitReady, std::memory_order_release);
+}
+
+}  // namespace
+
+Producer::Producer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+Producer::Producer(Producer&&) noexcept = default;
+Producer& Producer::operator=(Producer&&) noexcept = default;
+Producer::~Producer() = default;
+
+Producer Producer::create(std::string_view name, const ProducerOptions& o) {
+  const std::int64_t t0 = mono_ns();
+  std::string why = validate_name(name);
+  if (!why.empty()) throw Error(Errc::kBadName, why + ": '" + std::string(name) + "'");
+  Geometry g{};
+  why = compute_geometry(o.max_consumers, o.slots, o.slot_bytes, o.manifest_bytes, &g);
+  if (!why.empty()) throw Error(Errc::kInvalidArgument, why);
+  if (o.consumer_timeout.count() <= 0) throw Error(Errc::kInvalidArgument, "consumer_timeout must be positive");
+
+  const std::string dir = region_dir();
+  MappedFile file;
+  for (int attempt = 0;; ++attempt) {
+    try {
+      file = MappedFile::create(dir, name, g.total_bytes, o.group_access);
+      break;
+    } catch (const Error& e) {
+      if (e.code() != Errc::kExists || attempt > 0) throw;
+      const Alive a = existing_producer(dir, name);
+      if (a == Alive::kYes)
+        throw Error(Errc::kExists, "region '" + std::string(name) + "' in " + dir +
+                                       " belongs to a live producer: pick another name, or stop that producer");
+      if (!o.replace_stale)
+        throw Error(Errc::kExists, "region '" + std::string(name) + "' exists (its producer is gone); remove it with "
+                                   "`shmcast-inspect rm " + std::string(name) + "` or set replace_stale");
+      // The old producer is dead: take the name over. Attached consumers keep
+      // the old mapping, see the producer died, and reopen.
+      if (::unlink(region_path(name).c_str()) != 0 && errno != ENOENT)
+        throw Error(Errc::kPermission, "cannot replace stale region " + region_path(name) + ": " +
+                                           std::strerror(errno), errno);
+    }
+  }
+
+  auto impl = std::make_unique<Impl>();
+  impl->name = std::string(name);
+  impl->path = file.path();
+  impl->opts = o;
+  impl->checksums = o.checksums;
+  impl->view = RegionView(std::move(file), g);
+  if (lock_byte(impl->view.fd(), kProducerLockByte) != 0) {
+    ::unlink(impl->path.c_str());
+    throw Error(Errc::kSystem, "cannot take the producer lock on " + impl->path);
+  }
+  init_header(impl->view, o, o.checksums);
+  impl->ring.emplace(&impl->view, ProducerRingOptions{o.stall_policy, o.consumer_timeout.count()});
+  impl->engine = make_host_producer_engine();
+  impl->create_s = static_cast<double>(mono_ns() - t0) * 1e-9;
+  if (o.pin != Pin::kNo) {
+    impl->pin = cuda_pin(impl->view.file().data(), impl->view.file().size());
+    if (!impl->pin.pinned && o.pin == Pin::kYes)
+      throw Error(Errc::kCudaUnavailable, "cannot pin region '" + impl->name + "': " + impl->pin.why);
+  }
+  return Producer(std::move(impl));
+}
+
+void Producer::wait_for_consumers(std::uint32_t n, Duration timeout) {
+  impl_->require_open();
+  Header& h = impl_->view.header();
+  const std::int64_t deadline = mono_ns() + timeout.count();
+  for (;;) {
+    const std::uint32_t have = impl_->ring->live_consumers();
+    if (have >= n) return;
+    auto ready = [&] { return impl_->ring->live_consumers() >= n; };
+    if (wait_until(h.release, ready, deadline, kLivenessPollNs) == WaitResult::kTimeout)
+      throw Error(Errc::kTimeout, std::to_string(have) + " of " + std::to_string(n) + " consumers attached to '" +
+                                      impl_->name + "' before the timeout: are the consumers running, with the same "
+                                      "SHMCAST_DIR?");
+  }
+}
+
+std::uint32_t Producer::consumers() const {
+  impl_->require_open();
+  return impl_->ring->live_consumers();
+}
+
+std::uint64_t Producer::begin_sync(std::span<const TensorSpec> tensors) {
+  Impl& m = *impl_;
+  m.require_open();
+  if (m.in_sync) throw Error(Errc::kInvalidArgument, "begin_sync() while a sync is in progress: end_sync() it first");
+  std::unordered_set<std::string_view> names;
+  names.reserve(tensors.size());
+  for (std::size_t i = 0; i < tensors.size(); ++i) {
+    const std::string why = validate_spec(tensors[i]);
+    if (!why.empty()) throw Error(Errc::kInvalidArgument, "tensor " + std::to_string(i) + " ('" + tensors[i].name + "'): " + why);
+    if (!names.insert(tensors[i].name).second)
+      throw Error(Errc::kInvalidArgument, "tensor name '" + tensors[i].name + "' appears twice in one sync");
+  }
+  if (tensors.size() > 0xffffffffu) throw Error(Errc::kInvalidArgument, "too many tensors in one sync");
+  const std::uint64_t need = manifest_size(tensors);
+  if (need > m.view.geo().manifest_bytes)
+    throw Error(Errc::kInvalidArgument, "the manifest of " + std::to_string(tensors.size()) + " tensors needs " +
+                                            human_bytes(need) + " but the region holds " +
+                                            human_bytes(m.view.geo().manifest_bytes) +
+                                            ": create the producer with a larger manifest_bytes");
+  const std::uint64_t S = m.view.geo().slot_bytes;
+  m.specs.assign(tensors.begin(), tensors.end());
+  m.stream_bytes = pack(m.specs, S, &m.offsets, &m.payload_bytes);
+
+  // Nobody may still be reading the manifest area we are about to rewrite.
+  if (m.last_completed > 0) m.ring->wait_acks(m.last_completed);
+  m.sync_start_ns = mono_ns();
+  m.version = m.version + 1;
+  m.first_seq = m.next_seq;
+  m.chunks = chunk_count(m.stream_bytes, S);
+  const std::uint64_t used = encode_manifest(m.specs, m.offsets, m.version, m.stream_bytes, m.payload_bytes,
+                                             m.view.manifest(), m.view.geo().manifest_bytes);
+  RecordSnapshot rec{};
+  rec.version = m.version;
+  rec.first_seq = m.first_seq;
+  rec.chunks = m.chunks;
+  rec.stream_bytes = m.stream_bytes;
+  rec.manifest_used = used;
+  rec.manifest_hash = XXH3_64bits(m.view.manifest(), used);
+  m.view.header().error_code.store(0, std::memory_order_relaxed);
+  m.ring->enroll(m.version, m.first_seq);
+  m.ring->announce(rec);
+  m.in_sync = true;
+  m.next_tensor = 0;
+  m.acquired = m.published = 0;
+  return m.version;
+}
+
+void Producer::write(std::size_t index, const void* src) {
+  impl_->write_tensor(index, Buffer{const_cast<void*>(src), false, {}}, nullptr);
+}
+
+void Producer::write_strided(std::size_t index, const void* src, const Strided2D& layout) {
+  impl_->write_tensor(index, Buffer{const_cast<void*>(src), false, layout}, nullptr);
+}
+
+void Producer::write_device(std::size_t index, const void* src, void* stream) {
+  write_device_strided(index, src, Strided2D{}, stream);
+}
+
+void Producer::write_device_strided(std::size_t index, const void* src, const Strided2D& layout, void* stream) {
+  impl_->require_open();
+  if (!impl_->engine->is_cuda()) {
+    if (impl_->published != impl_->acquired)
+      throw Error(Errc::kInvalidArgument, "cannot switch to device writes in the middle of a slot");
+    impl_->engine = make_cuda_producer_engine();
+  }
+  impl_->write_tensor(index, Buffer{const_cast<void*>(src), true, layout}, stream);
+}
+
+void Producer::end_sync() {
+  Impl& m = *impl_;
+  m.require_open();
+  if (!m.in_sync) throw Error(Errc::kInvalidArgument, "end_sync() without begin_sync()");
+  if (m.next_tensor != m.specs.size())
+    throw Error(Errc::kInvalidArgument, "end_sync() before every tensor was written: next is '" +
+                                            m.specs[m.next_tensor].name + "' (index " +
+                                            std::to_string(m.next_tensor) + ")");
+  m.publish_below(m.chunks);
+  m.engine->drain();
+  m.next_seq = m.first_seq + m.chunks;
+  m.in_sync = false;
+  m.last_completed = m.version;
+  Header& h = m.view.header();
+  h.syncs_done.fetch_add(1, std::memory_order_relaxed);
+  h.bytes_done.fetch_add(m.payload_bytes, std::memory_order_relaxed);
+  h.last_sync_ns.store(static_cast<std::uint64_t>(mono_ns() - m.sync_start_ns), std::memory_order_relaxed);
+  h.last_end_unix_ns.store(static_cast<std::uint64_t>(unix_ns()), std::memory_order_relaxed);
+}
+
+void Producer::abort_sync(std::string_view why) {
+  impl_->require_open();
+  impl_->abort(why);
+}
+
+std::uint64_t Producer::send(std::span<const TensorSpec> tensors, std::span<const void* const> srcs) {
+  if (srcs.size() != tensors.size())
+    throw Error(Errc::kInvalidArgument, "send(): " + std::to_string(tensors.size()) + " tensors but " +
+                                            std::to_string(srcs.size()) + " sources");
+  const std::uint64_t v = begin_sync(tensors);
+  try {
+    for (std::size_t i = 0; i < tensors.size(); ++i) write(i, srcs[i]);
+    end_sync();
+  } catch (const Error& e) {
+    impl_->abort(e.what());
+    throw;
+  }
+  return v;
+}
+
+void Producer::wait_drained(Duration timeout) {
+  impl_->require_open();
+  if (impl_->in_sync) throw Error(Errc::kInvalidArgument, "wait_drained() during a sync");
+  impl_->ring->wait_released(impl_->next_seq - 1, mono_ns() + timeout.count());
+}
+
+std::vector<std::string> Producer::take_events() { return impl_->ring ? impl_->ring->take_events() : std::vector<std::string>{}; }
+const std::string& Producer::name() const { return impl_->name; }
+const std::string& Producer::path() const { return impl_->path; }
+std::uint64_t Producer::region_bytes() const { return impl_->view.geo().total_bytes; }
+std::uint64_t Producer::slot_bytes() const { return impl_->view.geo().slot_bytes; }
+std::uint32_t Producer::slots() const { return impl_->view.geo().slot_count; }
+std::uint64_t Producer::last_version() const { return impl_->version; }
+bool Producer::pinned() const { return impl_->pin.pinned; }
+double Producer::pin_seconds() const { return impl_->pin.seconds; }
+double Producer::create_seconds() const { return impl_->create_s; }
+void Producer::close() {
+  if (impl_) impl_->close_quietly();
+}
+
+}  // namespace shmcast

@@ -1,0 +1,54 @@
+// Layer 1: the named region. A file in the region directory ($SHMCAST_DIR or
+// /dev/shm), created O_EXCL with mode 0600 (0660 on request), fully
+// allocated with posix_fallocate before it is mapped, so that a full tmpfs
+// is an error at create time and never a SIGBUS later. Boost.Interprocess
+// owns the shm object and the mapping.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <string_view>
+
+namespace shmcast::detail {
+
+class MappedFile {
+ public:
+  // Creates `path` exclusively and maps `bytes` of it read-write. Throws
+  // shmcast::Error (kRegionFull with free vs needed bytes, kExists, ...).
+  static MappedFile create(const std::string& dir, std::string_view name, std::uint64_t bytes, bool group_access);
+  // Opens an existing region file. `writable` maps it read-write. Returns
+  // -errno style failures as shmcast::Error. The file size must be at least
+  // `min_bytes`; `size_out` gets the size seen by fstat.
+  static MappedFile open(const std::string& dir, std::string_view name, bool writable);
+
+  MappedFile();
+  MappedFile(MappedFile&&) noexcept;
+  MappedFile& operator=(MappedFile&&) noexcept;
+  ~MappedFile();
+
+  std::byte* data() const { return base_; }
+  std::uint64_t size() const { return size_; }
+  int fd() const;  // for OFD locks; valid while mapped
+  const std::string& path() const { return path_; }
+  std::uint64_t inode() const { return inode_; }
+
+  void unmap();
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+  std::byte* base_ = nullptr;
+  std::uint64_t size_ = 0;
+  std::uint64_t inode_ = 0;
+  std::string path_;
+};
+
+// Free bytes in the filesystem that holds `dir`, or -errno.
+std::int64_t free_bytes(const std::string& dir);
+
+// "1.0 GiB", "64 MiB"
+std::string human_bytes(std::uint64_t bytes);
+
+}  // namespace shmcast::detail

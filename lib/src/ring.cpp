@@ -1,0 +1,356 @@
+#include "ring.hpp"
+
+#include <atomic>
+#include <cstring>
+
+namespace shmcast::detail {
+
+std::uint32_t seat_state(std::uint64_t w) { return static_cast<std::uint32_t>(w & 0xffffffffu); }
+std::uint64_t seat_gen(std::uint64_t w) { return w >> 32; }
+std::uint64_t make_seat_word(std::uint64_t gen, std::uint32_t state) { return (gen << 32) | state; }
+
+bool read_record(const Header& h, RecordSnapshot* out) {
+  const SyncRecord& r = h.sync;
+  const std::uint32_t w1 = r.announce.word.load(std::memory_order_acquire);
+  if (w1 & 1u) return false;
+  RecordSnapshot s;
+  s.word = w1;
+  s.version = r.version.load(std::memory_order_relaxed);
+  s.first_seq = r.first_seq.load(std::memory_order_relaxed);
+  s.chunks = r.chunks.load(std::memory_order_relaxed);
+  s.stream_bytes = r.stream_bytes.load(std::memory_order_relaxed);
+  s.manifest_used = r.manifest_used.load(std::memory_order_relaxed);
+  s.manifest_hash = r.manifest_hash.load(std::memory_order_relaxed);
+  s.aborted = r.aborted.load(std::memory_order_relaxed) != 0;
+  std::atomic_thread_fence(std::memory_order_acquire);
+  if (r.announce.word.load(std::memory_order_relaxed) != w1) return false;
+  *out = s;
+  return true;
+}
+
+namespace {
+
+std::string seat_who(std::uint32_t i, const Seat& s) {
+  return "consumer seat " + std::to_string(i) + " (pid " +
+         std::to_string(s.consumer.pid.load(std::memory_order_relaxed)) + ")";
+}
+
+void copy_text(char* dst, const std::string& text) {
+  const std::size_t n = text.size() < kErrorTextBytes - 1 ? text.size() : kErrorTextBytes - 1;
+  std::memcpy(dst, text.data(), n);
+  dst[n] = 0;
+}
+
+}  // namespace
+
+// ================================================================ producer
+
+bool ProducerRing::enrolled(const Seat& s, std::uint64_t word) const {
+  return seat_state(word) == kSeatActive && s.included_gen.load(std::memory_order_acquire) == seat_gen(word);
+}
+
+std::uint32_t ProducerRing::enroll(std::uint64_t version, std::uint64_t first_seq) {
+  std::uint32_t n = 0;
+  for (std::uint32_t i = 0; i < v_->geo().max_consumers; ++i) {
+    Seat& s = v_->seat(i);
+    const std::uint64_t w = s.word.load(std::memory_order_acquire);
+    if (seat_state(w) != kSeatActive) continue;
+    if (lock_held(v_->fd(), seat_lock_byte(i)) == Alive::kNo) {
+      evict(i, w, Errc::kPeerDied, seat_who(i, s) + " died; its seat was released");
+      continue;
+    }
+    if (s.included_gen.load(std::memory_order_acquire) != seat_gen(w)) {
+      s.first_seq.store(first_seq, std::memory_order_relaxed);
+      s.first_version.store(version, std::memory_order_relaxed);
+      s.evict_reason.store(0, std::memory_order_relaxed);
+      s.included_gen.store(seat_gen(w), std::memory_order_release);
+    }
+    ++n;
+  }
+  return n;
+}
+
+std::uint32_t ProducerRing::live_consumers() const {
+  std::uint32_t n = 0;
+  for (std::uint32_t i = 0; i < v_->geo().max_consumers; ++i) {
+    const std::uint64_t w = v_->seat(i).word.load(std::memory_order_acquire);
+    if (seat_state(w) == kSeatActive && lock_held(v_->fd(), seat_lock_byte(i)) != Alive::kNo) ++n;
+  }
+  return n;
+}
+
+void ProducerRing::evict(std::uint32_t i, std::uint64_t word, Errc reason, const std::string& why) {
+  Seat& s = v_->seat(i);
+  s.evict_reason.store(static_cast<std::uint32_t>(reason), std::memory_order_relaxed);
+  std::uint64_t expect = word;
+  if (s.word.compare_exchange_strong(expect, make_seat_word(seat_gen(word), kSeatEvicted), std::memory_order_acq_rel)) {
+    v_->header().evictions.fetch_add(1, std::memory_order_relaxed);
+    events_.push_back(why);
+    // An evicted consumer that is still alive learns of it on its next wait.
+    ring(v_->header().sync.announce);
+    ring(v_->header().publish);
+  }
+}
+
+int ProducerRing::blocker(const std::function<bool(const Seat&)>& done) const {
+  for (std::uint32_t i = 0; i < v_->geo().max_consumers; ++i) {
+    const Seat& s = v_->seat(i);
+    const std::uint64_t w = s.word.load(std::memory_order_acquire);
+    if (!enrolled(s, w)) continue;
+    if (!done(s)) return static_cast<int>(i);
+  }
+  return -1;
+}
+
+void ProducerRing::wait_for(const std::function<bool(const Seat&)>& done, const char* what,
+                            std::int64_t deadline_ns) {
+  Header& h = v_->header();
+  for (;;) {
+    auto ready = [&] { return blocker(done) < 0; };
+    const WaitResult r = wait_until(h.release, ready, deadline_ns, kLivenessPollNs);
+    if (r == WaitResult::kReady) return;
+    // Some seat holds us up: dead ones are evicted, live ones get until the deadline.
+    const int b = blocker(done);
+    if (b < 0) return;
+    const std::uint32_t i = static_cast<std::uint32_t>(b);
+    Seat& s = v_->seat(i);
+    const std::uint64_t w = s.word.load(std::memory_order_acquire);
+    if (lock_held(v_->fd(), seat_lock_byte(i)) == Alive::kNo) {
+      evict(i, w, Errc::kPeerDied, seat_who(i, s) + " died while the producer waited for it to " + what +
+                                       "; its seat was released and the sync goes on without it");
+      continue;
+    }
+    if (r == WaitResult::kTimeout) {
+      const std::string why = seat_who(i, s) + " is alive but did not " + what + " within " +
+                              std::to_string(opts_.consumer_timeout_ns / 1000000) + " ms";
+      if (opts_.stall_policy == StallPolicy::kEvict) {
+        evict(i, w, Errc::kTimeout, why + "; it was evicted (StallPolicy::kEvict)");
+        continue;
+      }
+      throw Error(Errc::kTimeout, why + ": is it stopped or stuck? Raise consumer_timeout, or use "
+                                        "StallPolicy::kEvict to drop stalled consumers");
+    }
+  }
+}
+
+void ProducerRing::wait_acks(std::uint64_t version) {
+  auto done = [version](const Seat& s) {
+    return s.first_version.load(std::memory_order_relaxed) > version ||
+           s.acked_version.load(std::memory_order_acquire) >= version;
+  };
+  wait_for(done, "read the manifest", mono_ns() + opts_.consumer_timeout_ns);
+}
+
+void ProducerRing::wait_released(std::uint64_t seq, std::int64_t deadline_ns) {
+  if (seq == 0) return;
+  auto done = [seq](const Seat& s) {
+    return s.first_seq.load(std::memory_order_relaxed) > seq || s.released_seq.load(std::memory_order_acquire) >= seq;
+  };
+  wait_for(done, "release its slots", deadline_ns);
+}
+
+void ProducerRing::acquire(std::uint64_t seq) {
+  const std::uint64_t k = v_->geo().slot_count;
+  if (seq <= k) return;
+  wait_released(seq - k, mono_ns() + opts_.consumer_timeout_ns);
+}
+
+void ProducerRing::begin_fill(std::uint64_t seq) {
+  SlotDesc& d = v_->slot(v_->slot_of(seq));
+  d.seq.store(0, std::memory_order_relaxed);
+  // Readers that copied this slot re-check seq afterwards (ConsumerRing::
+  // still_valid); the fence orders the store before the data writes.
+  std::atomic_thread_fence(std::memory_order_seq_cst);
+}
+
+void ProducerRing::publish(std::uint64_t seq, std::uint64_t version, std::uint64_t bytes, std::uint64_t checksum) {
+  SlotDesc& d = v_->slot(v_->slot_of(seq));
+  d.version.store(version, std::memory_order_relaxed);
+  d.bytes.store(bytes, std::memory_order_relaxed);
+  d.checksum.store(checksum, std::memory_order_relaxed);
+  d.seq.store(seq, std::memory_order_release);
+  Header& h = v_->header();
+  h.published_seq.store(seq, std::memory_order_release);
+  ring(h.publish);
+}
+
+void ProducerRing::announce(const RecordSnapshot& rec) {
+  Header& h = v_->header();
+  SyncRecord& r = h.sync;
+  const std::uint32_t w = r.announce.word.load(std::memory_order_relaxed);
+  r.announce.word.store(w | 1u, std::memory_order_relaxed);  // odd: writing
+  std::atomic_thread_fence(std::memory_order_release);
+  r.version.store(rec.version, std::memory_order_relaxed);
+  r.first_seq.store(rec.first_seq, std::memory_order_relaxed);
+  r.chunks.store(rec.chunks, std::memory_order_relaxed);
+  r.stream_bytes.store(rec.stream_bytes, std::memory_order_relaxed);
+  r.manifest_used.store(rec.manifest_used, std::memory_order_relaxed);
+  r.manifest_hash.store(rec.manifest_hash, std::memory_order_relaxed);
+  r.aborted.store(0, std::memory_order_relaxed);
+  // Even again (+1 from odd): ring() bumps the word and wakes sleepers.
+  ring(r.announce);
+}
+
+void ProducerRing::abort(std::uint64_t version) {
+  Header& h = v_->header();
+  if (h.sync.version.load(std::memory_order_relaxed) != version) return;
+  h.sync.aborted.store(1, std::memory_order_release);
+  // Keep the seqlock word even: bump by two.
+  h.sync.announce.word.fetch_add(1, std::memory_order_seq_cst);
+  ring(h.sync.announce);
+  ring(h.publish);
+}
+
+// ================================================================ consumer
+
+void ConsumerRing::claim() {
+  const SelfIdentity me = self_identity();
+  for (std::uint32_t i = 0; i < v_->geo().max_consumers; ++i) {
+    const int rc = lock_byte(v_->fd(), seat_lock_byte(i));
+    if (rc == -EAGAIN) continue;  // a live consumer holds it
+    if (rc != 0) throw Error(Errc::kSystem, std::string("cannot lock a consumer seat: ") + std::strerror(-rc), -rc);
+    // The lock is ours, so whoever had this seat is gone: take it over.
+    Seat& s = v_->seat(i);
+    const std::uint64_t old = s.word.load(std::memory_order_acquire);
+    gen_ = seat_gen(old) + 1;
+    s.released_seq.store(0, std::memory_order_relaxed);
+    s.acked_version.store(0, std::memory_order_relaxed);
+    s.syncs_done.store(0, std::memory_order_relaxed);
+    s.bytes_done.store(0, std::memory_order_relaxed);
+    s.error_code.store(0, std::memory_order_relaxed);
+    s.error_text[0] = 0;
+    s.attach_unix_ns.store(static_cast<std::uint64_t>(unix_ns()), std::memory_order_relaxed);
+    write_identity(s.consumer, me);
+    s.word.store(make_seat_word(gen_, kSeatActive), std::memory_order_seq_cst);
+    seat_ = static_cast<int>(i);
+    ring(v_->header().release);
+    return;
+  }
+  throw Error(Errc::kNoSeat, "all " + std::to_string(v_->geo().max_consumers) +
+                                 " consumer seats of the region are held by live consumers: close one, or "
+                                 "create the region with a larger max_consumers");
+}
+
+void ConsumerRing::leave() {
+  if (seat_ < 0) return;
+  Seat& s = v_->seat(static_cast<std::uint32_t>(seat_));
+  std::uint64_t w = s.word.load(std::memory_order_acquire);
+  while (seat_gen(w) == gen_ && seat_state(w) != kSeatFree) {
+    if (s.word.compare_exchange_weak(w, make_seat_word(gen_, kSeatFree), std::memory_order_acq_rel)) break;
+  }
+  unlock_byte(v_->fd(), seat_lock_byte(static_cast<std::uint32_t>(seat_)));
+  ring(v_->header().release);
+  seat_ = -1;
+}
+
+void ConsumerRing::check_seat() const {
+  const Seat& s = v_->seat(static_cast<std::uint32_t>(seat_));
+  const std::uint64_t w = s.word.load(std::memory_order_acquire);
+  if (seat_gen(w) == gen_ && seat_state(w) == kSeatActive) return;
+  const Errc why = static_cast<Errc>(s.evict_reason.load(std::memory_order_relaxed));
+  throw Error(Errc::kEvicted, std::string("the producer evicted this consumer (") +
+                                  (why == Errc::kTimeout ? "it stalled past the producer's consumer_timeout" : "seat lost") +
+                                  "): open the region again to resume with the next sync");
+}
+
+void ConsumerRing::check_producer(bool allow_closed) const {
+  const Header& h = v_->header();
+  if (!allow_closed && h.init_state.load(std::memory_order_acquire) == kInitClosed)
+    throw Error(Errc::kClosed, "the producer closed the region: no more syncs will come");
+  if (peer_alive(v_->fd(), kProducerLockByte, h.producer) == Alive::kNo) {
+    if (h.init_state.load(std::memory_order_acquire) == kInitClosed && allow_closed) return;
+    throw Error(Errc::kPeerDied, "the producer (pid " + std::to_string(h.producer.pid.load()) +
+                                     ") died: wait for it to restart and open the region again");
+  }
+}
+
+RecordSnapshot ConsumerRing::wait_announce(std::uint64_t after_version, std::int64_t deadline_ns) {
+  Header& h = v_->header();
+  Seat& s = v_->seat(static_cast<std::uint32_t>(seat_));
+  std::uint32_t seen = 1;  // odd: never equal to a stable word, so look at once
+  RecordSnapshot rec{};
+  for (;;) {
+    auto ready = [&] {
+      const std::uint32_t w = h.sync.announce.word.load(std::memory_order_acquire);
+      return ((w & 1u) == 0 && w != seen) || h.init_state.load(std::memory_order_acquire) == kInitClosed ||
+             seat_state(s.word.load(std::memory_order_acquire)) != kSeatActive;
+    };
+    const WaitResult r = wait_until(h.sync.announce, ready, deadline_ns, kLivenessPollNs);
+    check_seat();
+    if (r == WaitResult::kReady && read_record(h, &rec)) {
+      seen = rec.word;
+      if (rec.version > after_version && !rec.aborted && s.included_gen.load(std::memory_order_acquire) == gen_ &&
+          s.first_version.load(std::memory_order_relaxed) <= rec.version)
+        return rec;
+    }
+    check_producer(false);
+    if (r == WaitResult::kTimeout || mono_ns() >= deadline_ns)
+      throw Error(Errc::kTimeout, "no sync arrived within the timeout; the producer (pid " +
+                                      std::to_string(h.producer.pid.load()) + ") is alive but has not sent one");
+  }
+}
+
+void ConsumerRing::ack(std::uint64_t version) {
+  v_->seat(static_cast<std::uint32_t>(seat_)).acked_version.store(version, std::memory_order_release);
+  ring(v_->header().release);
+}
+
+std::uint32_t ConsumerRing::wait_chunk(std::uint64_t seq, std::uint64_t version, std::uint64_t expect_bytes,
+                                       std::int64_t deadline_ns) {
+  Header& h = v_->header();
+  auto ready = [&] {
+    return h.published_seq.load(std::memory_order_acquire) >= seq ||
+           h.sync.aborted.load(std::memory_order_acquire) != 0 ||
+           seat_state(v_->seat(static_cast<std::uint32_t>(seat_)).word.load(std::memory_order_acquire)) != kSeatActive;
+  };
+  for (;;) {
+    const WaitResult r = wait_until(h.publish, ready, deadline_ns, kLivenessPollNs);
+    check_seat();
+    if (h.published_seq.load(std::memory_order_acquire) >= seq) break;
+    if (h.sync.aborted.load(std::memory_order_acquire) != 0 && h.sync.version.load() == version) {
+      throw Error(Errc::kAborted, std::string("the producer aborted sync ") + std::to_string(version) + ": " +
+                                      std::string(h.error_text, strnlen(h.error_text, kErrorTextBytes)));
+    }
+    check_producer(true);
+    if (h.init_state.load(std::memory_order_acquire) == kInitClosed)
+      throw Error(Errc::kClosed, "the producer closed the region in the middle of sync " + std::to_string(version));
+    if (r == WaitResult::kTimeout)
+      throw Error(Errc::kTimeout, "chunk " + std::to_string(seq) + " of sync " + std::to_string(version) +
+                                      " did not arrive in time; the producer is alive but stalled");
+  }
+  const std::uint32_t k = v_->slot_of(seq);
+  const SlotDesc& d = v_->slot(k);
+  const std::uint64_t got = d.seq.load(std::memory_order_acquire);
+  if (got != seq) {
+    check_seat();
+    throw Error(Errc::kCorrupt, "slot " + std::to_string(k) + " holds chunk " + std::to_string(got) + ", expected " +
+                                    std::to_string(seq) + ": the region is corrupt or was overwritten");
+  }
+  if (d.version.load(std::memory_order_relaxed) != version || d.bytes.load(std::memory_order_relaxed) != expect_bytes)
+    throw Error(Errc::kCorrupt, "slot " + std::to_string(k) + " descriptor disagrees with the manifest (version " +
+                                    std::to_string(d.version.load()) + ", " + std::to_string(d.bytes.load()) +
+                                    " bytes; expected " + std::to_string(version) + ", " +
+                                    std::to_string(expect_bytes) + ")");
+  return k;
+}
+
+bool ConsumerRing::still_valid(std::uint32_t slot, std::uint64_t seq) const {
+  std::atomic_thread_fence(std::memory_order_seq_cst);
+  if (v_->slot(slot).seq.load(std::memory_order_acquire) != seq) return false;
+  const std::uint64_t w = v_->seat(static_cast<std::uint32_t>(seat_)).word.load(std::memory_order_acquire);
+  return seat_gen(w) == gen_ && seat_state(w) == kSeatActive;
+}
+
+void ConsumerRing::release(std::uint64_t seq) {
+  v_->seat(static_cast<std::uint32_t>(seat_)).released_seq.store(seq, std::memory_order_release);
+  ring(v_->header().release);
+}
+
+void ConsumerRing::set_error(Errc code, const std::string& text) {
+  if (seat_ < 0) return;
+  Seat& s = v_->seat(static_cast<std::uint32_t>(seat_));
+  copy_text(s.error_text, text);
+  s.error_code.store(static_cast<std::uint32_t>(code), std::memory_order_release);
+}
+
+}  // namespace shmcast::detail
