@@ -1,0 +1,137 @@
+// Helpers shared by the test tiers: unique region names, forked children
+// with a deadline, deterministic random tensors.
+#pragma once
+
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "shmcast/shmcast.hpp"
+
+namespace shmcast_test {
+
+inline std::string unique_name(const std::string& tag) {
+  static int n = 0;
+  return "t-" + tag + "-" + std::to_string(::getpid()) + "-" + std::to_string(n++);
+}
+
+// Removes the region on scope exit, whatever happened.
+struct RegionGuard {
+  std::string name;
+  ~RegionGuard() {
+    try {
+      shmcast::unlink_region(name);
+    } catch (...) {
+    }
+  }
+};
+
+// A forked child running fn(); its exit code is fn's return value, 99 when
+// it threw. Child processes never return into gtest.
+struct Child {
+  pid_t pid = -1;
+  int status = -1;
+  bool waited = false;
+
+  static Child spawn(const std::function<int()>& fn) {
+    Child c;
+    c.pid = ::fork();
+    if (c.pid == 0) {
+      int rc = 98;
+      try {
+        rc = fn();
+      } catch (const std::exception& e) {
+        std::fprintf(stderr, "child %d: %s\n", ::getpid(), e.what());
+        rc = 99;
+      }
+      std::fflush(stderr);
+      ::_exit(rc);
+    }
+    return c;
+  }
+  // Exit code, or 128+signal; -1 if it did not end by the deadline (then it is killed).
+  int wait(std::chrono::milliseconds timeout = std::chrono::seconds(30)) {
+    if (waited) return decode();
+    const auto end = std::chrono::steady_clock::now() + timeout;
+    while (std::chrono::steady_clock::now() < end) {
+      pid_t r = ::waitpid(pid, &status, WNOHANG);
+      if (r == pid) {
+        waited = true;
+        return decode();
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    }
+    ::kill(pid, SIGKILL);
+    ::waitpid(pid, &status, 0);
+    waited = true;
+    return -1;
+  }
+  void kill9() { ::kill(pid, SIGKILL); }
+  ~Child() {
+    if (pid > 0 && !waited) {
+      ::kill(pid, SIGKILL);
+      ::waitpid(pid, &status, 0);
+    }
+  }
+  int decode() const {
+    if (WIFEXITED(status)) return WEXITSTATUS(status);
+    if (WIFSIGNALED(status)) return 128 + WTERMSIG(status);
+    return -2;
+  }
+};
+
+// Deterministic bytes for tensor i of sync `version` (so both sides can
+// generate and compare without talking).
+inline void fill_pattern(std::uint8_t* p, std::size_t n, std::uint64_t seed) {
+  std::uint64_t x = seed * 0x9E3779B97F4A7C15ull + 1;
+  std::size_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    x ^= x << 13;
+    x ^= x >> 7;
+    x ^= x << 17;
+    std::memcpy(p + i, &x, 8);
+  }
+  for (; i < n; ++i) p[i] = static_cast<std::uint8_t>(x >> (8 * (i % 8)));
+}
+
+inline std::vector<shmcast::TensorSpec> random_manifest(std::uint64_t seed, std::uint64_t slot_bytes, int count) {
+  std::mt19937_64 rng(seed);
+  std::vector<shmcast::TensorSpec> v;
+  const shmcast::DType types[] = {shmcast::DType::kBF16, shmcast::DType::kF32, shmcast::DType::kU8,
+                                  shmcast::DType::kI64, shmcast::DType::kBool};
+  for (int i = 0; i < count; ++i) {
+    shmcast::TensorSpec s;
+    s.name = "layer." + std::to_string(i) + ".w";
+    s.dtype = types[rng() % 5];
+    const std::size_t es = shmcast::dtype_size(s.dtype);
+    std::uint64_t bytes;
+    switch (rng() % 6) {
+      case 0: bytes = 0; break;
+      case 1: bytes = rng() % 64; break;
+      case 2: bytes = rng() % 4096; break;
+      case 3: bytes = rng() % slot_bytes; break;
+      case 4: bytes = slot_bytes + rng() % (2 * slot_bytes); break;
+      default: bytes = rng() % (slot_bytes / 4); break;
+    }
+    const std::uint64_t elems = bytes / es;
+    if (elems % 2 == 0 && elems > 0)
+      s.shape = {2, static_cast<std::int64_t>(elems / 2)};
+    else
+      s.shape = {static_cast<std::int64_t>(elems)};
+    v.push_back(s);
+  }
+  return v;
+}
+
+inline std::uint64_t seed_of(std::uint64_t version, std::size_t i) { return version * 1000003ull + i; }
+
+}  // namespace shmcast_test
