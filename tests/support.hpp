@@ -3,9 +3,11 @@
 #pragma once
 
 #include <signal.h>
+#include <sys/mman.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <cstring>
@@ -133,5 +135,52 @@ inline std::vector<shmcast::TensorSpec> random_manifest(std::uint64_t seed, std:
 }
 
 inline std::uint64_t seed_of(std::uint64_t version, std::size_t i) { return version * 1000003ull + i; }
+
+}  // namespace shmcast_test
+
+namespace shmcast_test {
+
+// Flags in shared anonymous memory, visible across fork().
+struct SharedFlags {
+  std::atomic<int> v[16];
+  static SharedFlags* make() {
+    void* m = ::mmap(nullptr, sizeof(SharedFlags), PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+    return new (m) SharedFlags{};
+  }
+  bool wait(int i, int value, std::chrono::milliseconds timeout = std::chrono::seconds(20)) {
+    const auto end = std::chrono::steady_clock::now() + timeout;
+    while (v[i].load() != value) {
+      if (std::chrono::steady_clock::now() > end) return false;
+      std::this_thread::sleep_for(std::chrono::microseconds(200));
+    }
+    return true;
+  }
+};
+
+// One sync of `count` tensors of `bytes` each, patterned by seed_of(version, i).
+struct PatternSync {
+  std::vector<shmcast::TensorSpec> specs;
+  std::vector<std::vector<std::uint8_t>> data;
+  std::vector<const void*> ptrs;
+  PatternSync(int count, std::uint64_t bytes, std::uint64_t version) {
+    for (int i = 0; i < count; ++i) {
+      specs.push_back({"t" + std::to_string(i), shmcast::DType::kU8, {static_cast<std::int64_t>(bytes)}});
+      data.emplace_back(bytes);
+      fill_pattern(data.back().data(), bytes, seed_of(version, static_cast<std::size_t>(i)));
+      ptrs.push_back(data.back().data());
+    }
+  }
+};
+
+inline bool check_pattern(const std::vector<std::vector<std::uint8_t>>& got, std::uint64_t version) {
+  for (std::size_t i = 0; i < got.size(); ++i) {
+    std::vector<std::uint8_t> want(got[i].size());
+    fill_pattern(want.data(), want.size(), seed_of(version, i));
+    if (want != got[i]) return false;
+  }
+  return true;
+}
+
+inline int errc_exit(const shmcast::Error& e) { return 20 + static_cast<int>(e.code()); }
 
 }  // namespace shmcast_test

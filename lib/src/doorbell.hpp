@@ -35,6 +35,9 @@ std::int64_t spin_ns() noexcept;
 
 enum class WaitResult { kReady, kTimeout, kCheck };
 
+// check_every_ns for a wait that needs no liveness checkpoints.
+inline constexpr std::int64_t kCheckNever = std::int64_t{1} << 60;
+
 // Waits on `bell` until ready() is true or `deadline_ns` passes. Returns
 // kCheck every `check_every_ns` so the caller can check its peer's liveness
 // without waiting for the whole deadline. The condition is re-checked after

@@ -1,1 +1,435 @@
+// Peers that join late, die, stall or restart; regions that are corrupt.
+// Every test forks real processes; no test asserts how long anything takes,
+// only that nothing hangs (Child::wait has a deadline) and errors are typed.
+#include <fcntl.h>
 #include <gtest/gtest.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+
+#include "layout.hpp"
+#include "support.hpp"
+
+using namespace shmcast;
+using namespace shmcast_test;
+using namespace std::chrono_literals;
+
+namespace {
+
+constexpr std::uint64_t kSlot = 2ull << 20;
+
+ProducerOptions opts(std::chrono::milliseconds consumer_timeout = 20000ms, StallPolicy policy = StallPolicy::kFail) {
+  ProducerOptions o;
+  o.slot_bytes = kSlot;
+  o.slots = 2;
+  o.max_consumers = 4;
+  o.pin = Pin::kNo;
+  o.consumer_timeout = consumer_timeout;
+  o.stall_policy = policy;
+  return o;
+}
+
+ConsumerOptions copts(std::chrono::milliseconds open_timeout = 20000ms) {
+  ConsumerOptions c;
+  c.pin = Pin::kNo;
+  c.open_timeout = open_timeout;
+  c.chunk_timeout = 20s;
+  return c;
+}
+
+// Receives one sync into vectors; returns 0 when it matches the pattern.
+int receive_checked(Consumer& c, std::uint64_t* version_out = nullptr) {
+  const SyncInfo& info = c.wait_sync(20s);
+  std::vector<std::vector<std::uint8_t>> got;
+  std::vector<void*> dst;
+  for (const auto& t : info.tensors) got.emplace_back(t.nbytes, 0xEE);
+  for (auto& g : got) dst.push_back(g.data());
+  c.read_into(dst);
+  if (version_out) *version_out = info.version;
+  return check_pattern(got, info.version) ? 0 : 12;
+}
+
+void corrupt_file(const std::string& path, std::size_t offset, const void* bytes, std::size_t n) {
+  int fd = ::open(path.c_str(), O_RDWR);
+  ASSERT_GE(fd, 0);
+  ASSERT_EQ(::pwrite(fd, bytes, n, static_cast<off_t>(offset)), static_cast<ssize_t>(n));
+  ::close(fd);
+}
+
+}  // namespace
+
+TEST(Liveness, ConsumerAttachingMidStreamStartsWithTheNextSync) {
+  const std::string name = unique_name("mid");
+  RegionGuard g{name};
+  SharedFlags* f = SharedFlags::make();
+  Child prod = Child::spawn([&] {
+    Producer p = Producer::create(name, opts());
+    p.wait_for_consumers(1, 20s);
+    for (std::uint64_t v = 1; v <= 40; ++v) {
+      PatternSync s(3, 300000, v);
+      p.send(s.specs, s.ptrs);
+      f->v[0].store(static_cast<int>(v));
+      if (v == 5) f->wait(1, 1);  // late consumer attached
+    }
+    p.wait_drained(20s);
+    return 0;
+  });
+  Child early = Child::spawn([&] {
+    Consumer c = Consumer::open(name, copts());
+    for (int i = 0; i < 40; ++i)
+      if (int rc = receive_checked(c)) return rc;
+    return 0;
+  });
+  ASSERT_TRUE(f->wait(0, 5));
+  Child late = Child::spawn([&] {
+    Consumer c = Consumer::open(name, copts());
+    f->v[1].store(1);
+    std::uint64_t v = 0;
+    for (int i = 0; i < 5; ++i)
+      if (int rc = receive_checked(c, &v)) return rc;
+    return v > 5 ? 0 : 13;  // never saw a sync that began before it attached
+  });
+  EXPECT_EQ(late.wait(), 0);
+  EXPECT_EQ(early.wait(), 0);
+  EXPECT_EQ(prod.wait(), 0);
+}
+
+TEST(Liveness, ProducerKilledMidSyncGivesPeerDied) {
+  const std::string name = unique_name("pkill");
+  RegionGuard g{name};
+  SharedFlags* f = SharedFlags::make();
+  Child prod = Child::spawn([&] {
+    Producer p = Producer::create(name, opts());
+    p.wait_for_consumers(1, 20s);
+    PatternSync s(5, kSlot, 1);  // 5 slots' worth through 2 slots: blocks mid-sync
+    p.send(s.specs, s.ptrs);
+    return 0;
+  });
+  Child cons = Child::spawn([&] {
+    Consumer c = Consumer::open(name, copts());
+    c.wait_sync(20s);
+    try {
+      c.visit([&](const Piece&) {
+        if (f->v[0].exchange(1) == 0) f->wait(1, 1);  // hold the first slot until the producer is dead
+      });
+    } catch (const Error& e) {
+      return errc_exit(e);
+    }
+    return 0;
+  });
+  ASSERT_TRUE(f->wait(0, 1));
+  prod.kill9();
+  EXPECT_EQ(prod.wait(), 128 + SIGKILL);
+  f->v[1].store(1);
+  EXPECT_EQ(cons.wait(), 20 + static_cast<int>(Errc::kPeerDied));
+}
+
+TEST(Liveness, ConsumerKilledMidSyncIsEvictedAndOthersFinish) {
+  const std::string name = unique_name("ckill");
+  RegionGuard g{name};
+  SharedFlags* f = SharedFlags::make();
+  Child prod = Child::spawn([&] {
+    Producer p = Producer::create(name, opts());
+    p.wait_for_consumers(2, 20s);
+    for (std::uint64_t v = 1; v <= 2; ++v) {
+      PatternSync s(5, kSlot, v);
+      p.send(s.specs, s.ptrs);
+    }
+    const auto events = p.take_events();
+    if (events.empty()) return 14;
+    return events[0].find("died") != std::string::npos ? 0 : 15;
+  });
+  Child victim = Child::spawn([&] {
+    Consumer c = Consumer::open(name, copts());
+    c.wait_sync(20s);
+    c.visit([&](const Piece&) {
+      f->v[0].store(1);
+      ::pause();  // killed here, holding a slot
+    });
+    return 16;
+  });
+  Child survivor = Child::spawn([&] {
+    Consumer c = Consumer::open(name, copts());
+    for (int i = 0; i < 2; ++i)
+      if (int rc = receive_checked(c)) return rc;
+    return 0;
+  });
+  ASSERT_TRUE(f->wait(0, 1));
+  victim.kill9();
+  EXPECT_EQ(victim.wait(), 128 + SIGKILL);
+  EXPECT_EQ(survivor.wait(), 0);
+  EXPECT_EQ(prod.wait(), 0);
+}
+
+TEST(Liveness, StalledConsumerFailsTheSyncWithTimeout) {
+  const std::string name = unique_name("stall");
+  RegionGuard g{name};
+  SharedFlags* f = SharedFlags::make();
+  Child prod = Child::spawn([&] {
+    Producer p = Producer::create(name, opts(300ms, StallPolicy::kFail));
+    p.wait_for_consumers(1, 20s);
+    PatternSync s(5, kSlot, 1);
+    try {
+      p.send(s.specs, s.ptrs);
+    } catch (const Error& e) {
+      return errc_exit(e);
+    }
+    return 0;
+  });
+  Child cons = Child::spawn([&] {
+    Consumer c = Consumer::open(name, copts());
+    c.wait_sync(20s);
+    try {
+      c.visit([&](const Piece&) {
+        if (f->v[0].exchange(1) == 0) ::raise(SIGSTOP);
+      });
+    } catch (const Error& e) {
+      return errc_exit(e);
+    }
+    return 0;
+  });
+  ASSERT_TRUE(f->wait(0, 1));
+  EXPECT_EQ(prod.wait(), 20 + static_cast<int>(Errc::kTimeout));
+  ::kill(cons.pid, SIGCONT);
+  // The producer aborted the sync when it failed: the consumer learns that.
+  EXPECT_EQ(cons.wait(), 20 + static_cast<int>(Errc::kAborted));
+}
+
+TEST(Liveness, StalledConsumerIsEvictedUnderEvictPolicy) {
+  const std::string name = unique_name("evict");
+  RegionGuard g{name};
+  SharedFlags* f = SharedFlags::make();
+  Child prod = Child::spawn([&] {
+    Producer p = Producer::create(name, opts(300ms, StallPolicy::kEvict));
+    p.wait_for_consumers(1, 20s);
+    PatternSync s(5, kSlot, 1);
+    p.send(s.specs, s.ptrs);
+    f->v[1].store(1);
+    return p.take_events().empty() ? 17 : 0;
+  });
+  Child cons = Child::spawn([&] {
+    Consumer c = Consumer::open(name, copts());
+    c.wait_sync(20s);
+    try {
+      c.visit([&](const Piece&) {
+        if (f->v[0].exchange(1) == 0) ::raise(SIGSTOP);
+      });
+    } catch (const Error& e) {
+      return errc_exit(e);
+    }
+    return 0;
+  });
+  ASSERT_TRUE(f->wait(0, 1));
+  EXPECT_EQ(prod.wait(), 0);
+  ::kill(cons.pid, SIGCONT);
+  const int rc = cons.wait();
+  // Evicted, or (if it noticed the overwrite first) a refusal to deliver the bytes.
+  EXPECT_TRUE(rc == 20 + static_cast<int>(Errc::kEvicted) || rc == 20 + static_cast<int>(Errc::kCorrupt)) << rc;
+}
+
+TEST(Liveness, ConsumerReattachesAfterProducerRestart) {
+  const std::string name = unique_name("restart");
+  RegionGuard g{name};
+  SharedFlags* f = SharedFlags::make();
+  Child first = Child::spawn([&] {
+    Producer p = Producer::create(name, opts());
+    p.wait_for_consumers(1, 20s);
+    PatternSync s(2, 1000, 1);
+    p.send(s.specs, s.ptrs);
+    f->v[0].store(1);
+    ::pause();
+    return 0;
+  });
+  Child cons = Child::spawn([&] {
+    Consumer c = Consumer::open(name, copts());
+    if (int rc = receive_checked(c)) return rc;
+    try {
+      c.wait_sync(20s);
+      return 18;
+    } catch (const Error& e) {
+      if (e.code() != Errc::kPeerDied) return errc_exit(e);
+    }
+    f->v[1].store(1);
+    c = Consumer::open(name, copts());  // waits for the new producer
+    std::uint64_t v = 0;
+    if (int rc = receive_checked(c, &v)) return rc;
+    return v == 1 ? 0 : 19;
+  });
+  ASSERT_TRUE(f->wait(0, 1));
+  first.kill9();
+  first.wait();
+  ASSERT_TRUE(f->wait(1, 1));
+  Child second = Child::spawn([&] {
+    Producer p = Producer::create(name, opts());  // replaces the stale region
+    p.wait_for_consumers(1, 20s);
+    PatternSync s(2, 1000, 1);
+    p.send(s.specs, s.ptrs);
+    p.wait_drained(20s);
+    return 0;
+  });
+  EXPECT_EQ(cons.wait(), 0);
+  EXPECT_EQ(second.wait(), 0);
+}
+
+TEST(Liveness, OpeningARegionWhoseProducerIsDeadTimesOutWithPeerDied) {
+  const std::string name = unique_name("stale");
+  RegionGuard g{name};
+  Child dead = Child::spawn([&] {
+    Producer p = Producer::create(name, opts());
+    ::pause();
+    return 0;
+  });
+  ConsumerOptions co = copts(20000ms);
+  // Wait for the region, then kill its producer without letting it unlink.
+  for (int i = 0; i < 2000 && ::access(region_path(name).c_str(), F_OK) != 0; ++i) ::usleep(1000);
+  ::usleep(50000);
+  dead.kill9();
+  dead.wait();
+  co.open_timeout = 200ms;
+  try {
+    Consumer::open(name, co);
+    FAIL() << "no error";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), Errc::kPeerDied) << e.what();
+  }
+}
+
+TEST(Liveness, ClosedProducerGivesClosed) {
+  const std::string name = unique_name("closed");
+  RegionGuard g{name};
+  Producer p = Producer::create(name, opts());
+  Consumer c = Consumer::open(name, copts());
+  p.close();
+  try {
+    c.wait_sync(5s);
+    FAIL() << "no error";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), Errc::kClosed);
+  }
+}
+
+TEST(Corruption, BadMagicIsCorrupt) {
+  const std::string name = unique_name("magic");
+  RegionGuard g{name};
+  Producer p = Producer::create(name, opts());
+  const std::uint64_t junk = 0x4141414141414141ull;
+  corrupt_file(region_path(name), 0, &junk, sizeof junk);
+  try {
+    Consumer::open(name, copts(200ms));
+    FAIL() << "no error";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), Errc::kCorrupt) << e.what();
+  }
+}
+
+TEST(Corruption, NewerLayoutVersionIsVersionMismatch) {
+  const std::string name = unique_name("ver");
+  RegionGuard g{name};
+  Producer p = Producer::create(name, opts());
+  const std::uint32_t v = shmcast::detail::kLayoutVersion + 1;
+  corrupt_file(region_path(name), 8, &v, sizeof v);
+  try {
+    Consumer::open(name, copts(200ms));
+    FAIL() << "no error";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), Errc::kVersionMismatch) << e.what();
+  }
+}
+
+TEST(Corruption, GeometryFieldsAreCheckedBeforeUse) {
+  const std::string name = unique_name("geo");
+  RegionGuard g{name};
+  Producer p = Producer::create(name, opts());
+  const std::uint64_t evil = 1ull << 50;
+  corrupt_file(region_path(name), offsetof(shmcast::detail::HeaderFixed, data_offset), &evil, sizeof evil);
+  try {
+    Consumer::open(name, copts(200ms));
+    FAIL() << "no error";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), Errc::kCorrupt) << e.what();
+  }
+}
+
+TEST(Corruption, ManifestBytesAreRejected) {
+  const std::string name = unique_name("mf");
+  RegionGuard g{name};
+  Producer p = Producer::create(name, opts());
+  Consumer c = Consumer::open(name, copts());
+  PatternSync s(3, 100, 1);
+  p.begin_sync(s.specs);
+  // Flip a byte inside the manifest after it was announced.
+  shmcast::detail::Geometry geo{};
+  shmcast::detail::compute_geometry(4, 2, kSlot, ProducerOptions{}.manifest_bytes, &geo);
+  const std::uint8_t x = 0x5a;
+  corrupt_file(region_path(name), geo.manifest_offset + 70, &x, 1);
+  try {
+    c.wait_sync(5s);
+    FAIL() << "no error";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), Errc::kCorrupt) << e.what();
+  }
+}
+
+TEST(Corruption, OversizedManifestLengthInRecordIsRejected) {
+  const std::string name = unique_name("mflen");
+  RegionGuard g{name};
+  Producer p = Producer::create(name, opts());
+  Consumer c = Consumer::open(name, copts());
+  PatternSync s(3, 100, 1);
+  p.begin_sync(s.specs);
+  const std::uint64_t huge = 1ull << 40;
+  corrupt_file(region_path(name), offsetof(shmcast::detail::Header, sync) + 40, &huge, sizeof huge);
+  try {
+    c.wait_sync(5s);
+    FAIL() << "no error";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), Errc::kCorrupt) << e.what();
+  }
+}
+
+TEST(Corruption, SlotDescriptorThatDisagreesIsRejected) {
+  const std::string name = unique_name("slot");
+  RegionGuard g{name};
+  Producer p = Producer::create(name, opts());
+  Consumer c = Consumer::open(name, copts());
+  PatternSync s(1, 1000, 1);
+  p.send(s.specs, s.ptrs);
+  c.wait_sync(5s);
+  shmcast::detail::Geometry geo{};
+  shmcast::detail::compute_geometry(4, 2, kSlot, ProducerOptions{}.manifest_bytes, &geo);
+  const std::uint64_t bad_bytes = 1ull << 40;
+  corrupt_file(region_path(name), geo.slots_offset + 16, &bad_bytes, sizeof bad_bytes);
+  std::vector<std::uint8_t> out(1000);
+  std::vector<void*> dst{out.data()};
+  try {
+    c.read_into(dst);
+    FAIL() << "no error";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), Errc::kCorrupt) << e.what();
+  }
+}
+
+TEST(Api, MisuseIsInvalidArgument) {
+  const std::string name = unique_name("misuse");
+  RegionGuard g{name};
+  Producer p = Producer::create(name, opts());
+  PatternSync s(2, 100, 1);
+  auto expect_invalid = [](auto&& fn) {
+    try {
+      fn();
+      ADD_FAILURE() << "no error";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), Errc::kInvalidArgument) << e.what();
+    }
+  };
+  expect_invalid([&] { p.write(0, s.ptrs[0]); });  // outside a sync
+  expect_invalid([&] { p.end_sync(); });
+  p.begin_sync(s.specs);
+  expect_invalid([&] { p.write(1, s.ptrs[1]); });  // out of order
+  expect_invalid([&] { p.end_sync(); });            // tensors missing
+  expect_invalid([&] { p.begin_sync(s.specs); });   // nested
+  p.write(0, s.ptrs[0]);
+  p.write(1, s.ptrs[1]);
+  p.end_sync();
+  std::vector<TensorSpec> dup = {s.specs[0], s.specs[0]};
+  expect_invalid([&] { p.begin_sync(dup); });
+}

@@ -1,1 +1,109 @@
+// Layout: geometry arithmetic and header validation.
 #include <gtest/gtest.h>
+
+#include <cstring>
+
+#include "layout.hpp"
+
+using namespace shmcast::detail;
+
+namespace {
+HeaderFixed good_header(Geometry* g_out = nullptr) {
+  Geometry g{};
+  EXPECT_EQ(compute_geometry(8, 2, 64ull << 20, 1 << 20, &g), "");
+  HeaderFixed h{};
+  h.magic = kMagic;
+  h.layout_version = kLayoutVersion;
+  h.header_bytes = kHeaderBytes;
+  h.total_bytes = g.total_bytes;
+  h.max_consumers = g.max_consumers;
+  h.slot_count = g.slot_count;
+  h.slot_bytes = g.slot_bytes;
+  h.seats_offset = g.seats_offset;
+  h.slots_offset = g.slots_offset;
+  h.manifest_offset = g.manifest_offset;
+  h.manifest_bytes = g.manifest_bytes;
+  h.data_offset = g.data_offset;
+  if (g_out) *g_out = g;
+  return h;
+}
+}  // namespace
+
+TEST(Layout, GeometryAlignsDataTo2MiB) {
+  Geometry g{};
+  ASSERT_EQ(compute_geometry(8, 3, 1000, 5000, &g), "");
+  EXPECT_EQ(g.slot_bytes, 2ull << 20);
+  EXPECT_EQ(g.data_offset % (2ull << 20), 0u);
+  EXPECT_EQ(g.manifest_bytes % 4096, 0u);
+  EXPECT_GE(g.manifest_offset, g.slots_offset + 3 * kSlotDescBytes);
+  EXPECT_EQ(g.total_bytes, g.data_offset + 3 * g.slot_bytes);
+}
+
+TEST(Layout, GeometryRejectsBadParameters) {
+  Geometry g{};
+  EXPECT_NE(compute_geometry(0, 2, 1 << 20, 1 << 20, &g), "");
+  EXPECT_NE(compute_geometry(65, 2, 1 << 20, 1 << 20, &g), "");
+  EXPECT_NE(compute_geometry(8, 1, 1 << 20, 1 << 20, &g), "");
+  EXPECT_NE(compute_geometry(8, 2, 0, 1 << 20, &g), "");
+  EXPECT_NE(compute_geometry(8, 2, 1 << 20, 10, &g), "");
+  EXPECT_NE(compute_geometry(8, 4096, 64ull << 30, 1 << 20, &g), "");  // overflow guard
+}
+
+TEST(Layout, ValidHeaderPasses) {
+  HeaderFixed h = good_header();
+  bool vm = true;
+  EXPECT_EQ(validate_header(h, h.total_bytes, &vm), "");
+  EXPECT_FALSE(vm);
+}
+
+TEST(Layout, BadMagicIsForeign) {
+  HeaderFixed h = good_header();
+  h.magic ^= 1;
+  bool vm = false;
+  EXPECT_NE(validate_header(h, h.total_bytes, &vm), "");
+  EXPECT_FALSE(vm);
+}
+
+TEST(Layout, NewerVersionIsAVersionMismatch) {
+  HeaderFixed h = good_header();
+  h.layout_version = kLayoutVersion + 1;
+  bool vm = false;
+  EXPECT_NE(validate_header(h, h.total_bytes, &vm), "");
+  EXPECT_TRUE(vm);
+}
+
+TEST(Layout, TruncatedFileIsRejected) {
+  HeaderFixed h = good_header();
+  bool vm = false;
+  EXPECT_NE(validate_header(h, h.total_bytes - 4096, &vm), "");
+}
+
+TEST(Layout, EveryOffsetMustMatchTheGeometry) {
+  bool vm = false;
+  for (int field = 0; field < 5; ++field) {
+    HeaderFixed h = good_header();
+    switch (field) {
+      case 0: h.seats_offset += 64; break;
+      case 1: h.slots_offset -= 64; break;
+      case 2: h.manifest_offset = 1ull << 60; break;
+      case 3: h.data_offset += 4096; break;
+      case 4: h.slot_bytes += 1; break;
+    }
+    EXPECT_NE(validate_header(h, h.total_bytes, &vm), "") << "field " << field;
+  }
+}
+
+TEST(Layout, UnknownFeatureBitsAreRejected) {
+  HeaderFixed h = good_header();
+  h.features = 1ull << 40;
+  bool vm = false;
+  EXPECT_NE(validate_header(h, h.total_bytes, &vm), "");
+}
+
+TEST(Layout, HugeCountsDoNotOverflow) {
+  HeaderFixed h = good_header();
+  h.slot_count = 0xffffffffu;
+  h.max_consumers = 0xffffffffu;
+  bool vm = false;
+  EXPECT_NE(validate_header(h, h.total_bytes, &vm), "");
+}

@@ -1,1 +1,162 @@
+// Manifest: packing rules and a decoder that treats its input as hostile.
 #include <gtest/gtest.h>
+
+#include <cstring>
+#include <random>
+
+#include "manifest.hpp"
+
+using namespace shmcast;
+using namespace shmcast::detail;
+
+namespace {
+constexpr std::uint64_t S = 1 << 20;
+
+std::vector<TensorSpec> sample() {
+  return {{"a", DType::kF32, {3, 5}}, {"empty", DType::kBF16, {0}}, {"big", DType::kU8, {3 * S + 17}},
+          {"scalar", DType::kI64, {}}, {"fits", DType::kU8, {S}}, {"b", DType::kBool, {7}}};
+}
+
+struct Encoded {
+  std::vector<std::byte> bytes;
+  std::vector<std::uint64_t> offsets;
+  std::uint64_t stream = 0, payload = 0;
+};
+
+Encoded encode(const std::vector<TensorSpec>& specs, std::uint64_t version = 9) {
+  Encoded e;
+  e.stream = pack(specs, S, &e.offsets, &e.payload);
+  e.bytes.resize(manifest_size(specs));
+  EXPECT_EQ(encode_manifest(specs, e.offsets, version, e.stream, e.payload, e.bytes.data(), e.bytes.size()),
+            e.bytes.size());
+  return e;
+}
+}  // namespace
+
+TEST(Pack, AlignsEveryTensorAndNeverStraddlesWhenItFits) {
+  auto specs = sample();
+  std::vector<std::uint64_t> off;
+  std::uint64_t payload = 0;
+  const std::uint64_t stream = pack(specs, S, &off, &payload);
+  for (std::size_t i = 0; i < specs.size(); ++i) {
+    EXPECT_EQ(off[i] % kTensorAlign, 0u);
+    const std::uint64_t n = specs[i].nbytes();
+    if (n > 0 && n <= S) {
+      EXPECT_EQ(off[i] / S, (off[i] + n - 1) / S) << specs[i].name;
+    }
+    if (i > 0) {
+      EXPECT_GE(off[i], off[i - 1] + specs[i - 1].nbytes());
+    }
+  }
+  EXPECT_EQ(payload, 60u + 0 + 3 * S + 17 + 8 + S + 7);
+  EXPECT_GE(stream, off.back() + 7);
+}
+
+TEST(Pack, AWholeSlotTensorStartsOnABoundary) {
+  std::vector<TensorSpec> specs = {{"x", DType::kU8, {10}}, {"y", DType::kU8, {static_cast<std::int64_t>(S)}}};
+  std::vector<std::uint64_t> off;
+  std::uint64_t payload;
+  pack(specs, S, &off, &payload);
+  EXPECT_EQ(off[1], S);
+}
+
+TEST(Manifest, RoundTrips) {
+  auto specs = sample();
+  Encoded e = encode(specs);
+  SyncInfo info;
+  ASSERT_EQ(decode_manifest(e.bytes, 9, e.stream, S, &info), "");
+  ASSERT_EQ(info.tensors.size(), specs.size());
+  for (std::size_t i = 0; i < specs.size(); ++i) {
+    EXPECT_EQ(info.tensors[i].name, specs[i].name);
+    EXPECT_EQ(info.tensors[i].dtype, specs[i].dtype);
+    EXPECT_EQ(info.tensors[i].shape, specs[i].shape);
+    EXPECT_EQ(info.tensors[i].nbytes, specs[i].nbytes());
+    EXPECT_EQ(info.tensors[i].stream_offset, e.offsets[i]);
+  }
+  EXPECT_EQ(info.find("big"), 2);
+  EXPECT_EQ(info.find("nope"), -1);
+}
+
+TEST(Manifest, RejectsWrongVersionOrStream) {
+  Encoded e = encode(sample());
+  SyncInfo info;
+  EXPECT_NE(decode_manifest(e.bytes, 8, e.stream, S, &info), "");
+  EXPECT_NE(decode_manifest(e.bytes, 9, e.stream + 1, S, &info), "");
+}
+
+TEST(Manifest, RejectsTruncation) {
+  Encoded e = encode(sample());
+  SyncInfo info;
+  for (std::size_t n : {std::size_t{0}, std::size_t{10}, std::size_t{64}, e.bytes.size() - 1}) {
+    std::span<const std::byte> cut(e.bytes.data(), n);
+    EXPECT_NE(decode_manifest(cut, 9, e.stream, S, &info), "") << n;
+  }
+}
+
+TEST(Manifest, RejectsHugeTensorCount) {
+  Encoded e = encode(sample());
+  ManifestHeader h;
+  std::memcpy(&h, e.bytes.data(), sizeof h);
+  h.tensor_count = 0xffffffffu;
+  std::memcpy(e.bytes.data(), &h, sizeof h);
+  SyncInfo info;
+  EXPECT_NE(decode_manifest(e.bytes, 9, e.stream, S, &info), "");
+}
+
+TEST(Manifest, RejectsEntryFieldCorruption) {
+  const auto specs = sample();
+  const Encoded base = encode(specs);
+  // Corrupt each field of entry 2 ("big") in turn.
+  for (int field = 0; field < 7; ++field) {
+    Encoded e = base;
+    ManifestEntry ent;
+    std::byte* at = e.bytes.data() + sizeof(ManifestHeader) + 2 * sizeof(ManifestEntry);
+    std::memcpy(&ent, at, sizeof ent);
+    switch (field) {
+      case 0: ent.name_offset = 1u << 30; break;
+      case 1: ent.name_bytes = 0; break;
+      case 2: ent.dtype = 999; break;
+      case 3: ent.ndim = 9; break;
+      case 4: ent.nbytes += 1; break;
+      case 5: ent.stream_offset = base.stream; break;
+      case 6: ent.shape[0] = -1; break;
+    }
+    std::memcpy(at, &ent, sizeof ent);
+    SyncInfo info;
+    EXPECT_NE(decode_manifest(e.bytes, 9, e.stream, S, &info), "") << "field " << field;
+  }
+}
+
+TEST(Manifest, RandomBytesNeverCrash) {
+  std::mt19937_64 rng(1);
+  const Encoded base = encode(sample());
+  for (int i = 0; i < 20000; ++i) {
+    Encoded e = base;
+    const int flips = 1 + static_cast<int>(rng() % 8);
+    for (int f = 0; f < flips; ++f) e.bytes[rng() % e.bytes.size()] = static_cast<std::byte>(rng());
+    SyncInfo info;
+    (void)decode_manifest(e.bytes, 9, e.stream, S, &info);
+  }
+  SUCCEED();
+}
+
+TEST(Spec, ValidatesNamesDtypesAndShapes) {
+  EXPECT_EQ(validate_spec({"ok", DType::kF32, {2, 2}}), "");
+  EXPECT_NE(validate_spec({"", DType::kF32, {2}}), "");
+  EXPECT_NE(validate_spec({std::string(2000, 'x'), DType::kF32, {2}}), "");
+  EXPECT_NE(validate_spec({"neg", DType::kF32, {-1}}), "");
+  EXPECT_NE(validate_spec({"ov", DType::kF64, {1ll << 40, 1ll << 40}}), "");
+  EXPECT_NE(validate_spec({"dims", DType::kF32, {1, 1, 1, 1, 1, 1, 1, 1, 1}}), "");
+  EXPECT_NE(validate_spec({"dt", static_cast<DType>(77), {1}}), "");
+}
+
+TEST(DTypes, NamesRoundTrip) {
+  for (DType d : {DType::kBool, DType::kBF16, DType::kF8E4M3FN, DType::kC128, DType::kRaw}) {
+    DType back;
+    ASSERT_TRUE(dtype_from_name(dtype_name(d), &back));
+    EXPECT_EQ(back, d);
+  }
+  DType x;
+  EXPECT_FALSE(dtype_from_name("float99", &x));
+  EXPECT_EQ(dtype_size(DType::kBF16), 2u);
+}
