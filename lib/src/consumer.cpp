@@ -272,13 +272,17 @@ void Consumer::visit(const std::function<void(const Piece&)>& fn) {
   m.require_open();
   if (m.state == State::kManifest) {
     for (std::size_t j = 0; j < m.info.tensors.size(); ++j)
-      if (m.info.tensors[j].nbytes == 0) fn(Piece{j, 0, nullptr, 0, 0});
+      if (m.info.tensors[j].nbytes == 0) fn(Piece{j, 0, nullptr, 0, 0, false});
   }
   std::size_t cursor = 0;
+  std::vector<Piece> chunk;
   m.for_each_chunk(*m.host_engine, [&](const std::byte* data, std::uint64_t, std::uint64_t start, std::uint64_t bytes) {
+    chunk.clear();
     m.pieces(&cursor, start, bytes, data, [&](std::size_t j, std::uint64_t off, const std::byte* src, std::uint64_t n) {
-      fn(Piece{j, off, src, n, m.info.tensors[j].nbytes});
+      chunk.push_back(Piece{j, off, src, n, m.info.tensors[j].nbytes});
     });
+    if (!chunk.empty()) chunk.back().chunk_end = true;
+    for (const Piece& p : chunk) fn(p);
   });
 }
 

@@ -124,6 +124,7 @@ struct Piece {
   const std::byte* data;       // in the shared region
   std::uint64_t bytes;
   std::uint64_t tensor_bytes;  // size of the whole tensor
+  bool chunk_end = false;      // last piece of its slot: the slot is released after fn returns
   bool whole() const noexcept { return offset == 0 && bytes == tensor_bytes; }
 };
 
