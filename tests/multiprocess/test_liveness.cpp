@@ -367,6 +367,41 @@ TEST(Corruption, ManifestBytesAreRejected) {
   } catch (const Error& e) {
     EXPECT_EQ(e.code(), Errc::kCorrupt) << e.what();
   }
+  // The consumer's error is visible to the producer side, in its seat.
+  shmcast::detail::Seat seat;
+  int fd = ::open(region_path(name).c_str(), O_RDONLY);
+  ASSERT_GE(fd, 0);
+  ASSERT_EQ(::pread(fd, static_cast<void*>(&seat), sizeof seat, static_cast<off_t>(geo.seats_offset + c.seat() * sizeof seat)),
+            static_cast<ssize_t>(sizeof seat));
+  ::close(fd);
+  EXPECT_EQ(seat.error_code.load(), static_cast<std::uint32_t>(Errc::kCorrupt));
+  EXPECT_NE(std::string(seat.error_text).find("hash"), std::string::npos) << seat.error_text;
+}
+
+TEST(Liveness, ProducerAbortIsVisibleToConsumersWithItsReason) {
+  const std::string name = unique_name("abort");
+  RegionGuard g{name};
+  Producer p = Producer::create(name, opts());
+  Consumer c = Consumer::open(name, copts());
+  PatternSync s(3, kSlot / 2, 1);  // fits the two slots: write() never waits here
+  p.begin_sync(s.specs);
+  p.write(0, s.ptrs[0]);
+  c.wait_sync(5s);  // the consumer is in the sync when the producer gives up
+  p.write(1, s.ptrs[1]);
+  p.abort_sync("trainer step failed: CUDA OOM");
+  std::vector<std::uint8_t> a(kSlot / 2), b(kSlot / 2), d(kSlot / 2);
+  std::vector<void*> dst{a.data(), b.data(), d.data()};
+  try {
+    c.read_into(dst);
+    FAIL() << "no error";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), Errc::kAborted) << e.what();
+    EXPECT_NE(std::string(e.what()).find("CUDA OOM"), std::string::npos) << e.what();
+  }
+  // The next sync goes through: the aborted range was released.
+  PatternSync s2(2, 5000, 2);
+  p.send(s2.specs, s2.ptrs);
+  EXPECT_EQ(receive_checked(c), 0);
 }
 
 TEST(Corruption, OversizedManifestLengthInRecordIsRejected) {
