@@ -1,0 +1,123 @@
+// shmcast-bench internals shared by the orchestrator (main.cpp) and the
+// producer / consumer roles (host: main.cpp, CUDA: cuda_roles.cpp).
+//
+// The orchestrator re-executes itself (posix_spawn of /proc/self/exe) once
+// per role: `--role producer|consumer --ctl-fd N --index i`. The roles share
+// nothing with the orchestrator but a small control block in a memfd (the fd
+// is inherited across exec): the run's configuration, per-sync CLOCK_MONOTONIC
+// timestamps, setup times, hashes and error text. Timing across processes:
+//   producer  waits until every consumer marked itself ready for sync i, takes
+//             t_start[i], sends, takes t_prod_end[i] (end_sync returned),
+//             waits until every consumer marked sync i done;
+//   consumer  marks ready[c][i], wait_sync, reads (CUDA: then
+//             cudaStreamSynchronize of its stream), takes t_done[c][i].
+// End-to-end time of sync i = max over consumers of t_done[c][i] - t_start[i].
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "shmcast/shmcast.hpp"
+
+namespace bench {
+
+inline constexpr int kMaxSyncs = 64;
+inline constexpr int kMaxConsumers = 16;
+inline constexpr int kMaxTensors = 8192;
+inline constexpr int kMaxRoundTrips = 100000;
+
+enum class Mode : std::int32_t { kHost = 0, kCuda = 1 };
+
+// Plain data: written by the orchestrator before the roles start.
+struct Config {
+  Mode mode = Mode::kHost;
+  std::uint64_t bytes = 4ull << 30;         // host: total payload
+  std::uint64_t tensor_bytes = 256ull << 20;  // host: size of each tensor
+  std::uint64_t slot_bytes = 64ull << 20;
+  std::uint32_t slots = 2;
+  std::uint32_t consumers = 1;
+  std::int32_t warmup = 1;
+  std::int32_t iters = 5;
+  std::int32_t roundtrip_iters = 2000;  // host only; 0 = skip
+  std::uint64_t roundtrip_bytes = 8192;
+  bool checksums = false;
+  bool staging = false;  // cuda: read_to_staging instead of read_into_device
+  bool verify = true;    // one extra, poisoned-destination sync, compared by hash
+  bool huge_pages = false;  // host: MADV_HUGEPAGE on the bench's buffers
+  std::int32_t producer_device = 0;
+  std::int32_t consumer_device = 0;
+  char region[128] = {};
+  char manifest[64] = {};  // cuda: "qwen2.5-3b"
+  int syncs() const { return warmup + iters + (verify ? 1 : 0); }
+};
+
+struct RoleResult {
+  std::int32_t status = 0;  // 0 running, 1 done, 2 failed (read after the role exits)
+  char error[2048] = {};
+  double setup_s = 0;       // allocating and filling the tensors
+  double create_s = 0;      // Producer::create_seconds / Consumer::open_seconds
+  double pin_s = 0;
+  std::int32_t pinned = 0;
+  std::uint64_t region_bytes = 0;
+  // consumer: verification
+  std::int32_t verified = 0;
+  std::int32_t mismatches = 0;
+  char first_bad[256] = {};
+  // producer: round trip, microseconds
+  double rt_median_us = 0, rt_p99_us = 0, rt_min_us = 0, rt_mean_us = 0;
+  std::int32_t rt_count = 0;
+};
+
+struct Ctl {
+  Config cfg;
+  std::atomic<std::int32_t> abort{0};
+  std::atomic<std::int64_t> t_start[kMaxSyncs];
+  std::atomic<std::int64_t> t_prod_end[kMaxSyncs];
+  std::atomic<std::int64_t> t_ready[kMaxConsumers][kMaxSyncs];
+  std::atomic<std::int64_t> t_done[kMaxConsumers][kMaxSyncs];
+  std::atomic<std::int32_t> src_hashes_ready{0};
+  std::atomic<std::int32_t> region_ready{0};  // the producer created the region
+  std::uint32_t tensors = 0;
+  std::uint64_t src_hash[kMaxTensors];
+  RoleResult producer;
+  RoleResult consumer[kMaxConsumers];
+};
+
+std::int64_t now_ns();
+// Waits (sleeping in short steps) until pred() holds; throws on abort or
+// after `timeout_s`.
+void wait_for(Ctl* ctl, const char* what, double timeout_s, const std::function<bool()>& pred);
+
+// Role bodies. Each returns 0 or throws; errors end up in RoleResult::error.
+int host_producer(Ctl* ctl);
+int host_consumer(Ctl* ctl, int index);
+int cuda_producer(Ctl* ctl);
+int cuda_consumer(Ctl* ctl, int index);
+
+// Manifests for the CUDA mode.
+std::vector<shmcast::TensorSpec> manifest_by_name(const std::string& name);
+
+// Single-process copy ceilings for the CUDA mode.
+struct Ceilings {
+  bool ok = false;
+  std::string error;
+  std::string device_name, consumer_device_name;
+  std::uint64_t bytes = 0;  // per direction, per copy
+  int reps = 0;
+  double d2h_gbps = 0, h2d_gbps = 0;
+  double both_d2h_gbps = 0, both_h2d_gbps = 0;  // each direction while both run
+  double both_gbps = 0;                          // bytes per direction / time for both
+  // The same with the H2D split in halves over two streams (two DMA engines).
+  double h2d2_gbps = 0, both2_gbps = 0, both2_d2h_gbps = 0, both2_h2d_gbps = 0;
+  double pin_s_per_gib = 0;
+};
+Ceilings measure_ceilings(int producer_device, int consumer_device, std::uint64_t bytes, int reps);
+bool bench_has_cuda();
+
+// Stable per-tensor hash of device (cuda) or host memory.
+std::uint64_t hash_host(const void* p, std::uint64_t n);
+
+}  // namespace bench

@@ -1,0 +1,443 @@
+// shmcast-bench, CUDA mode: the producer and consumer roles (each its own
+// process, CUDA initialised after exec) and the single-process copy ceilings.
+#include <sys/mman.h>
+#include <xxhash.h>
+
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <stdexcept>
+#include <thread>
+
+#include "bench.hpp"
+
+namespace bench {
+
+using namespace std::chrono_literals;
+
+namespace {
+
+void ck(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) {
+    (void)cudaGetLastError();
+    throw std::runtime_error(std::string(what) + ": " + cudaGetErrorName(e) + " (" + cudaGetErrorString(e) + ")");
+  }
+}
+
+constexpr std::uint64_t kAlign = 256;
+constexpr std::uint64_t kPool = 64ull << 20;
+
+std::uint64_t align_up(std::uint64_t x) { return (x + kAlign - 1) / kAlign * kAlign; }
+
+// Offsets of each tensor in one device allocation (256-byte aligned).
+std::uint64_t layout(const std::vector<shmcast::TensorSpec>& specs, std::vector<std::uint64_t>* offs) {
+  std::uint64_t at = 0;
+  offs->clear();
+  for (const auto& s : specs) {
+    offs->push_back(at);
+    at = align_up(at + s.nbytes());
+  }
+  return at ? at : kAlign;
+}
+
+void xorshift_fill(std::uint8_t* p, std::size_t n, std::uint64_t seed) {
+  std::uint64_t x = seed * 0x9E3779B97F4A7C15ull + 1;
+  for (std::size_t i = 0; i + 8 <= n; i += 8) {
+    x ^= x << 13;
+    x ^= x >> 7;
+    x ^= x << 17;
+    std::memcpy(p + i, &x, 8);
+  }
+}
+
+// Fills [dst, dst + n) on the device with random bits: a 64 MiB random pool,
+// copied in tiles that start at a different place for every tensor.
+void fill_random(std::byte* dst, std::uint64_t n, const std::byte* pool, std::uint64_t seed) {
+  std::uint64_t k = (seed * 0x9E3779B97F4A7C15ull >> 20) % (kPool - 4096) & ~std::uint64_t{255};
+  std::uint64_t pos = 0;
+  while (pos < n) {
+    const std::uint64_t len = std::min(n - pos, kPool - k);
+    ck(cudaMemcpy(dst + pos, pool + k, len, cudaMemcpyDeviceToDevice), "cudaMemcpy (fill)");
+    pos += len;
+    k = (k + len + 4096 * ((seed % 7) + 1)) % (kPool - 4096) & ~std::uint64_t{255};
+  }
+}
+
+struct Bounce {
+  void* p = nullptr;
+  std::size_t n = 64ull << 20;
+  cudaStream_t s = nullptr;
+  Bounce() {
+    ck(cudaMallocHost(&p, n), "cudaMallocHost (bounce)");
+    ck(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "cudaStreamCreate");
+  }
+  ~Bounce() {
+    cudaFreeHost(p);
+    cudaStreamDestroy(s);
+  }
+  std::uint64_t hash(const std::byte* d, std::uint64_t n_) {
+    XXH3_state_t* st = XXH3_createState();
+    XXH3_64bits_reset(st);
+    for (std::uint64_t off = 0; off < n_; off += n) {
+      const std::uint64_t len = std::min<std::uint64_t>(n, n_ - off);
+      ck(cudaMemcpyAsync(p, d + off, len, cudaMemcpyDeviceToHost, s), "cudaMemcpyAsync (hash)");
+      ck(cudaStreamSynchronize(s), "cudaStreamSynchronize (hash)");
+      XXH3_64bits_update(st, p, len);
+    }
+    const std::uint64_t h = XXH3_64bits_digest(st);
+    XXH3_freeState(st);
+    return h;
+  }
+};
+
+std::byte* random_pool() {
+  std::vector<std::uint8_t> host(kPool);
+  xorshift_fill(host.data(), host.size(), 0x5eed);
+  void* d = nullptr;
+  ck(cudaMalloc(&d, kPool), "cudaMalloc (pool)");
+  ck(cudaMemcpy(d, host.data(), kPool, cudaMemcpyHostToDevice), "cudaMemcpy (pool)");
+  return static_cast<std::byte*>(d);
+}
+
+void wait_all(Ctl* ctl, const char* what, int i, bool ready) {
+  const std::uint32_t n = ctl->cfg.consumers;
+  wait_for(ctl, what, 120, [&] {
+    for (std::uint32_t k = 0; k < n; ++k)
+      if ((ready ? ctl->t_ready[k][i] : ctl->t_done[k][i]).load(std::memory_order_acquire) == 0) return false;
+    return true;
+  });
+}
+
+}  // namespace
+
+bool bench_has_cuda() { return true; }
+
+std::vector<shmcast::TensorSpec> manifest_by_name(const std::string& name) {
+  using shmcast::DType;
+  std::vector<shmcast::TensorSpec> v;
+  if (name != "qwen2.5-3b")
+    throw std::invalid_argument("unknown manifest '" + name + "' (known: qwen2.5-3b)");
+  // Qwen2.5-3B, bf16, tied embeddings: 434 tensors, 6,171,877,376 bytes.
+  const std::int64_t H = 2048, I = 11008, KV = 256, V = 151936;
+  auto add = [&](std::string n, std::vector<std::int64_t> shape) { v.push_back({std::move(n), DType::kBF16, std::move(shape)}); };
+  add("model.embed_tokens.weight", {V, H});
+  for (int l = 0; l < 36; ++l) {
+    const std::string p = "model.layers." + std::to_string(l) + ".";
+    add(p + "self_attn.q_proj.weight", {H, H});
+    add(p + "self_attn.q_proj.bias", {H});
+    add(p + "self_attn.k_proj.weight", {KV, H});
+    add(p + "self_attn.k_proj.bias", {KV});
+    add(p + "self_attn.v_proj.weight", {KV, H});
+    add(p + "self_attn.v_proj.bias", {KV});
+    add(p + "self_attn.o_proj.weight", {H, H});
+    add(p + "mlp.gate_proj.weight", {I, H});
+    add(p + "mlp.up_proj.weight", {I, H});
+    add(p + "mlp.down_proj.weight", {H, I});
+    add(p + "input_layernorm.weight", {H});
+    add(p + "post_attention_layernorm.weight", {H});
+  }
+  add("model.norm.weight", {H});
+  return v;
+}
+
+int cuda_producer(Ctl* ctl) {
+  const Config& c = ctl->cfg;
+  RoleResult& r = ctl->producer;
+  ck(cudaSetDevice(c.producer_device), "cudaSetDevice (producer)");
+  const auto specs = manifest_by_name(c.manifest);
+  std::vector<std::uint64_t> offs;
+  const std::int64_t t0 = now_ns();
+  const std::uint64_t total = layout(specs, &offs);
+  void* slab = nullptr;
+  ck(cudaMalloc(&slab, total), "cudaMalloc (source tensors)");
+  std::byte* base = static_cast<std::byte*>(slab);
+  std::byte* pool = random_pool();
+  for (std::size_t i = 0; i < specs.size(); ++i) fill_random(base + offs[i], specs[i].nbytes(), pool, 17 + i);
+  ck(cudaDeviceSynchronize(), "cudaDeviceSynchronize (fill)");
+  cudaFree(pool);
+  if (c.verify) {
+    Bounce b;
+    for (std::size_t i = 0; i < specs.size(); ++i) ctl->src_hash[i] = b.hash(base + offs[i], specs[i].nbytes());
+  }
+  ctl->tensors = static_cast<std::uint32_t>(specs.size());
+  ctl->src_hashes_ready.store(1, std::memory_order_release);
+  r.setup_s = static_cast<double>(now_ns() - t0) * 1e-9;
+
+  shmcast::ProducerOptions o;
+  o.slot_bytes = c.slot_bytes;
+  o.slots = c.slots;
+  o.max_consumers = std::max<std::uint32_t>(c.consumers, 1);
+  o.checksums = c.checksums;
+  o.pin = shmcast::Pin::kYes;
+  shmcast::Producer p = shmcast::Producer::create(c.region, o);
+  r.create_s = p.create_seconds();
+  r.pin_s = p.pin_seconds();
+  r.pinned = p.pinned();
+  r.region_bytes = p.region_bytes();
+  ctl->region_ready.store(1, std::memory_order_release);
+  cudaStream_t stream = nullptr;
+  ck(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreate");
+  p.wait_for_consumers(c.consumers, 60s);
+  for (int i = 0; i < c.syncs(); ++i) {
+    wait_all(ctl, "consumers ready", i, true);
+    ctl->t_start[i].store(now_ns(), std::memory_order_release);
+    p.begin_sync(specs);
+    for (std::size_t t = 0; t < specs.size(); ++t) p.write_device(t, base + offs[t], stream);
+    p.end_sync();
+    ctl->t_prod_end[i].store(now_ns(), std::memory_order_release);
+    wait_all(ctl, "consumers done", i, false);
+  }
+  p.wait_drained(60s);
+  p.close();
+  cudaStreamDestroy(stream);
+  cudaFree(slab);
+  return 0;
+}
+
+int cuda_consumer(Ctl* ctl, int index) {
+  const Config& c = ctl->cfg;
+  RoleResult& r = ctl->consumer[index];
+  ck(cudaSetDevice(c.consumer_device), "cudaSetDevice (consumer)");
+  const auto specs = manifest_by_name(c.manifest);
+  std::vector<std::uint64_t> offs;
+  const std::uint64_t total = layout(specs, &offs);
+  std::byte* base = nullptr;
+  std::vector<void*> dsts;
+  if (!c.staging) {
+    void* slab = nullptr;
+    ck(cudaMalloc(&slab, total), "cudaMalloc (destination tensors)");
+    base = static_cast<std::byte*>(slab);
+    for (std::size_t i = 0; i < specs.size(); ++i) dsts.push_back(base + offs[i]);
+  }
+  cudaStream_t stream = nullptr;
+  ck(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreate");
+  shmcast::ConsumerOptions o;
+  o.pin = shmcast::Pin::kYes;
+  // Open once the region exists, so that open_seconds() is the open itself.
+  wait_for(ctl, "the region", 120, [&] { return ctl->region_ready.load(std::memory_order_acquire) != 0; });
+  shmcast::Consumer con = shmcast::Consumer::open(c.region, o);
+  r.create_s = con.open_seconds();
+  r.pin_s = con.pin_seconds();
+  r.pinned = con.pinned();
+  std::vector<void*> got;
+  for (int i = 0; i < c.syncs(); ++i) {
+    const bool last_verify = c.verify && i == c.syncs() - 1;
+    if (last_verify) {  // poison what the last sync must overwrite
+      if (!c.staging)
+        ck(cudaMemsetAsync(base, 0xEE, total, stream), "cudaMemsetAsync (poison)");
+      else if (!got.empty())
+        ck(cudaMemsetAsync(got[0], 0xEE, con.sync().stream_bytes, stream), "cudaMemsetAsync (poison)");
+      ck(cudaStreamSynchronize(stream), "cudaStreamSynchronize (poison)");
+    }
+    ctl->t_ready[index][i].store(now_ns(), std::memory_order_release);
+    const shmcast::SyncInfo& info = con.wait_sync(120s);
+    if (info.tensors.size() != specs.size()) throw std::runtime_error("manifest differs from the expected one");
+    if (c.staging)
+      got = con.read_to_staging(c.consumer_device, stream);
+    else
+      con.read_into_device(dsts, stream);
+    ck(cudaStreamSynchronize(stream), "cudaStreamSynchronize (after read)");
+    ctl->t_done[index][i].store(now_ns(), std::memory_order_release);
+    if (last_verify) {
+      wait_for(ctl, "source hashes", 60, [&] { return ctl->src_hashes_ready.load(std::memory_order_acquire) != 0; });
+      const std::vector<void*>& ptrs = c.staging ? got : dsts;
+      Bounce b;
+      for (std::size_t t = 0; t < specs.size(); ++t) {
+        if (b.hash(static_cast<const std::byte*>(ptrs[t]), specs[t].nbytes()) != ctl->src_hash[t]) {
+          if (r.mismatches++ == 0) std::snprintf(r.first_bad, sizeof r.first_bad, "%s", specs[t].name.c_str());
+        }
+      }
+      r.verified = 1;
+    }
+  }
+  con.close();
+  cudaStreamDestroy(stream);
+  if (base) cudaFree(base);
+  return 0;
+}
+
+Ceilings measure_ceilings(int pdev, int cdev, std::uint64_t bytes, int reps) {
+  Ceilings out;
+  out.bytes = bytes;
+  out.reps = reps;
+  void* host = nullptr;
+  void* dsrc = nullptr;
+  void* ddst = nullptr;
+  cudaStream_t s1 = nullptr, s2 = nullptr, s3 = nullptr;
+  cudaEvent_t e0 = nullptr, e1 = nullptr, e2 = nullptr, e3 = nullptr;
+  bool registered = false;
+  try {
+    cudaDeviceProp prop{};
+    ck(cudaGetDeviceProperties(&prop, pdev), "cudaGetDeviceProperties");
+    out.device_name = prop.name;
+    ck(cudaGetDeviceProperties(&prop, cdev), "cudaGetDeviceProperties");
+    out.consumer_device_name = prop.name;
+    // Shared anonymous memory (shmem, like /dev/shm), pinned like the region.
+    host = ::mmap(nullptr, 2 * bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS | MAP_POPULATE, -1, 0);
+    if (host == MAP_FAILED) {
+      host = nullptr;
+      throw std::runtime_error("mmap of the ceiling buffer failed");
+    }
+    std::memset(host, 0x33, 2 * bytes);
+    ck(cudaSetDevice(pdev), "cudaSetDevice");
+    const auto t0 = std::chrono::steady_clock::now();
+    ck(cudaHostRegister(host, 2 * bytes, cudaHostRegisterDefault | cudaHostRegisterPortable), "cudaHostRegister");
+    registered = true;
+    out.pin_s_per_gib = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() /
+                        (2.0 * static_cast<double>(bytes) / static_cast<double>(1ull << 30));
+    std::byte* hA = static_cast<std::byte*>(host);
+    std::byte* hB = hA + bytes;
+    ck(cudaMalloc(&dsrc, bytes), "cudaMalloc");
+    std::byte* pool = random_pool();
+    fill_random(static_cast<std::byte*>(dsrc), bytes, pool, 1);
+    cudaFree(pool);
+    ck(cudaStreamCreateWithFlags(&s1, cudaStreamNonBlocking), "cudaStreamCreate");
+    ck(cudaEventCreate(&e0), "cudaEventCreate");
+    ck(cudaEventCreate(&e1), "cudaEventCreate");
+    ck(cudaSetDevice(cdev), "cudaSetDevice");
+    ck(cudaMalloc(&ddst, bytes), "cudaMalloc");
+    ck(cudaStreamCreateWithFlags(&s2, cudaStreamNonBlocking), "cudaStreamCreate");
+    ck(cudaStreamCreateWithFlags(&s3, cudaStreamNonBlocking), "cudaStreamCreate");
+    ck(cudaEventCreate(&e2), "cudaEventCreate");
+    ck(cudaEventCreate(&e3), "cudaEventCreate");
+    ck(cudaSetDevice(pdev), "cudaSetDevice");
+    const double B = static_cast<double>(bytes);
+    auto med = [](std::vector<double> v) {
+      std::sort(v.begin(), v.end());
+      return v[v.size() / 2];
+    };
+    auto gb = [&](double ms) { return B / (ms * 1e-3) * 1e-9; };
+    std::vector<double> d2h, h2d, both, bd, bh;
+    for (int i = 0; i <= reps; ++i) {
+      float ms = 0;
+      ck(cudaEventRecord(e0, s1), "cudaEventRecord");
+      ck(cudaMemcpyAsync(hA, dsrc, bytes, cudaMemcpyDeviceToHost, s1), "cudaMemcpyAsync D2H");
+      ck(cudaEventRecord(e1, s1), "cudaEventRecord");
+      ck(cudaEventSynchronize(e1), "cudaEventSynchronize");
+      ck(cudaEventElapsedTime(&ms, e0, e1), "cudaEventElapsedTime");
+      if (i > 0) d2h.push_back(gb(ms));
+    }
+    {
+      cudaEvent_t a = nullptr, b = nullptr;
+      ck(cudaSetDevice(cdev), "cudaSetDevice");
+      ck(cudaEventCreate(&a), "cudaEventCreate");
+      ck(cudaEventCreate(&b), "cudaEventCreate");
+      for (int i = 0; i <= reps; ++i) {
+        float ms = 0;
+        ck(cudaEventRecord(a, s2), "cudaEventRecord");
+        ck(cudaMemcpyAsync(ddst, hB, bytes, cudaMemcpyHostToDevice, s2), "cudaMemcpyAsync H2D");
+        ck(cudaEventRecord(b, s2), "cudaEventRecord");
+        ck(cudaEventSynchronize(b), "cudaEventSynchronize");
+        ck(cudaEventElapsedTime(&ms, a, b), "cudaEventElapsedTime");
+        if (i > 0) h2d.push_back(gb(ms));
+      }
+      cudaEventDestroy(a);
+      cudaEventDestroy(b);
+      ck(cudaSetDevice(pdev), "cudaSetDevice");
+    }
+    for (int i = 0; i <= reps; ++i) {
+      if (pdev == cdev) {
+        float m1 = 0, m2 = 0;
+        ck(cudaEventRecord(e0, s1), "cudaEventRecord");
+        ck(cudaStreamWaitEvent(s2, e0, 0), "cudaStreamWaitEvent");
+        ck(cudaMemcpyAsync(hA, dsrc, bytes, cudaMemcpyDeviceToHost, s1), "cudaMemcpyAsync D2H");
+        ck(cudaMemcpyAsync(ddst, hB, bytes, cudaMemcpyHostToDevice, s2), "cudaMemcpyAsync H2D");
+        ck(cudaEventRecord(e1, s1), "cudaEventRecord");
+        ck(cudaEventRecord(e2, s2), "cudaEventRecord");
+        ck(cudaEventSynchronize(e1), "cudaEventSynchronize");
+        ck(cudaEventSynchronize(e2), "cudaEventSynchronize");
+        ck(cudaEventElapsedTime(&m1, e0, e1), "cudaEventElapsedTime");
+        ck(cudaEventElapsedTime(&m2, e0, e2), "cudaEventElapsedTime");
+        if (i > 0) {
+          bd.push_back(gb(m1));
+          bh.push_back(gb(m2));
+          both.push_back(gb(std::max(m1, m2)));
+        }
+      } else {  // two devices: events cannot span them; host clock around both
+        ck(cudaStreamSynchronize(s1), "cudaStreamSynchronize");
+        ck(cudaStreamSynchronize(s2), "cudaStreamSynchronize");
+        const std::int64_t a = now_ns();
+        ck(cudaMemcpyAsync(hA, dsrc, bytes, cudaMemcpyDeviceToHost, s1), "cudaMemcpyAsync D2H");
+        ck(cudaMemcpyAsync(ddst, hB, bytes, cudaMemcpyHostToDevice, s2), "cudaMemcpyAsync H2D");
+        ck(cudaStreamSynchronize(s1), "cudaStreamSynchronize");
+        const std::int64_t b1 = now_ns();
+        ck(cudaStreamSynchronize(s2), "cudaStreamSynchronize");
+        const std::int64_t b2 = now_ns();
+        if (i > 0) {
+          const double ms1 = static_cast<double>(b1 - a) * 1e-6, ms2 = static_cast<double>(b2 - a) * 1e-6;
+          bd.push_back(gb(ms1));
+          bh.push_back(gb(ms2));
+          both.push_back(gb(std::max(ms1, ms2)));
+        }
+      }
+    }
+    // The H2D split in halves over two streams: alone, then against the D2H.
+    if (pdev == cdev) {
+      const std::uint64_t half = (bytes / 2 + 4095) & ~std::uint64_t{4095};
+      auto h2d_split = [&] {
+        ck(cudaStreamWaitEvent(s2, e0, 0), "cudaStreamWaitEvent");
+        ck(cudaStreamWaitEvent(s3, e0, 0), "cudaStreamWaitEvent");
+        ck(cudaMemcpyAsync(ddst, hB, half, cudaMemcpyHostToDevice, s2), "cudaMemcpyAsync H2D");
+        ck(cudaMemcpyAsync(static_cast<std::byte*>(ddst) + half, hB + half, bytes - half, cudaMemcpyHostToDevice, s3),
+           "cudaMemcpyAsync H2D");
+        ck(cudaEventRecord(e3, s3), "cudaEventRecord");
+        ck(cudaStreamWaitEvent(s2, e3, 0), "cudaStreamWaitEvent");
+        ck(cudaEventRecord(e2, s2), "cudaEventRecord");
+      };
+      std::vector<double> h2, b2, b2d, b2h;
+      for (int i = 0; i <= reps; ++i) {
+        float m = 0;
+        ck(cudaEventRecord(e0, s1), "cudaEventRecord");
+        h2d_split();
+        ck(cudaEventSynchronize(e2), "cudaEventSynchronize");
+        ck(cudaEventElapsedTime(&m, e0, e2), "cudaEventElapsedTime");
+        if (i > 0) h2.push_back(gb(m));
+      }
+      for (int i = 0; i <= reps; ++i) {
+        float m1 = 0, m2 = 0;
+        ck(cudaEventRecord(e0, s1), "cudaEventRecord");
+        ck(cudaMemcpyAsync(hA, dsrc, bytes, cudaMemcpyDeviceToHost, s1), "cudaMemcpyAsync D2H");
+        ck(cudaEventRecord(e1, s1), "cudaEventRecord");
+        h2d_split();
+        ck(cudaEventSynchronize(e1), "cudaEventSynchronize");
+        ck(cudaEventSynchronize(e2), "cudaEventSynchronize");
+        ck(cudaEventElapsedTime(&m1, e0, e1), "cudaEventElapsedTime");
+        ck(cudaEventElapsedTime(&m2, e0, e2), "cudaEventElapsedTime");
+        if (i > 0) {
+          b2d.push_back(gb(m1));
+          b2h.push_back(gb(m2));
+          b2.push_back(gb(std::max(m1, m2)));
+        }
+      }
+      out.h2d2_gbps = med(h2);
+      out.both2_gbps = med(b2);
+      out.both2_d2h_gbps = med(b2d);
+      out.both2_h2d_gbps = med(b2h);
+    }
+    out.d2h_gbps = med(d2h);
+    out.h2d_gbps = med(h2d);
+    out.both_gbps = med(both);
+    out.both_d2h_gbps = med(bd);
+    out.both_h2d_gbps = med(bh);
+    out.ok = true;
+  } catch (const std::exception& e) {
+    out.error = e.what();
+  }
+  if (e0) cudaEventDestroy(e0);
+  if (e1) cudaEventDestroy(e1);
+  if (e2) cudaEventDestroy(e2);
+  if (e3) cudaEventDestroy(e3);
+  if (s3) cudaStreamDestroy(s3);
+  if (s1) cudaStreamDestroy(s1);
+  if (s2) cudaStreamDestroy(s2);
+  if (dsrc) cudaFree(dsrc);
+  if (ddst) cudaFree(ddst);
+  if (registered) cudaHostUnregister(host);
+  if (host) ::munmap(host, 2 * bytes);
+  (void)cudaGetLastError();
+  return out;
+}
+
+}  // namespace bench
