@@ -1,0 +1,933 @@
+// shmcast-inspect against real regions: the real binary is run as a child
+// process and its --json output parsed. Each test uses a private region
+// directory (mkdtemp under /dev/shm) so tests never see each other.
+#include <fcntl.h>
+#include <gtest/gtest.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <set>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "layout.hpp"
+#include "support.hpp"
+
+using namespace shmcast;
+using namespace shmcast_test;
+using namespace std::chrono_literals;
+using nlohmann::json;
+namespace fs = std::filesystem;
+
+namespace {
+
+constexpr std::uint64_t kSlot = 2ull << 20;
+
+ProducerOptions small_opts(bool unlink_on_close = true) {
+  ProducerOptions o;
+  o.slot_bytes = kSlot;
+  o.slots = 2;
+  o.max_consumers = 4;
+  o.pin = Pin::kNo;
+  o.consumer_timeout = 20s;
+  o.unlink_on_close = unlink_on_close;
+  return o;
+}
+
+// A private region directory, exported as SHMCAST_DIR for the library.
+struct TempDir {
+  std::string path;
+  TempDir() {
+    char templ[] = "/dev/shm/shmcast-tooltest-XXXXXX";
+    const char* p = ::mkdtemp(templ);
+    if (p == nullptr) throw std::runtime_error("mkdtemp failed");
+    path = p;
+    ::setenv("SHMCAST_DIR", path.c_str(), 1);
+  }
+  ~TempDir() {
+    std::error_code ec;
+    fs::remove_all(path, ec);
+    ::unsetenv("SHMCAST_DIR");
+  }
+  std::string file(const std::string& name) const { return path + "/shmcast." + name; }
+};
+
+// ---- running the tool
+
+struct Proc {
+  pid_t pid = -1;
+  int out = -1, err = -1;
+};
+
+struct Result {
+  int rc = -1;  // exit code, 128 + signal, -1 on timeout
+  std::string out, err;
+  json j() const {
+    try {
+      return json::parse(out);
+    } catch (const std::exception& e) {
+      ADD_FAILURE() << "not one JSON document: " << e.what() << "\nstdout: " << out << "\nstderr: " << err;
+      return json();
+    }
+  }
+};
+
+Proc spawn_tool(const std::vector<std::string>& args) {
+  int o[2], e[2];
+  if (::pipe2(o, O_CLOEXEC) != 0 || ::pipe2(e, O_CLOEXEC) != 0) throw std::runtime_error("pipe");
+  Proc p;
+  p.pid = ::fork();
+  if (p.pid == 0) {
+    ::dup2(o[1], 1);
+    ::dup2(e[1], 2);
+    std::vector<char*> argv;
+    static std::string bin = SHMCAST_INSPECT_BIN;
+    argv.push_back(bin.data());
+    std::vector<std::string> copy = args;
+    for (auto& a : copy) argv.push_back(a.data());
+    argv.push_back(nullptr);
+    ::execv(bin.c_str(), argv.data());
+    ::_exit(127);
+  }
+  ::close(o[1]);
+  ::close(e[1]);
+  p.out = o[0];
+  p.err = e[0];
+  return p;
+}
+
+Result finish(Proc p, std::chrono::milliseconds timeout = 30s) {
+  Result r;
+  const auto end = std::chrono::steady_clock::now() + timeout;
+  bool out_open = true, err_open = true;
+  char buf[65536];
+  while ((out_open || err_open) && std::chrono::steady_clock::now() < end) {
+    struct pollfd fds[2] = {{out_open ? p.out : -1, POLLIN, 0}, {err_open ? p.err : -1, POLLIN, 0}};
+    ::poll(fds, 2, 50);
+    for (int i = 0; i < 2; ++i) {
+      if (!(fds[i].revents & (POLLIN | POLLHUP | POLLERR))) continue;
+      const ssize_t n = ::read(fds[i].fd, buf, sizeof buf);
+      if (n <= 0) {
+        (i == 0 ? out_open : err_open) = false;
+      } else {
+        (i == 0 ? r.out : r.err).append(buf, static_cast<std::size_t>(n));
+      }
+    }
+  }
+  int status = 0;
+  bool done = false;
+  while (std::chrono::steady_clock::now() < end) {
+    if (::waitpid(p.pid, &status, WNOHANG) == p.pid) {
+      done = true;
+      break;
+    }
+    std::this_thread::sleep_for(5ms);
+  }
+  if (!done) {
+    ::kill(p.pid, SIGKILL);
+    ::waitpid(p.pid, &status, 0);
+    r.rc = -1;
+  } else if (WIFEXITED(status)) {
+    r.rc = WEXITSTATUS(status);
+  } else if (WIFSIGNALED(status)) {
+    r.rc = 128 + WTERMSIG(status);
+  }
+  ::close(p.out);
+  ::close(p.err);
+  return r;
+}
+
+Result tool(const std::vector<std::string>& args, std::chrono::milliseconds timeout = 30s) {
+  return finish(spawn_tool(args), timeout);
+}
+
+const json* find_region(const json& list, const std::string& name) {
+  for (const json& r : list.at("regions"))
+    if (r.at("name") == name) return &r;
+  return nullptr;
+}
+
+std::set<std::string> names_of(const json& arr) {
+  std::set<std::string> s;
+  for (const json& e : arr) s.insert(e.at("name").get<std::string>());
+  return s;
+}
+
+bool exists(const std::string& p) {
+  struct stat st {};
+  return ::lstat(p.c_str(), &st) == 0;
+}
+
+// ---- a pipe the children use to say "ready" / "done"
+
+struct Signal {
+  int fd[2] = {-1, -1};
+  Signal() {
+    if (::pipe(fd) != 0) throw std::runtime_error("pipe");
+  }
+  ~Signal() {
+    ::close(fd[0]);
+    ::close(fd[1]);
+  }
+  void post() const {
+    const char c = 1;
+    (void)!::write(fd[1], &c, 1);
+  }
+  // Waits for n posts.
+  bool wait(int n, std::chrono::milliseconds timeout = 20s) const {
+    const auto end = std::chrono::steady_clock::now() + timeout;
+    while (n > 0) {
+      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(end - std::chrono::steady_clock::now());
+      if (left.count() <= 0) return false;
+      struct pollfd p = {fd[0], POLLIN, 0};
+      if (::poll(&p, 1, static_cast<int>(left.count())) <= 0) continue;
+      char c;
+      if (::read(fd[0], &c, 1) == 1) --n;
+    }
+    return true;
+  }
+};
+
+[[noreturn]] void park() {
+  for (;;) ::pause();
+}
+
+// Tensors and their bytes for one sync.
+struct SyncData {
+  std::vector<TensorSpec> specs;
+  std::vector<std::vector<std::uint8_t>> bytes;
+  std::vector<const void*> ptrs() const {
+    std::vector<const void*> v;
+    for (const auto& b : bytes) v.push_back(b.data());
+    return v;
+  }
+  std::uint64_t payload() const {
+    std::uint64_t n = 0;
+    for (const auto& b : bytes) n += b.size();
+    return n;
+  }
+};
+
+SyncData make_sync(std::vector<TensorSpec> specs, std::uint64_t version) {
+  SyncData d;
+  d.specs = std::move(specs);
+  for (std::size_t i = 0; i < d.specs.size(); ++i) {
+    d.bytes.emplace_back(d.specs[i].nbytes());
+    fill_pattern(d.bytes.back().data(), d.bytes.back().size(), seed_of(version, i));
+  }
+  return d;
+}
+
+std::vector<TensorSpec> small_specs() {
+  return {{"w.0", DType::kBF16, {4, 8}}, {"w.1", DType::kF32, {3}}, {"b", DType::kI64, {2, 2, 2}}};
+}
+
+// Writes `bytes` at `offset` of a region file (to damage it on purpose).
+void patch(const std::string& path, std::uint64_t offset, const void* bytes, std::size_t n) {
+  const int fd = ::open(path.c_str(), O_WRONLY);
+  ASSERT_GE(fd, 0) << path;
+  ASSERT_EQ(::pwrite(fd, bytes, n, static_cast<off_t>(offset)), static_cast<ssize_t>(n));
+  ::close(fd);
+}
+
+void write_file(const std::string& path, const std::string& content) {
+  std::ofstream f(path, std::ios::binary);
+  f << content;
+}
+
+// A region whose producer closed it without unlinking: state "closed".
+void make_closed(const std::string& name) {
+  Producer p = Producer::create(name, small_opts(false));
+  auto d = make_sync(small_specs(), 1);
+  p.send(d.specs, d.ptrs());
+  p.close();
+}
+
+std::string slurp(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  std::ostringstream os;
+  os << f.rdbuf();
+  return os.str();
+}
+
+}  // namespace
+
+// ================================================================ help
+
+TEST(Tool, HelpListsEveryVerbAndExitCodes) {
+  Result r = tool({"--help"});
+  EXPECT_EQ(r.rc, 0);
+  for (const char* verb : {"list", "show", "watch", "dump", "gc", "rm", "Exit codes", "--dir", "--json"})
+    EXPECT_NE(r.out.find(verb), std::string::npos) << verb;
+  for (const char* verb : {"list", "show", "watch", "dump", "gc", "rm"}) {
+    Result h = tool({verb, "--help"});
+    EXPECT_EQ(h.rc, 0) << verb;
+    EXPECT_NE(h.out.find("--json"), std::string::npos) << verb;
+  }
+  EXPECT_NE(tool({"watch", "--help"}).out.find("--count"), std::string::npos);
+  EXPECT_NE(tool({"dump", "--help"}).out.find("--timeout"), std::string::npos);
+  EXPECT_NE(tool({"gc", "--help"}).out.find("--dry-run"), std::string::npos);
+  EXPECT_NE(tool({"rm", "--help"}).out.find("--force"), std::string::npos);
+  EXPECT_EQ(tool({}).rc, 2);
+  EXPECT_EQ(tool({"list", "--bogus"}).rc, 2);
+  EXPECT_EQ(tool({"frobnicate"}).rc, 2);
+  Result bad = tool({"show", "bad/name", "--json"});
+  EXPECT_EQ(bad.rc, 2);
+  EXPECT_EQ(bad.j().at("ok"), false);
+}
+
+// ================================================================ live
+
+TEST(Tool, LiveRegionShowsProducerConsumersAndManifest) {
+  TempDir dir;
+  const std::string name = "live";
+  Producer p = Producer::create(name, small_opts());
+  Signal ready, done;
+  auto consumer = [&] {
+    ConsumerOptions co;
+    co.pin = Pin::kNo;
+    Consumer c = Consumer::open(name, co);
+    ready.post();
+    const SyncInfo& info = c.wait_sync(20s);
+    std::vector<std::vector<std::uint8_t>> buf(info.tensors.size());
+    std::vector<void*> dst;
+    for (std::size_t i = 0; i < info.tensors.size(); ++i) {
+      buf[i].resize(info.tensors[i].nbytes);
+      dst.push_back(buf[i].data());
+    }
+    c.read_into(dst);
+    done.post();
+    park();
+    return 0;
+  };
+  Child c1 = Child::spawn(consumer);
+  Child c2 = Child::spawn(consumer);
+  ASSERT_TRUE(ready.wait(2));
+  p.wait_for_consumers(2, 20s);
+  SyncData d = make_sync(small_specs(), 1);
+  ASSERT_EQ(p.send(d.specs, d.ptrs()), 1u);
+  ASSERT_TRUE(done.wait(2));
+
+  Result l = tool({"list", "--json", "--dir", dir.path});
+  ASSERT_EQ(l.rc, 0) << l.err;
+  json lj = l.j();
+  EXPECT_EQ(lj.at("command"), "list");
+  EXPECT_EQ(lj.at("dir"), dir.path);
+  ASSERT_EQ(lj.at("regions").size(), 1u);
+  const json* r = find_region(lj, name);
+  ASSERT_NE(r, nullptr);
+  EXPECT_EQ(r->at("state"), "ready");
+  EXPECT_EQ(r->at("layout_version"), 1);
+  EXPECT_EQ(r->at("size_bytes"), p.region_bytes());
+  EXPECT_EQ(r->at("producer").at("pid"), ::getpid());
+  EXPECT_EQ(r->at("producer").at("alive"), true);
+  EXPECT_EQ(r->at("consumers").at("attached"), 2);
+  EXPECT_EQ(r->at("consumers").at("alive"), 2);
+  EXPECT_EQ(r->at("consumers").at("max"), 4);
+  EXPECT_EQ(r->at("sync_version"), 1);
+  EXPECT_EQ(r->at("syncs_done"), 1);
+  EXPECT_EQ(r->at("bytes_done"), d.payload());
+  EXPECT_EQ(r->at("participants_alive"), true);
+
+  Result s = tool({"show", name, "--json", "--dir", dir.path});
+  ASSERT_EQ(s.rc, 0) << s.err;
+  json sj = s.j();
+  EXPECT_EQ(sj.at("header").at("slot_count"), 2);
+  EXPECT_EQ(sj.at("header").at("slot_bytes"), kSlot);
+  EXPECT_EQ(sj.at("header").at("max_consumers"), 4);
+  EXPECT_EQ(sj.at("header").at("init_state"), "ready");
+  EXPECT_EQ(sj.at("header").at("valid"), true);
+  EXPECT_EQ(sj.at("producer").at("pid"), ::getpid());
+  EXPECT_EQ(sj.at("producer").at("error_code"), 0);
+  EXPECT_EQ(sj.at("sync").at("version"), 1);
+  EXPECT_EQ(sj.at("sync").at("status"), "published");
+  EXPECT_EQ(sj.at("sync").at("chunks"), 1);
+  EXPECT_EQ(sj.at("sync").at("chunks_published"), 1);
+  std::set<int> pids;
+  int active = 0;
+  ASSERT_EQ(sj.at("seats").size(), 4u);
+  for (const json& seat : sj.at("seats")) {
+    if (seat.at("state") != "active") {
+      EXPECT_EQ(seat.at("state"), "free");
+      EXPECT_EQ(seat.at("alive"), false);
+      continue;
+    }
+    ++active;
+    pids.insert(seat.at("pid").get<int>());
+    EXPECT_EQ(seat.at("alive"), true);
+    EXPECT_EQ(seat.at("enrolled"), true);
+    EXPECT_EQ(seat.at("acked_version"), 1);
+    EXPECT_EQ(seat.at("released_seq"), 1);
+    EXPECT_EQ(seat.at("lag_chunks"), 0);
+    EXPECT_EQ(seat.at("syncs_done"), 1);
+    EXPECT_EQ(seat.at("bytes_done"), d.payload());
+    EXPECT_EQ(seat.at("error_code"), 0);
+  }
+  EXPECT_EQ(active, 2);
+  EXPECT_EQ(pids, (std::set<int>{c1.pid, c2.pid}));
+  ASSERT_EQ(sj.at("slots").size(), 2u);
+  EXPECT_EQ(sj.at("slots")[0].at("seq"), 1);
+  EXPECT_EQ(sj.at("slots")[0].at("version"), 1);
+  EXPECT_EQ(sj.at("slots")[0].at("state"), "released");
+  EXPECT_EQ(sj.at("slots")[1].at("state"), "empty");
+  const json& m = sj.at("manifest");
+  ASSERT_EQ(m.at("status"), "ok") << m.dump();
+  EXPECT_EQ(m.at("version"), 1);
+  EXPECT_EQ(m.at("tensor_count"), 3);
+  EXPECT_EQ(m.at("payload_bytes"), d.payload());
+  ASSERT_EQ(m.at("tensors").size(), 3u);
+  EXPECT_EQ(m.at("tensors")[0].at("name"), "w.0");
+  EXPECT_EQ(m.at("tensors")[0].at("dtype"), "bf16");
+  EXPECT_EQ(m.at("tensors")[0].at("shape"), json::array({4, 8}));
+  EXPECT_EQ(m.at("tensors")[1].at("dtype"), "f32");
+  EXPECT_EQ(m.at("tensors")[2].at("name"), "b");
+  EXPECT_EQ(m.at("tensors")[2].at("shape"), json::array({2, 2, 2}));
+  EXPECT_EQ(sj.at("errors").size(), 0u);
+
+  // --limit bounds the tensor rows.
+  json lim = tool({"show", name, "--json", "--limit", "2", "--dir", dir.path}).j();
+  EXPECT_EQ(lim.at("manifest").at("tensors").size(), 2u);
+  EXPECT_EQ(lim.at("manifest").at("truncated"), true);
+
+  // Human output: aligned tables with the same facts.
+  Result h = tool({"show", name, "--dir", dir.path});
+  EXPECT_EQ(h.rc, 0);
+  EXPECT_NE(h.out.find("SEATS"), std::string::npos);
+  EXPECT_NE(h.out.find(std::to_string(c1.pid)), std::string::npos);
+  EXPECT_NE(h.out.find("w.0"), std::string::npos);
+  Result hl = tool({"list", "--dir", dir.path});
+  EXPECT_EQ(hl.rc, 0);
+  EXPECT_NE(hl.out.find("live"), std::string::npos);
+  EXPECT_NE(hl.out.find("ready"), std::string::npos);
+
+  // A consumer dies: its seat stays active but is no longer alive.
+  c1.kill9();
+  c1.wait();
+  json after = tool({"list", "--json", "--dir", dir.path}).j();
+  r = find_region(after, name);
+  ASSERT_NE(r, nullptr);
+  EXPECT_EQ(r->at("consumers").at("attached"), 2);
+  EXPECT_EQ(r->at("consumers").at("alive"), 1);
+}
+
+// ================================================================ dead owners, gc
+
+TEST(Tool, DeadOwnerIsReportedAndGcRemovesOnlyIt) {
+  TempDir dir;
+  Signal ready;
+  // A producer killed with SIGKILL: it cannot unlink its region.
+  Child dead = Child::spawn([&] {
+    Producer p = Producer::create("dead", small_opts());
+    ready.post();
+    park();
+    return 0;
+  });
+  ASSERT_TRUE(ready.wait(1));
+  dead.kill9();
+  dead.wait();
+  // A producer that dies while one of its consumers is still attached.
+  Child orphan_prod = Child::spawn([&] {
+    Producer p = Producer::create("orphan", small_opts());
+    ready.post();
+    park();
+    return 0;
+  });
+  ASSERT_TRUE(ready.wait(1));
+  Child orphan_cons = Child::spawn([&] {
+    ConsumerOptions co;
+    co.pin = Pin::kNo;
+    Consumer c = Consumer::open("orphan", co);
+    ready.post();
+    park();
+    return 0;
+  });
+  ASSERT_TRUE(ready.wait(1));
+  orphan_prod.kill9();
+  orphan_prod.wait();
+  Producer live = Producer::create("alive", small_opts());
+
+  json lj = tool({"list", "--json", "--dir", dir.path}).j();
+  const json* d = find_region(lj, "dead");
+  const json* o = find_region(lj, "orphan");
+  const json* a = find_region(lj, "alive");
+  ASSERT_TRUE(d && o && a) << lj.dump();
+  EXPECT_EQ(d->at("state"), "dead");
+  EXPECT_EQ(d->at("producer").at("alive"), false);
+  EXPECT_EQ(d->at("producer").at("pid"), dead.pid);
+  EXPECT_EQ(d->at("participants_alive"), false);
+  EXPECT_EQ(o->at("state"), "dead");
+  EXPECT_EQ(o->at("consumers").at("alive"), 1);
+  EXPECT_EQ(o->at("participants_alive"), true);
+  EXPECT_EQ(a->at("state"), "ready");
+
+  // --dry-run names it but removes nothing.
+  Result dry = tool({"gc", "--dry-run", "--json", "--dir", dir.path});
+  ASSERT_EQ(dry.rc, 0) << dry.err;
+  json dj = dry.j();
+  EXPECT_EQ(dj.at("dry_run"), true);
+  EXPECT_EQ(names_of(dj.at("removed")), (std::set<std::string>{"dead"}));
+  EXPECT_TRUE(exists(dir.file("dead")));
+
+  Result gc = tool({"gc", "--json", "--dir", dir.path});
+  ASSERT_EQ(gc.rc, 0) << gc.err;
+  json gj = gc.j();
+  EXPECT_EQ(names_of(gj.at("removed")), (std::set<std::string>{"dead"}));
+  EXPECT_EQ(names_of(gj.at("kept")), (std::set<std::string>{"alive", "orphan"}));
+  EXPECT_FALSE(exists(dir.file("dead")));
+  EXPECT_TRUE(exists(dir.file("alive")));
+  EXPECT_TRUE(exists(dir.file("orphan")));
+  json after = tool({"list", "--json", "--dir", dir.path}).j();
+  ASSERT_NE(find_region(after, "alive"), nullptr);
+  EXPECT_EQ(find_region(after, "alive")->at("state"), "ready");
+
+  // Once its last consumer is gone too, the orphan goes; the live one stays.
+  orphan_cons.kill9();
+  orphan_cons.wait();
+  json gj2 = tool({"gc", "--json", "--dir", dir.path}).j();
+  EXPECT_EQ(names_of(gj2.at("removed")), (std::set<std::string>{"orphan"}));
+  EXPECT_FALSE(exists(dir.file("orphan")));
+  EXPECT_TRUE(exists(dir.file("alive")));
+  EXPECT_EQ(live.consumers(), 0u);  // the live producer still works
+}
+
+// ================================================================ damaged files
+
+TEST(Tool, CorruptForeignAndNewerVersionAreReportedNextToGoodOnes) {
+  TempDir dir;
+  Producer good = Producer::create("good", small_opts());
+  make_closed("foreign1");
+  make_closed("corrupt1");
+  make_closed("newer1");
+  make_closed("older1");
+  const char garbage[8] = {'G', 'A', 'R', 'B', 'A', 'G', 'E', '!'};
+  patch(dir.file("foreign1"), 0, garbage, 8);
+  const std::uint32_t zero = 0, two = 2;
+  patch(dir.file("corrupt1"), offsetof(detail::HeaderFixed, slot_count), &zero, 4);
+  patch(dir.file("newer1"), offsetof(detail::HeaderFixed, layout_version), &two, 4);
+  patch(dir.file("older1"), offsetof(detail::HeaderFixed, layout_version), &zero, 4);
+  std::string junk(10000, '\0');
+  fill_pattern(reinterpret_cast<std::uint8_t*>(junk.data()), junk.size(), 5);
+  write_file(dir.file("junk"), junk);
+  write_file(dir.file("tiny"), "abc");
+  write_file(dir.file("bad name!"), "whatever");
+  fs::create_directory(dir.file("adir"));
+
+  Result l = tool({"list", "--json", "--dir", dir.path});
+  ASSERT_EQ(l.rc, 0) << l.err;
+  json lj = l.j();
+  std::map<std::string, std::string> state;
+  for (const json& r : lj.at("regions")) state[r.at("name")] = r.at("state");
+  EXPECT_EQ(state["good"], "ready");
+  EXPECT_EQ(state["foreign1"], "foreign");
+  EXPECT_EQ(state["corrupt1"], "corrupt");
+  EXPECT_EQ(state["newer1"], "newer-version");
+  EXPECT_EQ(state["older1"], "older-version");
+  EXPECT_EQ(state["junk"], "foreign");
+  EXPECT_EQ(state["tiny"], "truncated");
+  EXPECT_EQ(state["bad name!"], "foreign");
+  EXPECT_EQ(state["adir"], "foreign");
+  EXPECT_EQ(state.size(), 9u);
+  EXPECT_EQ(find_region(lj, "newer1")->at("layout_version"), 2);
+  EXPECT_EQ(find_region(lj, "good")->at("producer").at("pid"), ::getpid());
+
+  // Human output lists every one of them too.
+  Result hl = tool({"list", "--dir", dir.path});
+  EXPECT_EQ(hl.rc, 0);
+  for (const char* n : {"good", "foreign1", "corrupt1", "newer1", "junk", "tiny", "adir", "newer-version"})
+    EXPECT_NE(hl.out.find(n), std::string::npos) << n;
+
+  Result sf = tool({"show", "foreign1", "--json", "--dir", dir.path});
+  EXPECT_EQ(sf.rc, 4);
+  EXPECT_EQ(sf.j().at("region").at("state"), "foreign");
+  Result sc = tool({"show", "corrupt1", "--json", "--dir", dir.path});
+  EXPECT_EQ(sc.rc, 4);
+  json scj = sc.j();
+  EXPECT_EQ(scj.at("region").at("state"), "corrupt");
+  EXPECT_NE(scj.at("region").at("reason").get<std::string>().find("slots"), std::string::npos);
+  EXPECT_EQ(scj.at("header").at("valid"), false);
+  EXPECT_EQ(scj.at("seats").size(), 0u);
+  Result sn = tool({"show", "newer1", "--json", "--dir", dir.path});
+  EXPECT_EQ(sn.rc, 4);
+  EXPECT_EQ(sn.j().at("region").at("state"), "newer-version");
+  EXPECT_EQ(tool({"show", "newer1", "--dir", dir.path}).rc, 4);
+  EXPECT_EQ(tool({"show", "good", "--dir", dir.path}).rc, 0);
+
+  // gc: damaged files of our layout go once they are older than --grace;
+  // foreign files and other versions are never touched.
+  json g1 = tool({"gc", "--json", "--dir", dir.path}).j();
+  EXPECT_EQ(names_of(g1.at("removed")), (std::set<std::string>{}));
+  json g2 = tool({"gc", "--json", "--grace", "0", "--dir", dir.path}).j();
+  EXPECT_EQ(names_of(g2.at("removed")), (std::set<std::string>{"corrupt1", "tiny"}));
+  for (const char* n : {"good", "foreign1", "newer1", "older1", "junk", "bad name!", "adir"})
+    EXPECT_TRUE(exists(dir.file(n))) << n;
+}
+
+TEST(Tool, TruncatedCopiesAreReportedTruncated) {
+  TempDir dir;
+  make_closed("src");
+  const std::string src = slurp(dir.file("src"));
+  ASSERT_GT(src.size(), 8192u);
+  write_file(dir.file("short"), src);
+  ASSERT_EQ(::truncate(dir.file("short").c_str(), 4096 + 512), 0);
+  write_file(dir.file("stub"), src.substr(0, 100));  // our magic, less than a header
+  write_file(dir.file("long"), src + std::string(4096, '\0'));  // larger than the header says
+  write_file(dir.file("empty"), "");                   // young and empty: being created
+  write_file(dir.file("zeros"), std::string(8192, '\0'));  // allocated, header not written yet
+
+  json lj = tool({"list", "--json", "--dir", dir.path}).j();
+  std::map<std::string, std::string> state;
+  for (const json& r : lj.at("regions")) state[r.at("name")] = r.at("state");
+  EXPECT_EQ(state["src"], "closed");
+  EXPECT_EQ(find_region(lj, "src")->at("sync_version"), 1);  // the last sync outlives the close
+  json srcj = tool({"show", "src", "--json", "--dir", dir.path}).j();
+  EXPECT_EQ(srcj.at("manifest").at("status"), "ok");
+  EXPECT_EQ(srcj.at("manifest").at("tensor_count"), 3);
+  EXPECT_EQ(state["short"], "truncated");
+  EXPECT_EQ(state["stub"], "truncated");
+  EXPECT_EQ(state["long"], "truncated");
+  EXPECT_EQ(state["empty"], "creating");
+  EXPECT_EQ(state["zeros"], "creating");
+  Result s = tool({"show", "short", "--json", "--dir", dir.path});
+  EXPECT_EQ(s.rc, 4);
+  EXPECT_EQ(s.j().at("region").at("size_bytes"), 4096 + 512);
+  // gc never removes a file that is being created.
+  json g = tool({"gc", "--json", "--dir", dir.path}).j();
+  EXPECT_EQ(names_of(g.at("removed")).count("empty"), 0u);
+  EXPECT_TRUE(exists(dir.file("empty")));
+  EXPECT_EQ(names_of(g.at("removed")), (std::set<std::string>{"src"}));  // closed, nobody attached
+  EXPECT_TRUE(exists(dir.file("zeros")));
+  // With no grace period, unfinished creations nobody holds are dead and go.
+  json g0 = tool({"gc", "--json", "--grace", "0", "--dir", dir.path}).j();
+  EXPECT_EQ(names_of(g0.at("removed")), (std::set<std::string>{"empty", "zeros", "short", "stub", "long"}));
+  EXPECT_FALSE(exists(dir.file("zeros")));
+}
+
+// ================================================================ read-only
+
+TEST(Tool, ReadingVerbsChangeNothing) {
+  TempDir dir;
+  make_closed("quiet");
+  const std::string path = dir.file("quiet");
+  const std::string before = slurp(path);
+  struct stat st0 {};
+  ASSERT_EQ(::stat(path.c_str(), &st0), 0);
+  EXPECT_EQ(tool({"list", "--dir", dir.path}).rc, 0);
+  EXPECT_EQ(tool({"list", "--json", "--dir", dir.path}).rc, 0);
+  EXPECT_EQ(tool({"show", "quiet", "--dir", dir.path}).rc, 0);
+  EXPECT_EQ(tool({"show", "quiet", "--json", "--dir", dir.path}).rc, 0);
+  EXPECT_EQ(tool({"watch", "quiet", "--count", "2", "--interval", "0.05", "--dir", dir.path}).rc, 0);
+  struct stat st1 {};
+  ASSERT_EQ(::stat(path.c_str(), &st1), 0);
+  EXPECT_EQ(slurp(path), before);
+  EXPECT_EQ(st0.st_mtim.tv_sec, st1.st_mtim.tv_sec);
+  EXPECT_EQ(st0.st_mtim.tv_nsec, st1.st_mtim.tv_nsec);
+  EXPECT_EQ(st0.st_ctim.tv_nsec, st1.st_ctim.tv_nsec);
+}
+
+// ================================================================ dump
+
+namespace {
+
+struct Safetensors {
+  json header;
+  std::string data;
+  std::uint64_t header_len = 0;
+};
+
+Safetensors read_safetensors(const std::string& path) {
+  Safetensors st;
+  const std::string all = slurp(path);
+  EXPECT_GE(all.size(), 8u);
+  if (all.size() < 8) return st;
+  for (int b = 7; b >= 0; --b) st.header_len = (st.header_len << 8) | static_cast<unsigned char>(all[b]);
+  EXPECT_LE(8 + st.header_len, all.size());
+  if (8 + st.header_len > all.size()) return st;
+  EXPECT_EQ((8 + st.header_len) % 8, 0u) << "data must start 8-byte aligned";
+  st.header = json::parse(all.substr(8, st.header_len));
+  st.data = all.substr(8 + st.header_len);
+  return st;
+}
+
+std::string expected_dtype(DType d) {
+  switch (d) {
+    case DType::kBF16: return "BF16";
+    case DType::kF32: return "F32";
+    case DType::kF16: return "F16";
+    case DType::kI64: return "I64";
+    case DType::kU8: return "U8";
+    case DType::kBool: return "BOOL";
+    case DType::kF8E4M3FN: return "F8_E4M3";
+    case DType::kF8E5M2: return "F8_E5M2";
+    default: return "U8";  // no safetensors dtype: raw bytes
+  }
+}
+
+}  // namespace
+
+TEST(Tool, DumpWritesTheNextSyncAsSafetensorsBitExact) {
+  TempDir dir;
+  const std::string name = "src";
+  Producer p = Producer::create(name, small_opts());
+  // Sync 1 goes out before dump attaches: dump must write sync 2.
+  SyncData s1 = make_sync(small_specs(), 1);
+  ASSERT_EQ(p.send(s1.specs, s1.ptrs()), 1u);
+
+  std::vector<TensorSpec> specs = random_manifest(11, kSlot, 14);  // includes tensors split over slots
+  specs.push_back({"fp8", DType::kF8E4M3FN, {3, 5}});
+  specs.push_back({"fp8b", DType::kF8E5M2, {9}});
+  specs.push_back({"half", DType::kF16, {7, 3}});
+  specs.push_back({"fnuz", DType::kF8E4M3FNUZ, {4, 2}});  // no safetensors dtype
+  specs.push_back({"big", DType::kU8, {static_cast<std::int64_t>(5 * kSlot + 123)}});
+  specs.push_back({"empty", DType::kF32, {0, 4}});
+  specs.push_back({"flag", DType::kBool, {}});
+  SyncData s2 = make_sync(specs, 2);
+
+  const std::string out = dir.path + "/out.safetensors";
+  Proc dump = spawn_tool({"dump", name, "--out", out, "--timeout", "30", "--json", "--dir", dir.path});
+  p.wait_for_consumers(1, 20s);
+  ASSERT_EQ(p.send(s2.specs, s2.ptrs()), 2u);
+  Result r = finish(dump);
+  ASSERT_EQ(r.rc, 0) << r.err << r.out;
+  json rj = r.j();
+  EXPECT_EQ(rj.at("sync_version"), 2);
+  EXPECT_EQ(rj.at("tensor_count"), specs.size());
+  EXPECT_EQ(rj.at("payload_bytes"), s2.payload());
+  EXPECT_EQ(rj.at("substituted_dtypes"), 1);
+
+  Safetensors st = read_safetensors(out);
+  ASSERT_TRUE(st.header.is_object());
+  const json& meta = st.header.at("__metadata__");
+  EXPECT_EQ(meta.at("shmcast_region"), name);
+  EXPECT_EQ(meta.at("shmcast_sync_version"), "2");
+  EXPECT_EQ(meta.at("shmcast_version"), std::to_string(kVersionMajor) + "." + std::to_string(kVersionMinor));
+  EXPECT_EQ(st.header.size(), specs.size() + 1);
+  EXPECT_EQ(st.data.size(), s2.payload());
+  std::uint64_t expect_off = 0;
+  for (std::size_t i = 0; i < specs.size(); ++i) {
+    SCOPED_TRACE(specs[i].name);
+    const json& e = st.header.at(specs[i].name);
+    EXPECT_EQ(e.at("dtype"), expected_dtype(specs[i].dtype));
+    std::vector<std::int64_t> shape = specs[i].shape;
+    if (specs[i].dtype == DType::kF8E4M3FNUZ) {
+      EXPECT_EQ(e.at("dtype"), "U8");
+    }
+    EXPECT_EQ(e.at("shape").get<std::vector<std::int64_t>>(), shape);
+    const auto off = e.at("data_offsets").get<std::vector<std::uint64_t>>();
+    ASSERT_EQ(off.size(), 2u);
+    EXPECT_EQ(off[0], expect_off);  // contiguous, in order, no holes
+    EXPECT_EQ(off[1] - off[0], specs[i].nbytes());
+    ASSERT_LE(off[1], st.data.size());
+    EXPECT_TRUE(std::equal(s2.bytes[i].begin(), s2.bytes[i].end(),
+                           reinterpret_cast<const std::uint8_t*>(st.data.data()) + off[0]))
+        << "bytes of tensor " << i << " differ from the source";
+    expect_off = off[1];
+  }
+  const json subst = json::parse(meta.at("shmcast_dtypes").get<std::string>());
+  EXPECT_EQ(subst.at("fnuz").at("dtype"), "f8e4m3fnuz");
+  // Nothing left behind but the output, and the producer goes on without the dump.
+  std::size_t files = 0;
+  for (const auto& e : fs::directory_iterator(dir.path)) {
+    (void)e;
+    ++files;
+  }
+  EXPECT_EQ(files, 2u);  // the region and out.safetensors
+  EXPECT_EQ(p.consumers(), 0u);
+  SyncData s3 = make_sync(small_specs(), 3);
+  EXPECT_EQ(p.send(s3.specs, s3.ptrs()), 3u);
+}
+
+TEST(Tool, DumpTimesOutRefusesToClobberAndReportsMissing) {
+  TempDir dir;
+  Producer p = Producer::create("quiet", small_opts());
+  const std::string out = dir.path + "/never.safetensors";
+  const auto t0 = std::chrono::steady_clock::now();
+  Result r = tool({"dump", "quiet", "--out", out, "--timeout", "0.5", "--json", "--dir", dir.path});
+  EXPECT_EQ(r.rc, 6) << r.err;
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, 20s);
+  EXPECT_EQ(r.j().at("ok"), false);
+  EXPECT_FALSE(exists(out));
+  std::size_t files = 0;
+  for (const auto& e : fs::directory_iterator(dir.path)) {
+    (void)e;
+    ++files;
+  }
+  EXPECT_EQ(files, 1u) << "no temporary file may be left behind";
+  EXPECT_EQ(tool({"dump", "missing", "--out", out, "--timeout", "0.2", "--dir", dir.path}).rc, 3);
+  write_file(out, "keep me");
+  EXPECT_EQ(tool({"dump", "quiet", "--out", out, "--timeout", "0.2", "--dir", dir.path}).rc, 5);
+  EXPECT_EQ(slurp(out), "keep me");
+  make_closed("broken");
+  const std::uint32_t two = 2;
+  patch(dir.file("broken"), offsetof(detail::HeaderFixed, layout_version), &two, 4);
+  EXPECT_EQ(tool({"dump", "broken", "--out", dir.path + "/b.safetensors", "--timeout", "5", "--dir", dir.path}).rc,
+            4);
+}
+
+// ================================================================ rm
+
+TEST(Tool, RmRefusesLiveRegionsUnlessForced) {
+  TempDir dir;
+  Producer p = Producer::create("busy", small_opts());
+  Result r = tool({"rm", "busy", "--json", "--dir", dir.path});
+  EXPECT_EQ(r.rc, 5) << r.err;
+  json rj = r.j();
+  EXPECT_EQ(rj.at("ok"), false);
+  EXPECT_EQ(rj.at("removed"), false);
+  EXPECT_EQ(rj.at("participants_alive"), true);
+  EXPECT_TRUE(exists(dir.file("busy")));
+  EXPECT_EQ(tool({"rm", "busy", "--dir", dir.path}).rc, 5);
+  EXPECT_TRUE(exists(dir.file("busy")));
+
+  Result f = tool({"rm", "busy", "--force", "--json", "--dir", dir.path});
+  EXPECT_EQ(f.rc, 0) << f.err;
+  EXPECT_EQ(f.j().at("removed"), true);
+  EXPECT_EQ(f.j().at("forced"), true);
+  EXPECT_FALSE(exists(dir.file("busy")));
+
+  make_closed("done");
+  Result d = tool({"rm", "done", "--json", "--dir", dir.path});
+  EXPECT_EQ(d.rc, 0) << d.err;
+  EXPECT_EQ(d.j().at("forced"), false);
+  EXPECT_FALSE(exists(dir.file("done")));
+  EXPECT_EQ(tool({"rm", "done", "--dir", dir.path}).rc, 3);
+}
+
+// ================================================================ watch
+
+TEST(Tool, WatchRefreshesCountTimesAndReportsThroughput) {
+  TempDir dir;
+  Producer p = Producer::create("w", small_opts());
+  Result h = tool({"watch", "w", "--count", "2", "--interval", "0.1", "--dir", dir.path});
+  EXPECT_EQ(h.rc, 0) << h.err;
+  std::size_t frames = 0;
+  for (std::size_t pos = 0; (pos = h.out.find("SLOTS", pos)) != std::string::npos; ++pos) ++frames;
+  EXPECT_EQ(frames, 2u) << h.out;
+
+  // Syncs flow while watch samples: some sample must see bytes moving.
+  std::atomic<bool> stop{false};
+  std::thread sender([&] {
+    std::uint64_t v = 0;
+    SyncData d = make_sync({{"x", DType::kU8, {1 << 20}}}, 1);
+    while (!stop) {
+      p.send(d.specs, d.ptrs());
+      ++v;
+      std::this_thread::sleep_for(5ms);
+    }
+  });
+  Result j = tool({"watch", "w", "--count", "4", "--interval", "0.2", "--json", "--dir", dir.path});
+  stop = true;
+  sender.join();
+  EXPECT_EQ(j.rc, 0) << j.err;
+  std::istringstream lines(j.out);
+  std::string line;
+  int n = 0;
+  double best = 0;
+  while (std::getline(lines, line)) {
+    json doc = json::parse(line);
+    ++n;
+    EXPECT_EQ(doc.at("command"), "watch");
+    EXPECT_EQ(doc.at("sample"), n);
+    EXPECT_EQ(doc.at("region").at("state"), "ready");
+    EXPECT_EQ(doc.at("slots").size(), 2u);
+    if (n == 1) {
+      EXPECT_TRUE(doc.at("rates").at("bytes_per_s").is_null());
+    }
+    if (n > 1 && doc.at("rates").at("bytes_per_s").is_number())
+      best = std::max(best, doc.at("rates").at("bytes_per_s").get<double>());
+  }
+  EXPECT_EQ(n, 4);
+  EXPECT_GT(best, 0.0);
+
+  EXPECT_EQ(tool({"watch", "nothere", "--count", "1", "--dir", dir.path}).rc, 3);
+}
+
+TEST(Tool, WatchExitsCleanlyOnSigint) {
+  TempDir dir;
+  Producer p = Producer::create("w", small_opts());
+  Proc w = spawn_tool({"watch", "w", "--interval", "0.05", "--dir", dir.path});
+  std::this_thread::sleep_for(400ms);
+  ::kill(w.pid, SIGINT);
+  Result r = finish(w, 10s);
+  EXPECT_EQ(r.rc, 0) << r.err;
+  EXPECT_NE(r.out.find("SLOTS"), std::string::npos);
+}
+
+// ================================================================ errors
+
+TEST(Tool, ShowReportsAbortsAndEvictions) {
+  TempDir dir;
+  ProducerOptions o = small_opts();
+  o.stall_policy = StallPolicy::kEvict;
+  o.consumer_timeout = 300ms;
+  Producer p = Producer::create("err", o);
+  Signal ready;
+  // A consumer that takes the manifest, then never reads: it holds chunk 1.
+  Child stall = Child::spawn([&] {
+    ConsumerOptions co;
+    co.pin = Pin::kNo;
+    Consumer c = Consumer::open("err", co);
+    ready.post();
+    c.wait_sync(20s);
+    ready.post();
+    park();
+    return 0;
+  });
+  ASSERT_TRUE(ready.wait(1));
+  p.wait_for_consumers(1, 20s);
+  // Three chunks through two slots: chunk 3 needs chunk 1 back, so the
+  // stalled consumer is evicted.
+  SyncData big = make_sync({{"a", DType::kU8, {static_cast<std::int64_t>(kSlot)}},
+                            {"b", DType::kU8, {static_cast<std::int64_t>(kSlot)}},
+                            {"c", DType::kU8, {static_cast<std::int64_t>(kSlot)}}},
+                           1);
+  ASSERT_EQ(p.send(big.specs, big.ptrs()), 1u);
+  ASSERT_TRUE(ready.wait(1));
+
+  json ej = tool({"show", "err", "--json", "--dir", dir.path}).j();
+  const json* seat = nullptr;
+  for (const json& s : ej.at("seats"))
+    if (s.at("pid") == stall.pid) seat = &s;
+  ASSERT_NE(seat, nullptr) << ej.dump();
+  EXPECT_EQ(seat->at("state"), "evicted");
+  EXPECT_EQ(seat->at("alive"), true);
+  EXPECT_EQ(seat->at("evict_reason_name"), "Timeout");
+  EXPECT_EQ(ej.at("header").at("evictions"), 1);
+  bool saw_eviction = false;
+  for (const json& e : ej.at("errors"))
+    if (e.at("who") == "eviction" && e.at("seat") == seat->at("index")) saw_eviction = true;
+  EXPECT_TRUE(saw_eviction) << ej.at("errors").dump();
+  EXPECT_EQ(ej.at("sync").at("version"), 1);
+  EXPECT_EQ(ej.at("manifest").at("status"), "ok");
+  EXPECT_EQ(ej.at("manifest").at("tensor_count"), 3);
+
+  // An aborted sync: the record says so and the producer's error is shown.
+  ASSERT_EQ(p.begin_sync(small_specs()), 2u);
+  p.abort_sync("trainer hit a NaN");
+  Result s = tool({"show", "err", "--json", "--dir", dir.path});
+  ASSERT_EQ(s.rc, 0) << s.err;
+  json aj = s.j();
+  EXPECT_EQ(aj.at("sync").at("version"), 2);
+  EXPECT_EQ(aj.at("sync").at("aborted"), true);
+  EXPECT_EQ(aj.at("sync").at("status"), "aborted");
+  EXPECT_EQ(aj.at("producer").at("error_name"), "Aborted");
+  EXPECT_EQ(aj.at("producer").at("error_text"), "trainer hit a NaN");
+  ASSERT_GE(aj.at("errors").size(), 1u);
+  EXPECT_EQ(aj.at("errors")[0].at("who"), "producer");
+  EXPECT_EQ(aj.at("errors")[0].at("text"), "trainer hit a NaN");
+  Result h = tool({"show", "err", "--dir", dir.path});
+  EXPECT_NE(h.out.find("trainer hit a NaN"), std::string::npos) << h.out;
+  EXPECT_NE(h.out.find("evicted"), std::string::npos) << h.out;
+}

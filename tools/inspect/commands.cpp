@@ -1,0 +1,539 @@
+// list, show, watch (read-only) and gc, rm (act).
+#include "commands.hpp"
+
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <chrono>
+#include <cstring>
+#include <ctime>
+#include <iostream>
+#include <map>
+#include <sstream>
+#include <thread>
+
+#include "format.hpp"
+#include "probe.hpp"
+
+namespace shmcast::inspect {
+
+using namespace shmcast::detail;
+
+int fail(const Common& c, const std::string& command, int code, const std::string& message) {
+  std::cerr << "shmcast-inspect " << command << ": " << term_safe(message) << "\n";
+  if (c.json) {
+    json j = doc(command, false);
+    j["dir"] = c.dir;
+    j["exit_code"] = code;
+    j["error"] = message;
+    print_json(j);
+  }
+  return code;
+}
+
+namespace {
+
+bool check_name(const Common& c, const std::string& command, const std::string& name, int* rc) {
+  const std::string why = validate_name(name);
+  if (why.empty()) return true;
+  *rc = fail(c, command, kExitUsage, why + ": '" + name + "'");
+  return false;
+}
+
+// Probes one region of a directory listing: never throws. A file that
+// vanished between readdir and open gives false.
+bool probe_listed(const std::string& dir, const std::string& name, const ProbeOptions& o, RegionReport* out) {
+  try {
+    *out = probe(dir, name, o);
+    return true;
+  } catch (const Error& e) {
+    if (e.code() == Errc::kNotFound) return false;
+    *out = RegionReport{};
+    out->name = name;
+    out->path = dir + "/shmcast." + name;
+    out->state = kStateUnreadable;
+    out->reason = e.what();
+    return true;
+  } catch (const std::exception& e) {
+    *out = RegionReport{};
+    out->name = name;
+    out->path = dir + "/shmcast." + name;
+    out->state = kStateUnreadable;
+    out->reason = e.what();
+    return true;
+  }
+}
+
+std::string producer_cell(const RegionReport& r) {
+  if (!r.have_header) return "-";
+  return std::to_string(r.producer_pid);
+}
+
+// ---------------------------------------------------------------- removal
+
+// Removes `path` if it is still the file we probed (same inode) and still
+// nobody holds a lock on it. Returns "" or why not.
+std::string remove_checked(const std::string& path, std::uint64_t inode, bool check_locks) {
+  if (check_locks) {
+    const int fd = ::open(path.c_str(), O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC);
+    if (fd < 0) return std::string("open: ") + std::strerror(errno);
+    struct stat st {};
+    const bool same = ::fstat(fd, &st) == 0 && static_cast<std::uint64_t>(st.st_ino) == inode;
+    const Alive a = any_lock_held(fd);
+    ::close(fd);
+    if (!same) return "the file was replaced while gc ran (a new region took the name)";
+    if (a != Alive::kNo) return "a participant attached while gc ran";
+  }
+  struct stat st {};
+  if (::lstat(path.c_str(), &st) != 0) return std::string("lstat: ") + std::strerror(errno);
+  if (static_cast<std::uint64_t>(st.st_ino) != inode) return "the file was replaced (a new region took the name)";
+  if (::unlink(path.c_str()) != 0) return std::string("unlink: ") + std::strerror(errno);
+  return {};
+}
+
+volatile sig_atomic_t g_stop = 0;
+
+void on_stop(int) { g_stop = 1; }
+
+void install_stop_handlers() {
+  struct sigaction sa {};
+  sa.sa_handler = on_stop;
+  sigemptyset(&sa.sa_mask);
+  sa.sa_flags = 0;  // no SA_RESTART: sleeps return early
+  ::sigaction(SIGINT, &sa, nullptr);
+  ::sigaction(SIGTERM, &sa, nullptr);
+  ::sigaction(SIGHUP, &sa, nullptr);
+}
+
+// Sleeps until `seconds` passed or a stop signal arrived.
+void sleep_unless_stopped(double seconds) {
+  const auto end = std::chrono::steady_clock::now() + std::chrono::duration<double>(seconds);
+  while (!g_stop) {
+    const auto now = std::chrono::steady_clock::now();
+    if (now >= end) return;
+    auto left = std::chrono::duration_cast<std::chrono::nanoseconds>(end - now);
+    if (left > std::chrono::milliseconds(50)) left = std::chrono::milliseconds(50);
+    struct timespec ts {};
+    ts.tv_sec = static_cast<time_t>(left.count() / 1000000000);
+    ts.tv_nsec = static_cast<long>(left.count() % 1000000000);
+    ::nanosleep(&ts, nullptr);
+  }
+}
+
+// Restores the terminal however watch ends.
+struct TerminalGuard {
+  bool active = false;
+  void enter() {
+    active = true;
+    std::cout << "\x1b[?1049h\x1b[?25l" << std::flush;  // alternate screen, hide cursor
+  }
+  void leave() {
+    if (!active) return;
+    active = false;
+    std::cout << "\x1b[?25h\x1b[?1049l" << std::flush;
+  }
+  ~TerminalGuard() { leave(); }
+};
+
+std::int64_t wall_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::system_clock::now().time_since_epoch())
+      .count();
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------- list
+
+int cmd_list(const Common& c) {
+  std::vector<std::string> names;
+  try {
+    names = scan_dir(c.dir);
+  } catch (const std::exception& e) {
+    return fail(c, "list", kExitFailure, e.what());
+  }
+  ProbeOptions o;
+  std::vector<RegionReport> reports;
+  for (const std::string& n : names) {
+    RegionReport r;
+    if (probe_listed(c.dir, n, o, &r)) reports.push_back(std::move(r));
+  }
+  if (c.json) {
+    json j = doc("list");
+    j["dir"] = c.dir;
+    json arr = json::array();
+    for (const RegionReport& r : reports) arr.push_back(region_summary_json(r));
+    j["regions"] = arr;
+    print_json(j);
+    return kExitOk;
+  }
+  if (reports.empty()) {
+    std::cout << "no shmcast regions in " << term_safe(c.dir) << "\n";
+    return kExitOk;
+  }
+  Table t({"NAME", "STATE", "SIZE", "LAYOUT", "PRODUCER", "ALIVE", "CONSUMERS", "LIVE", "SYNC", "NOTE"},
+          {false, false, true, true, true, false, true, true, true, false});
+  for (const RegionReport& r : reports) {
+    const bool magic_ok = r.have_fixed && r.fixed.magic == kMagic;
+    t.row({r.name, r.state, human_bytes(r.size), magic_ok ? std::to_string(r.fixed.layout_version) : "-",
+           producer_cell(r), r.have_header ? alive_word(r.producer_alive) : "-",
+           r.header_valid ? std::to_string(r.consumers_attached) + "/" + std::to_string(r.geo.max_consumers) : "-",
+           r.header_valid ? std::to_string(r.consumers_alive) : "-",
+           r.header_valid && r.have_record ? std::to_string(r.record.version) : "-",
+           r.reason});
+  }
+  std::cout << "region directory " << term_safe(c.dir) << "\n";
+  t.print(std::cout);
+  return kExitOk;
+}
+
+// ---------------------------------------------------------------- show
+
+int cmd_show(const Common& c, const std::string& name, std::size_t limit) {
+  int rc = 0;
+  if (!check_name(c, "show", name, &rc)) return rc;
+  ProbeOptions o;
+  o.decode_manifest = true;
+  RegionReport r;
+  try {
+    r = probe(c.dir, name, o);
+  } catch (const Error& e) {
+    if (e.code() == Errc::kNotFound) return fail(c, "show", kExitNotFound, e.what());
+    return fail(c, "show", kExitFailure, e.what());
+  }
+  const int exit = state_is_damaged(r.state) ? kExitDamaged : kExitOk;
+  if (c.json) {
+    json j = doc("show");
+    j["dir"] = c.dir;
+    j["exit_code"] = exit;
+    region_detail_json(r, limit, &j);
+    print_json(j);
+  } else {
+    print_region_detail(std::cout, r, limit);
+  }
+  return exit;
+}
+
+// ---------------------------------------------------------------- watch
+
+namespace {
+
+struct Baseline {
+  bool have = false;
+  std::uint64_t inode = 0, generation = 0;
+  std::int64_t t_ns = 0;
+  std::uint64_t bytes_done = 0, published_seq = 0;
+  std::map<std::uint32_t, std::pair<std::uint64_t, std::uint64_t>> seat_bytes;  // index -> (gen, bytes_done)
+};
+
+struct Rates {
+  bool have = false;
+  double bytes_per_s = 0, chunks_per_s = 0;
+  std::map<std::uint32_t, double> seat_bytes_per_s;
+};
+
+Rates update_rates(Baseline* b, const RegionReport& r, std::int64_t t_ns) {
+  Rates out;
+  if (!r.have_header) {
+    b->have = false;
+    return out;
+  }
+  const bool same = b->have && b->inode == r.inode && b->generation == r.generation && t_ns > b->t_ns &&
+                    r.bytes_done >= b->bytes_done && r.published_seq >= b->published_seq;
+  if (same) {
+    const double dt = static_cast<double>(t_ns - b->t_ns) * 1e-9;
+    out.have = true;
+    out.bytes_per_s = static_cast<double>(r.bytes_done - b->bytes_done) / dt;
+    out.chunks_per_s = static_cast<double>(r.published_seq - b->published_seq) / dt;
+    for (const SeatReport& s : r.seats) {
+      auto it = b->seat_bytes.find(s.index);
+      if (it != b->seat_bytes.end() && it->second.first == s.generation && s.bytes_done >= it->second.second)
+        out.seat_bytes_per_s[s.index] = static_cast<double>(s.bytes_done - it->second.second) / dt;
+    }
+  }
+  b->have = true;
+  b->inode = r.inode;
+  b->generation = r.generation;
+  b->t_ns = t_ns;
+  b->bytes_done = r.bytes_done;
+  b->published_seq = r.published_seq;
+  b->seat_bytes.clear();
+  for (const SeatReport& s : r.seats) b->seat_bytes[s.index] = {s.generation, s.bytes_done};
+  return out;
+}
+
+std::string render_watch(const Common& c, const std::string& name, const RegionReport* r, const Rates& rates,
+                         double interval_s, std::uint64_t sample) {
+  std::ostringstream os;
+  char head[256];
+  std::snprintf(head, sizeof head, "shmcast-inspect watch %s   every %.2fs   %s   refresh %llu   (Ctrl-C quits)",
+                term_safe(name).c_str(), interval_s, unix_ns_text(static_cast<std::uint64_t>(wall_ns())).c_str(),
+                static_cast<unsigned long long>(sample));
+  os << head << "\n\n";
+  if (r == nullptr) {
+    os << "region " << term_safe(name) << " not found in " << term_safe(c.dir) << " (waiting for it)\n";
+    return os.str();
+  }
+  Table kv({"FIELD", "VALUE"});
+  kv.row({"state", r->state + (r->reason.empty() ? "" : " (" + r->reason + ")")});
+  if (r->have_header)
+    kv.row({"producer", "pid " + std::to_string(r->producer_pid) + ", alive " + alive_word(r->producer_alive) +
+                            ", generation " + std::to_string(r->generation)});
+  if (r->header_valid)
+    kv.row({"consumers", std::to_string(r->consumers_attached) + " attached, " + std::to_string(r->consumers_alive) +
+                             " alive (max " + std::to_string(r->geo.max_consumers) + ")"});
+  if (r->header_valid && r->have_record)
+    kv.row({"sync", "version " + std::to_string(r->record.version) + " (" + r->sync_status + ", " +
+                        std::to_string(r->chunks_published) + "/" + std::to_string(r->record.chunks) +
+                        " chunks), " + std::to_string(r->syncs_done) + " syncs done, " +
+                        human_bytes(r->bytes_done) + " total"});
+  if (r->have_header) {
+    std::string rate = "-";
+    if (rates.have) {
+      char buf[64];
+      std::snprintf(buf, sizeof buf, "%.1f", rates.chunks_per_s);
+      rate = human_rate(rates.bytes_per_s) + " synced, " + buf + " chunks/s published";
+    }
+    kv.row({"throughput", rate});
+    if (r->error_code) kv.row({"last error", errc_text(r->error_code) + ": " + r->error_text});
+  }
+  kv.print(os);
+  if (r->header_valid) {
+    os << "\nSEATS\n";
+    Table t({"IDX", "STATE", "PID", "ALIVE", "ACKED", "RELEASED", "LAG", "SYNCS", "BYTES", "RATE", "ERROR"},
+            {true, false, true, false, true, true, true, true, true, true, false});
+    std::size_t hidden = 0;
+    for (const SeatReport& s : r->seats) {
+      if (s.word == 0 && s.alive != Alive::kYes) {
+        ++hidden;
+        continue;
+      }
+      auto it = rates.seat_bytes_per_s.find(s.index);
+      t.row({std::to_string(s.index), s.state, s.pid ? std::to_string(s.pid) : "-", alive_word(s.alive),
+             std::to_string(s.acked_version), std::to_string(s.released_seq), std::to_string(s.lag_chunks),
+             std::to_string(s.syncs_done), human_bytes(s.bytes_done),
+             it != rates.seat_bytes_per_s.end() ? human_rate(it->second) : "-",
+             s.error_code ? errc_text(s.error_code) : "-"});
+    }
+    t.print(os);
+    if (hidden) os << "(" << hidden << " never-used seats hidden)\n";
+    os << "\nSLOTS\n";
+    Table s({"IDX", "STATE", "SEQ", "VERSION", "BYTES", "HOLDERS"}, {true, false, true, true, true, true});
+    const std::size_t max_rows = 64;
+    for (std::size_t k = 0; k < r->slots.size() && k < max_rows; ++k) {
+      const SlotReport& sl = r->slots[k];
+      s.row({std::to_string(sl.index), sl.state, std::to_string(sl.seq), std::to_string(sl.version),
+             human_bytes(sl.bytes), std::to_string(sl.holders)});
+    }
+    s.print(os);
+    if (r->slots.size() > max_rows) os << "... " << (r->slots.size() - max_rows) << " more slots\n";
+  }
+  return os.str();
+}
+
+}  // namespace
+
+int cmd_watch(const Common& c, const std::string& name, double interval_s, std::uint64_t count) {
+  int rc = 0;
+  if (!check_name(c, "watch", name, &rc)) return rc;
+  install_stop_handlers();
+  const bool tty = !c.json && ::isatty(STDOUT_FILENO) == 1;
+  TerminalGuard term;
+  Baseline base;
+  ProbeOptions o;
+  for (std::uint64_t sample = 1; !g_stop; ++sample) {
+    const std::int64_t t = wall_ns();
+    RegionReport r;
+    bool found = true;
+    try {
+      r = probe(c.dir, name, o);
+    } catch (const Error& e) {
+      if (e.code() != Errc::kNotFound) return fail(c, "watch", kExitFailure, e.what());
+      found = false;
+    }
+    if (!found && sample == 1) return fail(c, "watch", kExitNotFound, "no region at " + c.dir + "/shmcast." + name);
+    const Rates rates = found ? update_rates(&base, r, t) : Rates{};
+    if (!found) base.have = false;
+    if (c.json) {
+      json j = doc("watch");
+      j["dir"] = c.dir;
+      j["sample"] = sample;
+      j["time_unix_ns"] = t;
+      j["interval_s"] = interval_s;
+      j["missing"] = !found;
+      if (found) {
+        region_detail_json(r, 0, &j);
+        j.erase("manifest");
+      } else {
+        j["region"] = nullptr;
+      }
+      json rj;
+      rj["bytes_per_s"] = rates.have ? json(rates.bytes_per_s) : json(nullptr);
+      rj["chunks_per_s"] = rates.have ? json(rates.chunks_per_s) : json(nullptr);
+      json seats = json::array();
+      for (const auto& [idx, v] : rates.seat_bytes_per_s) seats.push_back(json{{"index", idx}, {"bytes_per_s", v}});
+      rj["seats"] = seats;
+      j["rates"] = rj;
+      print_json(j);
+    } else {
+      const std::string frame = render_watch(c, name, found ? &r : nullptr, rates, interval_s, sample);
+      if (tty) {
+        if (!term.active) term.enter();
+        std::cout << "\x1b[H\x1b[2J" << frame << std::flush;
+      } else {
+        std::cout << frame << "\n" << std::flush;
+      }
+    }
+    if (count != 0 && sample >= count) break;
+    sleep_unless_stopped(interval_s);
+  }
+  term.leave();
+  return kExitOk;
+}
+
+// ---------------------------------------------------------------- gc
+
+int cmd_gc(const Common& c, bool dry_run, double grace_s) {
+  std::vector<std::string> names;
+  try {
+    names = scan_dir(c.dir);
+  } catch (const std::exception& e) {
+    return fail(c, "gc", kExitFailure, e.what());
+  }
+  ProbeOptions o;
+  o.grace_s = grace_s;
+  json removed = json::array(), kept = json::array(), failed = json::array();
+  Table t({"ACTION", "NAME", "STATE", "WHY"});
+  auto entry = [](const RegionReport& r, const std::string& why) {
+    return json{{"name", r.name}, {"file", r.path}, {"state", r.state}, {"reason", why}};
+  };
+  for (const std::string& n : names) {
+    RegionReport r;
+    if (!probe_listed(c.dir, n, o, &r)) continue;
+    std::string keep_why;
+    if (r.state == kStateReady) {
+      keep_why = "the producer is alive";
+    } else if (r.state == kStateCreating) {
+      keep_why = "it is being created";
+    } else if (r.state == kStateDead || r.state == kStateClosed || r.state == kStateCorrupt ||
+               r.state == kStateTruncated) {
+      if (r.any_lock == Alive::kYes)
+        keep_why = r.producer_alive == Alive::kYes ? "the producer is alive" : "a consumer is still attached";
+      else if (r.any_lock == Alive::kUnknown)
+        keep_why = "liveness unknown (lock probe failed)";
+      else if ((r.state == kStateCorrupt || r.state == kStateTruncated) && r.young)
+        keep_why = "damaged but changed less than --grace seconds ago";
+    } else if (r.state == kStateForeign) {
+      keep_why = "not a shmcast region: remove it by hand if it is garbage";
+    } else if (r.state == kStateNewer || r.state == kStateOlder) {
+      keep_why = "made by another shmcast layout version: use that version's shmcast-inspect";
+    } else {
+      keep_why = "cannot be inspected: " + r.reason;
+    }
+    if (!keep_why.empty()) {
+      kept.push_back(entry(r, keep_why));
+      t.row({"keep", r.name, r.state, keep_why});
+      continue;
+    }
+    const std::string why = r.reason.empty() ? "nobody is attached" : r.reason + "; nobody is attached";
+    if (dry_run) {
+      removed.push_back(entry(r, why));
+      t.row({"would remove", r.name, r.state, why});
+      continue;
+    }
+    const std::string err = remove_checked(r.path, r.inode, true);
+    if (err.empty()) {
+      removed.push_back(entry(r, why));
+      t.row({"removed", r.name, r.state, why});
+    } else {
+      json e = entry(r, why);
+      e["error"] = err;
+      failed.push_back(e);
+      t.row({"failed", r.name, r.state, err});
+    }
+  }
+  const int exit = failed.empty() ? kExitOk : kExitFailure;
+  if (c.json) {
+    json j = doc("gc", exit == kExitOk);
+    j["dir"] = c.dir;
+    j["dry_run"] = dry_run;
+    j["grace_s"] = grace_s;
+    j["exit_code"] = exit;
+    j["removed"] = removed;
+    j["kept"] = kept;
+    j["failed"] = failed;
+    print_json(j);
+  } else if (t.empty()) {
+    std::cout << "no shmcast regions in " << term_safe(c.dir) << "\n";
+  } else {
+    t.print(std::cout);
+  }
+  return exit;
+}
+
+// ---------------------------------------------------------------- rm
+
+int cmd_rm(const Common& c, const std::string& name, bool force) {
+  int rc = 0;
+  if (!check_name(c, "rm", name, &rc)) return rc;
+  ProbeOptions o;
+  RegionReport r;
+  try {
+    r = probe(c.dir, name, o);
+  } catch (const Error& e) {
+    if (e.code() == Errc::kNotFound) return fail(c, "rm", kExitNotFound, e.what());
+    return fail(c, "rm", kExitFailure, e.what());
+  }
+  std::string alive_why;
+  if (r.any_lock == Alive::kYes) {
+    alive_why = r.producer_alive == Alive::kYes ? "its producer (pid " + std::to_string(r.producer_pid) + ") is alive"
+                                                : "a participant is alive";
+    if (r.header_valid && r.consumers_alive > 0)
+      alive_why += ", " + std::to_string(r.consumers_alive) + " consumer(s) alive";
+  } else if (r.state == kStateCreating) {
+    alive_why = "it is being created";
+  } else if (r.any_lock == Alive::kUnknown && r.state != kStateForeign) {
+    alive_why = "its participants' liveness is unknown";
+  }
+  if (!alive_why.empty() && !force) {
+    const std::string msg = "refusing to remove region '" + name + "': " + alive_why +
+                            "; pass --force to remove it anyway (attached processes keep their mapping)";
+    std::cerr << "shmcast-inspect rm: " << term_safe(msg) << "\n";
+    if (c.json) {
+      json j = doc("rm", false);
+      j["dir"] = c.dir;
+      j["exit_code"] = static_cast<int>(kExitRefused);
+      j["error"] = msg;
+      j["name"] = name;
+      j["file"] = r.path;
+      j["state"] = r.state;
+      j["participants_alive"] = alive_json(r.any_lock);
+      j["forced"] = false;
+      j["removed"] = false;
+      print_json(j);
+    }
+    return kExitRefused;
+  }
+  const std::string err = remove_checked(r.path, r.inode, false);
+  if (!err.empty()) return fail(c, "rm", kExitFailure, "cannot remove " + r.path + ": " + err);
+  if (c.json) {
+    json j = doc("rm");
+    j["dir"] = c.dir;
+    j["exit_code"] = 0;
+    j["name"] = name;
+    j["file"] = r.path;
+    j["state"] = r.state;
+    j["participants_alive"] = alive_json(r.any_lock);
+    j["forced"] = force && !alive_why.empty();
+    j["removed"] = true;
+    print_json(j);
+  } else {
+    std::cout << "removed " << term_safe(r.path) << " (" << r.state
+              << (force && !alive_why.empty() ? ", forced: " + alive_why : std::string()) << ")\n";
+  }
+  return kExitOk;
+}
+
+}  // namespace shmcast::inspect

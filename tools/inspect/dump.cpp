@@ -1,0 +1,316 @@
+// dump: receive the next sync as a consumer and write it as .safetensors.
+//
+// File layout (https://github.com/huggingface/safetensors):
+//   8 bytes     N, little-endian u64: length of the JSON header
+//   N bytes     JSON header, padded with spaces so 8 + N is a multiple of 8
+//   the rest    tensor data, contiguous, in manifest (stream) order
+//
+// Memory stays bounded: the data is never staged. visit() hands out
+// zero-copy pieces of each slot and each piece is pwrite()n at its place in
+// the file while the slot is held.
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/stat.h>
+#include <sys/statvfs.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <chrono>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <iostream>
+
+#include "commands.hpp"
+#include "format.hpp"
+#include "probe.hpp"
+
+namespace shmcast::inspect {
+
+namespace {
+
+// ---- the temporary file, removed on any failure and on SIGINT/SIGTERM.
+char g_tmp_path[4096];
+volatile sig_atomic_t g_tmp_set = 0;
+
+void on_dump_signal(int sig) {
+  if (g_tmp_set) ::unlink(g_tmp_path);  // async-signal-safe
+  ::_exit(sig == SIGINT || sig == SIGTERM || sig == SIGHUP ? kExitInterrupted : kExitFailure);
+}
+
+struct TempFile {
+  std::string path;
+  int fd = -1;
+  bool committed = false;
+  ~TempFile() {
+    if (fd >= 0) ::close(fd);
+    if (!path.empty() && !committed) ::unlink(path.c_str());
+    g_tmp_set = 0;
+  }
+};
+
+// safetensors dtype for a shmcast dtype; false when safetensors has none
+// (the tensor is then written as U8 bytes and its real dtype is recorded in
+// the metadata).
+bool safetensors_dtype(DType d, std::string* out) {
+  switch (d) {
+    case DType::kBool: *out = "BOOL"; return true;
+    case DType::kU8: *out = "U8"; return true;
+    case DType::kI8: *out = "I8"; return true;
+    case DType::kI16: *out = "I16"; return true;
+    case DType::kI32: *out = "I32"; return true;
+    case DType::kI64: *out = "I64"; return true;
+    case DType::kU16: *out = "U16"; return true;
+    case DType::kU32: *out = "U32"; return true;
+    case DType::kU64: *out = "U64"; return true;
+    case DType::kF16: *out = "F16"; return true;
+    case DType::kBF16: *out = "BF16"; return true;
+    case DType::kF32: *out = "F32"; return true;
+    case DType::kF64: *out = "F64"; return true;
+    case DType::kF8E4M3FN: *out = "F8_E4M3"; return true;
+    case DType::kF8E5M2: *out = "F8_E5M2"; return true;
+    case DType::kF8E8M0FNU: *out = "F8_E8M0"; return true;
+    case DType::kC64: *out = "C64"; return true;
+    default: *out = "U8"; return false;
+  }
+}
+
+void pwrite_all(int fd, const void* data, std::uint64_t n, std::uint64_t off) {
+  const char* p = static_cast<const char*>(data);
+  while (n > 0) {
+    const std::size_t step = n > (1ull << 30) ? (1ull << 30) : static_cast<std::size_t>(n);
+    const ssize_t w = ::pwrite(fd, p, step, static_cast<off_t>(off));
+    if (w < 0) {
+      if (errno == EINTR) continue;
+      const int e = errno;
+      throw Error(e == ENOSPC ? Errc::kRegionFull : Errc::kSystem,
+                  std::string("writing the output file: ") + std::strerror(e), e);
+    }
+    p += w;
+    off += static_cast<std::uint64_t>(w);
+    n -= static_cast<std::uint64_t>(w);
+  }
+}
+
+int exit_for(Errc code) {
+  switch (code) {
+    case Errc::kNotFound: return kExitNotFound;
+    case Errc::kTimeout: return kExitTimeout;
+    case Errc::kCorrupt:
+    case Errc::kVersionMismatch: return kExitDamaged;
+    case Errc::kRegionFull: return kExitNoSpace;
+    default: return kExitFailure;
+  }
+}
+
+}  // namespace
+
+int cmd_dump(const Common& c, const std::string& name, const std::string& out, double timeout_s, bool overwrite) {
+  namespace fs = std::filesystem;
+  const std::string why = validate_name(name);
+  if (!why.empty()) return fail(c, "dump", kExitUsage, why + ": '" + name + "'");
+  if (out.empty()) return fail(c, "dump", kExitUsage, "--out is empty");
+
+  const fs::path out_path = fs::absolute(fs::path(out));
+  const fs::path out_dir = out_path.parent_path();
+  struct stat st {};
+  if (::stat(out_dir.c_str(), &st) != 0 || !S_ISDIR(st.st_mode))
+    return fail(c, "dump", kExitFailure, "output directory " + out_dir.string() + " does not exist");
+  if (::access(out_dir.c_str(), W_OK) != 0)
+    return fail(c, "dump", kExitFailure, "cannot write to " + out_dir.string() + ": " + std::strerror(errno));
+  if (::lstat(out_path.c_str(), &st) == 0) {
+    if (S_ISDIR(st.st_mode)) return fail(c, "dump", kExitUsage, out_path.string() + " is a directory");
+    if (!overwrite)
+      return fail(c, "dump", kExitRefused, out_path.string() + " exists: pass --overwrite to replace it");
+  }
+
+  // A damaged region will never deliver a sync: say so now instead of
+  // timing out. A missing one may still appear (the producer may be
+  // restarting): the consumer waits for it.
+  try {
+    const RegionReport r = probe(c.dir, name, ProbeOptions{});
+    if (state_is_damaged(r.state))
+      return fail(c, "dump", kExitDamaged, "region '" + name + "' is " + r.state + ": " + r.reason);
+  } catch (const Error& e) {
+    if (e.code() != Errc::kNotFound) return fail(c, "dump", kExitFailure, e.what());
+  }
+
+  // The library finds regions through $SHMCAST_DIR.
+  ::setenv("SHMCAST_DIR", c.dir.c_str(), 1);
+  struct sigaction sa {};
+  sa.sa_handler = on_dump_signal;
+  sigemptyset(&sa.sa_mask);
+  ::sigaction(SIGINT, &sa, nullptr);
+  ::sigaction(SIGTERM, &sa, nullptr);
+  ::sigaction(SIGHUP, &sa, nullptr);
+
+  const auto t0 = std::chrono::steady_clock::now();
+  const auto deadline = t0 + std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::duration<double>(timeout_s));
+  auto left = [&] {
+    const auto l = deadline - std::chrono::steady_clock::now();
+    return l.count() > 0 ? std::chrono::duration_cast<Duration>(l) : Duration(0);
+  };
+
+  try {
+    ConsumerOptions co;
+    co.pin = Pin::kNo;
+    co.open_timeout = left();
+    Consumer consumer = Consumer::open(name, co);
+    const SyncInfo& info = consumer.wait_sync(left());
+    const auto t_sync = std::chrono::steady_clock::now();
+
+    // ---- the safetensors header
+    json header;
+    json meta;
+    meta["format"] = "pt";
+    meta["shmcast_version"] = std::to_string(kVersionMajor) + "." + std::to_string(kVersionMinor);
+    meta["shmcast_region"] = name;
+    meta["shmcast_sync_version"] = std::to_string(info.version);
+    json substituted = json::object();
+    std::vector<std::uint64_t> file_off(info.tensors.size());
+    std::uint64_t data_bytes = 0;
+    json tensors = json::object();
+    for (std::size_t i = 0; i < info.tensors.size(); ++i) {
+      const TensorInfo& t = info.tensors[i];
+      if (t.name == "__metadata__") {
+        consumer.skip();
+        return fail(c, "dump", kExitFailure, "the sync has a tensor named __metadata__, which safetensors reserves");
+      }
+      std::string dt;
+      std::vector<std::int64_t> shape = t.shape;
+      if (!safetensors_dtype(t.dtype, &dt)) {
+        const std::size_t es = dtype_size(t.dtype);
+        if (es > 1) shape.push_back(static_cast<std::int64_t>(es));
+        substituted[t.name] = json{{"dtype", std::string(dtype_name(t.dtype))}, {"shape", t.shape}};
+      }
+      file_off[i] = data_bytes;
+      json e;
+      e["dtype"] = dt;
+      e["shape"] = shape;
+      e["data_offsets"] = json::array({data_bytes, data_bytes + t.nbytes});
+      tensors[t.name] = e;
+      data_bytes += t.nbytes;
+    }
+    if (!substituted.empty()) meta["shmcast_dtypes"] = substituted.dump();
+    header["__metadata__"] = meta;
+    for (auto& [k, v] : tensors.items()) header[k] = v;
+
+    std::string htext;
+    try {
+      htext = header.dump();  // strict: names must be valid UTF-8
+    } catch (const json::exception&) {
+      consumer.skip();
+      return fail(c, "dump", kExitFailure, "a tensor name is not valid UTF-8, which safetensors requires");
+    }
+    while ((8 + htext.size()) % 8 != 0) htext.push_back(' ');
+    const std::uint64_t data_start = 8 + htext.size();
+    const std::uint64_t file_bytes = data_start + data_bytes;
+
+    // ---- free space first
+    struct statvfs vfs {};
+    if (::statvfs(out_dir.c_str(), &vfs) == 0) {
+      const std::uint64_t avail = static_cast<std::uint64_t>(vfs.f_bavail) * vfs.f_frsize;
+      if (avail < file_bytes) {
+        consumer.skip();
+        return fail(c, "dump", kExitNoSpace,
+                    out_dir.string() + " has " + human_bytes(avail) + " free; the dump needs " +
+                        human_bytes(file_bytes) + " (" + std::to_string(file_bytes) + " bytes)");
+      }
+    }
+
+    // ---- temp file in the same directory, then rename
+    TempFile tmp;
+    std::string templ = (out_dir / ("." + out_path.filename().string() + ".tmp.XXXXXX")).string();
+    std::vector<char> buf(templ.begin(), templ.end());
+    buf.push_back('\0');
+    tmp.fd = ::mkostemp(buf.data(), O_CLOEXEC);
+    if (tmp.fd < 0) {
+      const int e = errno;
+      consumer.skip();
+      return fail(c, "dump", kExitFailure, "cannot create a temporary file in " + out_dir.string() + ": " +
+                                               std::strerror(e));
+    }
+    tmp.path = buf.data();
+    if (tmp.path.size() < sizeof g_tmp_path) {
+      std::memcpy(g_tmp_path, tmp.path.c_str(), tmp.path.size() + 1);
+      g_tmp_set = 1;
+    }
+    const mode_t mask = ::umask(0);
+    ::umask(mask);
+    ::fchmod(tmp.fd, 0666 & ~mask);
+    const int fa = ::posix_fallocate(tmp.fd, 0, static_cast<off_t>(file_bytes));
+    if (fa == ENOSPC || fa == EFBIG) {
+      consumer.skip();
+      return fail(c, "dump", kExitNoSpace, "not enough space for " + std::to_string(file_bytes) + " bytes in " +
+                                               out_dir.string());
+    }
+
+    unsigned char len_le[8];
+    for (int b = 0; b < 8; ++b) len_le[b] = static_cast<unsigned char>(std::uint64_t{htext.size()} >> (8 * b));
+    pwrite_all(tmp.fd, len_le, 8, 0);
+    pwrite_all(tmp.fd, htext.data(), htext.size(), 8);
+
+    std::vector<std::uint64_t> written(info.tensors.size(), 0);
+    const int fd = tmp.fd;
+    consumer.visit([&](const Piece& p) {
+      if (p.bytes == 0) return;
+      if (p.tensor >= info.tensors.size() || p.offset + p.bytes > info.tensors[p.tensor].nbytes)
+        throw Error(Errc::kCorrupt, "a piece falls outside its tensor");
+      pwrite_all(fd, p.data, p.bytes, data_start + file_off[p.tensor] + p.offset);
+      written[p.tensor] += p.bytes;
+    });
+    for (std::size_t i = 0; i < info.tensors.size(); ++i)
+      if (written[i] != info.tensors[i].nbytes)
+        return fail(c, "dump", kExitFailure, "tensor '" + info.tensors[i].name + "' got " + std::to_string(written[i]) +
+                                                 " of " + std::to_string(info.tensors[i].nbytes) + " bytes");
+    const std::uint64_t version = info.version;
+    const std::size_t ntensors = info.tensors.size();
+    const std::uint64_t payload = info.payload_bytes;
+    consumer.close();  // leave the seat: the producer need not wait for us
+
+    if (::ftruncate(tmp.fd, static_cast<off_t>(file_bytes)) != 0 || ::fsync(tmp.fd) != 0)
+      return fail(c, "dump", kExitFailure, std::string("flushing the output file: ") + std::strerror(errno));
+    ::close(tmp.fd);
+    tmp.fd = -1;
+    if (::rename(tmp.path.c_str(), out_path.c_str()) != 0)
+      return fail(c, "dump", kExitFailure, "rename to " + out_path.string() + ": " + std::strerror(errno));
+    tmp.committed = true;
+    g_tmp_set = 0;
+    const int dfd = ::open(out_dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (dfd >= 0) {
+      ::fsync(dfd);
+      ::close(dfd);
+    }
+    const auto t1 = std::chrono::steady_clock::now();
+    const double wait_s = std::chrono::duration<double>(t_sync - t0).count();
+    const double write_s = std::chrono::duration<double>(t1 - t_sync).count();
+    if (c.json) {
+      json j = doc("dump");
+      j["dir"] = c.dir;
+      j["exit_code"] = 0;
+      j["name"] = name;
+      j["out"] = out_path.string();
+      j["sync_version"] = version;
+      j["tensor_count"] = ntensors;
+      j["payload_bytes"] = payload;
+      j["header_bytes"] = htext.size();
+      j["file_bytes"] = file_bytes;
+      j["substituted_dtypes"] = substituted.size();
+      j["wait_s"] = wait_s;
+      j["write_s"] = write_s;
+      print_json(j);
+    } else {
+      std::cout << "wrote " << term_safe(out_path.string()) << ": sync " << version << " of '" << term_safe(name)
+                << "', " << ntensors << " tensors, " << human_bytes(payload) << " (file " << human_bytes(file_bytes)
+                << ") in " << write_s << " s after waiting " << wait_s << " s\n";
+      if (!substituted.empty())
+        std::cout << substituted.size()
+                  << " tensor(s) have no safetensors dtype and were written as U8; see __metadata__.shmcast_dtypes\n";
+    }
+    return kExitOk;
+  } catch (const Error& e) {
+    return fail(c, "dump", exit_for(e.code()), e.what());
+  }
+}
+
+}  // namespace shmcast::inspect

@@ -1,0 +1,513 @@
+#include "format.hpp"
+
+#include <algorithm>
+#include <cinttypes>
+#include <cstdio>
+#include <ctime>
+#include <iostream>
+#include <sstream>
+
+#include "region.hpp"
+
+namespace shmcast::inspect {
+
+using namespace shmcast::detail;
+
+json doc(const std::string& command, bool ok) {
+  json j;
+  j["tool"] = "shmcast-inspect";
+  j["schema"] = kSchemaVersion;
+  j["command"] = command;
+  j["ok"] = ok;
+  return j;
+}
+
+void print_json(const json& j) {
+  std::cout << j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace) << "\n";
+  std::cout.flush();
+}
+
+json alive_json(Alive a) {
+  switch (a) {
+    case Alive::kYes: return true;
+    case Alive::kNo: return false;
+    default: return nullptr;
+  }
+}
+
+const char* alive_word(Alive a) {
+  switch (a) {
+    case Alive::kYes: return "yes";
+    case Alive::kNo: return "no";
+    default: return "?";
+  }
+}
+
+std::string errc_text(std::uint32_t code) {
+  if (code == 0) return "";
+  return errc_name(static_cast<Errc>(code));
+}
+
+std::string hex64(std::uint64_t v) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "0x%016" PRIx64, v);
+  return buf;
+}
+
+std::string human_bytes(std::uint64_t b) { return detail::human_bytes(b); }
+
+std::string human_rate(double bps) {
+  if (bps <= 0) return "0 B/s";
+  return detail::human_bytes(static_cast<std::uint64_t>(bps)) + "/s";
+}
+
+std::string human_age(double s) {
+  char buf[64];
+  if (s < 60)
+    std::snprintf(buf, sizeof buf, "%.0fs", s);
+  else if (s < 3600)
+    std::snprintf(buf, sizeof buf, "%dm%02ds", static_cast<int>(s / 60), static_cast<int>(s) % 60);
+  else if (s < 86400)
+    std::snprintf(buf, sizeof buf, "%dh%02dm", static_cast<int>(s / 3600), static_cast<int>(s / 60) % 60);
+  else
+    std::snprintf(buf, sizeof buf, "%dd%02dh", static_cast<int>(s / 86400), static_cast<int>(s / 3600) % 24);
+  return buf;
+}
+
+std::string unix_ns_text(std::uint64_t ns) {
+  if (ns == 0) return "-";
+  const std::time_t t = static_cast<std::time_t>(ns / 1000000000ull);
+  struct tm tm {};
+  if (::gmtime_r(&t, &tm) == nullptr) return "-";
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "%04d-%02d-%02dT%02d:%02d:%02d.%03uZ", tm.tm_year + 1900, tm.tm_mon + 1, tm.tm_mday,
+                tm.tm_hour, tm.tm_min, tm.tm_sec, static_cast<unsigned>((ns / 1000000ull) % 1000));
+  return buf;
+}
+
+std::string shape_text(const std::vector<std::int64_t>& shape) {
+  std::string s = "[";
+  for (std::size_t i = 0; i < shape.size(); ++i) {
+    if (i) s += ", ";
+    s += std::to_string(shape[i]);
+  }
+  return s + "]";
+}
+
+std::string term_safe(const std::string& s) {
+  std::string out;
+  out.reserve(s.size());
+  auto esc = [&](unsigned char c) {
+    char buf[8];
+    std::snprintf(buf, sizeof buf, "\\x%02x", c);
+    out += buf;
+  };
+  const auto* p = reinterpret_cast<const unsigned char*>(s.data());
+  const std::size_t n = s.size();
+  for (std::size_t i = 0; i < n;) {
+    const unsigned char c = p[i];
+    if (c < 0x20 || c == 0x7f) {
+      esc(c);
+      ++i;
+      continue;
+    }
+    if (c < 0x80) {
+      out += static_cast<char>(c);
+      ++i;
+      continue;
+    }
+    // Validate one UTF-8 sequence; reject overlongs, surrogates, > U+10FFFF
+    // and the C1 controls (U+0080..U+009F), which terminals may obey.
+    std::size_t len = 0;
+    std::uint32_t cp = 0;
+    if ((c & 0xe0) == 0xc0) {
+      len = 2;
+      cp = c & 0x1f;
+    } else if ((c & 0xf0) == 0xe0) {
+      len = 3;
+      cp = c & 0x0f;
+    } else if ((c & 0xf8) == 0xf0) {
+      len = 4;
+      cp = c & 0x07;
+    }
+    bool ok = len > 0 && i + len <= n;
+    for (std::size_t k = 1; ok && k < len; ++k) {
+      if ((p[i + k] & 0xc0) != 0x80)
+        ok = false;
+      else
+        cp = (cp << 6) | (p[i + k] & 0x3f);
+    }
+    if (ok) {
+      const std::uint32_t min_cp = len == 2 ? 0x80 : len == 3 ? 0x800 : 0x10000;
+      if (cp < min_cp || cp > 0x10ffff || (cp >= 0xd800 && cp <= 0xdfff) || (cp >= 0x80 && cp <= 0x9f)) ok = false;
+    }
+    if (!ok) {
+      esc(c);
+      ++i;
+      continue;
+    }
+    out.append(s, i, len);
+    i += len;
+  }
+  return out;
+}
+
+namespace {
+
+std::size_t display_width(const std::string& s) {
+  std::size_t w = 0;
+  for (unsigned char c : s)
+    if ((c & 0xc0) != 0x80) ++w;
+  return w;
+}
+
+const char* init_state_name(std::uint32_t s) {
+  switch (s) {
+    case kInitCreating: return "creating";
+    case kInitReady: return "ready";
+    case kInitClosed: return "closed";
+    default: return "invalid";
+  }
+}
+
+std::string ms_text(std::uint64_t ns) {
+  if (ns == 0) return "-";
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "%.1f ms", static_cast<double>(ns) * 1e-6);
+  return buf;
+}
+
+json u64_or_null(bool have, std::uint64_t v) { return have ? json(v) : json(nullptr); }
+
+}  // namespace
+
+json region_summary_json(const RegionReport& r) {
+  json j;
+  j["name"] = r.name;
+  j["file"] = r.path;
+  j["state"] = r.state;
+  j["reason"] = r.reason;
+  j["size_bytes"] = r.size;
+  j["age_s"] = static_cast<double>(static_cast<std::int64_t>(r.age_s * 1000)) / 1000.0;
+  j["layout_version"] = r.have_fixed && r.fixed.magic == kMagic ? json(r.fixed.layout_version) : json(nullptr);
+  j["participants_alive"] = alive_json(r.any_lock);
+  json p;
+  p["pid"] = r.have_header ? json(r.producer_pid) : json(nullptr);
+  p["alive"] = (r.have_header || r.state == kStateNewer || r.state == kStateOlder) ? alive_json(r.producer_alive)
+                                                                                     : json(nullptr);
+  j["producer"] = p;
+  json c;
+  c["attached"] = r.header_valid ? json(r.consumers_attached) : json(nullptr);
+  c["alive"] = r.header_valid ? json(r.consumers_alive) : json(nullptr);
+  c["max"] = r.header_valid ? json(r.geo.max_consumers) : json(nullptr);
+  j["consumers"] = c;
+  j["sync_version"] = u64_or_null(r.header_valid && r.have_record, r.record.version);
+  j["sync_status"] = r.header_valid ? json(r.sync_status) : json(nullptr);
+  j["syncs_done"] = u64_or_null(r.have_header, r.syncs_done);
+  j["bytes_done"] = u64_or_null(r.have_header, r.bytes_done);
+  return j;
+}
+
+void region_detail_json(const RegionReport& r, std::size_t limit, json* out) {
+  json& j = *out;
+  j["region"] = region_summary_json(r);
+
+  if (r.have_fixed && r.fixed.magic == kMagic) {
+    const HeaderFixed& f = r.fixed;
+    json h;
+    h["magic"] = hex64(f.magic);
+    h["layout_version"] = f.layout_version;
+    h["header_bytes"] = f.header_bytes;
+    h["total_bytes"] = f.total_bytes;
+    h["features"] = hex64(f.features);
+    json names = json::array();
+    if (f.features & kFeatureChecksums) names.push_back("checksums");
+    h["feature_names"] = names;
+    h["max_consumers"] = f.max_consumers;
+    h["slot_count"] = f.slot_count;
+    h["slot_bytes"] = f.slot_bytes;
+    h["seats_offset"] = f.seats_offset;
+    h["slots_offset"] = f.slots_offset;
+    h["manifest_offset"] = f.manifest_offset;
+    h["manifest_bytes"] = f.manifest_bytes;
+    h["data_offset"] = f.data_offset;
+    h["created_unix_ns"] = f.created_unix_ns;
+    h["valid"] = r.header_valid;
+    h["init_state"] = r.have_header ? json(init_state_name(r.init_state)) : json(nullptr);
+    h["init_state_raw"] = u64_or_null(r.have_header, r.init_state);
+    h["generation"] = u64_or_null(r.have_header, r.generation);
+    h["evictions"] = u64_or_null(r.have_header, r.evictions);
+    h["published_seq"] = u64_or_null(r.have_header, r.published_seq);
+    h["syncs_done"] = u64_or_null(r.have_header, r.syncs_done);
+    h["bytes_done"] = u64_or_null(r.have_header, r.bytes_done);
+    h["last_sync_ns"] = u64_or_null(r.have_header, r.last_sync_ns);
+    h["last_end_unix_ns"] = u64_or_null(r.have_header, r.last_end_unix_ns);
+    j["header"] = h;
+  } else {
+    j["header"] = nullptr;
+  }
+
+  json p;
+  p["pid"] = u64_or_null(r.have_header, r.producer_pid);
+  p["start_time"] = u64_or_null(r.have_header, r.producer_start_time);
+  p["pidns"] = u64_or_null(r.have_header, r.producer_pidns);
+  p["alive"] = (r.have_header || r.state == kStateNewer || r.state == kStateOlder) ? alive_json(r.producer_alive)
+                                                                                     : json(nullptr);
+  p["error_code"] = u64_or_null(r.have_header, r.error_code);
+  p["error_name"] = r.have_header ? json(errc_text(r.error_code)) : json(nullptr);
+  p["error_text"] = r.have_header ? json(r.error_text) : json(nullptr);
+  j["producer"] = p;
+
+  if (r.header_valid && r.have_record) {
+    const RecordSnapshot& rec = r.record;
+    json s;
+    s["version"] = rec.version;
+    s["status"] = r.sync_status;
+    s["first_seq"] = rec.first_seq;
+    s["chunks"] = rec.chunks;
+    s["chunks_published"] = r.chunks_published;
+    s["stream_bytes"] = rec.stream_bytes;
+    s["manifest_used"] = rec.manifest_used;
+    s["manifest_hash"] = hex64(rec.manifest_hash);
+    s["aborted"] = rec.aborted;
+    s["record_stable"] = r.record_stable;
+    j["sync"] = s;
+  } else {
+    j["sync"] = nullptr;
+  }
+
+  json seats = json::array();
+  for (const SeatReport& s : r.seats) {
+    json e;
+    e["index"] = s.index;
+    e["state"] = s.state;
+    e["generation"] = s.generation;
+    e["pid"] = s.pid;
+    e["alive"] = alive_json(s.alive);
+    e["attach_unix_ns"] = s.attach_unix_ns;
+    e["enrolled"] = s.enrolled;
+    e["first_seq"] = s.first_seq;
+    e["first_version"] = s.first_version;
+    e["released_seq"] = s.released_seq;
+    e["acked_version"] = s.acked_version;
+    e["lag_chunks"] = s.lag_chunks;
+    e["syncs_done"] = s.syncs_done;
+    e["bytes_done"] = s.bytes_done;
+    e["error_code"] = s.error_code;
+    e["error_name"] = errc_text(s.error_code);
+    e["error_text"] = s.error_text;
+    e["evict_reason"] = s.evict_reason;
+    e["evict_reason_name"] = errc_text(s.evict_reason);
+    seats.push_back(std::move(e));
+  }
+  j["seats"] = seats;
+
+  json slots = json::array();
+  for (const SlotReport& s : r.slots) {
+    json e;
+    e["index"] = s.index;
+    e["state"] = s.state;
+    e["seq"] = s.seq;
+    e["version"] = s.version;
+    e["bytes"] = s.bytes;
+    e["holders"] = s.holders;
+    e["checksum"] = hex64(s.checksum);
+    slots.push_back(std::move(e));
+  }
+  j["slots"] = slots;
+
+  json m;
+  m["status"] = r.header_valid ? r.manifest.status : std::string("none");
+  m["reason"] = r.header_valid ? r.manifest.reason : std::string("the header is not valid");
+  const bool ok = r.header_valid && r.manifest.status == "ok";
+  const SyncInfo& info = r.manifest.info;
+  m["version"] = u64_or_null(ok, info.version);
+  m["tensor_count"] = u64_or_null(ok, info.tensors.size());
+  m["payload_bytes"] = u64_or_null(ok, info.payload_bytes);
+  m["stream_bytes"] = u64_or_null(ok, info.stream_bytes);
+  m["limit"] = limit;
+  json tensors = json::array();
+  std::size_t shown = 0;
+  if (ok) {
+    for (std::size_t i = 0; i < info.tensors.size(); ++i) {
+      if (limit != 0 && shown >= limit) break;
+      const TensorInfo& t = info.tensors[i];
+      json e;
+      e["index"] = i;
+      e["name"] = t.name;
+      e["dtype"] = std::string(dtype_name(t.dtype));
+      e["shape"] = t.shape;
+      e["nbytes"] = t.nbytes;
+      e["stream_offset"] = t.stream_offset;
+      tensors.push_back(std::move(e));
+      ++shown;
+    }
+  }
+  m["shown"] = shown;
+  m["truncated"] = ok && shown < info.tensors.size();
+  m["tensors"] = tensors;
+  j["manifest"] = m;
+
+  json errors = json::array();
+  if (r.have_header && r.error_code != 0) {
+    json e;
+    e["who"] = "producer";
+    e["seat"] = nullptr;
+    e["code"] = r.error_code;
+    e["name"] = errc_text(r.error_code);
+    e["text"] = r.error_text;
+    errors.push_back(std::move(e));
+  }
+  for (const SeatReport& s : r.seats) {
+    if (s.error_code != 0) {
+      json e;
+      e["who"] = "consumer";
+      e["seat"] = s.index;
+      e["code"] = s.error_code;
+      e["name"] = errc_text(s.error_code);
+      e["text"] = s.error_text;
+      errors.push_back(std::move(e));
+    }
+    if (s.state == "evicted") {
+      json e;
+      e["who"] = "eviction";
+      e["seat"] = s.index;
+      e["code"] = s.evict_reason;
+      e["name"] = errc_text(s.evict_reason);
+      e["text"] = "the producer evicted consumer pid " + std::to_string(s.pid);
+      errors.push_back(std::move(e));
+    }
+  }
+  j["errors"] = errors;
+}
+
+// ---------------------------------------------------------------- tables
+
+Table::Table(std::vector<std::string> head, std::vector<bool> right) : head_(std::move(head)), right_(std::move(right)) {
+  right_.resize(head_.size(), false);
+}
+
+void Table::row(std::vector<std::string> cells) {
+  cells.resize(head_.size());
+  for (auto& c : cells) c = term_safe(c);
+  rows_.push_back(std::move(cells));
+}
+
+void Table::print(std::ostream& os, const std::string& indent) const {
+  std::vector<std::size_t> w(head_.size(), 0);
+  for (std::size_t i = 0; i < head_.size(); ++i) w[i] = display_width(head_[i]);
+  for (const auto& r : rows_)
+    for (std::size_t i = 0; i < r.size(); ++i) w[i] = std::max(w[i], display_width(r[i]));
+  auto line = [&](const std::vector<std::string>& cells) {
+    std::string out = indent;
+    for (std::size_t i = 0; i < cells.size(); ++i) {
+      const std::size_t pad = w[i] - display_width(cells[i]);
+      const bool last = i + 1 == cells.size();
+      if (right_[i]) out.append(pad, ' ');
+      out += cells[i];
+      if (!right_[i] && !last) out.append(pad, ' ');
+      if (!last) out += "  ";
+    }
+    while (!out.empty() && out.back() == ' ') out.pop_back();
+    os << out << "\n";
+  };
+  line(head_);
+  for (const auto& r : rows_) line(r);
+}
+
+// ---------------------------------------------------------------- show
+
+void print_region_detail(std::ostream& os, const RegionReport& r, std::size_t limit) {
+  Table kv({"FIELD", "VALUE"});
+  kv.row({"region", r.name});
+  kv.row({"file", r.path});
+  kv.row({"state", r.state + (r.reason.empty() ? "" : " (" + r.reason + ")")});
+  kv.row({"size", human_bytes(r.size) + " (" + std::to_string(r.size) + " bytes)"});
+  kv.row({"participants", r.any_lock == Alive::kYes ? "some alive" : r.any_lock == Alive::kNo ? "none alive" : "?"});
+  if (r.have_fixed && r.fixed.magic == kMagic) {
+    const HeaderFixed& f = r.fixed;
+    kv.row({"layout", "version " + std::to_string(f.layout_version) +
+                          ((f.features & kFeatureChecksums) ? ", checksums" : "")});
+    kv.row({"geometry", std::to_string(f.max_consumers) + " seats, " + std::to_string(f.slot_count) + " slots x " +
+                            human_bytes(f.slot_bytes) + ", manifest " + human_bytes(f.manifest_bytes)});
+    kv.row({"created", unix_ns_text(f.created_unix_ns)});
+  }
+  if (r.have_header) {
+    kv.row({"init_state", init_state_name(r.init_state)});
+    kv.row({"producer", "pid " + std::to_string(r.producer_pid) + ", alive " + alive_word(r.producer_alive) +
+                            ", generation " + std::to_string(r.generation) + ", evictions " +
+                            std::to_string(r.evictions)});
+    kv.row({"totals", std::to_string(r.syncs_done) + " syncs, " + human_bytes(r.bytes_done) + ", last sync " +
+                          ms_text(r.last_sync_ns) +
+                          " ended " + unix_ns_text(r.last_end_unix_ns)});
+    kv.row({"last error", r.error_code ? errc_text(r.error_code) + ": " + r.error_text : "none"});
+  }
+  if (r.header_valid && r.have_record) {
+    const RecordSnapshot& rec = r.record;
+    kv.row({"sync", "version " + std::to_string(rec.version) + " (" + r.sync_status + ", " +
+                        std::to_string(r.chunks_published) + "/" + std::to_string(rec.chunks) + " chunks), stream " +
+                        human_bytes(rec.stream_bytes) + ", first chunk " + std::to_string(rec.first_seq)});
+  }
+  kv.print(os);
+
+  if (!r.seats.empty()) {
+    os << "\nSEATS\n";
+    Table t({"IDX", "STATE", "PID", "ALIVE", "ENROLLED", "ACKED", "RELEASED", "LAG", "SYNCS", "BYTES", "ERROR",
+             "EVICT"},
+            {true, false, true, false, false, true, true, true, true, true, false, false});
+    for (const SeatReport& s : r.seats)
+      t.row({std::to_string(s.index), s.state, s.pid ? std::to_string(s.pid) : "-", alive_word(s.alive),
+             s.enrolled ? "yes" : "no", std::to_string(s.acked_version), std::to_string(s.released_seq),
+             std::to_string(s.lag_chunks), std::to_string(s.syncs_done), human_bytes(s.bytes_done),
+             s.error_code ? errc_text(s.error_code) : "-", s.evict_reason ? errc_text(s.evict_reason) : "-"});
+    t.print(os);
+  }
+  if (!r.slots.empty()) {
+    os << "\nSLOTS\n";
+    Table t({"IDX", "STATE", "SEQ", "VERSION", "BYTES", "HOLDERS"}, {true, false, true, true, true, true});
+    for (const SlotReport& s : r.slots)
+      t.row({std::to_string(s.index), s.state, std::to_string(s.seq), std::to_string(s.version),
+             human_bytes(s.bytes), std::to_string(s.holders)});
+    t.print(os);
+  }
+  if (r.header_valid) {
+    const ManifestReport& m = r.manifest;
+    if (m.status == "ok") {
+      const SyncInfo& info = m.info;
+      os << "\nMANIFEST  sync " << info.version << ": " << info.tensors.size() << " tensors, "
+         << human_bytes(info.payload_bytes) << " payload, " << human_bytes(info.stream_bytes) << " stream\n";
+      Table t({"#", "NAME", "DTYPE", "SHAPE", "BYTES", "OFFSET"}, {true, false, false, false, true, true});
+      std::size_t shown = 0;
+      for (std::size_t i = 0; i < info.tensors.size(); ++i) {
+        if (limit != 0 && shown >= limit) break;
+        const TensorInfo& ti = info.tensors[i];
+        t.row({std::to_string(i), ti.name, std::string(dtype_name(ti.dtype)), shape_text(ti.shape),
+               human_bytes(ti.nbytes), std::to_string(ti.stream_offset)});
+        ++shown;
+      }
+      t.print(os);
+      if (shown < info.tensors.size())
+        os << "... " << (info.tensors.size() - shown) << " more (use --limit 0 to show all)\n";
+    } else {
+      os << "\nMANIFEST  " << m.status << (m.reason.empty() ? "" : ": " + term_safe(m.reason)) << "\n";
+    }
+  }
+  std::vector<std::string> errs;
+  for (const SeatReport& s : r.seats) {
+    if (s.error_code != 0)
+      errs.push_back("seat " + std::to_string(s.index) + " (pid " + std::to_string(s.pid) + "): " +
+                     errc_text(s.error_code) + ": " + s.error_text);
+    if (s.state == "evicted")
+      errs.push_back("seat " + std::to_string(s.index) + " (pid " + std::to_string(s.pid) + "): evicted (" +
+                     errc_text(s.evict_reason) + ")");
+  }
+  if (r.have_header && r.error_code != 0)
+    errs.insert(errs.begin(), "producer: " + errc_text(r.error_code) + ": " + r.error_text);
+  if (r.have_header) {
+    os << "\nERRORS\n";
+    if (errs.empty()) os << "  none\n";
+    for (const std::string& e : errs) os << "  " << term_safe(e) << "\n";
+  }
+}
+
+}  // namespace shmcast::inspect

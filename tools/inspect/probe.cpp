@@ -1,0 +1,562 @@
+#include "probe.hpp"
+
+#include <dirent.h>
+#include <fcntl.h>
+#include <setjmp.h>
+#include <signal.h>
+#include <sys/stat.h>
+#include <unistd.h>
+#include <xxhash.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <stdexcept>
+#include <thread>
+
+#include "doorbell.hpp"
+#include "manifest.hpp"
+#include "region.hpp"
+
+namespace shmcast::inspect {
+
+using namespace shmcast::detail;
+
+namespace {
+
+// ---------------------------------------------------------------- SIGBUS guard
+//
+// A region file can be truncated while we have it mapped (someone runs
+// `truncate`, or a hostile process). Touching a mapped page past the new end
+// raises SIGBUS. Every read of the mapping goes through guarded_copy(), which
+// turns that SIGBUS into a failed copy instead of a crash. Between sigsetjmp
+// and the copy there are no C++ objects with destructors, so the long jump
+// skips nothing.
+
+thread_local sigjmp_buf* t_jump = nullptr;
+
+void on_sigbus(int sig, siginfo_t*, void*) {
+  sigjmp_buf* j = t_jump;
+  if (j != nullptr) siglongjmp(*j, 1);
+  // Not a guarded read: die the way SIGBUS would have killed us.
+  ::signal(sig, SIG_DFL);
+  ::raise(sig);
+}
+
+bool guarded_copy(void* dst, const std::byte* src, std::size_t n) {
+  sigjmp_buf jb;
+  if (sigsetjmp(jb, 1) != 0) {
+    t_jump = nullptr;
+    return false;
+  }
+  t_jump = &jb;
+  std::atomic_signal_fence(std::memory_order_seq_cst);
+  std::memcpy(dst, src, n);
+  std::atomic_signal_fence(std::memory_order_seq_cst);
+  t_jump = nullptr;
+  return true;
+}
+
+// read_record() on the live header, under the guard. Returns false when the
+// page faulted; *stable says whether the seqlock gave a consistent copy.
+bool guarded_record(const Header* live, RecordSnapshot* out, bool* stable) {
+  sigjmp_buf jb;
+  if (sigsetjmp(jb, 1) != 0) {
+    t_jump = nullptr;
+    return false;
+  }
+  t_jump = &jb;
+  std::atomic_signal_fence(std::memory_order_seq_cst);
+  *stable = read_record(*live, out);
+  std::atomic_signal_fence(std::memory_order_seq_cst);
+  t_jump = nullptr;
+  return true;
+}
+
+// The sync record. read_record() fails while the seqlock word is odd; the
+// word is also a futex bell, and some library paths ring it outside a write
+// (ProducerRing::evict, Producer close), which leaves it odd until the next
+// announce, or for good after a close. So: try the seqlock for about 2 ms,
+// then settle for an unlocked copy and say so (*stable = false). Callers
+// that use the record to locate bytes re-validate what they read.
+bool read_record_any(const Header* live, RecordSnapshot* out, bool* stable) {
+  for (int attempt = 0; attempt < 20; ++attempt) {
+    if (!guarded_record(live, out, stable)) return false;
+    if (*stable) return true;
+    std::this_thread::sleep_for(std::chrono::microseconds(100));
+  }
+  alignas(64) std::byte raw[sizeof(SyncRecord)];
+  if (!guarded_copy(raw, reinterpret_cast<const std::byte*>(&live->sync), sizeof raw)) return false;
+  const SyncRecord& r = *reinterpret_cast<const SyncRecord*>(raw);
+  out->word = r.announce.word.load(std::memory_order_relaxed);
+  out->version = r.version.load(std::memory_order_relaxed);
+  out->first_seq = r.first_seq.load(std::memory_order_relaxed);
+  out->chunks = r.chunks.load(std::memory_order_relaxed);
+  out->stream_bytes = r.stream_bytes.load(std::memory_order_relaxed);
+  out->manifest_used = r.manifest_used.load(std::memory_order_relaxed);
+  out->manifest_hash = r.manifest_hash.load(std::memory_order_relaxed);
+  out->aborted = r.aborted.load(std::memory_order_relaxed) != 0;
+  *stable = false;
+  return true;
+}
+
+// 64-byte aligned private buffer, zero-filled.
+struct AlignedBytes {
+  struct Free {
+    void operator()(std::byte* p) const { std::free(p); }
+  };
+  std::unique_ptr<std::byte[], Free> p;
+  std::size_t n = 0;
+  explicit AlignedBytes(std::size_t bytes) : n(bytes) {
+    const std::size_t rounded = (bytes + 63) / 64 * 64;
+    p.reset(static_cast<std::byte*>(std::aligned_alloc(64, rounded == 0 ? 64 : rounded)));
+    if (!p) throw std::bad_alloc();
+    std::memset(p.get(), 0, rounded == 0 ? 64 : rounded);
+  }
+  std::byte* data() const { return p.get(); }
+};
+
+std::string fmt(const char* f, unsigned long long a, unsigned long long b = 0) {
+  char buf[256];
+  std::snprintf(buf, sizeof buf, f, a, b);
+  return buf;
+}
+
+std::string bounded_text(const char* p, std::size_t cap) { return std::string(p, ::strnlen(p, cap)); }
+
+std::string seat_state_name(std::uint32_t s) {
+  switch (s) {
+    case kSeatFree: return "free";
+    case kSeatActive: return "active";
+    case kSeatEvicted: return "evicted";
+    default: return "invalid(" + std::to_string(s) + ")";
+  }
+}
+
+std::int64_t now_unix_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::system_clock::now().time_since_epoch())
+      .count();
+}
+
+void set_times(RegionReport* r, const struct stat& st, const ProbeOptions& opts) {
+  const std::int64_t c = std::int64_t{st.st_ctim.tv_sec} * 1000000000 + st.st_ctim.tv_nsec;
+  const std::int64_t m = std::int64_t{st.st_mtim.tv_sec} * 1000000000 + st.st_mtim.tv_nsec;
+  const std::int64_t last = std::max(c, m);
+  const std::int64_t age = now_unix_ns() - last;
+  r->age_s = age > 0 ? static_cast<double>(age) * 1e-9 : 0.0;
+  r->young = r->age_s < opts.grace_s;
+  r->size = static_cast<std::uint64_t>(st.st_size);
+  r->inode = st.st_ino;
+}
+
+void decode_current_manifest(RegionReport* r, const std::byte* base, std::uint64_t size) {
+  const Header* live = reinterpret_cast<const Header*>(base);
+  const Geometry& g = r->geo;
+  ManifestReport& m = r->manifest;
+  std::string last_why;
+  for (int attempt = 0; attempt < 20; ++attempt) {
+    if (attempt > 0) std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    RecordSnapshot rec{};
+    bool stable = false;
+    if (!read_record_any(live, &rec, &stable)) {
+      m.status = "invalid";
+      m.reason = "the file shrank while it was read";
+      return;
+    }
+    if (rec.version == 0) {
+      m.status = "none";
+      m.reason = "no sync has been announced yet";
+      return;
+    }
+    if (rec.manifest_used < sizeof(ManifestHeader) || rec.manifest_used > g.manifest_bytes) {
+      m.status = "invalid";
+      m.reason = fmt("sync record says the manifest uses %llu bytes; the area holds %llu", rec.manifest_used,
+                     g.manifest_bytes);
+      return;
+    }
+    if (rec.first_seq == 0 || rec.stream_bytes > (1ull << 50) ||
+        rec.chunks != chunk_count(rec.stream_bytes, g.slot_bytes)) {
+      m.status = "invalid";
+      m.reason = "sync record is inconsistent (first chunk, chunk count, stream size)";
+      return;
+    }
+    if (g.manifest_offset > size || rec.manifest_used > size - g.manifest_offset) {
+      m.status = "invalid";
+      m.reason = "manifest runs past the end of the file";
+      return;
+    }
+    std::vector<std::byte> bytes(rec.manifest_used);
+    if (!guarded_copy(bytes.data(), base + g.manifest_offset, bytes.size())) {
+      m.status = "invalid";
+      m.reason = "the file shrank while it was read";
+      return;
+    }
+    RecordSnapshot again{};
+    bool stable2 = false;
+    if (!read_record_any(live, &again, &stable2)) {
+      m.status = "invalid";
+      m.reason = "the file shrank while it was read";
+      return;
+    }
+    if (stable2 != stable || again.word != rec.word || again.version != rec.version ||
+        again.manifest_hash != rec.manifest_hash) {
+      last_why = "a new sync was announced while the manifest was read";
+      continue;
+    }
+    if (XXH3_64bits(bytes.data(), bytes.size()) != rec.manifest_hash) {
+      // The producer writes the next manifest before it announces it, so
+      // between syncs the bytes may belong to the next one.
+      last_why = "the manifest bytes do not match the sync record's hash (the producer may be writing the next "
+                 "manifest, or the area is corrupt)";
+      continue;
+    }
+    SyncInfo info;
+    const std::string why = decode_manifest(bytes, rec.version, rec.stream_bytes, g.slot_bytes, &info);
+    if (!why.empty()) {
+      m.status = "invalid";
+      m.reason = why;
+      return;
+    }
+    info.first_seq = rec.first_seq;
+    info.chunks = rec.chunks;
+    m.info = std::move(info);
+    m.status = "ok";
+    m.reason.clear();
+    return;
+  }
+  m.status = "changing";
+  m.reason = last_why;
+}
+
+}  // namespace
+
+bool state_is_valid(const std::string& s) { return s == kStateReady || s == kStateClosed || s == kStateDead; }
+
+bool state_is_damaged(const std::string& s) {
+  return s == kStateCorrupt || s == kStateForeign || s == kStateNewer || s == kStateOlder || s == kStateTruncated ||
+         s == kStateUnreadable;
+}
+
+void install_bus_guard() {
+  struct sigaction sa {};
+  sa.sa_sigaction = on_sigbus;
+  sa.sa_flags = SA_SIGINFO | SA_NODEFER;
+  sigemptyset(&sa.sa_mask);
+  ::sigaction(SIGBUS, &sa, nullptr);
+}
+
+Alive any_lock_held(int fd) {
+  struct flock fl {};
+  fl.l_type = F_RDLCK;  // conflicts with any write lock; needs only read access
+  fl.l_whence = SEEK_SET;
+  fl.l_start = 0;
+  fl.l_len = 0;  // the whole file
+  fl.l_pid = 0;
+  int rc;
+  do {
+    rc = ::fcntl(fd, F_OFD_GETLK, &fl);
+  } while (rc < 0 && errno == EINTR);
+  if (rc < 0) return Alive::kUnknown;
+  return fl.l_type == F_UNLCK ? Alive::kNo : Alive::kYes;
+}
+
+std::vector<std::string> scan_dir(const std::string& dir) {
+  DIR* d = ::opendir(dir.c_str());
+  if (d == nullptr) throw std::runtime_error("cannot read region directory " + dir + ": " + std::strerror(errno));
+  std::vector<std::string> names;
+  errno = 0;
+  while (const struct dirent* e = ::readdir(d)) {
+    const std::string n = e->d_name;
+    if (n.size() > 8 && n.compare(0, 8, "shmcast.") == 0) names.push_back(n.substr(8));
+  }
+  ::closedir(d);
+  std::sort(names.begin(), names.end());
+  return names;
+}
+
+RegionReport probe(const std::string& dir, const std::string& name, const ProbeOptions& opts) {
+  RegionReport r;
+  r.name = name;
+  r.path = dir + "/shmcast." + name;
+
+  struct stat lst {};
+  if (::lstat(r.path.c_str(), &lst) != 0) {
+    const int e = errno;
+    if (e == ENOENT) throw Error(Errc::kNotFound, "no region at " + r.path, e);
+    r.state = kStateUnreadable;
+    r.reason = std::string("lstat: ") + std::strerror(e);
+    return r;
+  }
+  set_times(&r, lst, opts);
+  if (!S_ISREG(lst.st_mode)) {
+    r.state = kStateForeign;
+    r.reason = "not a regular file";
+    return r;
+  }
+  const std::string bad = validate_name(name);
+  if (!bad.empty()) {
+    r.valid_name = false;
+    r.state = kStateForeign;
+    r.reason = "file name is not a valid region name: " + bad;
+    return r;
+  }
+
+  MappedFile f;
+  try {
+    f = MappedFile::open(dir, name, false);
+  } catch (const Error& e) {
+    if (e.code() == Errc::kNotFound) throw;
+    r.state = kStateUnreadable;
+    r.reason = e.what();
+    return r;
+  }
+  struct stat st {};
+  if (::fstat(f.fd(), &st) == 0) set_times(&r, st, opts);
+  r.any_lock = any_lock_held(f.fd());
+  const std::byte* base = f.data();
+  const std::uint64_t size = base != nullptr ? f.size() : 0;
+  r.size = size;
+
+  if (size == 0) {
+    if (r.young || r.any_lock == Alive::kYes) {
+      r.state = kStateCreating;
+      r.reason = "the file is empty: its creator has not allocated it yet";
+    } else {
+      r.state = kStateTruncated;
+      r.reason = "the file is empty";
+    }
+    return r;
+  }
+  if (size < sizeof(std::uint64_t)) {
+    r.state = kStateTruncated;
+    r.reason = fmt("the file has %llu bytes, too few for a header", size);
+    return r;
+  }
+
+  AlignedBytes hbuf(kHeaderBytes);
+  const std::size_t hn = static_cast<std::size_t>(std::min<std::uint64_t>(size, kHeaderBytes));
+  if (!guarded_copy(hbuf.data(), base, hn)) {
+    r.state = kStateTruncated;
+    r.reason = "the file shrank while it was read";
+    return r;
+  }
+  std::uint64_t magic = 0;
+  std::memcpy(&magic, hbuf.data(), sizeof magic);
+  std::uint32_t init_raw = 0;
+  if (hn >= offsetof(Header, init_state) + sizeof(std::uint32_t))
+    std::memcpy(&init_raw, hbuf.data() + offsetof(Header, init_state), sizeof init_raw);
+  if (size >= sizeof(HeaderFixed)) {
+    r.have_fixed = true;
+    std::memcpy(&r.fixed, hbuf.data(), sizeof r.fixed);
+  }
+
+  if (magic != kMagic) {
+    if (magic == 0 && init_raw == kInitCreating) {
+      // A creator allocates the file (all zeros), takes its lock, then
+      // writes the header: this is one that has not got that far.
+      if (r.young || r.any_lock == Alive::kYes) {
+        r.state = kStateCreating;
+        r.reason = "the header is not written yet";
+      } else if (size < kHeaderBytes) {
+        r.state = kStateTruncated;  // creators allocate the whole file first: this is not one
+        r.reason = fmt("the file has %llu bytes of zeros, fewer than the %llu-byte header", size, kHeaderBytes);
+      } else {
+        r.state = kStateDead;
+        r.reason = "the header was never written: its creator died while creating it";
+      }
+      return r;
+    }
+    r.state = kStateForeign;
+    char buf[96];
+    std::snprintf(buf, sizeof buf, "not a shmcast region (magic 0x%016llx)", static_cast<unsigned long long>(magic));
+    r.reason = buf;
+    return r;
+  }
+  if (!r.have_fixed) {
+    r.state = kStateTruncated;
+    r.reason = fmt("the file has %llu bytes, fewer than the %llu-byte header", size, kHeaderBytes);
+    return r;
+  }
+  if (r.fixed.layout_version != kLayoutVersion) {
+    r.state = r.fixed.layout_version > kLayoutVersion ? kStateNewer : kStateOlder;
+    r.reason = fmt("layout version %llu; this tool reads version %llu", r.fixed.layout_version, kLayoutVersion);
+    // Byte 0 is the producer's lock byte in every layout so far; informative only.
+    r.producer_alive = lock_held(f.fd(), kProducerLockByte);
+    return r;
+  }
+  if (size < kHeaderBytes) {
+    r.state = kStateTruncated;
+    r.reason = fmt("the file has %llu bytes, fewer than the %llu-byte header", size, kHeaderBytes);
+    return r;
+  }
+
+  // ---- our magic and version, a whole header: read the lifecycle fields
+  // from the private copy.
+  const Header& h = *reinterpret_cast<const Header*>(hbuf.data());
+  r.have_header = true;
+  r.init_state = init_raw;
+  r.error_code = h.error_code.load(std::memory_order_relaxed);
+  r.error_text = bounded_text(h.error_text, kErrorTextBytes);
+  r.producer_pid = h.producer.pid.load(std::memory_order_relaxed);
+  r.producer_start_time = h.producer.start_time.load(std::memory_order_relaxed);
+  r.producer_pidns = h.producer.pidns.load(std::memory_order_relaxed);
+  r.generation = h.generation.load(std::memory_order_relaxed);
+  r.evictions = h.evictions.load(std::memory_order_relaxed);
+  r.published_seq = h.published_seq.load(std::memory_order_relaxed);
+  r.syncs_done = h.syncs_done.load(std::memory_order_relaxed);
+  r.bytes_done = h.bytes_done.load(std::memory_order_relaxed);
+  r.last_sync_ns = h.last_sync_ns.load(std::memory_order_relaxed);
+  r.last_end_unix_ns = h.last_end_unix_ns.load(std::memory_order_relaxed);
+  r.producer_alive = peer_alive(f.fd(), kProducerLockByte, h.producer);
+
+  if (r.init_state == kInitCreating) {
+    if (r.young || r.producer_alive == Alive::kYes) {
+      r.state = kStateCreating;
+      r.reason = "the producer is still initialising the header";
+    } else {
+      r.state = kStateDead;
+      r.reason = "initialisation never finished: its creator died while creating it";
+    }
+    return r;
+  }
+  if (r.fixed.total_bytes != size) {
+    r.state = kStateTruncated;
+    r.reason = fmt("the header says %llu bytes but the file has %llu", r.fixed.total_bytes, size);
+    return r;
+  }
+  bool version_mismatch = false;
+  const std::string why = validate_header(r.fixed, size, &version_mismatch);
+  if (!why.empty()) {
+    r.state = kStateCorrupt;
+    r.reason = why;
+    return r;
+  }
+  if (r.init_state != kInitReady && r.init_state != kInitClosed) {
+    r.state = kStateCorrupt;
+    r.reason = fmt("init_state is %llu (expected 0, 1 or 2)", r.init_state);
+    return r;
+  }
+  Geometry g{};
+  if (!compute_geometry(r.fixed.max_consumers, r.fixed.slot_count, r.fixed.slot_bytes, r.fixed.manifest_bytes, &g)
+           .empty() ||
+      g.total_bytes != size) {
+    r.state = kStateCorrupt;
+    r.reason = "geometry does not match the file";
+    return r;
+  }
+  r.geo = g;
+  r.header_valid = true;
+  if (r.init_state == kInitClosed) {
+    r.state = kStateClosed;
+    r.reason = "the producer closed the region";
+  } else if (r.producer_alive == Alive::kNo) {
+    r.state = kStateDead;
+    r.reason = "producer pid " + std::to_string(r.producer_pid) + " is gone";
+  } else {
+    r.state = kStateReady;
+    if (r.producer_alive == Alive::kUnknown) r.reason = "producer liveness unknown (lock probe failed)";
+  }
+
+  // ---- seats and slot descriptors, from private copies (bounds: the
+  // geometry was validated against the mapped size, checked again here).
+  const std::uint64_t seats_len = std::uint64_t{g.max_consumers} * kSeatBytes;
+  const std::uint64_t slots_len = std::uint64_t{g.slot_count} * kSlotDescBytes;
+  if (g.seats_offset + seats_len > size || g.slots_offset + slots_len > size) {
+    r.state = kStateCorrupt;
+    r.reason = "seat or slot tables run past the end of the file";
+    r.header_valid = false;
+    return r;
+  }
+  AlignedBytes sbuf(seats_len), dbuf(slots_len);
+  if (!guarded_copy(sbuf.data(), base + g.seats_offset, seats_len) ||
+      !guarded_copy(dbuf.data(), base + g.slots_offset, slots_len)) {
+    r.state = kStateTruncated;
+    r.reason = "the file shrank while it was read";
+    r.header_valid = false;
+    return r;
+  }
+
+  // The sync record, under its seqlock, from the live header.
+  r.have_record = read_record_any(reinterpret_cast<const Header*>(base), &r.record, &r.record_stable);
+  const RecordSnapshot& rec = r.record;
+  if (!r.have_record) {
+    r.sync_status = "unknown";
+  } else if (rec.version == 0) {
+    r.sync_status = "none";
+  } else if (rec.aborted) {
+    r.sync_status = "aborted";
+  } else if (rec.chunks == 0 || (rec.first_seq > 0 && r.published_seq >= rec.first_seq + rec.chunks - 1)) {
+    r.sync_status = "published";
+  } else {
+    r.sync_status = "writing";
+  }
+  if (r.have_record && rec.first_seq > 0 && r.published_seq >= rec.first_seq)
+    r.chunks_published = std::min(r.published_seq - rec.first_seq + 1, rec.chunks);
+
+  r.seats.reserve(g.max_consumers);
+  for (std::uint32_t i = 0; i < g.max_consumers; ++i) {
+    const Seat& s = *reinterpret_cast<const Seat*>(sbuf.data() + std::uint64_t{i} * kSeatBytes);
+    SeatReport sr;
+    sr.index = i;
+    sr.word = s.word.load(std::memory_order_relaxed);
+    sr.state = seat_state_name(seat_state(sr.word));
+    sr.generation = seat_gen(sr.word);
+    sr.pid = s.consumer.pid.load(std::memory_order_relaxed);
+    sr.start_time = s.consumer.start_time.load(std::memory_order_relaxed);
+    sr.pidns = s.consumer.pidns.load(std::memory_order_relaxed);
+    sr.alive = lock_held(f.fd(), seat_lock_byte(i));
+    sr.attach_unix_ns = s.attach_unix_ns.load(std::memory_order_relaxed);
+    sr.released_seq = s.released_seq.load(std::memory_order_relaxed);
+    sr.acked_version = s.acked_version.load(std::memory_order_relaxed);
+    sr.syncs_done = s.syncs_done.load(std::memory_order_relaxed);
+    sr.bytes_done = s.bytes_done.load(std::memory_order_relaxed);
+    sr.error_code = s.error_code.load(std::memory_order_relaxed);
+    sr.error_text = bounded_text(s.error_text, kErrorTextBytes);
+    sr.included_gen = s.included_gen.load(std::memory_order_relaxed);
+    sr.first_seq = s.first_seq.load(std::memory_order_relaxed);
+    sr.first_version = s.first_version.load(std::memory_order_relaxed);
+    sr.evict_reason = s.evict_reason.load(std::memory_order_relaxed);
+    sr.enrolled = seat_state(sr.word) == kSeatActive && sr.included_gen == sr.generation;
+    if (seat_state(sr.word) == kSeatActive) {
+      ++r.consumers_attached;
+      if (sr.alive == Alive::kYes) ++r.consumers_alive;
+    }
+    if (sr.enrolled && sr.alive != Alive::kNo) {
+      const std::uint64_t done = std::max(sr.released_seq, sr.first_seq > 0 ? sr.first_seq - 1 : 0);
+      sr.lag_chunks = r.published_seq > done ? r.published_seq - done : 0;
+    }
+    r.seats.push_back(std::move(sr));
+  }
+
+  r.slots.reserve(g.slot_count);
+  for (std::uint32_t k = 0; k < g.slot_count; ++k) {
+    const SlotDesc& d = *reinterpret_cast<const SlotDesc*>(dbuf.data() + std::uint64_t{k} * kSlotDescBytes);
+    SlotReport sl;
+    sl.index = k;
+    sl.seq = d.seq.load(std::memory_order_relaxed);
+    sl.version = d.version.load(std::memory_order_relaxed);
+    sl.bytes = d.bytes.load(std::memory_order_relaxed);
+    sl.checksum = d.checksum.load(std::memory_order_relaxed);
+    if (sl.seq == 0) {
+      sl.state = (sl.version == 0 && sl.bytes == 0) ? "empty" : "filling";
+    } else {
+      for (const SeatReport& s : r.seats)
+        if (s.enrolled && s.alive != Alive::kNo && s.first_seq <= sl.seq && s.released_seq < sl.seq) ++sl.holders;
+      sl.state = sl.holders > 0 ? "held" : "released";
+    }
+    r.slots.push_back(std::move(sl));
+  }
+
+  if (opts.decode_manifest)
+    decode_current_manifest(&r, base, size);
+  else
+    r.manifest.status = "skipped";
+  return r;
+}
+
+}  // namespace shmcast::inspect

@@ -1,0 +1,148 @@
+// shmcast-inspect: read-only probing of region files.
+//
+// Everything here treats the region file as hostile input. A region is opened
+// read-only (MappedFile::open(dir, name, false)); no lock is ever taken and no
+// byte is ever written. Every byte the tool looks at is first copied out of
+// the mapping into private memory by a copy that survives SIGBUS (a file
+// truncated under us), and every count, offset and size is checked against
+// the mapped size before it is used.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "layout.hpp"
+#include "liveness.hpp"
+#include "ring.hpp"
+#include "shmcast/shmcast.hpp"
+
+namespace shmcast::inspect {
+
+using detail::Alive;
+
+// Region states, as printed and as they appear in JSON.
+inline constexpr const char* kStateCreating = "creating";        // creator still initialising
+inline constexpr const char* kStateReady = "ready";              // valid, producer alive (or unknown)
+inline constexpr const char* kStateClosed = "closed";            // producer closed it cleanly
+inline constexpr const char* kStateDead = "dead";                // producer died (or creation died)
+inline constexpr const char* kStateCorrupt = "corrupt";          // our magic, bad header
+inline constexpr const char* kStateForeign = "foreign";          // not a shmcast region
+inline constexpr const char* kStateNewer = "newer-version";      // made by a newer shmcast
+inline constexpr const char* kStateOlder = "older-version";      // made by an older shmcast
+inline constexpr const char* kStateTruncated = "truncated";      // file size disagrees with the header
+inline constexpr const char* kStateUnreadable = "unreadable";    // the OS refused to open or map it
+
+// True for the states in which the header was validated and every field of
+// RegionReport below `header_valid` is meaningful.
+bool state_is_valid(const std::string& state);
+// True for corrupt, foreign, newer/older-version, truncated, unreadable.
+bool state_is_damaged(const std::string& state);
+
+struct SeatReport {
+  std::uint32_t index = 0;
+  std::uint64_t word = 0;
+  std::string state;  // free / active / evicted / invalid
+  std::uint64_t generation = 0;
+  std::uint32_t pid = 0;
+  std::uint64_t start_time = 0;
+  std::uint64_t pidns = 0;
+  Alive alive = Alive::kUnknown;  // the seat's lock byte is held
+  std::uint64_t attach_unix_ns = 0;
+  std::uint64_t released_seq = 0;
+  std::uint64_t acked_version = 0;
+  std::uint64_t syncs_done = 0;
+  std::uint64_t bytes_done = 0;
+  std::uint32_t error_code = 0;
+  std::string error_text;
+  std::uint64_t included_gen = 0;
+  bool enrolled = false;  // active and enrolled by the producer for its generation
+  std::uint64_t first_seq = 0;
+  std::uint64_t first_version = 0;
+  std::uint32_t evict_reason = 0;
+  std::uint64_t lag_chunks = 0;  // published chunks this (enrolled) seat has not released
+};
+
+struct SlotReport {
+  std::uint32_t index = 0;
+  std::uint64_t seq = 0;
+  std::uint64_t version = 0;
+  std::uint64_t bytes = 0;
+  std::uint64_t checksum = 0;
+  std::string state;        // empty / filling / published / held / released
+  std::uint32_t holders = 0;  // live enrolled seats that have not released it
+};
+
+struct ManifestReport {
+  std::string status = "none";  // none / ok / changing / invalid / skipped
+  std::string reason;
+  SyncInfo info;  // valid when status == "ok"
+};
+
+struct RegionReport {
+  std::string name;
+  std::string path;
+  bool valid_name = true;
+  std::string state;
+  std::string reason;  // why the state is what it is, when not ready
+
+  std::uint64_t size = 0;  // fstat (lstat when not opened)
+  std::uint64_t inode = 0;
+  double age_s = 0;          // since the file's last status change (ctime)
+  bool young = false;        // age_s < the grace period
+  Alive any_lock = Alive::kUnknown;  // some process holds a lock on the file
+
+  // HeaderFixed snapshot: valid when have_fixed (file >= 128 bytes).
+  bool have_fixed = false;
+  detail::HeaderFixed fixed{};
+  // Lifecycle fields: valid when have_header (file >= 4096 bytes, our magic).
+  bool have_header = false;
+  std::uint32_t init_state = 0;
+  std::uint32_t error_code = 0;
+  std::string error_text;
+  std::uint32_t producer_pid = 0;
+  std::uint64_t producer_start_time = 0;
+  std::uint64_t producer_pidns = 0;
+  Alive producer_alive = Alive::kUnknown;
+  std::uint64_t generation = 0, evictions = 0, published_seq = 0, syncs_done = 0, bytes_done = 0,
+                last_sync_ns = 0, last_end_unix_ns = 0;
+
+  // Everything below: valid when header_valid (validate_header passed).
+  bool header_valid = false;
+  detail::Geometry geo{};
+  bool have_record = false;    // false only when the file shrank under us
+  bool record_stable = false;  // the seqlock gave a consistent copy (see read_record_any)
+  detail::RecordSnapshot record{};
+  std::string sync_status;  // none / writing / published / aborted / unknown
+  std::uint64_t chunks_published = 0;
+  std::vector<SeatReport> seats;
+  std::vector<SlotReport> slots;
+  std::uint32_t consumers_attached = 0;  // seats in state active
+  std::uint32_t consumers_alive = 0;     // ... whose lock byte is held
+  ManifestReport manifest;
+};
+
+struct ProbeOptions {
+  bool decode_manifest = false;
+  double grace_s = 60;  // a file younger than this in state "creating" is left alone
+};
+
+// Installs the SIGBUS handler the guarded copies rely on. Call once.
+void install_bus_guard();
+
+// Names of the regions in `dir` (the part after "shmcast."), sorted. Entries
+// that are not regular files or whose names are not valid region names are
+// returned too: probe() reports them. Throws std::runtime_error when the
+// directory cannot be read.
+std::vector<std::string> scan_dir(const std::string& dir);
+
+// Probes one region. Never throws for anything the file contains; a region
+// that cannot be opened at all is reported as "unreadable". Throws
+// shmcast::Error(kNotFound) only when the file does not exist.
+RegionReport probe(const std::string& dir, const std::string& name, const ProbeOptions& opts);
+
+// Whole-file OFD lock probe on an open fd: kYes when any process holds a
+// write lock on any byte of the file.
+Alive any_lock_held(int fd);
+
+}  // namespace shmcast::inspect
