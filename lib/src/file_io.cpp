@@ -65,6 +65,19 @@ int FileWriter::open(const std::string& path, bool allow_uring) {
   if (fd_ >= 0) return -EBUSY;
   fd_ = ::open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, 0600);
   if (fd_ < 0) return -errno;
+  owns_fd_ = true;
+  return setup_uring(allow_uring);
+}
+
+int FileWriter::attach(int fd, bool allow_uring) {
+  if (fd_ >= 0) return -EBUSY;
+  if (fd < 0) return -EBADF;
+  fd_ = fd;
+  owns_fd_ = false;
+  return setup_uring(allow_uring);
+}
+
+int FileWriter::setup_uring(bool allow_uring) {
   const char* env = std::getenv("SHMCAST_NO_URING");
   if (!allow_uring || (env && std::strcmp(env, "1") == 0)) {
     why_ = "disabled";
@@ -166,7 +179,7 @@ int FileWriter::close() {
   if (fd_ < 0) return 0;
   int rc = flush();
   ring_.reset();
-  if (::close(fd_) != 0 && rc == 0) rc = -errno;
+  if (owns_fd_ && ::close(fd_) != 0 && rc == 0) rc = -errno;
   fd_ = -1;
   return rc;
 }

@@ -21,6 +21,8 @@ class FileWriter {
   // Creates `path` (O_EXCL, mode 0600) for writing. With `allow_uring`
   // false, or SHMCAST_NO_URING=1, only pwrite is used.
   int open(const std::string& path, bool allow_uring = true);
+  // Writes to an fd the caller opened and keeps owning (close() leaves it open).
+  int attach(int fd, bool allow_uring = true);
   // Queues a write of [buf, buf + n) at `offset`. With io_uring the buffer
   // must stay valid until flush() returns.
   int write_at(const void* buf, std::size_t n, std::uint64_t offset);
@@ -36,7 +38,9 @@ class FileWriter {
 
  private:
   struct Uring;
+  int setup_uring(bool allow_uring);
   int fd_ = -1;
+  bool owns_fd_ = true;
   std::unique_ptr<Uring> ring_;
   std::string why_;
   std::uint64_t written_ = 0;

@@ -22,6 +22,7 @@
 #include <iostream>
 
 #include "commands.hpp"
+#include "file_io.hpp"
 #include "format.hpp"
 #include "probe.hpp"
 
@@ -251,14 +252,29 @@ int cmd_dump(const Common& c, const std::string& name, const std::string& out, d
     pwrite_all(tmp.fd, htext.data(), htext.size(), 8);
 
     std::vector<std::uint64_t> written(info.tensors.size(), 0);
-    const int fd = tmp.fd;
+    // Pieces go out through the file engine: io_uring where the kernel and
+    // seccomp allow it (Docker's default profile does not), else pwrite. Its
+    // writes read straight from the slot, so each slot's writes complete
+    // (flush) before visit() releases it.
+    shmcast::detail::FileWriter writer;
+    if (const int rc = writer.attach(tmp.fd); rc != 0)
+      return fail(c, "dump", kExitFailure, std::string("output file: ") + std::strerror(-rc));
+    auto check = [&](int rc) {
+      if (rc != 0) throw Error(Errc::kSystem, std::string("writing the dump: ") + std::strerror(-rc), -rc);
+    };
     consumer.visit([&](const Piece& p) {
-      if (p.bytes == 0) return;
-      if (p.tensor >= info.tensors.size() || p.offset + p.bytes > info.tensors[p.tensor].nbytes)
-        throw Error(Errc::kCorrupt, "a piece falls outside its tensor");
-      pwrite_all(fd, p.data, p.bytes, data_start + file_off[p.tensor] + p.offset);
-      written[p.tensor] += p.bytes;
+      if (p.bytes > 0) {
+        if (p.tensor >= info.tensors.size() || p.offset + p.bytes > info.tensors[p.tensor].nbytes)
+          throw Error(Errc::kCorrupt, "a piece falls outside its tensor");
+        check(writer.write_at(p.data, p.bytes, data_start + file_off[p.tensor] + p.offset));
+        written[p.tensor] += p.bytes;
+      }
+      if (p.chunk_end) check(writer.flush());
     });
+    check(writer.flush());
+    const std::string io_backend = writer.backend();
+    const std::string io_fallback = writer.fallback_reason();
+    writer.close();
     for (std::size_t i = 0; i < info.tensors.size(); ++i)
       if (written[i] != info.tensors[i].nbytes)
         return fail(c, "dump", kExitFailure, "tensor '" + info.tensors[i].name + "' got " + std::to_string(written[i]) +
@@ -298,11 +314,14 @@ int cmd_dump(const Common& c, const std::string& name, const std::string& out, d
       j["substituted_dtypes"] = substituted.size();
       j["wait_s"] = wait_s;
       j["write_s"] = write_s;
+      j["io_backend"] = io_backend;
+      j["io_fallback_reason"] = io_fallback;
       print_json(j);
     } else {
       std::cout << "wrote " << term_safe(out_path.string()) << ": sync " << version << " of '" << term_safe(name)
                 << "', " << ntensors << " tensors, " << human_bytes(payload) << " (file " << human_bytes(file_bytes)
-                << ") in " << write_s << " s after waiting " << wait_s << " s\n";
+                << ") in " << write_s << " s after waiting " << wait_s << " s, through " << io_backend
+                << (io_fallback.empty() ? "" : " (" + io_fallback + ")") << "\n";
       if (!substituted.empty())
         std::cout << substituted.size()
                   << " tensor(s) have no safetensors dtype and were written as U8; see __metadata__.shmcast_dtypes\n";
