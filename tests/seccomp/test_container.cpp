@@ -143,6 +143,38 @@ TEST_P(UnderProfile, FileEngineFallsBackWhenIoUringIsDenied) {
   shmcast::unlink_region(name);
 }
 
+#ifdef SHMCAST_INSPECT
+TEST_P(UnderProfile, InspectListsShowsAndDumpsARegion) {
+  const std::string name = unique("inspect");
+  const std::string profile = kDir + "/" + GetParam();
+  const std::string inspect = SHMCAST_INSPECT;
+  Proc prod = Proc::start({kPeer, "produce", name, "--syncs", "1", "--tensors", "4"}, tmp("ip"));
+  const std::string path = shmcast::region_path(name);
+  for (int i = 0; i < 5000 && ::access(path.c_str(), F_OK) != 0; ++i) std::this_thread::sleep_for(1ms);
+  Proc list = Proc::start(under(profile, {inspect, "list", "--json"}), tmp("il"));
+  ASSERT_EQ(list.wait(), 0) << list.output();
+  EXPECT_NE(list.output().find("\"" + name + "\""), std::string::npos) << list.output();
+  Proc show = Proc::start(under(profile, {inspect, "show", name, "--json"}), tmp("is"));
+  ASSERT_EQ(show.wait(), 0) << show.output();
+  EXPECT_NE(show.output().find("\"ready\""), std::string::npos) << show.output();
+  // dump attaches as the consumer the producer waits for, and writes the
+  // file through the file engine: pwrite where io_uring is denied.
+  const std::string out = tmp("dump") + ".safetensors";
+  ::unlink(out.c_str());
+  Proc dump = Proc::start(under(profile, {inspect, "dump", name, "--out", out, "--json"}), tmp("id"));
+  ASSERT_EQ(dump.wait(), 0) << dump.output();
+  EXPECT_EQ(prod.wait(), 0) << prod.output();
+  const std::string d = dump.output();
+  EXPECT_NE(d.find("\"tensor_count\":4"), std::string::npos) << d;
+  if (GetParam() == "docker-default.json") {
+    EXPECT_NE(d.find("\"io_backend\":\"pwrite\""), std::string::npos) << d;
+  }
+  EXPECT_EQ(::access(out.c_str(), F_OK), 0);
+  ::unlink(out.c_str());
+  shmcast::unlink_region(name);
+}
+#endif
+
 INSTANTIATE_TEST_SUITE_P(Profiles, UnderProfile, ::testing::Values("docker-default.json", "no-pidfd.json"),
                          [](const auto& info) { return info.param == "docker-default.json" ? "DockerDefault" : "NoPidfd"; });
 
