@@ -2,12 +2,8 @@
 # The end-to-end weight-sync bench on the GPU machine, in one call:
 #   run: bash bench/e2e/device_run.sh        carry: [".deb"]    kind: nvidia-h200-x2 (fan-out needs 2 GPUs)
 #
-# 1. dependencies: bench/device_run.sh's setup (STAGES=none: it only unpacks
-#    what the machine lacks from .deb/ into /tmp/pfx), plus what the seccomp
-#    runner needs (libseccomp, pkg-config); fetch the .debs beforehand, off the
-#    device: mkdir -p .deb && cd .deb && apt-get download libxxhash-dev libxxhash0 \
-#      libcli11-dev nlohmann-json3-dev libboost1.74-dev libgtest-dev libseccomp-dev \
-#      libseccomp2 liburing-dev liburing2 pkgconf-bin libpkgconf3
+# 1. dependencies: scripts/device-env.sh unpacks what the machine lacks from
+#    .deb/ into /tmp/pfx (it says which .debs to fetch beforehand, off the device);
 # 2. build: the Python module with CUDA (shmcast._shmcast) and shmcast-seccomp-run,
 #    Python and pybind11 from the machine's python3;
 # 3. bench/e2e/weight_sync_bench.py, everything into $OUT (at most 8 files).
@@ -26,40 +22,7 @@ T0=$(date +%s)
 
 # ---------------------------------------------------------------- 1. dependencies
 log deps
-PFX=/tmp/pfx
-if [ -f bench/device_run.sh ]; then
-  # Reuse the CUDA path's setup; keep only the variables it exports.
-  OUT="$OUT" STAGES=none bash -c '
-    trap "for v in CMAKE_PREFIX_PATH PKG_CONFIG_PATH CPATH LIBRARY_PATH LD_LIBRARY_PATH; do
-            [ -n \"\${!v:-}\" ] && echo \"export \$v=\${!v}\"; done > /tmp/e2e-deps.env" EXIT
-    source bench/device_run.sh' bench/device_run.sh >/tmp/e2e-deps.log 2>&1
-  [ -f /tmp/e2e-deps.env ] && source /tmp/e2e-deps.env
-  grep -h "^unpacked" /tmp/e2e-deps.log
-fi
-mkdir -p $PFX
-unpack() { for p in "$@"; do for f in .deb/${p}_*.deb; do [ -f "$f" ] && dpkg -x "$f" $PFX && echo "unpacked $f"; done; done; }
-# the same checks as bench/device_run.sh, for when it is absent
-[ -f /usr/include/xxhash.h ] || [ -f $PFX/usr/include/xxhash.h ] || unpack libxxhash-dev libxxhash0
-[ -d /usr/include/nlohmann ] || [ -d $PFX/usr/include/nlohmann ] || unpack nlohmann-json3-dev
-[ -d /usr/include/boost/interprocess ] || [ -d $PFX/usr/include/boost/interprocess ] || unpack libboost1.74-dev
-[ -e /usr/lib/x86_64-linux-gnu/libgtest.a ] || [ -e $PFX/usr/lib/x86_64-linux-gnu/libgtest.a ] || unpack libgtest-dev
-# what only the seccomp runner needs
-[ -f /usr/include/seccomp.h ] || [ -f $PFX/usr/include/seccomp.h ] || unpack libseccomp-dev libseccomp2
-[ -f /usr/include/liburing.h ] || [ -f $PFX/usr/include/liburing.h ] || unpack liburing-dev liburing2
-if ! command -v pkg-config >/dev/null && ! command -v pkgconf >/dev/null; then
-  unpack pkgconf-bin libpkgconf3
-  export PKG_CONFIG=$PFX/usr/bin/pkgconf
-fi
-if [ -d $PFX/usr ]; then
-  for pc in $PFX/usr/lib/x86_64-linux-gnu/pkgconfig/*.pc $PFX/usr/share/pkgconfig/*.pc; do
-    [ -f "$pc" ] && sed -i "s#=/usr#=$PFX/usr#" "$pc"   # prefix=, libdir=, includedir=
-  done
-  export CMAKE_PREFIX_PATH=$PFX/usr${CMAKE_PREFIX_PATH:+:$CMAKE_PREFIX_PATH}
-  export PKG_CONFIG_PATH=$PFX/usr/lib/x86_64-linux-gnu/pkgconfig:$PFX/usr/share/pkgconfig${PKG_CONFIG_PATH:+:$PKG_CONFIG_PATH}
-  export CPATH=$PFX/usr/include${CPATH:+:$CPATH}
-  export LIBRARY_PATH=$PFX/usr/lib/x86_64-linux-gnu${LIBRARY_PATH:+:$LIBRARY_PATH}
-  export LD_LIBRARY_PATH=$PFX/usr/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
-fi
+source scripts/device-env.sh
 PY=$(command -v python3)
 PYINC=$($PY -c "import sysconfig; print(sysconfig.get_paths()['include'])")
 PB=$($PY -m pybind11 --cmakedir 2>/dev/null)
