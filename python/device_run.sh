@@ -1,0 +1,121 @@
+#!/usr/bin/env bash
+# One call on the GPU machine (the `device` tool) for the Python package:
+# build shmcast with CUDA plus the Python module for the machine's python3,
+# run the Python CUDA tests (and the CPU tests that need a newer torch: float8,
+# uint16..64), the example, then the Python bench next to the C++ bench in the
+# same run. Logs and JSON go to $OUT.
+#
+#   run: bash python/device_run.sh              carry: [".deb"]
+#
+# Packages the machine lacks are unpacked from .deb/ (apt-get download here)
+# into /tmp/pfx, never into /. STAGES (default "build test example bench")
+# picks stages.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+STAGES=${STAGES:-"build test bench example"}
+B=${B:-/tmp/shmcast-pybuild}
+PY=$(command -v python3)
+log() { echo "== $(date +%T) $*"; }
+has() { [[ " $STAGES " == *" $1 "* ]]; }
+
+{
+  log machine
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1
+  lscpu | grep -E "Model name|^CPU\(s\)" 2>&1
+  free -g | head -2; uname -r; ulimit -l; df -h /dev/shm | tail -1
+  "$PY" -c "import sys, torch; print(sys.version.split()[0], sys.executable, 'torch', torch.__version__, torch.version.cuda, torch.cuda.is_available())"
+  "$PY" -m pybind11 --version 2>&1; "$PY" -m pytest --version 2>&1
+  nvcc --version | tail -1; gcc --version | head -1; cmake --version | head -1
+} >"$OUT/env.log" 2>&1
+
+PFX=/tmp/pfx
+mkdir -p $PFX
+unpack() { for p in "$@"; do for f in .deb/${p}_*.deb; do [ -f "$f" ] && dpkg -x "$f" $PFX && echo "unpacked $f"; done; done; }
+{
+  [ -f /usr/include/xxhash.h ] || unpack libxxhash-dev libxxhash0
+  [ -d /usr/include/CLI ] || unpack libcli11-dev
+  [ -d /usr/include/nlohmann ] || unpack nlohmann-json3-dev
+  [ -d /usr/include/boost/interprocess ] || unpack libboost1.74-dev
+} >>"$OUT/env.log" 2>&1
+if [ -d $PFX/usr ]; then
+  for pc in $PFX/usr/lib/x86_64-linux-gnu/pkgconfig/*.pc $PFX/usr/share/pkgconfig/*.pc; do
+    [ -f "$pc" ] && sed -i "s#^prefix=/usr#prefix=$PFX/usr#" "$pc"
+  done
+  export CMAKE_PREFIX_PATH=$PFX/usr
+  export PKG_CONFIG_PATH=$PFX/usr/lib/x86_64-linux-gnu/pkgconfig:$PFX/usr/share/pkgconfig
+  export CPATH=$PFX/usr/include
+  export LIBRARY_PATH=$PFX/usr/lib/x86_64-linux-gnu
+  export LD_LIBRARY_PATH=$PFX/usr/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+fi
+
+if has build; then
+  log build
+  gen=(); command -v ninja >/dev/null && gen=(-G Ninja)
+  { cmake -S . -B $B "${gen[@]}" -DCMAKE_BUILD_TYPE=Release -DSHMCAST_WITH_CUDA=ON -DCUDAToolkit_ROOT=/usr/local/cuda \
+      -DSHMCAST_BUILD_PYTHON=ON -DPython3_EXECUTABLE="$PY" -DSHMCAST_BUILD_TESTS=OFF -DSHMCAST_BUILD_TOOLS=OFF \
+    && cmake --build $B -j16 --target _shmcast shmcast-bench; } >"$OUT/build.log" 2>&1
+  rc=$?
+  grep -E "shmcast:" "$OUT/build.log"; tail -2 "$OUT/build.log"
+  if [ $rc -ne 0 ]; then grep -E "error|Error" -A3 "$OUT/build.log" | head -60; echo "BUILD FAILED"; exit 1; fi
+fi
+export PYTHONPATH=$B/python
+export PYTHONUNBUFFERED=1
+
+if has test; then
+  log "pytest -m cuda"
+  timeout 150 "$PY" -m pytest -q -ra -p no:cacheprovider -m cuda python/tests >"$OUT/tests.log" 2>&1
+  echo "cuda tests rc=$?"; tail -15 "$OUT/tests.log"
+fi
+
+if has bench; then
+  J="$OUT/bench.jsonl"
+  : >"$J"
+  log "bench: C++ shmcast-bench --mode cuda --iters 5"
+  timeout 90 $B/bench/shmcast-bench --mode cuda --iters 5 --json >"$OUT/run.json" 2>>"$OUT/bench.err"
+  echo "rc=$?"; python3 -c 'import json,sys; d=json.load(open(sys.argv[1])); d["label"]="cxx"; print(json.dumps(d))' "$OUT/run.json" >>"$J"
+  for mode in copy staging; do
+    log "bench: python bench_python.py --device cuda --mode $mode --iters 5"
+    PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout 80 "$PY" python/bench_python.py --device cuda:0 \
+      --mode $mode --iters 5 --json >"$OUT/run.json" 2>>"$OUT/bench.err"
+    echo "rc=$?"; python3 -c 'import json,sys; d=json.load(open(sys.argv[1])); d["label"]="python-"+sys.argv[2]; print(json.dumps(d))' "$OUT/run.json" "$mode" >>"$J"
+  done
+  rm -f "$OUT/run.json"
+  python3 - "$J" <<'EOF' | tee "$OUT/summary.txt"
+import json, sys
+rows = {}
+for l in open(sys.argv[1]):
+    if l.strip():
+        d = json.loads(l); rows[d["label"]] = d
+c = rows.get("cxx", {})
+cx = c.get("gbps")
+if cx:
+    ce = c["ceilings"]
+    print(f"C++ shmcast-bench: {cx:.2f} GB/s ({c.get('seconds', 0)*1e3:.1f} ms per sync), concurrent ceiling "
+          f"{ce['concurrent_gbps']:.2f} GB/s, bit_exact {c.get('bit_exact')}")
+for m in ("copy", "staging"):
+    p = rows.get("python-" + m)
+    if not p:
+        continue
+    ratio = f" = {p['gbps'] / cx:.3f} x C++" if cx else ""
+    print(f"Python ({m}): {p['gbps']:.2f} GB/s ({p['sync_ms']:.1f} ms per sync){ratio}; "
+          f"send {p['send_ms']:.1f} ms (C++ {p['send_cxx_ms']:.1f}, Python overhead {p['send_python_overhead_ms']:.3f} ms); "
+          f"receive {p['receive_ms']:.1f} ms (C++ {p['receive_cxx_ms']:.1f}, Python overhead "
+          f"{p['receive_python_overhead_ms']:.3f} ms); values checked {p['bit_check']}")
+EOF
+fi
+if has example; then
+  log example
+  timeout 60 "$PY" python/examples/trainer_to_worker.py >"$OUT/example.log" 2>&1
+  echo "example rc=$?"; cat "$OUT/example.log" | tail -6
+fi
+
+if has test; then
+  log "pytest (CPU) dtypes and receive_into with this torch (float8, uint16..64)"
+  timeout 90 "$PY" -m pytest -q -ra -p no:cacheprovider -m "not cuda" -k "dtype or receive_into_preallocated" \
+    python/tests >>"$OUT/tests.log" 2>&1
+  echo "cpu tests rc=$?"; tail -3 "$OUT/tests.log"
+fi
+
+log done

@@ -1,0 +1,65 @@
+"""shmcast: move tensors (model weights) from a trainer process to inference
+workers on one machine through a named POSIX shared-memory region, pinned
+with cudaHostRegister. No CUDA IPC, no pidfd_getfd, no pickled tensor data.
+
+    import shmcast
+    prod = shmcast.Producer("actor-0", slot_bytes=512 << 20, slots=2, max_consumers=2)
+    version = prod.send(named_tensors)          # iterable of (name, tensor), CPU or CUDA
+    cons = shmcast.Consumer("actor-0", device="cuda:0")   # or device="cpu"
+    for name, tensor in cons.receive(timeout=30.0): ...
+    cons.receive_into({"name": existing_tensor, ...})
+
+Adapters: shmcast.vllm (ShmcastWorkerExtension), shmcast.roll
+(serialize_named_weights / named_tensors_from_ticket). docs/python.md has
+the whole story.
+"""
+# torch first: with CUDA, the extension then shares torch's CUDA runtime.
+import torch as _torch  # noqa: F401
+
+try:
+    from . import _shmcast
+except ImportError as _e:  # pragma: no cover
+    raise ImportError(
+        f"shmcast: the compiled extension shmcast._shmcast is missing next to {__file__} ({_e}). Build it "
+        "(cmake --build <build>) and put <build>/python on PYTHONPATH, or `cmake --install` it; see docs/python.md"
+    ) from None
+from ._shmcast import (  # noqa: F401  (exceptions: shmcast.Error and one subclass per code)
+    Aborted,
+    BadName,
+    Checksum,
+    Closed,
+    Corrupt,
+    CudaError,
+    CudaUnavailable,
+    Error,
+    Evicted,
+    Exists,
+    InvalidArgument,
+    NoSeat,
+    NotFound,
+    PeerDied,
+    Permission,
+    RegionFull,
+    SyncInfo,
+    SystemFailure,
+    Timeout,
+    VersionMismatch,
+    cuda_available,
+    cuda_unavailable_reason,
+    region_dir,
+    region_path,
+    unlink_region,
+    validate_name,
+)
+from ._torch import Consumer, Mismatch, Producer, dtype_name, supported_dtypes, torch_dtype  # noqa: F401
+
+__version__ = f"{_shmcast.version_major}.{_shmcast.version_minor}.0"
+
+__all__ = [
+    "Producer", "Consumer", "Mismatch", "SyncInfo",
+    "Error", "InvalidArgument", "BadName", "Exists", "NotFound", "RegionFull", "Permission", "Corrupt",
+    "VersionMismatch", "Timeout", "PeerDied", "Closed", "NoSeat", "Evicted", "Aborted", "Checksum", "CudaError",
+    "CudaUnavailable", "SystemFailure",
+    "cuda_available", "cuda_unavailable_reason", "region_dir", "region_path", "unlink_region", "validate_name",
+    "dtype_name", "torch_dtype", "supported_dtypes",
+]

@@ -1,0 +1,752 @@
+"""The torch-native API: Producer.send(named_tensors) and Consumer.receive().
+
+Tensors cross into C++ as raw pointers; no tensor data is pickled, copied
+through Python, or touched by the GIL-holding thread. A whole sync is one
+Python->C++ call in the common case (every tensor contiguous or a row-pitched
+2-D view): the per-tensor Python work is reading dtype/shape/data_ptr.
+"""
+from __future__ import annotations
+
+import math
+import threading
+from collections.abc import Mapping
+from typing import Optional, Union
+
+import torch
+
+from . import _shmcast as _C
+
+__all__ = [
+    "Producer",
+    "Consumer",
+    "Mismatch",
+    "dtype_name",
+    "torch_dtype",
+    "supported_dtypes",
+]
+
+# ---------------------------------------------------------------- dtypes
+
+# torch attribute name -> shmcast DType name (lib/src/common.cpp). Types this
+# torch lacks (uint16/32/64 before 2.3, float8 before 2.1, ...) are skipped.
+_DTYPE_PAIRS = (
+    ("bool", "bool"),
+    ("uint8", "u8"),
+    ("int8", "i8"),
+    ("int16", "i16"),
+    ("int32", "i32"),
+    ("int64", "i64"),
+    ("uint16", "u16"),
+    ("uint32", "u32"),
+    ("uint64", "u64"),
+    ("float16", "f16"),
+    ("bfloat16", "bf16"),
+    ("float32", "f32"),
+    ("float64", "f64"),
+    ("complex64", "c64"),
+    ("complex128", "c128"),
+    ("float8_e4m3fn", "f8e4m3fn"),
+    ("float8_e5m2", "f8e5m2"),
+    ("float8_e4m3fnuz", "f8e4m3fnuz"),
+    ("float8_e5m2fnuz", "f8e5m2fnuz"),
+    ("float8_e8m0fnu", "f8e8m0fnu"),
+)
+_TO_NAME: dict = {}
+_FROM_NAME: dict = {}
+for _attr, _name in _DTYPE_PAIRS:
+    _dt = getattr(torch, _attr, None)
+    if isinstance(_dt, torch.dtype):
+        _TO_NAME[_dt] = _name
+        _FROM_NAME[_name] = _dt
+_FROM_NAME["raw"] = torch.uint8  # untyped bytes, shape (nbytes,)
+del _attr, _name, _dt
+
+
+def supported_dtypes() -> list:
+    """The torch dtypes this process can send and receive."""
+    return list(_TO_NAME)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """shmcast's name for a torch dtype ('bf16', 'f32', ...)."""
+    try:
+        return _TO_NAME[dtype]
+    except KeyError:
+        raise TypeError(f"shmcast cannot carry torch dtype {dtype}") from None
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype for a shmcast dtype name."""
+    try:
+        return _FROM_NAME[name]
+    except KeyError:
+        raise TypeError(
+            f"shmcast dtype '{name}' has no torch dtype in this process (torch {torch.__version__}); "
+            "upgrade torch on the receiving side"
+        ) from None
+
+
+class Mismatch(_C.InvalidArgument):
+    """receive_into(): the sync does not match the destination tensors (names,
+    dtypes or shapes). The sync was skipped; the destinations are untouched."""
+
+    code = "InvalidArgument"
+
+
+# ---------------------------------------------------------------- helpers
+
+_MIN_ROW_BYTES = 64  # narrower rows: one contiguous staging copy is faster
+
+
+def _row_pitch(t: torch.Tensor):
+    """(rows, row_bytes, pitch_bytes) when `t` is rows of contiguous bytes at a
+    constant pitch (a column slice of a matrix, a slice of a fused
+    parameter...), else None."""
+    dims = [(s, st) for s, st in zip(t.shape, t.stride()) if s != 1]
+    if len(dims) < 2:
+        return None
+    inner, k = 1, len(dims)
+    while k > 0 and dims[k - 1][1] == inner:
+        inner *= dims[k - 1][0]
+        k -= 1
+    if k == 0:
+        return None  # contiguous after all
+    for j in range(k - 1):  # the outer dims must collapse into one
+        if dims[j][1] != dims[j + 1][1] * dims[j + 1][0]:
+            return None
+    pitch = dims[k - 1][1]
+    if pitch < inner:
+        return None  # overlapping or broadcast rows
+    es = t.element_size()
+    if inner * es < _MIN_ROW_BYTES:
+        return None
+    rows = math.prod(s for s, _ in dims[:k])
+    return (rows, inner * es, pitch * es)
+
+
+def _parse_device(device) -> torch.device:
+    d = torch.device(device)
+    if d.type == "cuda":
+        if not torch.cuda.is_available():
+            raise _C.CudaUnavailable(f"device {device!r}: torch sees no CUDA device")
+        if d.index is None:
+            d = torch.device("cuda", torch.cuda.current_device())
+    elif d.type != "cpu":
+        raise ValueError(f"shmcast receives on 'cpu' or 'cuda[:N]', not {device!r}")
+    return d
+
+
+def _views(buf: torch.Tensor, tensors) -> list:
+    """(name, tensor) views into `buf` (uint8, the sync's stream layout)."""
+    out = []
+    typed: dict = {}
+    for name, dt, shape, nbytes, off in tensors:
+        tdt = _FROM_NAME.get(dt)
+        if tdt is None:
+            torch_dtype(dt)  # raises the explanatory TypeError
+        base = typed.get(tdt)
+        es = _ELEM_SIZE[tdt]
+        if base is None:
+            base = buf[: (buf.numel() // es) * es].view(tdt)
+            typed[tdt] = base
+        if nbytes == 0:
+            out.append((name, torch.empty(shape, dtype=tdt, device=buf.device)))
+            continue
+        strides = _contiguous_strides(shape)
+        out.append((name, base.as_strided(shape, strides, off // es)))
+    return out
+
+
+_ELEM_SIZE = {dt: torch.empty((), dtype=dt).element_size() for dt in _TO_NAME}
+_STRIDE_CACHE: dict = {}
+
+
+def _contiguous_strides(shape):
+    s = _STRIDE_CACHE.get(shape)
+    if s is None:
+        acc, out = 1, []
+        for d in reversed(shape):
+            out.append(acc)
+            acc *= max(d, 1)
+        s = tuple(reversed(out))
+        if len(_STRIDE_CACHE) < 4096:
+            _STRIDE_CACHE[shape] = s
+    return s
+
+
+class _CudaArray:
+    """Exposes a raw device pointer through __cuda_array_interface__ (v2) so
+    torch.as_tensor wraps it without a copy; `owner` keeps the memory's owner
+    reachable from the tensor."""
+
+    __slots__ = ("__cuda_array_interface__", "owner")
+
+    def __init__(self, ptr: int, nbytes: int, owner):
+        self.__cuda_array_interface__ = {
+            "shape": (nbytes,),
+            "typestr": "|u1",
+            "data": (ptr, False),
+            "version": 2,
+        }
+        self.owner = owner
+
+
+class _Closing:
+    """Context-manager mixin: `with X(...) as x:` closes x on exit."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+# ---------------------------------------------------------------- producer
+
+
+class Producer(_Closing):
+    """Creates region `name` and sends syncs of named tensors into it.
+
+    Options are ProducerOptions (shmcast.hpp): slot_bytes (rounded up to
+    2 MiB), slots (>= 2), max_consumers, manifest_bytes, group_access,
+    replace_stale, unlink_on_close, checksums, stall_policy ('fail' |
+    'evict'), consumer_timeout (seconds), pin ('auto' | True | False).
+
+    staging_budget: bytes of temporary GPU copies (non-contiguous CUDA tensors
+    that are not row-pitched, DTensor gathers) that may be alive at once
+    during a send before the producer waits for their D2H copies.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        slot_bytes: int = 256 << 20,
+        slots: int = 2,
+        max_consumers: int = 8,
+        manifest_bytes: int = 1 << 20,
+        group_access: bool = False,
+        replace_stale: bool = True,
+        unlink_on_close: bool = True,
+        checksums: bool = False,
+        stall_policy: str = "fail",
+        consumer_timeout: float = 60.0,
+        pin: Union[str, bool] = "auto",
+        staging_budget: int = 256 << 20,
+    ):
+        self._c = None
+        self._c = _C.Producer(
+            name,
+            slot_bytes=slot_bytes,
+            slots=slots,
+            max_consumers=max_consumers,
+            manifest_bytes=manifest_bytes,
+            group_access=group_access,
+            replace_stale=replace_stale,
+            unlink_on_close=unlink_on_close,
+            checksums=checksums,
+            stall_policy=stall_policy,
+            consumer_timeout=consumer_timeout,
+            pin=pin,
+        )
+        self._staging_budget = int(staging_budget)
+        self._engine_cuda = False  # the library's producer engine moved to CUDA
+        self._streams: dict = {}
+
+    # -------------------------------------------------------- sending
+
+    def send(self, named_tensors) -> int:
+        """Sends one sync: `named_tensors` is an iterable of (name, tensor)
+        pairs or a mapping name -> tensor; tensors on CPU or CUDA, any shape,
+        any layout (FSDP2 DTensors are gathered with full_tensor(), one at a
+        time). Returns the sync's version once every byte is in the region:
+        the tensors may be modified or freed afterwards (consumers may still
+        be reading the region).
+
+        CUDA copies are ordered after the work queued so far on the tensors'
+        device's torch.cuda.current_stream()."""
+        c = self._live()
+        items = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
+        specs, srcs, devs, lays, keep = [], [], [], [], []
+        slow = []  # indices that need a per-tensor step (staging copy, gather)
+        cuda_dev = None
+        any_cpu = False
+        to_name = _TO_NAME
+        row_pitch = _row_pitch
+        Tensor, Parameter, strided = torch.Tensor, torch.nn.Parameter, torch.strided
+        for name, t in items:
+            i = len(specs)
+            keep.append(t)
+            tt = type(t)
+            if tt is not Tensor and tt is not Parameter:
+                if hasattr(t, "full_tensor"):  # FSDP2 DTensor (or alike): gathered when its turn comes
+                    dt = to_name.get(t.dtype)
+                    if dt is None:
+                        raise TypeError(f"'{name}': shmcast cannot carry torch dtype {t.dtype}")
+                    specs.append((name, dt, tuple(t.shape)))
+                    srcs.append(None)
+                    devs.append(False)
+                    lays.append(None)
+                    slow.append(i)
+                    continue
+                if not isinstance(t, Tensor):
+                    raise TypeError(f"'{name}': expected a torch.Tensor, got {tt.__name__}")
+            dt = to_name.get(t.dtype)
+            if dt is None:
+                raise TypeError(f"'{name}': shmcast cannot carry torch dtype {t.dtype}")
+            if t.layout is not strided:
+                raise TypeError(f"'{name}': shmcast sends dense tensors, not {t.layout}")
+            specs.append((name, dt, tuple(t.shape)))
+            if t.is_cuda:
+                if cuda_dev is None:
+                    cuda_dev = t.device
+                elif t.device != cuda_dev:
+                    raise ValueError(
+                        f"'{name}' is on {t.device} but earlier tensors are on {cuda_dev}: "
+                        "one send takes the tensors of one GPU (send per device, or move them)")
+                devs.append(True)
+            else:
+                if t.device.type != "cpu":
+                    raise TypeError(f"'{name}': shmcast sends CPU or CUDA tensors, not {t.device}")
+                any_cpu = True
+                devs.append(False)
+            if t.is_conj() or t.is_neg():
+                srcs.append(None)
+                lays.append(None)
+                slow.append(i)
+            elif t.is_contiguous():
+                srcs.append(t.data_ptr())
+                lays.append(None)
+            else:
+                lay = row_pitch(t)
+                srcs.append(t.data_ptr() if lay is not None else None)
+                lays.append(lay)
+                if lay is None:
+                    slow.append(i)
+        # Where host sources go. The library's producer engine switches to
+        # CUDA at the first device write (and only at a slot boundary); its
+        # CUDA engine then copies host sources with memcpy. Device writes
+        # take device pointers only (cudaMemcpyDefault rejects pageable host
+        # memory). So in a sync that mixes CPU and CUDA tensors, while the
+        # engine is still the host one, the CPU tensors before the first
+        # CUDA tensor are staged onto the GPU; the rest go as host writes.
+        if cuda_dev is not None:
+            target = "device"
+            if any_cpu and not self._engine_cuda:
+                first = devs.index(True)
+                early = [i for i in range(first) if not devs[i]]
+                if early:
+                    slow = sorted(set(slow) | set(early))
+        elif any_cpu:
+            target = "host"
+        else:
+            target = None  # only gathers: the first gathered tensor decides
+        streams = self._stream_of(cuda_dev) if cuda_dev is not None else None
+        if not slow:
+            if cuda_dev is None:
+                return c.send_batch(specs, srcs, devs, lays, None)
+            with torch.cuda.device(cuda_dev):
+                v = c.send_batch(specs, srcs, devs, lays, streams)
+            self._engine_cuda = True
+            return v
+        return self._send_slow(c, specs, srcs, devs, lays, streams, slow, keep, target, cuda_dev)
+
+    @staticmethod
+    def _stream_of(dev: torch.device) -> int:
+        return torch.cuda.current_stream(dev).cuda_stream
+
+    def _send_slow(self, c, specs, srcs, devs, lays, streams, slow, keep, target, cuda_dev) -> int:
+        # Runs of ready tensors go in one write_batch call each; every slow
+        # tensor gets its own staging step, so at most staging_budget bytes
+        # of temporary copies are alive at once.
+        v = c.begin_sync(specs)
+        held, held_bytes = [], 0
+        try:
+            start = 0
+            for i in slow + [len(specs)]:
+                if i > start:
+                    if cuda_dev is not None:
+                        with torch.cuda.device(cuda_dev):
+                            c.write_batch(start, srcs[start:i], devs[start:i], lays[start:i], streams)
+                        if any(devs[start:i]):
+                            self._engine_cuda = True
+                    else:
+                        c.write_batch(start, srcs[start:i], devs[start:i], lays[start:i], None)
+                if i == len(specs):
+                    break
+                staged = self._stage(keep[i])
+                if tuple(staged.shape) != specs[i][2] or _TO_NAME.get(staged.dtype) != specs[i][1]:
+                    raise ValueError(f"'{specs[i][0]}': full_tensor() gave {staged.dtype} {list(staged.shape)}, "
+                                     f"expected {specs[i][1]} {list(specs[i][2])}")
+                if target is None:
+                    target = "device" if staged.is_cuda else "host"
+                if staged.is_cuda and target == "host":
+                    staged = staged.cpu()  # a GPU gather in a host sync
+                if target == "device" and not staged.is_cuda and self._engine_cuda:
+                    c.write(i, staged.data_ptr())  # a host source through the CUDA engine: memcpy
+                elif target == "device":
+                    dev = staged.device if staged.is_cuda else cuda_dev
+                    if dev is None:
+                        dev = torch.device("cuda", torch.cuda.current_device())
+                    if not staged.is_cuda:
+                        staged = staged.to(dev)  # the engine is not CUDA yet: start it with a device write
+                    with torch.cuda.device(dev):
+                        c.write_device(i, staged.data_ptr(), self._stream_of(dev))
+                    self._engine_cuda = True
+                    # The copy runs on the library's stream: keep the staging
+                    # copy alive until the device has done it.
+                    held.append(staged)
+                    held_bytes += staged.numel() * staged.element_size()
+                    if held_bytes > self._staging_budget:
+                        torch.cuda.synchronize(dev)  # every stream of the device, the library's too
+                        held, held_bytes = [], 0
+                else:
+                    c.write(i, staged.data_ptr())
+                del staged
+                start = i + 1
+            c.end_sync()  # returns once every copy has run: held copies may go
+        except BaseException as e:
+            try:
+                c.abort_sync(f"the Python producer failed: {type(e).__name__}: {e}")
+            except _C.Error:
+                pass
+            raise
+        finally:
+            held.clear()
+        return v
+
+    @staticmethod
+    def _stage(t) -> torch.Tensor:
+        tt = type(t)
+        if tt is not torch.Tensor and tt is not torch.nn.Parameter and hasattr(t, "full_tensor"):
+            t = t.full_tensor()  # FSDP2 DTensor: all-gathers this one tensor
+        if t.is_conj():
+            t = t.resolve_conj()
+        if t.is_neg():
+            t = t.resolve_neg()
+        return t.contiguous()
+
+    # -------------------------------------------------------- the rest
+
+    def wait_for_consumers(self, n: int = 1, timeout: Optional[float] = 30.0) -> None:
+        """Blocks until at least n live consumers are attached. Only consumers
+        attached when a send begins take part in that sync."""
+        self._live().wait_for_consumers(n, timeout)
+
+    @property
+    def consumers(self) -> int:
+        """Attached consumers whose process is alive."""
+        return self._live().consumers
+
+    def wait_drained(self, timeout: Optional[float] = 60.0) -> None:
+        """Blocks until every consumer of the last sync released all its slots."""
+        self._live().wait_drained(timeout)
+
+    def take_events(self) -> list:
+        """Things the producer did on its own (e.g. evicted a dead consumer)."""
+        return self._live().take_events()
+
+    def close(self) -> None:
+        """Marks the region closed (consumers get shmcast.Closed after the last
+        sync), unpins, unmaps and by default removes the name. Idempotent."""
+        c = getattr(self, "_c", None)
+        if c is not None and not c.closed:
+            c.close()
+
+    @property
+    def closed(self) -> bool:
+        return self._c is None or self._c.closed
+
+    @property
+    def raw(self) -> "_C.Producer":
+        """The low-level binding (pointers as ints)."""
+        return self._live()
+
+    def _live(self):
+        c = self._c
+        if c is None or c.closed:
+            raise _C.Closed("this producer is closed")
+        return c
+
+    name = property(lambda self: self._c.name)
+    path = property(lambda self: self._c.path)
+    region_bytes = property(lambda self: self._c.region_bytes)
+    slot_bytes = property(lambda self: self._c.slot_bytes)
+    slots = property(lambda self: self._c.slots)
+    last_version = property(lambda self: self._c.last_version)
+    last_sync = property(lambda self: self._c.last_sync,
+                         doc="SentSync of the last send: version, first_seq, chunks, stream_bytes, payload_bytes")
+    pinned = property(lambda self: self._c.pinned)
+
+    def __repr__(self):
+        if self._c is None:
+            return "<shmcast.Producer (not created)>"
+        state = "closed" if self._c.closed else f"{self._c.slots} x {self._c.slot_bytes} B slots"
+        return f"<shmcast.Producer '{self._c.name}' {state}>"
+
+
+# ---------------------------------------------------------------- consumer
+
+
+class Consumer(_Closing):
+    """Attaches to region `name` (waiting up to open_timeout seconds for it to
+    appear) and receives syncs onto `device` ('cpu', 'cuda', 'cuda:N').
+
+    mode (per Consumer, or per receive() call):
+      'copy' (default): each receive() allocates ONE torch buffer on `device`
+          (the caching allocator reuses it once you drop the last tensor) and
+          returns views into it. The tensors own their memory: keep them as
+          long as you like (all of a sync's tensors share that one buffer, so
+          holding any of them holds the whole sync's memory).
+      'staging': zero-copy views of a buffer the consumer reuses (CUDA: the
+          library's staging buffer, filled with one H2D copy per slot; CPU: a
+          cached host buffer). The tensors are valid only until the next
+          receive()/receive_into()/close() on this consumer: copy out what
+          you keep (load_weights() does).
+    """
+
+    def __init__(
+        self,
+        name: str,
+        device: Union[str, torch.device] = "cpu",
+        *,
+        open_timeout: float = 30.0,
+        chunk_timeout: float = 60.0,
+        pin: Union[str, bool] = "auto",
+        verify_checksums: bool = True,
+        mode: str = "copy",
+    ):
+        self._c = None
+        self.device = _parse_device(device)
+        if mode not in ("copy", "staging"):
+            raise ValueError("mode must be 'copy' or 'staging'")
+        self.mode = mode
+        self._lock = threading.RLock()
+        self._pending = None  # SyncInfo from wait_sync() not yet read
+        self._host_buf: Optional[torch.Tensor] = None
+        if self.device.type == "cuda":
+            with torch.cuda.device(self.device):
+                self._c = _C.Consumer(name, open_timeout=open_timeout, chunk_timeout=chunk_timeout, pin=pin,
+                                      verify_checksums=verify_checksums)
+        else:
+            self._c = _C.Consumer(name, open_timeout=open_timeout, chunk_timeout=chunk_timeout, pin=pin,
+                                  verify_checksums=verify_checksums)
+
+    # -------------------------------------------------------- receiving
+
+    def receive(self, timeout: Optional[float] = 30.0, *, mode: Optional[str] = None) -> list:
+        """Waits for the next sync (timeout in seconds; None waits forever) and
+        returns its tensors as a list of (name, tensor) on this consumer's
+        device, in the producer's order: what model.load_weights() takes.
+
+        CUDA: the copies are ordered before later work on
+        torch.cuda.current_stream(device). See the class doc for `mode`."""
+        with self._lock:
+            self.wait_sync(timeout)
+            return self.read(mode=mode)
+
+    def wait_sync(self, timeout: Optional[float] = 30.0):
+        """Step 1 of receive(): waits for the next sync and returns its
+        SyncInfo (version, tensors = [(name, dtype, shape, nbytes,
+        stream_offset)], ...). Follow with read(), read_into() or skip(); a
+        sync left unread is skipped by the next wait_sync()."""
+        c = self._live()
+        with self._lock:
+            info = c.wait_sync(timeout)
+            self._pending = info
+            return info
+
+    def read(self, *, mode: Optional[str] = None) -> list:
+        """Step 2 of receive(): reads the sync wait_sync() returned into
+        tensors on this consumer's device; returns [(name, tensor), ...]."""
+        c = self._live()
+        with self._lock:
+            info = self._take_pending()
+            try:
+                return self._read(c, info, mode or self.mode)
+            except BaseException:
+                self._skip_quietly(c)
+                raise
+
+    def _take_pending(self):
+        info = self._pending
+        if info is None:
+            raise _C.InvalidArgument("no sync to read: call wait_sync() first")
+        self._pending = None
+        return info
+
+    def _read(self, c, info, mode) -> list:
+        tensors = info.tensors
+        for t in tensors:  # fail before reading when a dtype cannot be represented
+            if t[1] not in _FROM_NAME:
+                torch_dtype(t[1])
+        nbytes = info.stream_bytes
+        dev = self.device
+        if dev.type == "cpu":
+            if mode == "staging":
+                buf = self._host_buf
+                if buf is None or buf.numel() < nbytes:
+                    buf = self._host_buf = torch.empty(_round_up(max(nbytes, 1), 1 << 21), dtype=torch.uint8)
+            else:
+                buf = torch.empty(_round_up(max(nbytes, 1), 256), dtype=torch.uint8)
+            base = buf.data_ptr()
+            c.read_into([base + t[4] if t[3] else None for t in tensors])
+            return _views(buf, tensors)
+        with torch.cuda.device(dev):
+            stream = torch.cuda.current_stream(dev).cuda_stream
+            if mode == "staging":
+                ptrs = c.read_to_staging(dev.index, stream)
+                if nbytes == 0 or not ptrs:
+                    return _views(torch.empty(256, dtype=torch.uint8, device=dev), tensors)
+                base = ptrs[0] - tensors[0][4]
+                buf = torch.as_tensor(_CudaArray(base, nbytes, self), device=dev)
+                return _views(buf, tensors)
+            buf = torch.empty(_round_up(max(nbytes, 1), 256), dtype=torch.uint8, device=dev)
+            base = buf.data_ptr()
+            c.read_into_device([base + t[4] if t[3] else None for t in tensors], stream)
+            return _views(buf, tensors)
+
+    def receive_into(self, tensors: Mapping, timeout: Optional[float] = 30.0, *, strict: bool = True) -> int:
+        """Waits for the next sync and copies it straight into the given
+        tensors (a mapping name -> preallocated tensor, CPU or CUDA, e.g. a
+        model's parameters). Returns the sync's version.
+
+        Every destination must match its tensor's dtype and shape exactly.
+        strict=True: the sync's names and the mapping's names must be the
+        same set; strict=False: tensors of the sync without a destination
+        are skipped and destinations absent from the sync are left alone.
+        On any mismatch the sync is skipped, nothing is written, and
+        shmcast.Mismatch is raised."""
+        with self._lock:
+            self.wait_sync(timeout)
+            return self.read_into(tensors, strict=strict)
+
+    def read_into(self, tensors: Mapping, *, strict: bool = True) -> int:
+        """Step 2 of receive_into(): copies the sync wait_sync() returned into
+        `tensors`."""
+        c = self._live()
+        with self._lock:
+            info = self._take_pending()
+            try:
+                return self._read_into(c, info, tensors, strict)
+            except BaseException:
+                self._skip_quietly(c)
+                raise
+
+    def _read_into(self, c, info, dsts: Mapping, strict: bool) -> int:
+        problems = []
+        plan = []  # (sync index, destination, nbytes)
+        cuda_dev = None
+        seen = 0
+        for j, (name, dt, shape, nbytes, _off) in enumerate(info.tensors):
+            d = dsts.get(name)
+            if d is None:
+                if strict:
+                    problems.append(f"'{name}' is in the sync but has no destination")
+                continue
+            seen += 1
+            want = _FROM_NAME.get(dt)
+            if d.dtype != want:
+                problems.append(f"'{name}': the sync has dtype {want or dt}, the destination {d.dtype}")
+            if tuple(d.shape) != shape:
+                problems.append(f"'{name}': the sync has shape {list(shape)}, the destination {list(d.shape)}")
+            if d.is_cuda:
+                if cuda_dev is None:
+                    cuda_dev = d.device
+                elif d.device != cuda_dev:
+                    problems.append(f"'{name}' is on {d.device} but others are on {cuda_dev}: one GPU per receive_into")
+            elif d.device.type != "cpu" or d.layout is not torch.strided:
+                problems.append(f"'{name}': destinations must be dense CPU or CUDA tensors, not {d.device}/{d.layout}")
+            plan.append((j, d, nbytes))
+        if strict and seen < len(dsts):
+            names = {t[0] for t in info.tensors}
+            missing = [n for n in dsts if n not in names]
+            if missing:
+                problems.append(f"{len(missing)} destination(s) not in the sync, e.g. '{missing[0]}'")
+        if problems:
+            shown = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
+            raise Mismatch(f"sync {info.version} does not match the destinations: {shown}")
+        ptrs = [None] * len(info.tensors)
+        after = []  # (destination, temporary): copied once the read is done
+        for j, d, nbytes in plan:
+            if not nbytes:
+                continue
+            # read_into_device takes device pointers only: in a CUDA receive,
+            # CPU destinations (like non-contiguous ones) land in temporaries.
+            if d.is_contiguous() and not (d.is_conj() or d.is_neg()) and (cuda_dev is None or d.is_cuda):
+                ptrs[j] = d.data_ptr()
+            else:
+                tmp = torch.empty(d.shape, dtype=d.dtype, device=cuda_dev if cuda_dev is not None else d.device)
+                after.append((d, tmp))
+                ptrs[j] = tmp.data_ptr()
+        if cuda_dev is None:
+            c.read_into(ptrs)
+            for d, tmp in after:
+                d.copy_(tmp)
+        else:
+            with torch.cuda.device(cuda_dev):
+                c.read_into_device(ptrs, torch.cuda.current_stream(cuda_dev).cuda_stream)
+                for d, tmp in after:  # on the current stream, after the read
+                    d.copy_(tmp)
+        return info.version
+
+    def _skip_quietly(self, c):
+        try:
+            c.skip()
+        except _C.Error:
+            pass
+
+    # -------------------------------------------------------- the rest
+
+    def skip(self) -> None:
+        """Releases the rest of the current sync without reading it."""
+        c = self._live()
+        with self._lock:
+            self._pending = None
+            c.skip()
+
+    def close(self) -> None:
+        """Leaves the seat (the producer stops waiting for this consumer),
+        unpins and unmaps. Staging views from receive() become invalid."""
+        c = getattr(self, "_c", None)
+        if c is not None and not c.closed:
+            c.close()
+        self._host_buf = None
+
+    @property
+    def closed(self) -> bool:
+        return self._c is None or self._c.closed
+
+    @property
+    def raw(self) -> "_C.Consumer":
+        """The low-level binding (pointers as ints)."""
+        return self._live()
+
+    def _live(self):
+        c = self._c
+        if c is None or c.closed:
+            raise _C.Closed("this consumer is closed")
+        return c
+
+    name = property(lambda self: self._c.name)
+    seat = property(lambda self: self._c.seat)
+    last_version = property(lambda self: self._c.last_version)
+    last_sync = property(lambda self: self._c.sync, doc="SyncInfo of the last sync received")
+    pinned = property(lambda self: self._c.pinned)
+
+    def __repr__(self):
+        if self._c is None:
+            return "<shmcast.Consumer (not open)>"
+        state = "closed" if self._c.closed else f"seat {self._c.seat}"
+        return f"<shmcast.Consumer '{self._c.name}' on {self.device} {state}>"
+
+
+def _round_up(n: int, a: int) -> int:
+    return (n + a - 1) // a * a

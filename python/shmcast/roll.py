@@ -1,0 +1,243 @@
+"""ROLL-style adapters: keep an RPC framework's per-bucket control flow, move
+the bytes through shmcast.
+
+ROLL (roll/utils/send_recv_utils.py) serializes each bucket of
+(name, tensor) pairs into a payload with `serialize_named_weights(named_weights,
+infer_strategy) -> bytes`, ships it through Ray or gloo, and rebuilds the
+tensors on the inference side. The drop-ins here have the same shapes, but
+the payload is a ticket of a few hundred bytes (region, version, chunk
+sequence range, tensor count and a digest of the names): the tensors go
+through the shmcast region, and no tensor byte is pickled.
+
+    # sending rank and every inference worker, once, at setup:
+    shmcast.roll.create_region("roll-weights")      # sender (or let the first bucket create it)
+    shmcast.roll.attach("roll-weights")             # each receiver, before the first bucket
+    # trainer, per bucket (FSDP2 DTensors are gathered one tensor at a time):
+    payload = shmcast.roll.serialize_named_weights(bucket, "vllm", region="roll-weights", consumers=n_workers)
+    # ... the framework ships `payload` as before; each worker:
+    named = shmcast.roll.named_tensors_from_ticket(payload)
+
+A bucket must fit in the region (slots x slot_bytes): the sender writes the
+whole bucket before the ticket exists, so nobody reads while it writes.
+"""
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+import pickle
+import threading
+from dataclasses import dataclass
+from typing import Optional, Union
+
+import torch
+
+from . import _shmcast as _C
+from ._torch import Consumer, Producer, dtype_name
+
+__all__ = [
+    "ShmcastTicket",
+    "serialize_named_weights",
+    "named_tensors_from_ticket",
+    "attach",
+    "create_region",
+    "close",
+    "default_region",
+]
+
+_lock = threading.Lock()
+_producers: dict = {}
+_consumers: dict = {}
+
+
+def default_region() -> str:
+    """$SHMCAST_ROLL_REGION, else 'roll-weights'."""
+    return os.environ.get("SHMCAST_ROLL_REGION", "roll-weights")
+
+
+def _env_int(name: str, default: int) -> int:
+    v = os.environ.get(name)
+    return int(v) if v else default
+
+
+@dataclass(frozen=True)
+class ShmcastTicket:
+    """What travels through the RPC framework instead of the tensors."""
+
+    region: str
+    version: int         # the sync's version (strictly increasing per region)
+    first_seq: int       # the sync's chunk sequence range [first_seq, first_seq + chunks)
+    chunks: int
+    count: int           # tensors in the bucket
+    payload_bytes: int
+    names_digest: str    # blake2b-64 of the names in order: the receiver checks the manifest against it
+    infer_strategy: str
+
+
+def _names_digest(names) -> str:
+    h = hashlib.blake2b(digest_size=8)
+    for n in names:
+        h.update(n.encode())
+        h.update(b"\0")
+    return h.hexdigest()
+
+
+def create_region(region: Optional[str] = None, **producer_options) -> Producer:
+    """Creates (or returns) the cached Producer of `region` on the sending
+    rank, e.g. at setup so that receivers can attach() before the first
+    bucket. producer_options: Producer keyword arguments (defaults from
+    $SHMCAST_ROLL_SLOT_BYTES / _SLOTS / _MAX_CONSUMERS, else 256 MiB x 4
+    slots, 8 consumers)."""
+    return _producer(region or default_region(), producer_options)
+
+
+def _producer(region: str, producer_options: dict) -> Producer:
+    with _lock:
+        p = _producers.get(region)
+        if p is None or p.closed:
+            opts = dict(
+                slot_bytes=_env_int("SHMCAST_ROLL_SLOT_BYTES", 256 << 20),
+                slots=_env_int("SHMCAST_ROLL_SLOTS", 4),
+                max_consumers=_env_int("SHMCAST_ROLL_MAX_CONSUMERS", 8),
+            )
+            opts.update(producer_options)
+            p = _producers[region] = Producer(region, **opts)
+        return p
+
+
+def serialize_named_weights(
+    named_weights,
+    infer_strategy: str,
+    *,
+    region: Optional[str] = None,
+    consumers: Optional[int] = None,
+    timeout: float = 60.0,
+    sender: bool = True,
+    **producer_options,
+) -> Optional[bytes]:
+    """Writes one bucket of (name, tensor) pairs into `region` (default
+    default_region()) through a Producer cached per region, and returns a
+    pickled ShmcastTicket (well under 1 KiB; no tensor bytes).
+
+    consumers: wait until this many receivers are attached before the first
+    bucket (default $SHMCAST_ROLL_CONSUMERS, else 0: send to whoever is
+    attached). FSDP2 DTensor parameters (anything with full_tensor()) are
+    all-gathered one tensor at a time while the bucket is written, so at most
+    one gathered tensor (per staging budget) is alive. full_tensor() is a
+    collective: ranks that do not send call this with sender=False, in the
+    same order, to take part in the gathers; they get None back.
+    producer_options: Producer keyword arguments for the first call on a
+    region (slot_bytes, slots, max_consumers, ...; defaults from
+    $SHMCAST_ROLL_SLOT_BYTES / _SLOTS / _MAX_CONSUMERS, else 256 MiB x 4, 8)."""
+    named = list(named_weights)
+    if not sender:
+        for _, t in named:
+            if type(t) is not torch.Tensor and hasattr(t, "full_tensor"):
+                del _
+                t.full_tensor()
+        return None
+    region = region or default_region()
+    prod = _producer(region, producer_options)
+    specs = [(n, dtype_name(t.dtype), tuple(t.shape)) for n, t in named]
+    stream, _payload, _chunks, _ = _C.stream_layout(specs, prod.slot_bytes)
+    capacity = prod.slot_bytes * prod.slots
+    if stream > capacity:
+        raise _C.InvalidArgument(
+            f"a bucket of {stream} stream bytes does not fit in region '{region}' ({prod.slots} x {prod.slot_bytes} "
+            "bytes): receivers read only after the ticket arrives, so a bucket must fit whole. Use smaller buckets or "
+            "a larger region (slot_bytes/slots, or $SHMCAST_ROLL_SLOT_BYTES / $SHMCAST_ROLL_SLOTS)")
+    if consumers is None:
+        consumers = _env_int("SHMCAST_ROLL_CONSUMERS", 0)
+    if consumers > 0 and prod.consumers < consumers:
+        prod.wait_for_consumers(consumers, timeout)
+    version = prod.send(named)
+    s = prod.last_sync
+    ticket = ShmcastTicket(
+        region=region,
+        version=version,
+        first_seq=s.first_seq,
+        chunks=s.chunks,
+        count=len(named),
+        payload_bytes=s.payload_bytes,
+        names_digest=_names_digest(n for n, _ in named),
+        infer_strategy=str(infer_strategy),
+    )
+    return pickle.dumps(ticket, protocol=4)
+
+
+class _TicketUnpickler(pickle.Unpickler):
+    """Loads a ShmcastTicket and nothing else: an RPC payload is input."""
+
+    def find_class(self, module, name):
+        if module == __name__ and name == "ShmcastTicket":
+            return ShmcastTicket
+        raise pickle.UnpicklingError(f"a shmcast ticket may not contain {module}.{name}")
+
+
+def load_ticket(ticket: Union[bytes, bytearray, memoryview, ShmcastTicket]) -> ShmcastTicket:
+    if isinstance(ticket, ShmcastTicket):
+        return ticket
+    t = _TicketUnpickler(io.BytesIO(bytes(ticket))).load()
+    if not isinstance(t, ShmcastTicket):
+        raise _C.InvalidArgument("not a shmcast ticket")
+    return t
+
+
+def attach(region: Optional[str] = None, device=None, timeout: float = 60.0) -> Consumer:
+    """Opens (or returns the cached) Consumer of `region` on `device`
+    (default: the current CUDA device, else CPU). Call it on every receiver
+    before the sender writes its first bucket: only consumers attached when a
+    sync begins take part in it."""
+    region = region or default_region()
+    if device is None:
+        device = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
+    with _lock:
+        c = _consumers.get(region)
+        if c is None or c.closed:
+            c = _consumers[region] = Consumer(region, device=device, open_timeout=timeout)
+        return c
+
+
+def named_tensors_from_ticket(ticket, *, device=None, timeout: float = 60.0, mode: str = "copy") -> list:
+    """Receives the bucket a ticket names and returns [(name, tensor), ...]
+    on `device` (see attach()). mode='copy' (default): the tensors own their
+    memory; 'staging': zero-copy views valid until the next receive on this
+    region. Syncs older than the ticket are skipped; a newer one means this
+    receiver missed the ticket's bucket (shmcast.InvalidArgument)."""
+    t = load_ticket(ticket)
+    cons = attach(t.region, device, timeout)
+    while True:
+        try:
+            info = cons.wait_sync(timeout)
+        except _C.Timeout as e:
+            raise _C.Timeout(
+                f"sync {t.version} of region '{t.region}' did not arrive: {e}. Was this receiver attached "
+                "(shmcast.roll.attach) before the sender wrote the bucket?") from None
+        if info.version < t.version:
+            cons.skip()  # an older bucket whose ticket never reached us
+            continue
+        if info.version > t.version:
+            cons.skip()
+            raise _C.InvalidArgument(
+                f"region '{t.region}' is at sync {info.version}, past the ticket's {t.version}: this receiver "
+                "missed that bucket (tickets must be consumed in order)")
+        break
+    names = [x[0] for x in info.tensors]
+    if (len(names) != t.count or _names_digest(names) != t.names_digest or info.first_seq != t.first_seq
+            or info.chunks != t.chunks):
+        cons.skip()
+        raise _C.Corrupt(f"sync {info.version} of region '{t.region}' does not match its ticket "
+                         f"({len(names)} tensors, chunks {info.first_seq}+{info.chunks}; ticket: {t.count} tensors, "
+                         f"chunks {t.first_seq}+{t.chunks})")
+    # The manifest is read: receive the data with the consumer's machinery.
+    return cons.read(mode=mode)
+
+
+def close(region: Optional[str] = None) -> None:
+    """Closes the cached producers/consumers of `region` (or of all regions)."""
+    with _lock:
+        for cache in (_producers, _consumers):
+            for name in [region] if region is not None else list(cache):
+                obj = cache.pop(name, None)
+                if obj is not None:
+                    obj.close()

@@ -1,0 +1,88 @@
+"""vLLM worker extension: weight updates through a shmcast region.
+
+    # inference side
+    llm = vllm.LLM(model=..., worker_extension_cls="shmcast.vllm.ShmcastWorkerExtension")
+    llm.collective_rpc("init_shmcast", args=("actor-0",))          # attach every worker first
+    # trainer side (another process), after the workers attached:
+    prod = shmcast.Producer("actor-0", max_consumers=tp_size)
+    prod.wait_for_consumers(tp_size)
+    ... start llm.collective_rpc("update_weights_from_shmcast", args=("actor-0",)) (it blocks until the
+    ... sync arrives), then: version = prod.send(model.named_parameters())
+
+vLLM mixes this class into its worker class, so `self` is the worker:
+`self.model_runner.model` is the model and `self.device` its device. The
+adapter stays thin: it receives the sync and hands the (name, tensor) pairs
+in HF naming to the model's own load_weights(), which maps q/k/v and
+gate/up onto vLLM's fused parameters exactly as when loading a checkpoint.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ._torch import Consumer
+
+__all__ = ["ShmcastWorkerExtension"]
+
+
+class ShmcastWorkerExtension:
+    """Mixin for vLLM's `worker_extension_cls`. No __init__: vLLM builds the
+    worker; the consumers are created on first use and cached per region."""
+
+    # Receive mode for the cached consumers: 'staging' hands load_weights()
+    # zero-copy views of one reused buffer (one H2D copy per slot), which is
+    # safe because load_weights() copies every tensor into the model before
+    # the next update. Set 'copy' to get tensors that own their memory.
+    shmcast_mode = "staging"
+
+    def _shmcast_device(self) -> torch.device:
+        dev = getattr(self, "device", None)
+        if dev is not None:
+            dev = torch.device(dev)
+            if dev.type == "cuda" and dev.index is None:
+                dev = torch.device("cuda", torch.cuda.current_device())
+            return dev
+        if torch.cuda.is_available():
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    def _shmcast_consumers(self) -> dict:
+        d = self.__dict__.get("_shmcast_consumers_")
+        if d is None:
+            d = self.__dict__["_shmcast_consumers_"] = {}
+        return d
+
+    def init_shmcast(self, region: str, timeout: float = 60.0, mode: Optional[str] = None) -> int:
+        """Attaches this worker to `region` (waiting up to `timeout` s for the
+        producer to create it) and returns its consumer seat. Only consumers
+        attached when a sync begins take part in it: call this on every
+        worker (collective_rpc) before the trainer's first send."""
+        cons = self._shmcast_consumers().get(region)
+        if cons is None or cons.closed:
+            cons = Consumer(region, device=self._shmcast_device(), open_timeout=timeout,
+                            mode=mode or self.shmcast_mode)
+            self._shmcast_consumers()[region] = cons
+        return cons.seat
+
+    def update_weights_from_shmcast(self, region: str, timeout: float = 60.0) -> int:
+        """Receives the next sync of `region` (opening a consumer on this
+        worker's device if init_shmcast() was not called) and loads it with
+        self.model_runner.model.load_weights(weights=...). Returns the sync's
+        version."""
+        self.init_shmcast(region, timeout)
+        cons = self._shmcast_consumers()[region]
+        weights = cons.receive(timeout=timeout)
+        try:
+            self.model_runner.model.load_weights(weights=weights)
+        finally:
+            del weights  # staging views must not outlive this call
+        return cons.last_version
+
+    def close_shmcast(self, region: Optional[str] = None) -> None:
+        """Leaves `region` (or every region) and frees the staging buffers."""
+        consumers = self._shmcast_consumers()
+        for name in [region] if region is not None else list(consumers):
+            cons = consumers.pop(name, None)
+            if cons is not None:
+                cons.close()

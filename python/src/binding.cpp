@@ -1,0 +1,743 @@
+// shmcast._shmcast: the pybind11 binding of shmcast.hpp.
+//
+// Deliberately torch-free: tensors cross this boundary as raw pointers (int),
+// specs as (name, dtype-name, shape) tuples. The torch-facing API lives in
+// python/shmcast/ (_torch.py). Every call that waits or copies releases the
+// GIL; a per-object mutex (taken after the GIL is released) keeps two Python
+// threads from entering the same C++ object at once.
+//
+// Batched entry points (Producer.send_batch / write_batch) move a whole
+// sync in ONE Python->C++ call, so per-tensor Python overhead is only the
+// argument conversion.
+#include <pybind11/functional.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <array>
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "manifest.hpp"  // detail::pack: the exact stream layout (internal header)
+#include "ring.hpp"      // detail::chunk_count
+#include "shmcast/shmcast.hpp"
+
+namespace py = pybind11;
+using namespace shmcast;
+
+namespace {
+
+// ------------------------------------------------------------------ errors
+
+constexpr int kMaxErrc = static_cast<int>(Errc::kSystem);
+std::array<PyObject*, kMaxErrc + 1> g_exc_by_code{};  // index: Errc value
+PyObject* g_exc_base = nullptr;
+
+// "shmcast Timeout: no sync ..." -> "no sync ..." (the class names the code).
+std::string strip_prefix(const Error& e) {
+  std::string what = e.what();
+  const std::string prefix = std::string("shmcast ") + errc_name(e.code()) + ": ";
+  if (what.rfind(prefix, 0) == 0) what.erase(0, prefix.size());
+  return what;
+}
+
+void raise_shmcast_error(const Error& e) {
+  const int c = static_cast<int>(e.code());
+  PyObject* type = (c >= 0 && c <= kMaxErrc && g_exc_by_code[c]) ? g_exc_by_code[c] : g_exc_base;
+  py::gil_scoped_acquire gil;  // translators run with the GIL; harmless
+  try {
+    py::object inst = py::reinterpret_borrow<py::object>(type)(py::str(strip_prefix(e)));
+    inst.attr("code") = py::str(errc_name(e.code()));
+    inst.attr("sys_errno") = py::int_(e.sys_errno());
+    PyErr_SetObject(type, inst.ptr());
+  } catch (py::error_already_set& pe) {
+    pe.restore();
+  }
+}
+
+py::object make_exception(py::module_& m, const char* name, const char* code, std::initializer_list<PyObject*> bases,
+                          const char* doc) {
+  py::tuple b(bases.size());
+  std::size_t i = 0;
+  for (PyObject* base : bases) b[i++] = py::reinterpret_borrow<py::object>(base);
+  const std::string qual = std::string("shmcast.") + name;
+  PyObject* t = PyErr_NewExceptionWithDoc(qual.c_str(), doc, b.ptr(), nullptr);
+  if (!t) throw py::error_already_set();
+  py::object type = py::reinterpret_steal<py::object>(t);
+  type.attr("code") = py::str(code);
+  m.attr(name) = type;
+  return type;
+}
+
+void register_exceptions(py::module_& m) {
+  py::object base = make_exception(m, "Error", "Error", {PyExc_RuntimeError},
+                                   "Base class of every shmcast error. `.code` names the shmcast::Errc "
+                                   "(e.g. 'Timeout'); `.sys_errno` is the failing system call's errno or 0.");
+  base.attr("sys_errno") = 0;  // instances raised by the binding carry their own
+  g_exc_base = base.ptr();
+  base.inc_ref();  // lives as long as the interpreter
+  struct Row {
+    Errc code;
+    const char* name;
+    PyObject* extra;  // a builtin base to add, or nullptr
+    const char* doc;
+  };
+  const Row rows[] = {
+      {Errc::kInvalidArgument, "InvalidArgument", PyExc_ValueError, "Bad call: wrong index, order or option."},
+      {Errc::kBadName, "BadName", PyExc_ValueError, "The region name fails validation."},
+      {Errc::kExists, "Exists", PyExc_FileExistsError, "A region of that name exists and its producer is alive."},
+      {Errc::kNotFound, "NotFound", PyExc_FileNotFoundError, "No region of that name (yet)."},
+      {Errc::kRegionFull, "RegionFull", nullptr, "Not enough free space in the region directory."},
+      {Errc::kPermission, "Permission", PyExc_PermissionError, "The OS refused (file mode, owner, seccomp)."},
+      {Errc::kCorrupt, "Corrupt", nullptr, "Region bytes fail validation."},
+      {Errc::kVersionMismatch, "VersionMismatch", nullptr, "The region was made by an incompatible shmcast."},
+      {Errc::kTimeout, "Timeout", PyExc_TimeoutError, "A deadline passed while the peer was still alive."},
+      {Errc::kPeerDied, "PeerDied", nullptr, "The producer (or a needed consumer) died."},
+      {Errc::kClosed, "Closed", nullptr, "The producer closed the region, or this object is closed."},
+      {Errc::kNoSeat, "NoSeat", nullptr, "All consumer seats are taken."},
+      {Errc::kEvicted, "Evicted", nullptr, "The producer evicted this consumer (it stalled)."},
+      {Errc::kAborted, "Aborted", nullptr, "The producer aborted the sync in progress."},
+      {Errc::kChecksum, "Checksum", nullptr, "Slot checksum mismatch: bytes changed in flight."},
+      {Errc::kCuda, "CudaError", nullptr, "A CUDA call failed."},
+      {Errc::kCudaUnavailable, "CudaUnavailable", nullptr, "Built without CUDA, or no GPU present."},
+      {Errc::kSystem, "SystemFailure", PyExc_OSError, "Unexpected OS error (see .sys_errno)."},
+  };
+  for (const Row& r : rows) {
+    py::object t = r.extra ? make_exception(m, r.name, errc_name(r.code), {base.ptr(), r.extra}, r.doc)
+                           : make_exception(m, r.name, errc_name(r.code), {base.ptr()}, r.doc);
+    t.inc_ref();
+    g_exc_by_code[static_cast<int>(r.code)] = t.ptr();
+  }
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const Error& e) {
+      raise_shmcast_error(e);
+    }
+  });
+}
+
+// ------------------------------------------------------------------ helpers
+
+Duration seconds(double s) {
+  if (std::isnan(s) || s < 0) throw Error(Errc::kInvalidArgument, "timeout must be a number of seconds >= 0");
+  if (s > 3.0e8) s = 3.0e8;  // ~10 years: "forever" without overflowing a deadline
+  return Duration(static_cast<std::int64_t>(std::llround(s * 1e9)));
+}
+Duration opt_seconds(const std::optional<double>& s) { return s ? seconds(*s) : seconds(3.0e8); }
+
+Pin parse_pin(const py::object& o) {
+  if (py::isinstance<py::bool_>(o)) return o.cast<bool>() ? Pin::kYes : Pin::kNo;
+  const std::string s = py::str(o);
+  if (s == "auto") return Pin::kAuto;
+  if (s == "yes" || s == "on" || s == "true") return Pin::kYes;
+  if (s == "no" || s == "off" || s == "false") return Pin::kNo;
+  throw Error(Errc::kInvalidArgument, "pin must be 'auto', True/'yes' or False/'no', not '" + s + "'");
+}
+
+StallPolicy parse_stall(const std::string& s) {
+  if (s == "fail") return StallPolicy::kFail;
+  if (s == "evict") return StallPolicy::kEvict;
+  throw Error(Errc::kInvalidArgument, "stall_policy must be 'fail' or 'evict', not '" + s + "'");
+}
+
+DType parse_dtype(const std::string& s) {
+  DType d;
+  if (!dtype_from_name(s, &d)) throw Error(Errc::kInvalidArgument, "unknown shmcast dtype '" + s + "'");
+  return d;
+}
+
+std::uintptr_t as_ptr(py::handle h) {
+  if (h.is_none()) return 0;
+  const unsigned long long v = PyLong_AsUnsignedLongLong(h.ptr());
+  if (v == static_cast<unsigned long long>(-1) && PyErr_Occurred()) throw py::error_already_set();
+  return static_cast<std::uintptr_t>(v);
+}
+
+// specs: sequence of (name, dtype, shape).
+std::vector<TensorSpec> to_specs(py::handle specs) {
+  py::sequence seq = py::reinterpret_borrow<py::sequence>(specs);
+  std::vector<TensorSpec> out;
+  out.reserve(seq.size());
+  for (py::handle item : seq) {
+    py::sequence t = py::reinterpret_borrow<py::sequence>(item);
+    if (t.size() != 3) throw Error(Errc::kInvalidArgument, "a tensor spec is (name, dtype, shape)");
+    TensorSpec s;
+    s.name = t[0].cast<std::string>();
+    s.dtype = parse_dtype(t[1].cast<std::string>());
+    py::sequence shape = py::reinterpret_borrow<py::sequence>(t[2]);
+    s.shape.reserve(shape.size());
+    for (py::handle d : shape) s.shape.push_back(d.cast<std::int64_t>());
+    out.push_back(std::move(s));
+  }
+  return out;
+}
+
+std::vector<void*> to_ptrs(py::handle ptrs) {
+  py::sequence seq = py::reinterpret_borrow<py::sequence>(ptrs);
+  std::vector<void*> out;
+  out.reserve(seq.size());
+  for (py::handle p : seq) out.push_back(reinterpret_cast<void*>(as_ptr(p)));
+  return out;
+}
+
+std::optional<Strided2D> to_layout(py::handle h) {
+  if (h.is_none()) return std::nullopt;
+  py::sequence t = py::reinterpret_borrow<py::sequence>(h);
+  if (t.size() != 3) throw Error(Errc::kInvalidArgument, "a strided layout is (rows, row_bytes, pitch_bytes)");
+  return Strided2D{t[0].cast<std::uint64_t>(), t[1].cast<std::uint64_t>(), t[2].cast<std::uint64_t>()};
+}
+
+// One source of a batched write, converted while the GIL is held.
+struct Source {
+  void* ptr = nullptr;
+  bool device = false;
+  std::optional<Strided2D> layout;
+  void* stream = nullptr;
+};
+
+// ptrs: ints; devices: None | bool | sequence of bool; layouts: None |
+// sequence of (None | (rows, row_bytes, pitch)); streams: int | sequence.
+std::vector<Source> to_sources(py::handle ptrs, py::handle devices, py::handle layouts, py::handle streams) {
+  py::sequence p = py::reinterpret_borrow<py::sequence>(ptrs);
+  const std::size_t n = p.size();
+  std::vector<Source> out(n);
+  for (std::size_t i = 0; i < n; ++i) out[i].ptr = reinterpret_cast<void*>(as_ptr(p[i]));
+  if (!devices.is_none()) {
+    if (py::isinstance<py::bool_>(devices)) {
+      const bool d = devices.cast<bool>();
+      for (auto& s : out) s.device = d;
+    } else {
+      py::sequence d = py::reinterpret_borrow<py::sequence>(devices);
+      if (d.size() != n) throw Error(Errc::kInvalidArgument, "devices has a different length than ptrs");
+      for (std::size_t i = 0; i < n; ++i) out[i].device = py::bool_(d[i]);
+    }
+  }
+  if (!layouts.is_none()) {
+    py::sequence l = py::reinterpret_borrow<py::sequence>(layouts);
+    if (l.size() != n) throw Error(Errc::kInvalidArgument, "layouts has a different length than ptrs");
+    for (std::size_t i = 0; i < n; ++i) out[i].layout = to_layout(l[i]);
+  }
+  if (!streams.is_none()) {
+    if (PyLong_Check(streams.ptr())) {
+      void* s = reinterpret_cast<void*>(as_ptr(streams));
+      for (auto& src : out) src.stream = s;
+    } else {
+      py::sequence st = py::reinterpret_borrow<py::sequence>(streams);
+      if (st.size() != n) throw Error(Errc::kInvalidArgument, "streams has a different length than ptrs");
+      for (std::size_t i = 0; i < n; ++i) out[i].stream = reinterpret_cast<void*>(as_ptr(st[i]));
+    }
+  }
+  return out;
+}
+
+py::tuple shape_tuple(const std::vector<std::int64_t>& shape) {
+  py::tuple t(shape.size());
+  for (std::size_t i = 0; i < shape.size(); ++i) t[i] = py::int_(shape[i]);
+  return t;
+}
+
+// ------------------------------------------------------------------ sync info
+
+// What Consumer.wait_sync returns: a snapshot, converted once.
+struct PySync {
+  std::uint64_t version = 0, stream_bytes = 0, payload_bytes = 0, first_seq = 0, chunks = 0;
+  py::list tensors;  // (name, dtype, shape, nbytes, stream_offset)
+
+  static PySync from(const SyncInfo& s) {
+    PySync p;
+    p.version = s.version;
+    p.stream_bytes = s.stream_bytes;
+    p.payload_bytes = s.payload_bytes;
+    p.first_seq = s.first_seq;
+    p.chunks = s.chunks;
+    p.tensors = py::list(s.tensors.size());
+    for (std::size_t i = 0; i < s.tensors.size(); ++i) {
+      const TensorInfo& t = s.tensors[i];
+      p.tensors[i] = py::make_tuple(py::str(t.name), py::str(std::string(dtype_name(t.dtype))), shape_tuple(t.shape),
+                                    py::int_(t.nbytes), py::int_(t.stream_offset));
+    }
+    return p;
+  }
+};
+
+// The layout of the last sync a producer began (computed with detail::pack,
+// which is what begin_sync used).
+struct SentSync {
+  std::uint64_t version = 0, first_seq = 0, chunks = 0, stream_bytes = 0, payload_bytes = 0;
+  std::size_t tensors = 0;
+};
+
+// ------------------------------------------------------------------ producer
+
+class PyProducer {
+ public:
+  PyProducer(const std::string& name, std::uint64_t slot_bytes, std::uint32_t slots, std::uint32_t max_consumers,
+             std::uint64_t manifest_bytes, bool group_access, bool replace_stale, bool unlink_on_close, bool checksums,
+             const std::string& stall_policy, double consumer_timeout, const py::object& pin) {
+    ProducerOptions o;
+    o.slot_bytes = slot_bytes;
+    o.slots = slots;
+    o.max_consumers = max_consumers;
+    o.manifest_bytes = manifest_bytes;
+    o.group_access = group_access;
+    o.replace_stale = replace_stale;
+    o.unlink_on_close = unlink_on_close;
+    o.checksums = checksums;
+    o.stall_policy = parse_stall(stall_policy);
+    o.consumer_timeout = seconds(consumer_timeout);
+    o.pin = parse_pin(pin);
+    py::gil_scoped_release nogil;  // fallocate + cudaHostRegister can take a while
+    p_.emplace(Producer::create(name, o));
+  }
+
+  std::uint64_t begin_sync(py::handle specs) {
+    std::vector<TensorSpec> s = to_specs(specs);
+    py::gil_scoped_release nogil;
+    std::lock_guard lk(mu_);
+    return begin_locked(std::move(s));
+  }
+
+  void write(std::size_t i, py::handle ptr, std::optional<std::uint64_t> nbytes) {
+    Source src;
+    src.ptr = reinterpret_cast<void*>(as_ptr(ptr));
+    py::gil_scoped_release nogil;
+    std::lock_guard lk(mu_);
+    check_nbytes(i, nbytes);
+    get().write(i, src.ptr);
+  }
+
+  void write_strided(std::size_t i, py::handle ptr, std::uint64_t rows, std::uint64_t row_bytes,
+                     std::uint64_t pitch_bytes) {
+    void* p = reinterpret_cast<void*>(as_ptr(ptr));
+    py::gil_scoped_release nogil;
+    std::lock_guard lk(mu_);
+    get().write_strided(i, p, Strided2D{rows, row_bytes, pitch_bytes});
+  }
+
+  void write_device(std::size_t i, py::handle ptr, py::handle stream) {
+    void* p = reinterpret_cast<void*>(as_ptr(ptr));
+    void* s = reinterpret_cast<void*>(as_ptr(stream));
+    py::gil_scoped_release nogil;
+    std::lock_guard lk(mu_);
+    get().write_device(i, p, s);
+  }
+
+  void write_device_strided(std::size_t i, py::handle ptr, std::uint64_t rows, std::uint64_t row_bytes,
+                            std::uint64_t pitch_bytes, py::handle stream) {
+    void* p = reinterpret_cast<void*>(as_ptr(ptr));
+    void* s = reinterpret_cast<void*>(as_ptr(stream));
+    py::gil_scoped_release nogil;
+    std::lock_guard lk(mu_);
+    get().write_device_strided(i, p, Strided2D{rows, row_bytes, pitch_bytes}, s);
+  }
+
+  // Writes tensors first, first+1, ... from one batch of sources.
+  void write_batch(std::size_t first, py::handle ptrs, py::handle devices, py::handle layouts, py::handle streams) {
+    std::vector<Source> srcs = to_sources(ptrs, devices, layouts, streams);
+    py::gil_scoped_release nogil;
+    std::lock_guard lk(mu_);
+    write_locked(first, srcs);
+  }
+
+  void end_sync() {
+    py::gil_scoped_release nogil;
+    std::lock_guard lk(mu_);
+    get().end_sync();
+  }
+
+  void abort_sync(const std::string& why) {
+    py::gil_scoped_release nogil;
+    std::lock_guard lk(mu_);
+    get().abort_sync(why);
+  }
+
+  // begin_sync + every write + end_sync in one call; aborts the sync (and
+  // rethrows) when a write fails.
+  std::uint64_t send_batch(py::handle specs, py::handle ptrs, py::handle devices, py::handle layouts,
+                           py::handle streams) {
+    std::vector<TensorSpec> s = to_specs(specs);
+    std::vector<Source> srcs = to_sources(ptrs, devices, layouts, streams);
+    if (srcs.size() != s.size())
+      throw Error(Errc::kInvalidArgument, "send_batch(): " + std::to_string(s.size()) + " specs but " +
+                                              std::to_string(srcs.size()) + " sources");
+    py::gil_scoped_release nogil;
+    std::lock_guard lk(mu_);
+    const std::uint64_t v = begin_locked(std::move(s));
+    try {
+      write_locked(0, srcs);
+      get().end_sync();
+    } catch (const Error& e) {
+      try {
+        get().abort_sync(e.what());
+      } catch (...) {
+      }
+      throw;
+    }
+    return v;
+  }
+
+  void wait_for_consumers(std::uint32_t n, std::optional<double> timeout) {
+    // In slices, so Ctrl-C works during a long wait.
+    const auto deadline = Clock::now() + opt_seconds(timeout);
+    for (;;) {
+      {
+        py::gil_scoped_release nogil;
+        std::lock_guard lk(mu_);
+        const auto left = deadline - Clock::now();
+        const Duration slice = std::min<Duration>(std::chrono::duration_cast<Duration>(left), kSlice);
+        try {
+          get().wait_for_consumers(n, slice < Duration::zero() ? Duration::zero() : slice);
+          return;
+        } catch (const Error& e) {
+          if (e.code() != Errc::kTimeout || Clock::now() >= deadline) throw;
+        }
+      }
+      if (PyErr_CheckSignals() != 0) throw py::error_already_set();
+    }
+  }
+
+  std::uint32_t consumers() {
+    py::gil_scoped_release nogil;
+    std::lock_guard lk(mu_);
+    return get().consumers();
+  }
+
+  void wait_drained(std::optional<double> timeout) {
+    const Duration t = opt_seconds(timeout);
+    py::gil_scoped_release nogil;
+    std::lock_guard lk(mu_);
+    get().wait_drained(t);
+  }
+
+  std::vector<std::string> take_events() {
+    std::lock_guard lk(mu_);
+    return p_ ? p_->take_events() : std::vector<std::string>{};
+  }
+
+  void close() {
+    py::gil_scoped_release nogil;
+    std::lock_guard lk(mu_);
+    if (p_) p_->close();
+    closed_ = true;
+  }
+
+  bool closed() const { return closed_; }
+  std::string name() const { return p_->name(); }
+  std::string path() const { return p_->path(); }
+  std::uint64_t region_bytes() const { return p_->region_bytes(); }
+  std::uint64_t slot_bytes() const { return p_->slot_bytes(); }
+  std::uint32_t slots() const { return p_->slots(); }
+  std::uint64_t last_version() const { return p_->last_version(); }
+  bool pinned() const { return p_->pinned(); }
+  double pin_seconds() const { return p_->pin_seconds(); }
+  double create_seconds() const { return p_->create_seconds(); }
+  const SentSync& last_sync() const { return last_; }
+
+ private:
+  static constexpr Duration kSlice = std::chrono::milliseconds(200);
+
+  Producer& get() {
+    if (closed_) throw Error(Errc::kClosed, "this producer is closed");
+    return *p_;
+  }
+
+  void check_nbytes(std::size_t i, const std::optional<std::uint64_t>& nbytes) const {
+    if (!nbytes || i >= nbytes_.size()) return;  // the library reports a bad index
+    if (*nbytes != nbytes_[i])
+      throw Error(Errc::kInvalidArgument, "write(" + std::to_string(i) + "): the source has " + std::to_string(*nbytes) +
+                                              " bytes but the spec says " + std::to_string(nbytes_[i]));
+  }
+
+  std::uint64_t begin_locked(std::vector<TensorSpec> specs) {
+    Producer& p = get();
+    const std::uint64_t v = p.begin_sync(specs);
+    // Mirror the library's bookkeeping: the sync takes chunks
+    // [next_seq, next_seq + chunks) whether it ends or is aborted.
+    std::vector<std::uint64_t> offsets;
+    std::uint64_t payload = 0;
+    const std::uint64_t stream = detail::pack(specs, p.slot_bytes(), &offsets, &payload);
+    last_.version = v;
+    last_.first_seq = next_seq_;
+    last_.chunks = detail::chunk_count(stream, p.slot_bytes());
+    last_.stream_bytes = stream;
+    last_.payload_bytes = payload;
+    last_.tensors = specs.size();
+    next_seq_ += last_.chunks;
+    nbytes_.resize(specs.size());
+    for (std::size_t i = 0; i < specs.size(); ++i) nbytes_[i] = specs[i].nbytes();
+    return v;
+  }
+
+  void write_locked(std::size_t first, const std::vector<Source>& srcs) {
+    Producer& p = get();
+    for (std::size_t k = 0; k < srcs.size(); ++k) {
+      const Source& s = srcs[k];
+      const std::size_t i = first + k;
+      if (s.device) {
+        if (s.layout)
+          p.write_device_strided(i, s.ptr, *s.layout, s.stream);
+        else
+          p.write_device(i, s.ptr, s.stream);
+      } else {
+        if (s.layout)
+          p.write_strided(i, s.ptr, *s.layout);
+        else
+          p.write(i, s.ptr);
+      }
+    }
+  }
+
+  std::optional<Producer> p_;
+  std::mutex mu_;
+  bool closed_ = false;
+  std::uint64_t next_seq_ = 1;
+  SentSync last_;
+  std::vector<std::uint64_t> nbytes_;
+};
+
+// ------------------------------------------------------------------ consumer
+
+class PyConsumer {
+ public:
+  PyConsumer(const std::string& name, double open_timeout, double chunk_timeout, const py::object& pin,
+             bool verify_checksums) {
+    ConsumerOptions o;
+    o.open_timeout = seconds(open_timeout);
+    o.chunk_timeout = seconds(chunk_timeout);
+    o.pin = parse_pin(pin);
+    o.verify_checksums = verify_checksums;
+    py::gil_scoped_release nogil;
+    c_.emplace(Consumer::open(name, o));
+  }
+
+  PySync wait_sync(std::optional<double> timeout) {
+    const auto deadline = Clock::now() + opt_seconds(timeout);
+    for (;;) {
+      {
+        std::optional<SyncInfo> got;
+        {
+          py::gil_scoped_release nogil;
+          std::lock_guard lk(mu_);
+          const auto left = std::chrono::duration_cast<Duration>(deadline - Clock::now());
+          const Duration slice = std::max(Duration::zero(), std::min<Duration>(left, kSlice));
+          try {
+            got = get().wait_sync(slice);  // copy: the snapshot is converted with the GIL held
+          } catch (const Error& e) {
+            if (e.code() != Errc::kTimeout || Clock::now() >= deadline) throw;
+          }
+        }
+        if (got) {
+          last_ = PySync::from(*got);
+          return last_;
+        }
+      }
+      if (PyErr_CheckSignals() != 0) throw py::error_already_set();
+    }
+  }
+
+  void read_into(py::handle ptrs) {
+    std::vector<void*> d = to_ptrs(ptrs);
+    py::gil_scoped_release nogil;
+    std::lock_guard lk(mu_);
+    get().read_into(d);
+  }
+
+  void read_into_device(py::handle ptrs, py::handle stream) {
+    std::vector<void*> d = to_ptrs(ptrs);
+    void* s = reinterpret_cast<void*>(as_ptr(stream));
+    py::gil_scoped_release nogil;
+    std::lock_guard lk(mu_);
+    get().read_into_device(d, s);
+  }
+
+  std::vector<std::uintptr_t> read_to_staging(int device, py::handle stream) {
+    void* s = reinterpret_cast<void*>(as_ptr(stream));
+    std::vector<void*> out;
+    {
+      py::gil_scoped_release nogil;
+      std::lock_guard lk(mu_);
+      out = get().read_to_staging(device, s);
+    }
+    std::vector<std::uintptr_t> r(out.size());
+    for (std::size_t i = 0; i < out.size(); ++i) r[i] = reinterpret_cast<std::uintptr_t>(out[i]);
+    return r;
+  }
+
+  // fn(tensor_index, offset, data_ptr, nbytes, tensor_nbytes) for every piece,
+  // while its slot is held: data_ptr is valid only during the call.
+  void visit(const py::function& fn) {
+    py::gil_scoped_release nogil;
+    std::lock_guard lk(mu_);
+    get().visit([&](const Piece& p) {
+      py::gil_scoped_acquire gil;
+      fn(p.tensor, p.offset, reinterpret_cast<std::uintptr_t>(p.data), p.bytes, p.tensor_bytes);
+    });
+  }
+
+  void skip() {
+    py::gil_scoped_release nogil;
+    std::lock_guard lk(mu_);
+    get().skip();
+  }
+
+  void close() {
+    py::gil_scoped_release nogil;
+    std::lock_guard lk(mu_);
+    if (c_) c_->close();
+    closed_ = true;
+  }
+
+  bool closed() const { return closed_; }
+  const PySync& sync() const { return last_; }
+  std::uint64_t last_version() const { return c_->last_version(); }
+  int seat() const { return closed_ ? -1 : c_->seat(); }
+  std::string name() const { return c_->name(); }
+  bool pinned() const { return c_->pinned(); }
+  double pin_seconds() const { return c_->pin_seconds(); }
+  double open_seconds() const { return c_->open_seconds(); }
+
+ private:
+  static constexpr Duration kSlice = std::chrono::milliseconds(200);
+
+  Consumer& get() {
+    if (closed_) throw Error(Errc::kClosed, "this consumer is closed");
+    return *c_;
+  }
+
+  std::optional<Consumer> c_;
+  std::mutex mu_;
+  bool closed_ = false;
+  PySync last_;
+};
+
+}  // namespace
+
+PYBIND11_MODULE(_shmcast, m) {
+  m.doc() = "shmcast: move tensors between processes through a named, pinned POSIX shared-memory region "
+            "(low-level binding; see the shmcast package for the torch API)";
+  m.attr("version_major") = kVersionMajor;
+  m.attr("version_minor") = kVersionMinor;
+  register_exceptions(m);
+
+  m.def("region_dir", &region_dir, "Region directory: $SHMCAST_DIR if set, else /dev/shm.");
+  m.def("region_path", [](const std::string& n) { return region_path(n); }, py::arg("name"));
+  m.def("validate_name", [](const std::string& n) { return validate_name(n); }, py::arg("name"),
+        "Empty string when the region name is valid, else the reason.");
+  m.def("unlink_region", [](const std::string& n) { return unlink_region(n); }, py::arg("name"),
+        "Removes the region's name; False when there was nothing to remove.");
+  m.def("cuda_available", &cuda_available, "True when built with CUDA and a device is usable.");
+  m.def("cuda_unavailable_reason", &cuda_unavailable_reason);
+  m.def("dtype_size", [](const std::string& n) { return dtype_size(parse_dtype(n)); }, py::arg("dtype"));
+  m.def("dtype_names", [] {
+    std::vector<std::string> out;
+    for (int i = 1; i <= 255; ++i) {
+      const std::string_view n = dtype_name(static_cast<DType>(i));
+      if (n != "unknown") out.emplace_back(n);
+    }
+    return out;
+  });
+  m.def(
+      "stream_layout",
+      [](py::handle specs, std::uint64_t slot_bytes) {
+        std::vector<TensorSpec> s = to_specs(specs);
+        std::vector<std::uint64_t> offsets;
+        std::uint64_t payload = 0;
+        const std::uint64_t stream = detail::pack(s, slot_bytes, &offsets, &payload);
+        return py::make_tuple(stream, payload, detail::chunk_count(stream, slot_bytes), offsets);
+      },
+      py::arg("specs"), py::arg("slot_bytes"),
+      "(stream_bytes, payload_bytes, chunks, offsets) of a sync of `specs` in slots of slot_bytes "
+      "(use Producer.slot_bytes: the library rounds slot sizes up to 2 MiB).");
+
+  py::class_<PySync>(m, "SyncInfo", "A received sync's manifest (a snapshot).")
+      .def_readonly("version", &PySync::version)
+      .def_readonly("stream_bytes", &PySync::stream_bytes)
+      .def_readonly("payload_bytes", &PySync::payload_bytes)
+      .def_readonly("first_seq", &PySync::first_seq)
+      .def_readonly("chunks", &PySync::chunks)
+      .def_readonly("tensors", &PySync::tensors, "list of (name, dtype, shape, nbytes, stream_offset)")
+      .def("__len__", [](const PySync& s) { return s.tensors.size(); })
+      .def("__repr__", [](const PySync& s) {
+        return "<shmcast.SyncInfo version=" + std::to_string(s.version) + " tensors=" +
+               std::to_string(s.tensors.size()) + " payload_bytes=" + std::to_string(s.payload_bytes) + ">";
+      });
+
+  py::class_<SentSync>(m, "SentSync", "Layout of the last sync a producer began.")
+      .def_readonly("version", &SentSync::version)
+      .def_readonly("first_seq", &SentSync::first_seq)
+      .def_readonly("chunks", &SentSync::chunks)
+      .def_readonly("stream_bytes", &SentSync::stream_bytes)
+      .def_readonly("payload_bytes", &SentSync::payload_bytes)
+      .def_readonly("tensors", &SentSync::tensors);
+
+  py::class_<PyProducer>(m, "Producer", "Low-level producer (shmcast::Producer). Pointers are ints.")
+      .def(py::init<const std::string&, std::uint64_t, std::uint32_t, std::uint32_t, std::uint64_t, bool, bool, bool,
+                    bool, const std::string&, double, const py::object&>(),
+           py::arg("name"), py::kw_only(), py::arg("slot_bytes") = 256ull << 20, py::arg("slots") = 2,
+           py::arg("max_consumers") = 8, py::arg("manifest_bytes") = 1ull << 20, py::arg("group_access") = false,
+           py::arg("replace_stale") = true, py::arg("unlink_on_close") = true, py::arg("checksums") = false,
+           py::arg("stall_policy") = "fail", py::arg("consumer_timeout") = 60.0, py::arg("pin") = "auto")
+      .def("begin_sync", &PyProducer::begin_sync, py::arg("specs"),
+           "specs: sequence of (name, dtype, shape). Returns the sync's version.")
+      .def("write", &PyProducer::write, py::arg("index"), py::arg("ptr"), py::arg("nbytes") = py::none())
+      .def("write_strided", &PyProducer::write_strided, py::arg("index"), py::arg("ptr"), py::arg("rows"),
+           py::arg("row_bytes"), py::arg("pitch_bytes"))
+      .def("write_device", &PyProducer::write_device, py::arg("index"), py::arg("ptr"), py::arg("stream") = 0)
+      .def("write_device_strided", &PyProducer::write_device_strided, py::arg("index"), py::arg("ptr"),
+           py::arg("rows"), py::arg("row_bytes"), py::arg("pitch_bytes"), py::arg("stream") = 0)
+      .def("write_batch", &PyProducer::write_batch, py::arg("first"), py::arg("ptrs"),
+           py::arg("devices") = py::none(), py::arg("layouts") = py::none(), py::arg("streams") = py::none(),
+           "Writes tensors first, first+1, ... in one call. devices: bool or per-tensor bools; layouts: per-tensor "
+           "None or (rows, row_bytes, pitch_bytes); streams: int or per-tensor ints (cudaStream_t).")
+      .def("end_sync", &PyProducer::end_sync)
+      .def("abort_sync", &PyProducer::abort_sync, py::arg("why"))
+      .def("send_batch", &PyProducer::send_batch, py::arg("specs"), py::arg("ptrs"), py::arg("devices") = py::none(),
+           py::arg("layouts") = py::none(), py::arg("streams") = py::none(),
+           "begin_sync + write_batch + end_sync in one call (the sync is aborted if a write fails).")
+      .def("wait_for_consumers", &PyProducer::wait_for_consumers, py::arg("n"), py::arg("timeout") = 30.0)
+      .def_property_readonly("consumers", &PyProducer::consumers)
+      .def("wait_drained", &PyProducer::wait_drained, py::arg("timeout") = 60.0)
+      .def("take_events", &PyProducer::take_events)
+      .def("close", &PyProducer::close)
+      .def_property_readonly("closed", &PyProducer::closed)
+      .def_property_readonly("name", &PyProducer::name)
+      .def_property_readonly("path", &PyProducer::path)
+      .def_property_readonly("region_bytes", &PyProducer::region_bytes)
+      .def_property_readonly("slot_bytes", &PyProducer::slot_bytes)
+      .def_property_readonly("slots", &PyProducer::slots)
+      .def_property_readonly("last_version", &PyProducer::last_version)
+      .def_property_readonly("last_sync", &PyProducer::last_sync, py::return_value_policy::copy)
+      .def_property_readonly("pinned", &PyProducer::pinned)
+      .def_property_readonly("pin_seconds", &PyProducer::pin_seconds)
+      .def_property_readonly("create_seconds", &PyProducer::create_seconds);
+
+  py::class_<PyConsumer>(m, "Consumer", "Low-level consumer (shmcast::Consumer). Pointers are ints.")
+      .def(py::init<const std::string&, double, double, const py::object&, bool>(), py::arg("name"), py::kw_only(),
+           py::arg("open_timeout") = 30.0, py::arg("chunk_timeout") = 60.0, py::arg("pin") = "auto",
+           py::arg("verify_checksums") = true)
+      .def("wait_sync", &PyConsumer::wait_sync, py::arg("timeout") = 30.0,
+           "Waits for the next sync (timeout in seconds, None = forever) and returns its SyncInfo.")
+      .def("read_into", &PyConsumer::read_into, py::arg("ptrs"),
+           "Host copy: ptrs[i] receives tensor i (None or 0 skips it).")
+      .def("read_into_device", &PyConsumer::read_into_device, py::arg("ptrs"), py::arg("stream") = 0)
+      .def("read_to_staging", &PyConsumer::read_to_staging, py::arg("device"), py::arg("stream") = 0,
+           "Copies the sync into a library-owned device buffer; returns one device pointer per tensor, valid "
+           "until the next wait_sync().")
+      .def("visit", &PyConsumer::visit, py::arg("fn"))
+      .def("skip", &PyConsumer::skip)
+      .def("close", &PyConsumer::close)
+      .def_property_readonly("closed", &PyConsumer::closed)
+      .def_property_readonly("sync", &PyConsumer::sync, py::return_value_policy::copy)
+      .def_property_readonly("last_version", &PyConsumer::last_version)
+      .def_property_readonly("seat", &PyConsumer::seat)
+      .def_property_readonly("name", &PyConsumer::name)
+      .def_property_readonly("pinned", &PyConsumer::pinned)
+      .def_property_readonly("pin_seconds", &PyConsumer::pin_seconds)
+      .def_property_readonly("open_seconds", &PyConsumer::open_seconds);
+}

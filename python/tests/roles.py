@@ -1,0 +1,243 @@
+"""What the test processes run, plus the deterministic tensor sets both sides
+rebuild from a seed (so results cross process boundaries as plain data, never
+as tensors).
+
+Children are started with multiprocessing's spawn context and call run(),
+which puts a plain dict on the result queue.
+"""
+from __future__ import annotations
+
+import os
+import time
+import traceback
+
+import torch
+
+import shmcast
+
+SLOT = 2 << 20  # small slots so modest tensors span several of them
+
+# ---------------------------------------------------------------- tensor sets
+
+
+def _rand(g: torch.Generator, dtype: torch.dtype, shape) -> torch.Tensor:
+    n = 1
+    for d in shape:
+        n *= d
+    if dtype == torch.bool:
+        return torch.randint(0, 2, tuple(shape), generator=g, dtype=torch.uint8).to(torch.bool)
+    es = torch.empty((), dtype=dtype).element_size()
+    raw = torch.randint(0, 256, (n * es,), generator=g, dtype=torch.uint8)
+    return raw.view(dtype).reshape(tuple(shape))
+
+
+def dtype_set(g) -> list:
+    return [(f"dtype.{shmcast.dtype_name(dt)}", _rand(g, dt, (7, 33))) for dt in shmcast.supported_dtypes()]
+
+
+def shape_set(g) -> list:
+    return [
+        ("shape.scalar", _rand(g, torch.float32, ())),
+        ("shape.scalar_bool", torch.tensor(True)),
+        ("shape.zero_rows", _rand(g, torch.float16, (0, 3))),
+        ("shape.zero_cols", _rand(g, torch.int32, (5, 0))),
+        ("shape.one", _rand(g, torch.int64, (1,))),
+        ("shape.3d", _rand(g, torch.bfloat16, (4, 5, 6))),
+        ("shape.8d", _rand(g, torch.int8, (2, 1, 2, 1, 2, 1, 2, 3))),
+        ("shape.multi_slot", _rand(g, torch.float32, (5 * SLOT // 4 + 17,))),  # ~5 slots, odd tail
+        ("shape.exact_slot", _rand(g, torch.uint8, (SLOT,))),
+        ("shape.after_big", _rand(g, torch.bfloat16, (3, 1000))),
+    ]
+
+
+def noncontig_set(g) -> list:
+    """Non-contiguous views: the producer sends them as they are; the
+    consumer expects their contiguous values."""
+    m = _rand(g, torch.float32, (64, 96))
+    big = _rand(g, torch.bfloat16, (1024, 1536))  # 3 MiB: a strided tensor across slots
+    cube = _rand(g, torch.int16, (6, 7, 8))
+    z = _rand(g, torch.float32, (16, 8)).to(torch.complex64) + 1j
+    return [
+        ("nc.transposed", m.t()),                       # general: staged copy
+        ("nc.col_slice", m[:, 16:80]),                  # row-pitched (Strided2D)
+        ("nc.row_step", m[::2]),                        # row-pitched, pitch = 2 rows
+        ("nc.big_col_slice", big[:, 100:1300]),         # row-pitched, spans slots
+        ("nc.permuted", cube.permute(2, 0, 1)),         # general
+        ("nc.sliced_3d", cube[:, 1:6, :]),              # outer dims collapse: row-pitched
+        ("nc.expanded", torch.arange(8, dtype=torch.float64).expand(5, 8)),  # stride 0: general
+        ("nc.narrow_rows", m[:, :4]),                   # rows of 16 B: staged, not strided
+        ("nc.conj", z.conj()),                          # conjugate bit: resolved
+    ]
+
+
+SETS = {"dtypes": dtype_set, "shapes": shape_set, "noncontig": noncontig_set}
+
+
+def build(seed: int, sets=("dtypes", "shapes", "noncontig"), device: str = "cpu") -> list:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for s in sets:
+        out += SETS[s](g)
+    if device != "cpu":
+        out = [(n, _to_device_keep_layout(t, device)) for n, t in out]
+    return out
+
+
+def _to_device_keep_layout(t: torch.Tensor, device: str) -> torch.Tensor:
+    """Moves `t` to `device`, keeping its strides (transposed, sliced,
+    expanded...) so the device path sees non-contiguous tensors too."""
+    if t.is_contiguous() or t.is_conj() or t.numel() == 0:
+        return t.to(device)
+    zero = [d for d, st in enumerate(t.stride()) if st == 0 and t.shape[d] > 1]
+    if zero:  # broadcast dims: move the un-broadcast tensor, expand again
+        small = t
+        for d in zero:
+            small = small.narrow(d, 0, 1)
+        return _to_device_keep_layout(small, device).expand(t.shape)
+    span = 1 + sum((s - 1) * st for s, st in zip(t.shape, t.stride()))
+    buf = torch.zeros(t.storage_offset() + span, dtype=t.dtype, device=device)
+    view = buf.as_strided(t.shape, t.stride(), t.storage_offset())
+    view.copy_(t)
+    return view
+
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    t = t.detach().cpu()
+    if t.is_conj():
+        t = t.resolve_conj()
+    return t.contiguous().reshape(-1).view(torch.uint8)
+
+
+def compare(got: list, want: list) -> list:
+    """Bit-exact comparison of two [(name, tensor)] lists; returns problems."""
+    problems = []
+    if [n for n, _ in got] != [n for n, _ in want]:
+        return [f"names differ: {[n for n, _ in got][:5]} vs {[n for n, _ in want][:5]}"]
+    for (n, a), (_, b) in zip(got, want):
+        if a.dtype != b.dtype:
+            problems.append(f"{n}: dtype {a.dtype} != {b.dtype}")
+        elif tuple(a.shape) != tuple(b.shape):
+            problems.append(f"{n}: shape {tuple(a.shape)} != {tuple(b.shape)}")
+        elif not torch.equal(as_bytes(a), as_bytes(b)):
+            problems.append(f"{n}: bytes differ")
+    return problems
+
+
+# ---------------------------------------------------------------- roles
+
+
+def run(role: str, kwargs: dict, q) -> None:
+    """Entry point of a spawned process: runs role(**kwargs), puts its dict
+    (or the error) on q."""
+    try:
+        env = kwargs.pop("env", None) or {}
+        os.environ.update(env)
+        res = globals()["role_" + role](q=q, **kwargs)
+        q.put({"ok": True, **(res or {})})
+    except BaseException as e:  # report everything, including shmcast errors by class name
+        q.put({"ok": False, "error": type(e).__name__, "message": str(e), "trace": traceback.format_exc()})
+
+
+def role_consumer(q, region, seed, sets, n_syncs=1, device="cpu", mode="copy", timeout=30.0, want_device=None):
+    problems, versions, devices = [], [], set()
+    with shmcast.Consumer(region, device=device, mode=mode, open_timeout=timeout) as c:
+        q.put({"ready": True, "seat": c.seat})
+        for k in range(n_syncs):
+            got = c.receive(timeout=timeout)
+            versions.append(c.last_version)
+            devices |= {str(t.device) for _, t in got}
+            problems += compare(got, build(seed + k, sets))
+            del got
+    return {"problems": problems, "versions": versions, "devices": sorted(devices)}
+
+
+def destinations(seed, sets, device="cpu", noncontig_dst=False):
+    """Preallocated destinations matching build(seed, sets), filled with junk;
+    with noncontig_dst, 2-D ones are transposed views of a buffer."""
+    out = {}
+    for n, t in build(seed, sets):
+        if noncontig_dst and t.dim() == 2 and t.shape[0] > 1 and t.shape[1] > 1:
+            d = torch.empty(t.shape[1], t.shape[0], dtype=t.dtype, device=device).t()
+        else:
+            d = torch.empty(t.shape, dtype=t.dtype, device=device)
+        if d.numel():
+            as_junk = d.view(torch.uint8) if d.is_contiguous() and d.dim() > 0 and d.dtype != torch.bool else None
+            if as_junk is not None:
+                as_junk.fill_(0xA5)
+        out[n] = d
+    return out
+
+
+def role_consumer_into(q, region, seed, sets, device="cpu", noncontig_dst=False, timeout=30.0):
+    with shmcast.Consumer(region, device=device, open_timeout=timeout) as c:
+        dst = destinations(seed, sets, device, noncontig_dst)
+        q.put({"ready": True})
+        version = c.receive_into(dst, timeout=timeout)
+        problems = compare(list(dst.items()), build(seed, sets))
+    return {"problems": problems, "version": version}
+
+
+def role_producer(q, region, seed, sets, n_syncs=1, consumers=1, device="cpu", hold=0.0, timeout=30.0, **opts):
+    versions = []
+    with shmcast.Producer(region, slot_bytes=SLOT, max_consumers=4, **opts) as p:
+        q.put({"ready": True, "path": p.path})
+        p.wait_for_consumers(consumers, timeout)
+        for k in range(n_syncs):
+            versions.append(p.send(build(seed + k, sets, device)))
+        if hold:
+            time.sleep(hold)
+        p.wait_drained(timeout)
+    return {"versions": versions}
+
+
+def role_producer_idle(q, region, seconds=60.0):
+    """Creates the region and sleeps (to be killed: PeerDied)."""
+    p = shmcast.Producer(region, slot_bytes=SLOT, max_consumers=2)
+    q.put({"ready": True})
+    time.sleep(seconds)
+    p.close()
+
+
+def role_vllm_worker(q, region, device="cpu", n_updates=1, timeout=30.0, seed=0):
+    """A stand-in vLLM worker (see fake_vllm.py) receiving weight updates."""
+    import fake_vllm
+
+    worker = fake_vllm.FakeWorker(device=device)
+    worker.init_shmcast(region, timeout)
+    q.put({"ready": True})
+    results = []
+    for k in range(n_updates):
+        version = worker.update_weights_from_shmcast(region, timeout=timeout)
+        hf = fake_vllm.hf_state_dict(seed + k)
+        results.append({"version": version, "problems": fake_vllm.check_loaded(worker.model_runner.model, hf)})
+    worker.close_shmcast()
+    return {"updates": results}
+
+
+def role_roll_receiver(q, region, device="cpu", n_tickets=1, timeout=30.0, seeds=()):
+    import shmcast.roll as roll
+
+    roll.attach(region, device=device, timeout=timeout)
+    q.put({"ready": True})
+    problems = []
+    for k in range(n_tickets):
+        ticket = q_get(q, "ticket")
+        named = roll.named_tensors_from_ticket(ticket, timeout=timeout)
+        problems += compare(named, build(seeds[k], ("dtypes", "shapes")))
+    roll.close(region)
+    return {"problems": problems}
+
+
+# Tickets reach the receiver through a second queue handed over in kwargs;
+# q_get reads it (set by role_roll_receiver's caller).
+_inbox = None
+
+
+def q_get(_q, what):
+    return _inbox.get(timeout=60)
+
+
+def run_with_inbox(role: str, kwargs: dict, q, inbox) -> None:
+    global _inbox
+    _inbox = inbox
+    run(role, kwargs, q)

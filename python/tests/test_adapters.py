@@ -1,0 +1,132 @@
+"""vLLM worker extension (against the labelled stand-in in fake_vllm.py) and
+the ROLL-style ticket adapters."""
+import pickle
+
+import pytest
+import torch
+
+import fake_vllm
+import roles
+import shmcast
+import shmcast.roll as roll
+
+
+def test_vllm_extension_loads_fused_weights(region, procs):
+    worker = procs.start("vllm_worker", region=region, n_updates=2, seed=40)
+    with shmcast.Producer(region, slot_bytes=roles.SLOT, max_consumers=2) as prod:
+        procs.ready(worker)
+        prod.wait_for_consumers(1, 30)
+        versions = [prod.send(fake_vllm.hf_state_dict(40 + k)) for k in range(2)]
+        res = procs.get(worker)
+    assert [u["version"] for u in res["updates"]] == versions
+    assert all(u["problems"] == [] for u in res["updates"]), res
+
+
+def test_vllm_extension_in_process(region):
+    # Same, in one process and in "copy" mode, and with a lazily opened consumer.
+    worker = fake_vllm.FakeWorker("cpu")
+    worker.shmcast_mode = "copy"
+    with shmcast.Producer(region, slot_bytes=roles.SLOT, slots=8) as prod:
+        worker.init_shmcast(region)
+        hf = fake_vllm.hf_state_dict(1)
+        v = prod.send(hf)
+        assert worker.update_weights_from_shmcast(region, timeout=10) == v
+        assert fake_vllm.check_loaded(worker.model_runner.model, hf) == []
+        assert worker.model_runner.model.loaded_calls == 1
+        worker.close_shmcast(region)
+        assert prod.consumers == 0
+
+
+def test_stand_in_model_rejects_bad_shapes():
+    m = fake_vllm.FakeQwen2ForCausalLM()
+    bad = [("model.layers.0.self_attn.k_proj.weight", torch.zeros(3, 3, dtype=torch.bfloat16))]
+    with pytest.raises(ValueError):
+        m.load_weights(bad)
+
+
+def test_roll_ticket_roundtrip(region, procs):
+    inbox = procs.queue()
+    seeds = [70, 71, 72]
+    recv = procs.start("roll_receiver", inbox=inbox, region=region, n_tickets=len(seeds), seeds=seeds)
+    try:
+        # The sender creates the region; the receiver's attach() waits for it,
+        # and the first bucket waits for the receiver (consumers=1).
+        roll.create_region(region, slot_bytes=roles.SLOT, slots=8)
+        procs.ready(recv)
+        for s in seeds:
+            bucket = roles.build(s, ("dtypes", "shapes"))
+            ticket = roll.serialize_named_weights(bucket, "vllm", region=region, consumers=1)
+            assert isinstance(ticket, bytes) and len(ticket) < 1024
+            # no tensor bytes in the payload: not even a 16-byte run of the largest tensor
+            big = max(bucket, key=lambda nt: nt[1].numel() * nt[1].element_size())[1]
+            raw = roles.as_bytes(big).numpy().tobytes()
+            assert raw[4096:4112] not in ticket and raw[:16] not in ticket
+            t = roll.load_ticket(ticket)
+            assert t.region == region and t.count == len(bucket) and t.chunks >= 1
+            inbox.put(ticket)
+        res = procs.get(recv)
+        assert res["problems"] == []
+    finally:
+        roll.close(region)
+
+
+def test_roll_ticket_is_small_plain_data():
+    t = roll.ShmcastTicket(region="r", version=3, first_seq=10, chunks=2, count=434, payload_bytes=6 << 30,
+                           names_digest="00" * 8, infer_strategy="vllm")
+    b = pickle.dumps(t, protocol=4)
+    assert len(b) < 1024 and roll.load_ticket(b) == t
+    # the loader refuses anything but a ticket
+    with pytest.raises(pickle.UnpicklingError):
+        roll.load_ticket(pickle.dumps({"x": torch.zeros(2)}))
+
+
+def test_roll_in_process_with_fake_dtensors(region):
+    """FAKE DTensor objects (distributed init is not available in CI): each
+    exposes full_tensor(); the adapter gathers them while writing the bucket."""
+
+    class FakeDTensor:
+        placements = ("Shard(0)",)
+
+        def __init__(self, full):
+            self._full, self.shape, self.dtype, self.calls = full, full.shape, full.dtype, 0
+
+        def full_tensor(self):
+            self.calls += 1
+            return self._full.clone()
+
+    try:
+        full = [(f"layer.{i}.w", torch.randn(32, 16, dtype=torch.bfloat16)) for i in range(4)]
+        fakes = [(n, FakeDTensor(t)) for n, t in full]
+        # a bucket sent before any receiver attached reaches nobody (and blocks nobody)
+        roll.serialize_named_weights(fakes[:1], "vllm", region=region, slot_bytes=roles.SLOT, slots=8)
+        roll.attach(region, device="cpu", timeout=5)
+        ticket = roll.serialize_named_weights(fakes, "vllm", region=region)
+        got = roll.named_tensors_from_ticket(ticket, timeout=5)
+        assert roles.compare(got, full) == []
+        assert [f.calls for _, f in fakes] == [2, 1, 1, 1]
+        # a non-sending rank only takes part in the gathers
+        assert roll.serialize_named_weights(fakes, "vllm", region=region, sender=False) is None
+        assert [f.calls for _, f in fakes] == [3, 2, 2, 2]
+        # a bucket larger than the region is refused before anything is written
+        huge = [("huge", torch.zeros(9 * roles.SLOT, dtype=torch.uint8))]
+        with pytest.raises(shmcast.InvalidArgument, match="does not fit"):
+            roll.serialize_named_weights(huge, "vllm", region=region)
+        # a ticket whose sync was overtaken (the receiver consumed a later one) is detected
+        import threading
+
+        t1 = roll.serialize_named_weights(full[:1], "vllm", region=region)
+        box = {}
+        th = threading.Thread(target=lambda: box.setdefault("t2", roll.serialize_named_weights(
+            full[:2], "vllm", region=region)))
+        th.start()  # blocks until this receiver has read t1's manifest
+        assert roles.compare(roll.named_tensors_from_ticket(t1, timeout=5), full[:1]) == []
+        th.join(10)
+        assert roles.compare(roll.named_tensors_from_ticket(box["t2"], timeout=5), full[:2]) == []
+        with pytest.raises(shmcast.Timeout):  # t1's sync is gone: nothing newer comes either
+            roll.named_tensors_from_ticket(t1, timeout=0.5)
+        t3 = roll.serialize_named_weights(full[:3], "vllm", region=region)
+        with pytest.raises(shmcast.InvalidArgument, match="missed"):
+            roll.named_tensors_from_ticket(box["t2"], timeout=5)  # the region moved on to t3
+        del t3
+    finally:
+        roll.close(region)

@@ -1,0 +1,175 @@
+"""CUDA tests: skipped without a GPU or without a CUDA build of shmcast.
+
+Two processes on one GPU, bit-exact; the trainer runs with
+PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True as RL frameworks do.
+"""
+import threading
+
+import pytest
+import torch
+
+import fake_vllm
+import roles
+import shmcast
+
+pytestmark = pytest.mark.cuda
+
+EXPANDABLE = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+SETS = ("dtypes", "shapes", "noncontig")
+
+
+def test_two_processes_one_gpu_bit_exact(region, procs):
+    n = 3
+    prod = procs.start("producer", region=region, seed=100, sets=SETS, n_syncs=n, consumers=3, device="cuda:0",
+                       env=EXPANDABLE)
+    procs.ready(prod)
+    c_copy = procs.start("consumer", region=region, seed=100, sets=SETS, n_syncs=n, device="cuda:0", mode="copy")
+    c_stage = procs.start("consumer", region=region, seed=100, sets=SETS, n_syncs=n, device="cuda:0",
+                          mode="staging")
+    c_cpu = procs.start("consumer", region=region, seed=100, sets=SETS, n_syncs=n, device="cpu")
+    for c in (c_copy, c_stage, c_cpu):
+        procs.ready(c)
+    results = [procs.get(c) for c in (c_copy, c_stage, c_cpu)]
+    assert procs.get(prod)["versions"] == [1, 2, 3]
+    for r in results:
+        assert r["problems"] == [] and r["versions"] == [1, 2, 3]
+    assert results[0]["devices"] == ["cuda:0"] and results[1]["devices"] == ["cuda:0"]
+    assert results[2]["devices"] == ["cpu"]
+
+
+def test_receive_into_cuda_params(region, procs):
+    sets = ("dtypes", "shapes")
+    prod = procs.start("producer", region=region, seed=7, sets=sets, consumers=2, device="cuda:0", env=EXPANDABLE)
+    procs.ready(prod)
+    a = procs.start("consumer_into", region=region, seed=7, sets=sets, device="cuda:0")
+    b = procs.start("consumer_into", region=region, seed=7, sets=sets, device="cuda:0", noncontig_dst=True)
+    for c in (a, b):
+        procs.ready(c)
+        assert procs.get(c)["problems"] == []
+    procs.get(prod)
+
+
+def test_vllm_stand_in_on_gpu(region, procs):
+    worker = procs.start("vllm_worker", region=region, device="cuda:0", n_updates=2, seed=9)
+    with shmcast.Producer(region, slot_bytes=roles.SLOT, max_consumers=2) as prod:
+        procs.ready(worker)
+        prod.wait_for_consumers(1, 60)
+        versions = [prod.send([(n, t.cuda()) for n, t in fake_vllm.hf_state_dict(9 + k)]) for k in range(2)]
+        res = procs.get(worker)
+    assert [u["version"] for u in res["updates"]] == versions
+    assert all(u["problems"] == [] for u in res["updates"])
+
+
+def _pair(region, slots=32):
+    prod = shmcast.Producer(region, slot_bytes=roles.SLOT, slots=slots)
+    cons = shmcast.Consumer(region, device="cuda:0")
+    return prod, cons
+
+
+def test_stream_ordering_and_no_memory_held(region):
+    prod, cons = _pair(region)
+    try:
+        n = 8 << 20
+        x = torch.empty(n, dtype=torch.float32, device="cuda")
+        torch.cuda.synchronize()
+        x.fill_(3.0)  # queued on the current stream; send must order after it
+        t = torch.empty(1024, 2048, dtype=torch.bfloat16, device="cuda").normal_()
+        before = torch.cuda.memory_allocated()
+        v = prod.send([("x", x), ("t_transposed", t.t()), ("t_cols", t[:, 100:700])])
+        assert torch.cuda.memory_allocated() == before  # staging copies released
+        x.fill_(-1.0)  # after send returns the source may change
+        got = dict(cons.receive(timeout=30))
+        assert cons.last_version == v
+        assert torch.equal(got["x"], torch.full_like(x, 3.0))
+        assert torch.equal(got["t_transposed"], t.t().contiguous())
+        assert torch.equal(got["t_cols"], t[:, 100:700].contiguous())
+        # ordering on the receive side: the current stream sees the data
+        s = got["x"].sum().item()
+        assert s == 3.0 * n
+    finally:
+        cons.close()
+        prod.close()
+
+
+def test_mixed_cpu_and_cuda_send(region):
+    prod, cons = _pair(region)
+    try:
+        data = [("cpu_first", torch.arange(1000, dtype=torch.int64)),
+                ("gpu", torch.randn(300, 300, device="cuda")),
+                ("cpu_t", torch.randn(50, 70).t()),
+                ("gpu_bf16", torch.randn(64, 64, device="cuda").to(torch.bfloat16))]
+        for _ in range(2):
+            prod.send(data)
+            got = cons.receive(timeout=30, mode="copy")
+            assert roles.compare(got, data) == []
+    finally:
+        cons.close()
+        prod.close()
+
+
+def test_receive_into_mixed_devices_and_staging_lifetime(region):
+    prod, cons = _pair(region)
+    try:
+        data = [("a", torch.randn(128, 64, device="cuda")), ("b", torch.randint(0, 9, (77,), device="cuda"))]
+        prod.send(data)
+        dst = {"a": torch.empty(128, 64, device="cuda"), "b": torch.empty(77, dtype=torch.int64)}  # b on CPU
+        cons.receive_into(dst, timeout=30)
+        assert torch.equal(dst["a"], data[0][1]) and torch.equal(dst["b"], data[1][1].cpu())
+        # staging views: valid until the next receive
+        prod.send(data)
+        got = cons.receive(timeout=30, mode="staging")
+        assert roles.compare(got, data) == []
+        copies = [(n, t.clone()) for n, t in got]
+        del got
+        prod.send([(n, t + 1) for n, t in data])
+        got2 = cons.receive(timeout=30, mode="staging")
+        assert roles.compare(got2, [(n, t + 1) for n, t in data]) == []
+        assert roles.compare(copies, data) == []
+    finally:
+        cons.close()
+        prod.close()
+
+
+def test_roll_on_gpu_with_fake_dtensor(region):
+    """FAKE DTensor (no process group): full_tensor() returns a CUDA tensor."""
+    import shmcast.roll as roll
+
+    class FakeDTensor:
+        placements = ("Shard(0)",)
+
+        def __init__(self, full):
+            self._full, self.shape, self.dtype = full, full.shape, full.dtype
+
+        def full_tensor(self):
+            return self._full.clone()
+
+    full = [(f"w{i}", torch.randn(256, 128, device="cuda").to(torch.bfloat16)) for i in range(6)]
+    try:
+        roll.create_region(region, slot_bytes=roles.SLOT, slots=8)
+        roll.attach(region, device="cuda:0", timeout=5)
+        before = torch.cuda.memory_allocated()
+        ticket = roll.serialize_named_weights([(n, FakeDTensor(t)) for n, t in full], "vllm", region=region)
+        assert torch.cuda.memory_allocated() == before
+        assert len(ticket) < 1024
+        got = roll.named_tensors_from_ticket(ticket, timeout=10)
+        assert roles.compare(got, full) == []
+        assert all(t.is_cuda for _, t in got)
+    finally:
+        roll.close(region)
+
+
+def test_threads_receive_while_send(region):
+    # A sync larger than the region: producer and consumer must overlap.
+    prod = shmcast.Producer(region, slot_bytes=roles.SLOT, slots=2)
+    cons = shmcast.Consumer(region, device="cuda:0")
+    try:
+        data = [(f"w{i}", torch.randn(1 << 20, device="cuda")) for i in range(8)]  # 32 MiB
+        box = {}
+        th = threading.Thread(target=lambda: box.setdefault("got", cons.receive(timeout=60)))
+        th.start()
+        prod.send(data)
+        th.join(60)
+        assert roles.compare(box["got"], data) == []
+    finally:
+        cons.close()
+        prod.close()
