@@ -30,25 +30,7 @@ has() { [[ " $STAGES " == *" $1 "* ]]; }
   nvcc --version | tail -1; gcc --version | head -1; cmake --version | head -1
 } >"$OUT/env.log" 2>&1
 
-PFX=/tmp/pfx
-mkdir -p $PFX
-unpack() { for p in "$@"; do for f in .deb/${p}_*.deb; do [ -f "$f" ] && dpkg -x "$f" $PFX && echo "unpacked $f"; done; done; }
-{
-  [ -f /usr/include/xxhash.h ] || unpack libxxhash-dev libxxhash0
-  [ -d /usr/include/CLI ] || unpack libcli11-dev
-  [ -d /usr/include/nlohmann ] || unpack nlohmann-json3-dev
-  [ -d /usr/include/boost/interprocess ] || unpack libboost1.74-dev
-} >>"$OUT/env.log" 2>&1
-if [ -d $PFX/usr ]; then
-  for pc in $PFX/usr/lib/x86_64-linux-gnu/pkgconfig/*.pc $PFX/usr/share/pkgconfig/*.pc; do
-    [ -f "$pc" ] && sed -i "s#^prefix=/usr#prefix=$PFX/usr#" "$pc"
-  done
-  export CMAKE_PREFIX_PATH=$PFX/usr
-  export PKG_CONFIG_PATH=$PFX/usr/lib/x86_64-linux-gnu/pkgconfig:$PFX/usr/share/pkgconfig
-  export CPATH=$PFX/usr/include
-  export LIBRARY_PATH=$PFX/usr/lib/x86_64-linux-gnu
-  export LD_LIBRARY_PATH=$PFX/usr/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
-fi
+source scripts/device-env.sh >>"$OUT/env.log" 2>&1
 
 if has build; then
   log build
