@@ -172,10 +172,14 @@ Consumer Consumer::open(std::string_view name, const ConsumerOptions& o) {
     try {
       MappedFile f = MappedFile::open(dir, name, true);
       if (f.size() >= kHeaderBytes) {
-        const HeaderFixed snap = snapshot_header(f.data());
         const Header& live = *reinterpret_cast<const Header*>(f.data());
+        // init_state first (acquire), then the snapshot: when init_state
+        // reads kInitReady the snapshot holds the producer's whole geometry.
         const std::uint32_t init = live.init_state.load(std::memory_order_acquire);
-        if (snap.magic == kMagic && init == kInitCreating) {
+        const HeaderFixed snap = snapshot_header(f.data());
+        // A creator that has allocated the file but not yet written its
+        // header leaves it all zero: that is "being created", not corrupt.
+        if ((snap.magic == kMagic || snap.magic == 0) && init == kInitCreating) {
           waiting_for = "the producer to finish creating the region";
           waiting_code = Errc::kNotFound;
         } else {
@@ -196,7 +200,25 @@ Consumer Consumer::open(std::string_view name, const ConsumerOptions& o) {
           waiting_code = init == kInitClosed ? Errc::kClosed : Errc::kPeerDied;
         }
       } else {
-        waiting_for = "the producer to allocate the region";
+        // The creator sets the whole size at once (posix_fallocate) before it
+        // takes the producer lock: a file still short *after* we saw the lock
+        // held was cut. (The size seen at open may predate the allocation:
+        // re-read it after the lock probe.)
+        const bool held = lock_held(f.fd(), kProducerLockByte) == Alive::kYes;
+        const std::uint64_t size_now = f.size_now();
+        if (size_now >= kHeaderBytes) {
+          waiting_for = "the producer to allocate the region";  // it just did: look again
+          waiting_code = Errc::kNotFound;
+        } else if (size_now > 0 || held) {
+          const std::string cut = f.path() + " has " + std::to_string(size_now) +
+                                  " bytes, less than a region header (truncated?)";
+          if (held) throw Error(Errc::kCorrupt, cut + " while its producer is alive");
+          waiting_for = "the producer to allocate the region (" + cut + ")";
+          waiting_code = Errc::kCorrupt;
+        } else {
+          waiting_for = "the producer to allocate the region";
+          waiting_code = Errc::kNotFound;
+        }
       }
     } catch (const Error& e) {
       if (e.code() != Errc::kNotFound) throw;
@@ -225,6 +247,12 @@ const SyncInfo& Consumer::wait_sync(Duration timeout) {
   const std::int64_t deadline = mono_ns() + timeout.count();
   const RecordSnapshot rec = m.ring->wait_announce(m.last_version, deadline);
   const Geometry& g = m.view.geo();
+  // Refuse a file cut since it was mapped before touching the manifest or
+  // slots (its missing pages would raise SIGBUS): docs/reliability.md.
+  if (const std::uint64_t now = m.view.file().size_now(); now != g.total_bytes)
+    throw Error(Errc::kCorrupt, "region file " + m.view.file().path() + " is " + std::to_string(now) +
+                                    " bytes, not " + std::to_string(g.total_bytes) +
+                                    ": another process truncated or resized it; open the region again");
   auto corrupt = [&](const std::string& why) {
     m.ring->set_error(Errc::kCorrupt, why);
     return Error(Errc::kCorrupt, "sync " + std::to_string(rec.version) + " of '" + m.name + "': " + why);

@@ -284,6 +284,13 @@ std::uint64_t Producer::begin_sync(std::span<const TensorSpec> tensors) {
   Impl& m = *impl_;
   m.require_open();
   if (m.in_sync) throw Error(Errc::kInvalidArgument, "begin_sync() while a sync is in progress: end_sync() it first");
+  // A region file cut by another process would SIGBUS us on its missing
+  // pages: refuse cleanly when it happened between syncs (docs/reliability.md).
+  if (const std::uint64_t now = m.view.file().size_now(); now != m.view.geo().total_bytes)
+    throw Error(Errc::kCorrupt, "region file " + m.path + " is " + std::to_string(now) + " bytes, not " +
+                                    std::to_string(m.view.geo().total_bytes) +
+                                    ": another process truncated or resized it; close this producer and create "
+                                    "the region again");
   std::unordered_set<std::string_view> names;
   names.reserve(tensors.size());
   for (std::size_t i = 0; i < tensors.size(); ++i) {

@@ -111,6 +111,12 @@ MappedFile::~MappedFile() = default;
 
 int MappedFile::fd() const { return impl_ ? impl_->fd() : -1; }
 
+std::uint64_t MappedFile::size_now() const {
+  struct stat st {};
+  if (fd() < 0 || ::fstat(fd(), &st) != 0) return 0;
+  return static_cast<std::uint64_t>(st.st_size);
+}
+
 void MappedFile::unmap() {
   if (impl_) {
     impl_->region.reset();

@@ -30,6 +30,9 @@ class MappedFile {
 
   std::byte* data() const { return base_; }
   std::uint64_t size() const { return size_; }
+  // The file's size now (fstat), 0 when unknown. Differs from size() when
+  // another process truncated or grew the file after it was mapped.
+  std::uint64_t size_now() const;
   int fd() const;  // for OFD locks; valid while mapped
   const std::string& path() const { return path_; }
   std::uint64_t inode() const { return inode_; }

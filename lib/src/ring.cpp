@@ -298,23 +298,38 @@ void ConsumerRing::ack(std::uint64_t version) {
 std::uint32_t ConsumerRing::wait_chunk(std::uint64_t seq, std::uint64_t version, std::uint64_t expect_bytes,
                                        std::int64_t deadline_ns) {
   Header& h = v_->header();
+  // Throws when the producer gave up on sync `version`: it aborted it, or it
+  // has announced a newer sync since (only after publishing every chunk of
+  // this one or aborting it), so chunk `seq` will never come.
+  auto check_abandoned = [&] {
+    // version is read first (acquire): a newer value makes every chunk the
+    // producer published before announcing it visible to the re-check.
+    const std::uint64_t current = h.sync.version.load(std::memory_order_acquire);
+    if (h.published_seq.load(std::memory_order_acquire) >= seq) return;
+    if (current > version || (current == version && h.sync.aborted.load(std::memory_order_acquire) != 0))
+      throw Error(Errc::kAborted, std::string("the producer aborted sync ") + std::to_string(version) + ": " +
+                                      std::string(h.error_text, strnlen(h.error_text, kErrorTextBytes)));
+    if (current < version)
+      throw Error(Errc::kCorrupt, "the sync record went back from version " + std::to_string(version) + " to " +
+                                      std::to_string(current) + ": the region is corrupt");
+  };
   auto ready = [&] {
     return h.published_seq.load(std::memory_order_acquire) >= seq ||
            h.sync.aborted.load(std::memory_order_acquire) != 0 ||
+           h.sync.version.load(std::memory_order_acquire) != version ||
            seat_state(v_->seat(static_cast<std::uint32_t>(seat_)).word.load(std::memory_order_acquire)) != kSeatActive;
   };
   for (;;) {
     const WaitResult r = wait_until(h.publish, ready, deadline_ns, kLivenessPollNs);
     check_seat();
     if (h.published_seq.load(std::memory_order_acquire) >= seq) break;
-    if (h.sync.aborted.load(std::memory_order_acquire) != 0 && h.sync.version.load() == version) {
-      throw Error(Errc::kAborted, std::string("the producer aborted sync ") + std::to_string(version) + ": " +
-                                      std::string(h.error_text, strnlen(h.error_text, kErrorTextBytes)));
-    }
+    check_abandoned();
     check_producer(true);
     if (h.init_state.load(std::memory_order_acquire) == kInitClosed)
       throw Error(Errc::kClosed, "the producer closed the region in the middle of sync " + std::to_string(version));
-    if (r == WaitResult::kTimeout)
+    // ready() may hold without any of the above (hostile bytes): the
+    // deadline, not the wait result, ends the loop.
+    if (r == WaitResult::kTimeout || mono_ns() >= deadline_ns)
       throw Error(Errc::kTimeout, "chunk " + std::to_string(seq) + " of sync " + std::to_string(version) +
                                       " did not arrive in time; the producer is alive but stalled");
   }
@@ -323,6 +338,12 @@ std::uint32_t ConsumerRing::wait_chunk(std::uint64_t seq, std::uint64_t version,
   const std::uint64_t got = d.seq.load(std::memory_order_acquire);
   if (got != seq) {
     check_seat();
+    // An aborted sync's unpublished chunks are skipped: the next sync's
+    // chunks raise published_seq past them without ever filling them.
+    const std::uint64_t current = h.sync.version.load(std::memory_order_acquire);
+    if (current > version || (current == version && h.sync.aborted.load(std::memory_order_acquire) != 0))
+      throw Error(Errc::kAborted, "the producer abandoned sync " + std::to_string(version) + " before chunk " +
+                                      std::to_string(seq) + " was published");
     throw Error(Errc::kCorrupt, "slot " + std::to_string(k) + " holds chunk " + std::to_string(got) + ", expected " +
                                     std::to_string(seq) + ": the region is corrupt or was overwritten");
   }
