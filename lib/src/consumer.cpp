@@ -1,6 +1,7 @@
 // Layer 6: the public Consumer.
 #include <xxhash.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstring>
 #include <optional>
@@ -81,7 +82,8 @@ struct Consumer::Impl {
     if (state != State::kManifest) throw Error(Errc::kInvalidArgument, "no sync to read: call wait_sync() first");
     state = State::kReading;
     const std::uint64_t S = view.geo().slot_bytes;
-    bool broken = false;
+    // Set from the engine's completion thread (CUDA callbacks).
+    std::atomic<bool> broken{false};
     try {
       for (std::uint64_t c = 0; c < info.chunks; ++c) {
         const std::uint64_t seq = info.first_seq + c;
@@ -99,12 +101,12 @@ struct Consumer::Impl {
         }
         per_chunk(data, c, c * S, bytes);
         ConsumerRing* r = &*ring;
-        bool* flag = &broken;
+        std::atomic<bool>* flag = &broken;
         engine.chunk_done([r, k, seq, flag] {
-          if (!r->still_valid(k, seq)) *flag = true;
+          if (!r->still_valid(k, seq)) flag->store(true, std::memory_order_relaxed);
           r->release(seq);
         });
-        if (broken) break;
+        if (broken.load(std::memory_order_relaxed)) break;
       }
       engine.drain();
     } catch (const Error& e) {
@@ -116,7 +118,7 @@ struct Consumer::Impl {
       release_rest();
       throw;
     }
-    if (broken) {
+    if (broken.load()) {
       release_rest();
       ring->check_seat();
       throw Error(Errc::kCorrupt, "a slot was overwritten while this consumer read it; the sync is incomplete");
@@ -200,16 +202,16 @@ Consumer Consumer::open(std::string_view name, const ConsumerOptions& o) {
           waiting_code = init == kInitClosed ? Errc::kClosed : Errc::kPeerDied;
         }
       } else {
-        // The creator sets the whole size at once (posix_fallocate) before it
-        // takes the producer lock: a file still short *after* we saw the lock
-        // held was cut. (The size seen at open may predate the allocation:
-        // re-read it after the lock probe.)
+        // The creator takes the producer lock as soon as the file exists,
+        // then sets the whole size at once (posix_fallocate): size 0 is a
+        // region being created, a short non-empty file was cut. (The size
+        // seen at open may predate the allocation: re-read it.)
         const bool held = lock_held(f.fd(), kProducerLockByte) == Alive::kYes;
         const std::uint64_t size_now = f.size_now();
         if (size_now >= kHeaderBytes) {
           waiting_for = "the producer to allocate the region";  // it just did: look again
           waiting_code = Errc::kNotFound;
-        } else if (size_now > 0 || held) {
+        } else if (size_now > 0) {
           const std::string cut = f.path() + " has " + std::to_string(size_now) +
                                   " bytes, less than a region header (truncated?)";
           if (held) throw Error(Errc::kCorrupt, cut + " while its producer is alive");

@@ -44,6 +44,11 @@ void ring(Bell& bell) noexcept {
   if (bell.waiters.load(std::memory_order_seq_cst) != 0) futex_wake(&bell.word, INT_MAX);
 }
 
+void ring_keep_parity(Bell& bell) noexcept {
+  bell.word.fetch_add(2, std::memory_order_seq_cst);
+  if (bell.waiters.load(std::memory_order_seq_cst) != 0) futex_wake(&bell.word, INT_MAX);
+}
+
 std::int64_t spin_ns() noexcept {
   static const std::int64_t v = [] {
     const char* s = std::getenv("SHMCAST_SPIN_NS");

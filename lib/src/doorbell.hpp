@@ -28,6 +28,10 @@ int futex_wake(std::atomic<std::uint32_t>* word, int n) noexcept;
 // Rings the bell: bumps the word and makes the wake syscall only when a
 // sleeper is registered. Call it after making the condition true.
 void ring(Bell& bell) noexcept;
+// Like ring(), but bumps the word by two: for the sync record's bell, whose
+// word doubles as a seqlock (odd = being written), when the record itself
+// did not change (close, eviction, abort).
+void ring_keep_parity(Bell& bell) noexcept;
 
 // How long wait_until() spins before it sleeps, in ns (SHMCAST_SPIN_NS,
 // default 20 us). Spinning keeps the small-sync round trip short.

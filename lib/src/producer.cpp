@@ -149,7 +149,8 @@ struct Producer::Impl {
     }
     Header& h = view.header();
     h.init_state.store(kInitClosed, std::memory_order_release);
-    detail::ring(h.sync.announce);
+    // The record is unchanged: a sync published before close stays readable.
+    ring_keep_parity(h.sync.announce);
     detail::ring(h.publish);
     if (opts.unlink_on_close && still_ours()) ::unlink(path.c_str());
     engine.reset();
@@ -219,7 +220,7 @@ Producer Producer::create(std::string_view name, const ProducerOptions& o) {
   MappedFile file;
   for (int attempt = 0;; ++attempt) {
     try {
-      file = MappedFile::create(dir, name, g.total_bytes, o.group_access);
+      file = MappedFile::create(dir, name, g.total_bytes, o.group_access, kProducerLockByte);
       break;
     } catch (const Error& e) {
       if (e.code() != Errc::kExists || attempt > 0) throw;
@@ -326,6 +327,7 @@ std::uint64_t Producer::begin_sync(std::span<const TensorSpec> tensors) {
   rec.manifest_used = used;
   rec.manifest_hash = XXH3_64bits(m.view.manifest(), used);
   m.view.header().error_code.store(0, std::memory_order_relaxed);
+  m.view.header().error_text[0] = 0;
   m.ring->enroll(m.version, m.first_seq);
   m.ring->announce(rec);
   m.in_sync = true;

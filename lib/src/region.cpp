@@ -14,6 +14,7 @@
 #include <cstring>
 #include <optional>
 
+#include "liveness.hpp"
 #include "shmcast/shmcast.hpp"
 
 namespace bip = boost::interprocess;
@@ -128,7 +129,7 @@ void MappedFile::unmap() {
 }
 
 MappedFile MappedFile::create(const std::string& dir, std::string_view name, std::uint64_t bytes,
-                              bool group_access) {
+                              bool group_access, std::int64_t lock_byte) {
   MappedFile mf;
   mf.impl_ = std::make_unique<Impl>();
   mf.path_ = dir + "/" + file_name(name);
@@ -161,6 +162,12 @@ MappedFile MappedFile::create(const std::string& dir, std::string_view name, std
     fd = mf.impl_->fd();
   }
   ::fcntl(fd, F_SETFD, FD_CLOEXEC);
+  if (lock_byte >= 0) {
+    if (const int rc = detail::lock_byte(fd, lock_byte); rc != 0) {
+      ::unlink(mf.path_.c_str());
+      throw_errno(-rc, "cannot lock new region " + mf.path_);
+    }
+  }
 
   // Allocate every page now: a full tmpfs fails here with ENOSPC instead of
   // killing a process with SIGBUS at its first touch of an unbacked page.

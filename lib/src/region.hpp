@@ -17,10 +17,13 @@ class MappedFile {
  public:
   // Creates `path` exclusively and maps `bytes` of it read-write. Throws
   // shmcast::Error (kRegionFull with free vs needed bytes, kExists, ...).
-  static MappedFile create(const std::string& dir, std::string_view name, std::uint64_t bytes, bool group_access);
-  // Opens an existing region file. `writable` maps it read-write. Returns
-  // -errno style failures as shmcast::Error. The file size must be at least
-  // `min_bytes`; `size_out` gets the size seen by fstat.
+  // With `lock_byte` >= 0 the OFD write lock on that byte is taken right
+  // after the file exists, before it is allocated: a second creator racing
+  // for the name then sees a live owner, never an abandoned file.
+  static MappedFile create(const std::string& dir, std::string_view name, std::uint64_t bytes, bool group_access,
+                           std::int64_t lock_byte = -1);
+  // Opens an existing region file, read-write when `writable`. Maps the whole
+  // file; a file of size 0 (being created) is returned unmapped with size() 0.
   static MappedFile open(const std::string& dir, std::string_view name, bool writable);
 
   MappedFile();

@@ -87,7 +87,7 @@ void ProducerRing::evict(std::uint32_t i, std::uint64_t word, Errc reason, const
     v_->header().evictions.fetch_add(1, std::memory_order_relaxed);
     events_.push_back(why);
     // An evicted consumer that is still alive learns of it on its next wait.
-    ring(v_->header().sync.announce);
+    ring_keep_parity(v_->header().sync.announce);
     ring(v_->header().publish);
   }
 }
@@ -195,9 +195,7 @@ void ProducerRing::abort(std::uint64_t version) {
   Header& h = v_->header();
   if (h.sync.version.load(std::memory_order_relaxed) != version) return;
   h.sync.aborted.store(1, std::memory_order_release);
-  // Keep the seqlock word even: bump by two.
-  h.sync.announce.word.fetch_add(1, std::memory_order_seq_cst);
-  ring(h.sync.announce);
+  ring_keep_parity(h.sync.announce);
   ring(h.publish);
 }
 

@@ -232,9 +232,6 @@ def test_producer_close_is_seen_by_consumer(region):
     cons.close()
 
 
-@pytest.mark.xfail(reason="lib: Producer close() rings the sync record's seqlock bell once, leaving its word odd, "
-                          "so a sync sent just before close() cannot be read (consumers get Closed at once)",
-                   strict=False)
 def test_last_sync_before_close_is_readable(region):
     prod = shmcast.Producer(region, slot_bytes=roles.SLOT)
     cons = shmcast.Consumer(region)
