@@ -74,10 +74,13 @@ struct Consumer::Impl {
     state = State::kIdle;
   }
 
-  // Runs `per_chunk(slot_data, chunk_index, chunk_start, chunk_bytes)` for
-  // each chunk in order, then hands the release to `engine`.
+  // Runs `per_chunk(data, chunk_index, start, bytes)` over each chunk in
+  // order (data points at stream byte `start`), then hands the release to
+  // `engine`. With `follow`, a chunk is handed over in several ranges as the
+  // producer fills it (host copies without checksums), so the consumer copies
+  // bytes while they are still in the CPU cache.
   template <class F>
-  void for_each_chunk(ConsumerEngine& engine, F&& per_chunk) {
+  void for_each_chunk(ConsumerEngine& engine, F&& per_chunk, bool follow = false) {
     require_open();
     if (state != State::kManifest) throw Error(Errc::kInvalidArgument, "no sync to read: call wait_sync() first");
     state = State::kReading;
@@ -88,8 +91,18 @@ struct Consumer::Impl {
       for (std::uint64_t c = 0; c < info.chunks; ++c) {
         const std::uint64_t seq = info.first_seq + c;
         const std::uint64_t bytes = chunk_len(c, info.stream_bytes, S);
-        const std::uint32_t k =
-            ring->wait_chunk(seq, info.version, bytes, mono_ns() + opts.chunk_timeout.count());
+        const std::int64_t deadline = mono_ns() + opts.chunk_timeout.count();
+        std::uint64_t have = 0;  // bytes of this chunk already handed over
+        std::uint32_t k;
+        for (;;) {
+          std::uint64_t avail = have;
+          bool complete = true;
+          k = follow ? ring->wait_chunk(seq, info.version, bytes, deadline, &avail, &complete)
+                     : ring->wait_chunk(seq, info.version, bytes, deadline);
+          if (complete) break;
+          per_chunk(view.slot_data(k) + have, c, c * S + have, avail - have);
+          have = avail;
+        }
         const std::byte* data = view.slot_data(k);
         if (checksums && opts.verify_checksums) {
           const std::uint64_t want = view.slot(k).checksum.load(std::memory_order_relaxed);
@@ -99,7 +112,7 @@ struct Consumer::Impl {
                                              " fails its checksum: its bytes changed between producer and consumer");
           }
         }
-        per_chunk(data, c, c * S, bytes);
+        if (have < bytes) per_chunk(data + have, c, c * S + have, bytes - have);
         ConsumerRing* r = &*ring;
         std::atomic<bool>* flag = &broken;
         engine.chunk_done([r, k, seq, flag] {
@@ -290,11 +303,16 @@ void Consumer::read_into(std::span<void* const> dsts) {
   m.check_dsts(dsts.size());
   std::size_t cursor = 0;
   ConsumerEngine& e = *m.host_engine;
-  m.for_each_chunk(e, [&](const std::byte* data, std::uint64_t, std::uint64_t start, std::uint64_t bytes) {
-    m.pieces(&cursor, start, bytes, data, [&](std::size_t j, std::uint64_t off, const std::byte* src, std::uint64_t n) {
-      if (dsts[j]) e.copy(Buffer{dsts[j], false, {}}, off, src, n);
-    });
-  });
+  const bool follow = !(m.checksums && m.opts.verify_checksums);  // a checksum needs the whole chunk first
+  m.for_each_chunk(
+      e,
+      [&](const std::byte* data, std::uint64_t, std::uint64_t start, std::uint64_t bytes) {
+        m.pieces(&cursor, start, bytes, data,
+                 [&](std::size_t j, std::uint64_t off, const std::byte* src, std::uint64_t n) {
+                   if (dsts[j]) e.copy(Buffer{dsts[j], false, {}}, off, src, n);
+                 });
+      },
+      follow);
 }
 
 void Consumer::visit(const std::function<void(const Piece&)>& fn) {

@@ -171,7 +171,12 @@ struct alignas(64) SlotDesc {
   std::atomic<std::uint64_t> version;   // 8 sync the chunk belongs to
   std::atomic<std::uint64_t> bytes;     // 16 valid bytes from the slot's start
   std::atomic<std::uint64_t> checksum;  // 24 XXH3-64 of those bytes (kFeatureChecksums)
-  std::uint8_t reserved[32];            // 32
+  // Progressive fill (host copies): while chunk `fill_seq` is being written,
+  // its first `filled` bytes are final, so a consumer may copy them out
+  // before the chunk is published (while they are still in cache).
+  std::atomic<std::uint64_t> fill_seq;  // 32
+  std::atomic<std::uint64_t> filled;    // 40
+  std::uint8_t reserved[16];            // 48
 };
 
 // ---- the layout is part of the protocol: pin it down.
@@ -189,6 +194,7 @@ static_assert(offsetof(Header, error_text) == 384);
 static_assert(offsetof(Seat, released_seq) == 64);
 static_assert(offsetof(Seat, included_gen) == 128);
 static_assert(offsetof(Seat, error_text) == 192);
+static_assert(offsetof(SlotDesc, fill_seq) == 32 && offsetof(SlotDesc, filled) == 40);
 static_assert(std::atomic<std::uint32_t>::is_always_lock_free);
 static_assert(std::atomic<std::uint64_t>::is_always_lock_free);
 static_assert(sizeof(std::atomic<std::uint64_t>) == 8 && sizeof(std::atomic<std::uint32_t>) == 4);

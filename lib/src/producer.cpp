@@ -19,6 +19,10 @@ namespace shmcast {
 
 using namespace detail;
 
+namespace {
+constexpr std::uint64_t kFillStep = 2ull << 20;  // progressive-fill granularity
+}  // namespace
+
 struct Producer::Impl {
   std::string name, path;
   ProducerOptions opts;
@@ -100,6 +104,9 @@ struct Producer::Impl {
     const std::uint64_t S = view.geo().slot_bytes;
     const std::uint64_t off = offsets[index];
     if (src.device) engine->begin(stream);
+    // Progressive fill only when every earlier byte of the chunk is final
+    // once written: host copies, no async engine, no checksum to wait for.
+    const bool follow = !src.device && !engine->is_cuda() && !checksums;
     std::uint64_t done = 0;
     while (done < n) {
       const std::uint64_t pos = off + done;
@@ -108,7 +115,19 @@ struct Producer::Impl {
       acquire_chunk(c);
       const std::uint64_t in_chunk = pos - c * S;
       const std::uint64_t len = (n - done) < (S - in_chunk) ? (n - done) : (S - in_chunk);
-      engine->copy(view.slot_data(view.slot_of(first_seq + c)) + in_chunk, src, done, len);
+      std::byte* dst = view.slot_data(view.slot_of(first_seq + c)) + in_chunk;
+      if (follow) {
+        // Copy in cache-sized steps and mark each final, so consumers copy
+        // the bytes out while they are still in the cache.
+        for (std::uint64_t step = 0; step < len;) {
+          const std::uint64_t n2 = len - step < kFillStep ? len - step : kFillStep;
+          engine->copy(dst + step, src, done + step, n2);
+          step += n2;
+          ring->progress(first_seq + c, in_chunk + step);
+        }
+      } else {
+        engine->copy(dst, src, done, len);
+      }
       done += len;
     }
     ++next_tensor;

@@ -158,6 +158,8 @@ void ProducerRing::acquire(std::uint64_t seq) {
 void ProducerRing::begin_fill(std::uint64_t seq) {
   SlotDesc& d = v_->slot(v_->slot_of(seq));
   d.seq.store(0, std::memory_order_relaxed);
+  d.filled.store(0, std::memory_order_relaxed);
+  d.fill_seq.store(seq, std::memory_order_relaxed);
   // Readers that copied this slot re-check seq afterwards (ConsumerRing::
   // still_valid); the fence orders the store before the data writes.
   std::atomic_thread_fence(std::memory_order_seq_cst);
@@ -172,6 +174,11 @@ void ProducerRing::publish(std::uint64_t seq, std::uint64_t version, std::uint64
   Header& h = v_->header();
   h.published_seq.store(seq, std::memory_order_release);
   ring(h.publish);
+}
+
+void ProducerRing::progress(std::uint64_t seq, std::uint64_t filled) {
+  v_->slot(v_->slot_of(seq)).filled.store(filled, std::memory_order_release);
+  ring(v_->header().publish);  // a syscall only when a consumer sleeps
 }
 
 void ProducerRing::announce(const RecordSnapshot& rec) {
@@ -294,8 +301,17 @@ void ConsumerRing::ack(std::uint64_t version) {
 }
 
 std::uint32_t ConsumerRing::wait_chunk(std::uint64_t seq, std::uint64_t version, std::uint64_t expect_bytes,
-                                       std::int64_t deadline_ns) {
+                                       std::int64_t deadline_ns, std::uint64_t* partial, bool* complete) {
   Header& h = v_->header();
+  const SlotDesc& fill = v_->slot(v_->slot_of(seq));
+  // Final bytes of a chunk still being filled, beyond what the caller has.
+  auto more_filled = [&]() -> std::uint64_t {
+    if (!partial || fill.fill_seq.load(std::memory_order_acquire) != seq) return 0;
+    std::uint64_t f = fill.filled.load(std::memory_order_acquire);
+    if (f > expect_bytes) f = expect_bytes;  // untrusted: never past the chunk
+    return f > *partial ? f : 0;
+  };
+  if (complete) *complete = true;
   // Throws when the producer gave up on sync `version`: it aborted it, or it
   // has announced a newer sync since (only after publishing every chunk of
   // this one or aborting it), so chunk `seq` will never come.
@@ -312,7 +328,7 @@ std::uint32_t ConsumerRing::wait_chunk(std::uint64_t seq, std::uint64_t version,
                                       std::to_string(current) + ": the region is corrupt");
   };
   auto ready = [&] {
-    return h.published_seq.load(std::memory_order_acquire) >= seq ||
+    return h.published_seq.load(std::memory_order_acquire) >= seq || more_filled() != 0 ||
            h.sync.aborted.load(std::memory_order_acquire) != 0 ||
            h.sync.version.load(std::memory_order_acquire) != version ||
            seat_state(v_->seat(static_cast<std::uint32_t>(seat_)).word.load(std::memory_order_acquire)) != kSeatActive;
@@ -321,6 +337,11 @@ std::uint32_t ConsumerRing::wait_chunk(std::uint64_t seq, std::uint64_t version,
     const WaitResult r = wait_until(h.publish, ready, deadline_ns, kLivenessPollNs);
     check_seat();
     if (h.published_seq.load(std::memory_order_acquire) >= seq) break;
+    if (const std::uint64_t f = more_filled(); f != 0) {
+      *partial = f;
+      *complete = false;
+      return v_->slot_of(seq);
+    }
     check_abandoned();
     check_producer(true);
     if (h.init_state.load(std::memory_order_acquire) == kInitClosed)

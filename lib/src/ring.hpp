@@ -100,6 +100,8 @@ class ProducerRing {
   // Makes chunk `seq` visible to consumers. Safe to call from a CUDA host
   // callback thread: atomics and a futex wake only.
   void publish(std::uint64_t seq, std::uint64_t version, std::uint64_t bytes, std::uint64_t checksum);
+  // The first `filled` bytes of chunk `seq` (being filled) are final.
+  void progress(std::uint64_t seq, std::uint64_t filled);
   void announce(const RecordSnapshot& rec);
   void abort(std::uint64_t version);
 
@@ -136,8 +138,11 @@ class ConsumerRing {
   void ack(std::uint64_t version);
   // Waits until chunk `seq` of sync `version` is published; checks its slot
   // descriptor and returns the slot index.
+  // With `partial`, also returns early when more than *partial bytes of the
+  // chunk are final before it is published: then *partial is raised to that
+  // count and *complete is false. Bytes past *partial are not yet valid.
   std::uint32_t wait_chunk(std::uint64_t seq, std::uint64_t version, std::uint64_t expect_bytes,
-                           std::int64_t deadline_ns);
+                           std::int64_t deadline_ns, std::uint64_t* partial = nullptr, bool* complete = nullptr);
   // After reading a slot: true when it still holds `seq` and this consumer
   // still owns its seat (so what was read is what was published).
   bool still_valid(std::uint32_t slot, std::uint64_t seq) const;
