@@ -44,6 +44,24 @@ std::string compute_geometry(std::uint32_t max_consumers, std::uint32_t slots, s
   return {};
 }
 
+HeaderFixed make_fixed_header(const Geometry& g, std::uint64_t features) {
+  HeaderFixed h{};
+  h.magic = kMagic;
+  h.layout_version = kLayoutVersion;
+  h.header_bytes = kHeaderBytes;
+  h.total_bytes = g.total_bytes;
+  h.features = features;
+  h.max_consumers = g.max_consumers;
+  h.slot_count = g.slot_count;
+  h.slot_bytes = g.slot_bytes;
+  h.seats_offset = g.seats_offset;
+  h.slots_offset = g.slots_offset;
+  h.manifest_offset = g.manifest_offset;
+  h.manifest_bytes = g.manifest_bytes;
+  h.data_offset = g.data_offset;
+  return h;
+}
+
 std::string validate_header(const HeaderFixed& h, std::uint64_t file_bytes, bool* version_mismatch) {
   *version_mismatch = false;
   if (h.magic != kMagic) return "not a shmcast region (bad magic)";

@@ -248,6 +248,9 @@ constexpr std::uint64_t align_up(std::uint64_t v, std::uint64_t a) { return (v +
 std::string compute_geometry(std::uint32_t max_consumers, std::uint32_t slots, std::uint64_t slot_bytes,
                              std::uint64_t manifest_bytes, Geometry* out);
 
+// The fixed header a region with geometry `g` carries (created_unix_ns left 0).
+HeaderFixed make_fixed_header(const Geometry& g, std::uint64_t features);
+
 // Checks every immutable header field against itself and against the file
 // size the opener saw. Returns an empty string when valid. `version_mismatch`
 // is set when the magic is ours but the layout version is not.

@@ -192,29 +192,14 @@ Alive existing_producer(const std::string& dir, std::string_view name) {
   }
 }
 
-void init_header(RegionView& v, const ProducerOptions& o, bool checksums) {
-  const Geometry& g = v.geo();
+void init_header(RegionView& v, bool checksums) {
   Header& hdr = v.header();
-  HeaderFixed& h = hdr.fixed;
-  // The file is fresh from posix_fallocate, so every byte is zero already;
-  // write the geometry, then flip init_state last.
-  h.magic = kMagic;
-  h.layout_version = kLayoutVersion;
-  h.header_bytes = kHeaderBytes;
-  h.total_bytes = g.total_bytes;
-  h.features = checksums ? kFeatureChecksums : 0;
-  h.max_consumers = g.max_consumers;
-  h.slot_count = g.slot_count;
-  h.slot_bytes = g.slot_bytes;
-  h.seats_offset = g.seats_offset;
-  h.slots_offset = g.slots_offset;
-  h.manifest_offset = g.manifest_offset;
-  h.manifest_bytes = g.manifest_bytes;
-  h.data_offset = g.data_offset;
-  h.created_unix_ns = static_cast<std::uint64_t>(unix_ns());
+  // The file is fresh from posix_fallocate, so every byte is zero already:
+  // write the fixed header and the producer's identity, flip init_state last.
+  hdr.fixed = make_fixed_header(v.geo(), checksums ? kFeatureChecksums : 0);
+  hdr.fixed.created_unix_ns = static_cast<std::uint64_t>(unix_ns());
   write_identity(hdr.producer, self_identity());
   hdr.generation.store(1, std::memory_order_relaxed);
-  (void)o;
   std::atomic_thread_fence(std::memory_order_release);
   hdr.init_state.store(kInitReady, std::memory_order_release);
 }
@@ -268,7 +253,7 @@ Producer Producer::create(std::string_view name, const ProducerOptions& o) {
     ::unlink(impl->path.c_str());
     throw Error(Errc::kSystem, "cannot take the producer lock on " + impl->path);
   }
-  init_header(impl->view, o, o.checksums);
+  init_header(impl->view, o.checksums);
   impl->ring.emplace(&impl->view, ProducerRingOptions{o.stall_policy, o.consumer_timeout.count()});
   impl->engine = make_host_producer_engine();
   impl->create_s = static_cast<double>(mono_ns() - t0) * 1e-9;

@@ -11,19 +11,7 @@ namespace {
 HeaderFixed good_header(Geometry* g_out = nullptr) {
   Geometry g{};
   EXPECT_EQ(compute_geometry(8, 2, 64ull << 20, 1 << 20, &g), "");
-  HeaderFixed h{};
-  h.magic = kMagic;
-  h.layout_version = kLayoutVersion;
-  h.header_bytes = kHeaderBytes;
-  h.total_bytes = g.total_bytes;
-  h.max_consumers = g.max_consumers;
-  h.slot_count = g.slot_count;
-  h.slot_bytes = g.slot_bytes;
-  h.seats_offset = g.seats_offset;
-  h.slots_offset = g.slots_offset;
-  h.manifest_offset = g.manifest_offset;
-  h.manifest_bytes = g.manifest_bytes;
-  h.data_offset = g.data_offset;
+  HeaderFixed h = make_fixed_header(g, 0);
   if (g_out) *g_out = g;
   return h;
 }
