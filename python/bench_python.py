@@ -50,25 +50,10 @@ def qwen25_3b_manifest(scale: float = 1.0):
     def s(n):
         return max(8, int(round(n * scale / 8)) * 8)
 
-    H, I, V, KV = s(2048), s(11008), s(151936), s(256)
-    out = [("model.embed_tokens.weight", (V, H))]
-    for i in range(36):
-        p = f"model.layers.{i}."
-        out += [
-            (p + "self_attn.q_proj.weight", (H, H)),
-            (p + "self_attn.q_proj.bias", (H,)),
-            (p + "self_attn.k_proj.weight", (KV, H)),
-            (p + "self_attn.k_proj.bias", (KV,)),
-            (p + "self_attn.v_proj.weight", (KV, H)),
-            (p + "self_attn.v_proj.bias", (KV,)),
-            (p + "self_attn.o_proj.weight", (H, H)),
-            (p + "mlp.gate_proj.weight", (I, H)),
-            (p + "mlp.up_proj.weight", (I, H)),
-            (p + "mlp.down_proj.weight", (H, I)),
-            (p + "input_layernorm.weight", (H,)),
-            (p + "post_attention_layernorm.weight", (H,)),
-        ]
-    out.append(("model.norm.weight", (H,)))
+    from shmcast.manifests import QWEN25_3B, qwen2_shapes
+
+    cfg = {k: (v if k == "layers" else s(v)) for k, v in QWEN25_3B.items()}
+    out = qwen2_shapes(**cfg)
     assert len(out) == 434
     return out
 

@@ -63,50 +63,14 @@ ALL_SELECT = ("d", "a", "b-legacy", "b-exp", "c", "fanout", "loop", "seccomp")
 
 def qwen25_3b_manifest():
     """Qwen2.5-3B (tied embeddings): 434 bf16 tensors, 6,171,877,376 bytes."""
-    h, inter, kv, layers, vocab = 2048, 11008, 256, 36, 151936
-    m = [("model.embed_tokens.weight", (vocab, h))]
-    for i in range(layers):
-        p = f"model.layers.{i}."
-        m += [
-            (p + "self_attn.q_proj.weight", (h, h)),
-            (p + "self_attn.q_proj.bias", (h,)),
-            (p + "self_attn.k_proj.weight", (kv, h)),
-            (p + "self_attn.k_proj.bias", (kv,)),
-            (p + "self_attn.v_proj.weight", (kv, h)),
-            (p + "self_attn.v_proj.bias", (kv,)),
-            (p + "self_attn.o_proj.weight", (h, h)),
-            (p + "mlp.gate_proj.weight", (inter, h)),
-            (p + "mlp.up_proj.weight", (inter, h)),
-            (p + "mlp.down_proj.weight", (h, inter)),
-            (p + "input_layernorm.weight", (h,)),
-            (p + "post_attention_layernorm.weight", (h,)),
-        ]
-    m.append(("model.norm.weight", (h,)))
-    return [(n, s, "bf16") for n, s in m]
+    from shmcast.manifests import qwen25_3b_shapes
+    return [(n, s, "bf16") for n, s in qwen25_3b_shapes()]
 
 
 def small_manifest():
     """Same structure, scaled down (4 layers, ~14 MB): for CPU smoke runs."""
-    h, inter, kv, layers, vocab = 256, 704, 64, 4, 8192
-    m = [("model.embed_tokens.weight", (vocab, h))]
-    for i in range(layers):
-        p = f"model.layers.{i}."
-        m += [
-            (p + "self_attn.q_proj.weight", (h, h)),
-            (p + "self_attn.q_proj.bias", (h,)),
-            (p + "self_attn.k_proj.weight", (kv, h)),
-            (p + "self_attn.k_proj.bias", (kv,)),
-            (p + "self_attn.v_proj.weight", (kv, h)),
-            (p + "self_attn.v_proj.bias", (kv,)),
-            (p + "self_attn.o_proj.weight", (h, h)),
-            (p + "mlp.gate_proj.weight", (inter, h)),
-            (p + "mlp.up_proj.weight", (inter, h)),
-            (p + "mlp.down_proj.weight", (h, inter)),
-            (p + "input_layernorm.weight", (h,)),
-            (p + "post_attention_layernorm.weight", (h,)),
-        ]
-    m.append(("model.norm.weight", (h,)))
-    return [(n, s, "bf16") for n, s in m]
+    from shmcast.manifests import QWEN2_SMALL, qwen2_shapes
+    return [(n, s, "bf16") for n, s in qwen2_shapes(**QWEN2_SMALL)]
 
 
 def manifest_bytes(manifest):

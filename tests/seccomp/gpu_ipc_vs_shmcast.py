@@ -34,21 +34,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 def qwen25_3b_specs(layers=36):
     """(name, shape) of the Qwen2.5-3B state dict: 434 tensors, 6.17 GB in bf16."""
-    h, kv, inter, vocab = 2048, 256, 11008, 151936
-    specs = [("model.embed_tokens.weight", (vocab, h))]
-    for i in range(layers):
-        p = f"model.layers.{i}."
-        specs += [
-            (p + "self_attn.q_proj.weight", (h, h)), (p + "self_attn.q_proj.bias", (h,)),
-            (p + "self_attn.k_proj.weight", (kv, h)), (p + "self_attn.k_proj.bias", (kv,)),
-            (p + "self_attn.v_proj.weight", (kv, h)), (p + "self_attn.v_proj.bias", (kv,)),
-            (p + "self_attn.o_proj.weight", (h, h)),
-            (p + "mlp.gate_proj.weight", (inter, h)), (p + "mlp.up_proj.weight", (inter, h)),
-            (p + "mlp.down_proj.weight", (h, inter)),
-            (p + "input_layernorm.weight", (h,)), (p + "post_attention_layernorm.weight", (h,)),
-        ]
-    specs.append(("model.norm.weight", (h,)))
-    return specs
+    from shmcast.manifests import qwen25_3b_shapes
+    return qwen25_3b_shapes(layers)
 
 
 def make_weights(torch, specs, seed, device):
