@@ -62,7 +62,9 @@ int run_consumer(const std::string& name, int syncs, std::uint64_t seed, int cou
       dst.push_back(got[i].data());
     }
     if (use_visit) {
-      c.visit([&](const Piece& p) { std::memcpy(got[p.tensor].data() + p.offset, p.data, p.bytes); });
+      c.visit([&](const Piece& p) {
+        if (p.bytes > 0) std::memcpy(got[p.tensor].data() + p.offset, p.data, p.bytes);  // zero-size: data is null
+      });
     } else {
       c.read_into(dst);
     }
