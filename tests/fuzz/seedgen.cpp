@@ -1,0 +1,267 @@
+// fuzz_seedgen: writes the seed corpus (tests/fuzz/corpus/<target>/) from
+// valid encodings made by the library's own encoders, plus a few near-misses
+// (one field wrong) that point the fuzzer at each check. Deterministic.
+//
+//   fuzz_seedgen <corpus dir>      e.g. fuzz_seedgen tests/fuzz/corpus
+//
+// Re-run it when a format changes, and commit the result.
+#include <xxhash.h>
+
+#include <filesystem>
+#include <fstream>
+#include <random>
+#include <vector>
+
+#include "fuzz_support.hpp"
+#include "manifest.hpp"
+#include "ring.hpp"
+
+using namespace fuzz;
+using shmcast::DType;
+using shmcast::TensorSpec;
+namespace fs = std::filesystem;
+
+namespace {
+
+fs::path g_root;
+int g_files = 0;
+std::uint64_t g_bytes = 0;
+
+void emit(const std::string& target, const std::string& name, const void* p, std::size_t n) {
+  const fs::path dir = g_root / target;
+  fs::create_directories(dir);
+  std::ofstream(dir / name, std::ios::binary).write(static_cast<const char*>(p), static_cast<std::streamsize>(n));
+  ++g_files;
+  g_bytes += n;
+}
+
+// ---------------------------------------------------------------- header
+
+constexpr std::size_t kHeaderSeedBytes = 320;  // geometry, lifecycle, sync record, publication
+
+std::vector<std::uint8_t> header_seed(std::uint32_t n, std::uint32_t k, std::uint64_t s, std::uint64_t m, bool sums) {
+  d::Geometry g{};
+  if (!d::compute_geometry(n, k, s, m, &g).empty()) std::abort();
+  std::vector<std::uint8_t> page(kHeaderSeedBytes, 0);
+  const d::HeaderFixed h = fixed_for(g, sums);
+  std::memcpy(page.data(), &h, sizeof h);
+  const std::uint32_t ready = d::kInitReady;
+  std::memcpy(page.data() + offsetof(d::Header, init_state), &ready, 4);
+  return page;
+}
+
+template <class T>
+void put(std::vector<std::uint8_t>& v, std::size_t off, T x) {
+  std::memcpy(v.data() + off, &x, sizeof x);
+}
+
+void header_corpus() {
+  struct G {
+    const char* name;
+    std::uint32_t n, k;
+    std::uint64_t s, m;
+    bool sums;
+  };
+  const G geos[] = {
+      {"min", 1, 2, 2 << 20, 4096, false},         {"n4k2", 4, 2, 2 << 20, 1 << 20, true},
+      {"n8k3", 8, 3, 4 << 20, 64 << 10, false},    {"n64k16", 64, 16, 2 << 20, 4096, true},
+      {"n2k64", 2, 64, 2 << 20, 8192, false},      {"big_slots", 2, 2, 256ull << 20, 4096, false},
+  };
+  for (const G& g : geos) {
+    auto p = header_seed(g.n, g.k, g.s, g.m, g.sums);
+    emit("header", std::string("valid_") + g.name, p.data(), p.size());
+  }
+  auto base = header_seed(4, 2, 2 << 20, 1 << 20, false);
+  auto v = base;
+  put<std::uint32_t>(v, offsetof(d::Header, init_state), d::kInitCreating);
+  emit("header", "creating", v.data(), v.size());
+  v = base;
+  put<std::uint32_t>(v, offsetof(d::Header, init_state), d::kInitClosed);
+  emit("header", "closed", v.data(), v.size());
+  v = base;
+  v[kHeaderSteer] = 1;
+  emit("header", "producer_dead", v.data(), v.size());
+  v = base;
+  v[kHeaderSteer] = 2;
+  emit("header", "short_file", v.data(), v.size());
+  v = base;
+  put<std::uint32_t>(v, offsetof(d::HeaderFixed, layout_version), d::kLayoutVersion + 1);
+  emit("header", "version_plus_one", v.data(), v.size());
+  v = base;
+  put<std::uint64_t>(v, offsetof(d::HeaderFixed, features), 2);
+  emit("header", "unknown_feature", v.data(), v.size());
+  v = base;
+  put<std::uint64_t>(v, offsetof(d::HeaderFixed, data_offset), 1ull << 50);
+  emit("header", "bad_data_offset", v.data(), v.size());
+  v = base;
+  put<std::uint64_t>(v, offsetof(d::HeaderFixed, slot_bytes), (2 << 20) + 1);
+  emit("header", "unaligned_slot", v.data(), v.size());
+  v = base;
+  put<std::uint64_t>(v, offsetof(d::HeaderFixed, total_bytes), 4096);
+  emit("header", "tiny_total", v.data(), v.size());
+  // An announced sync in a valid header: wait_sync() gets to the manifest.
+  v = base;
+  const std::size_t r = offsetof(d::Header, sync);
+  put<std::uint32_t>(v, r + 0, 2);
+  put<std::uint64_t>(v, r + 8, 1);
+  put<std::uint64_t>(v, r + 16, 1);
+  put<std::uint64_t>(v, r + 24, 1);
+  put<std::uint64_t>(v, r + 32, 256);
+  put<std::uint64_t>(v, r + 40, 64);
+  put<std::uint64_t>(v, offsetof(d::Header, published_seq), 1);
+  emit("header", "announced", v.data(), v.size());
+  emit("header", "empty", "", 0);
+  std::vector<std::uint8_t> zeros(4096, 0);
+  emit("header", "zero_page", zeros.data(), zeros.size());
+}
+
+// ---------------------------------------------------------------- manifest
+
+std::vector<std::uint8_t> encoded(const std::vector<TensorSpec>& specs, std::uint64_t slot, std::uint64_t version,
+                                  std::uint64_t* stream_out = nullptr) {
+  std::vector<std::uint64_t> offsets;
+  std::uint64_t payload = 0;
+  const std::uint64_t stream = d::pack(specs, slot, &offsets, &payload);
+  const std::uint64_t n = d::manifest_size(specs);
+  std::vector<std::uint8_t> out(n);
+  d::encode_manifest(specs, offsets, version, stream, payload, reinterpret_cast<std::byte*>(out.data()), n);
+  if (stream_out) *stream_out = stream;
+  return out;
+}
+
+std::vector<TensorSpec> random_specs(std::uint64_t seed, std::uint64_t slot, int count) {
+  std::mt19937_64 rng(seed);
+  const DType types[] = {DType::kBF16, DType::kF32, DType::kU8, DType::kI64, DType::kBool, DType::kF8E4M3FN, DType::kC128};
+  std::vector<TensorSpec> v;
+  for (int i = 0; i < count; ++i) {
+    TensorSpec s;
+    s.name = "layers." + std::to_string(i) + ".weight";
+    s.dtype = types[rng() % 7];
+    const std::uint64_t es = shmcast::dtype_size(s.dtype);
+    std::uint64_t bytes = (rng() % 3 == 0) ? rng() % (3 * slot) : rng() % 8192;
+    const std::uint64_t elems = bytes / es;
+    s.shape = elems % 2 == 0 && elems ? std::vector<std::int64_t>{2, static_cast<std::int64_t>(elems / 2)}
+                                      : std::vector<std::int64_t>{static_cast<std::int64_t>(elems)};
+    v.push_back(s);
+  }
+  return v;
+}
+
+void manifest_seed(const std::string& name, std::uint8_t selector, const std::vector<TensorSpec>& specs) {
+  auto m = encoded(specs, kManifestSlotSizes[selector & 3], 7);
+  m.insert(m.begin(), selector);
+  emit("manifest", name, m.data(), m.size());
+}
+
+void manifest_corpus() {
+  manifest_seed("one_f32", 0, {{"w", DType::kF32, {2, 3}}});
+  manifest_seed("scalar_and_empty", 0, {{"step", DType::kI64, {}}, {"empty", DType::kF32, {0, 5}}, {"b", DType::kBool, {1}}});
+  manifest_seed("raw_split", 0, {{"blob", DType::kRaw, {5 << 20}}, {"tail", DType::kU8, {100}}});
+  manifest_seed("eight_dims", 1, {{"x", DType::kBF16, {1, 2, 1, 2, 1, 2, 1, 2}}});
+  manifest_seed("long_name", 0, {{std::string(1024, 'n'), DType::kU8, {1}}});
+  manifest_seed("utf8_name", 2, {{"\xc3\xa9t\xc3\xa9.\xe2\x88\x91", DType::kF16, {3}}});
+  manifest_seed("no_tensors", 0, {});
+  std::vector<TensorSpec> all;
+  for (int dt = 1; dt <= 255; ++dt)
+    if (shmcast::dtype_size(static_cast<DType>(dt)))
+      all.push_back({"dt" + std::to_string(dt), static_cast<DType>(dt), {dt == 255 ? 17 : 3}});
+  manifest_seed("all_dtypes", 0, all);
+  manifest_seed("random_small", 0, random_specs(1, 2 << 20, 5));
+  manifest_seed("random_many", 3, random_specs(2, 1ull << 30, 40));
+  manifest_seed("random_slot_boundaries", 0, random_specs(3, 2 << 20, 12));
+  // Near-miss: a valid manifest checked against the wrong version/stream.
+  manifest_seed("expect_mismatch", 4, {{"w", DType::kF32, {2, 3}}});
+}
+
+// ---------------------------------------------------------------- region
+
+struct RegionSeed {
+  RegionInput in{};
+  std::vector<std::uint8_t> manifest;
+};
+
+// A consistent sync of `specs`: the record, enrollment, slots and hash are
+// left to the harness's fix-up flags, so the fuzzer keeps them consistent
+// while it mutates the rest.
+RegionSeed region_sync(const std::vector<TensorSpec>& specs, bool sums, bool visit) {
+  RegionSeed r;
+  std::uint64_t stream = 0;
+  r.manifest = encoded(specs, kRegionSlotBytes, 1, &stream);
+  r.in.flags = kFixHash | kKeepSeatWord | kFixEnroll | kFixChecksums | (sums ? kChecksumFeature : 0) |
+               (visit ? kUseVisit : 0);
+  r.in.flags2 = kFix2EvenWord | kFix2Slots | kFix2Published | kFix2Ready;
+  std::uint8_t* rec = r.in.header + (offsetof(d::Header, sync) - 128);
+  const std::uint32_t word = 2;
+  const std::uint64_t v = 1, first = 1, chunks = d::chunk_count(stream, kRegionSlotBytes), used = r.manifest.size();
+  std::memcpy(rec + 0, &word, 4);
+  std::memcpy(rec + 8, &v, 8);
+  std::memcpy(rec + 16, &first, 8);
+  std::memcpy(rec + 24, &chunks, 8);
+  std::memcpy(rec + 32, &stream, 8);
+  std::memcpy(rec + 40, &used, 8);
+  return r;
+}
+
+void emit_region(const std::string& name, const RegionSeed& r) {
+  std::vector<std::uint8_t> bytes(sizeof r.in + r.manifest.size());
+  std::memcpy(bytes.data(), &r.in, sizeof r.in);
+  std::memcpy(bytes.data() + sizeof r.in, r.manifest.data(), r.manifest.size());
+  emit("region", name, bytes.data(), bytes.size());
+}
+
+void region_corpus() {
+  const std::vector<TensorSpec> small = {{"a", DType::kF32, {4, 4}}, {"b", DType::kU8, {1000}}, {"c", DType::kI64, {}}};
+  const std::vector<TensorSpec> two_chunks = {{"big", DType::kU8, {3 << 20}}, {"x", DType::kBF16, {7}}};
+  emit_region("read_into_small", region_sync(small, false, false));
+  emit_region("visit_small", region_sync(small, false, true));
+  emit_region("checksums_small", region_sync(small, true, false));
+  emit_region("two_chunks", region_sync(two_chunks, true, false));
+  emit_region("random", region_sync(random_specs(4, kRegionSlotBytes, 8), false, true));
+  RegionSeed r = region_sync(small, false, false);
+  std::uint8_t* rec = r.in.header + (offsetof(d::Header, sync) - 128);
+  rec[56] = 1;  // aborted
+  emit_region("aborted", r);
+  r = region_sync(small, false, false);
+  r.in.flags2 &= static_cast<std::uint8_t>(~kFix2Ready);
+  r.in.header[0] = d::kInitClosed;
+  emit_region("closed", r);
+  r = region_sync(small, false, false);
+  r.in.flags |= kProducerDead;
+  emit_region("producer_dead", r);
+  r = region_sync(small, false, false);
+  r.in.flags2 &= static_cast<std::uint8_t>(~kFix2Published);
+  emit_region("nothing_published", r);
+  r = region_sync(small, true, false);
+  r.in.flags &= static_cast<std::uint8_t>(~kFixChecksums);
+  r.in.slots[24] ^= 1;  // a wrong checksum
+  emit_region("bad_checksum", r);
+  r = region_sync(small, false, false);
+  r.in.flags &= static_cast<std::uint8_t>(~kKeepSeatWord);
+  emit_region("seat_taken", r);
+  // Progressive fill: chunk 1 is being filled (not published), its first
+  // 2000 bytes final; read_into (no checksums) copies them out early.
+  for (const std::uint64_t filled : {std::uint64_t{2000}, std::uint64_t{1} << 40}) {
+    r = region_sync(two_chunks, false, false);
+    r.in.flags2 &= static_cast<std::uint8_t>(~kFix2Published);
+    const std::uint64_t fill_seq = 1;
+    std::memcpy(r.in.slots + offsetof(d::SlotDesc, fill_seq), &fill_seq, 8);
+    std::memcpy(r.in.slots + offsetof(d::SlotDesc, filled), &filled, 8);
+    emit_region(filled == 2000 ? "progressive_fill" : "progressive_fill_past_chunk", r);
+  }
+  emit("region", "empty", "", 0);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc != 2) {
+    std::fprintf(stderr, "usage: fuzz_seedgen <corpus dir>\n");
+    return 2;
+  }
+  g_root = argv[1];
+  header_corpus();
+  manifest_corpus();
+  region_corpus();
+  std::printf("wrote %d seeds, %llu bytes, under %s\n", g_files, static_cast<unsigned long long>(g_bytes), argv[1]);
+  return 0;
+}
