@@ -48,6 +48,23 @@ int receive_checked(Consumer& c, std::uint64_t* version_out = nullptr) {
   return check_pattern(got, info.version) ? 0 : 12;
 }
 
+// A consumer that stops itself (SIGSTOP) holding its first slot; after
+// SIGCONT it exits with 0 or errc_exit() of the error it then gets.
+Child spawn_stalling_consumer(const std::string& name, SharedFlags* f) {
+  return Child::spawn([&name, f] {
+    Consumer c = Consumer::open(name, copts());
+    c.wait_sync(20s);
+    try {
+      c.visit([&](const Piece&) {
+        if (f->v[0].exchange(1) == 0) ::raise(SIGSTOP);
+      });
+    } catch (const Error& e) {
+      return errc_exit(e);
+    }
+    return 0;
+  });
+}
+
 void corrupt_file(const std::string& path, std::size_t offset, const void* bytes, std::size_t n) {
   int fd = ::open(path.c_str(), O_RDWR);
   ASSERT_GE(fd, 0);
@@ -175,18 +192,7 @@ TEST(Liveness, StalledConsumerFailsTheSyncWithTimeout) {
     }
     return 0;
   });
-  Child cons = Child::spawn([&] {
-    Consumer c = Consumer::open(name, copts());
-    c.wait_sync(20s);
-    try {
-      c.visit([&](const Piece&) {
-        if (f->v[0].exchange(1) == 0) ::raise(SIGSTOP);
-      });
-    } catch (const Error& e) {
-      return errc_exit(e);
-    }
-    return 0;
-  });
+  Child cons = spawn_stalling_consumer(name, f);
   ASSERT_TRUE(f->wait(0, 1));
   EXPECT_EQ(prod.wait(), 20 + static_cast<int>(Errc::kTimeout));
   ::kill(cons.pid, SIGCONT);
@@ -206,18 +212,7 @@ TEST(Liveness, StalledConsumerIsEvictedUnderEvictPolicy) {
     f->v[1].store(1);
     return p.take_events().empty() ? 17 : 0;
   });
-  Child cons = Child::spawn([&] {
-    Consumer c = Consumer::open(name, copts());
-    c.wait_sync(20s);
-    try {
-      c.visit([&](const Piece&) {
-        if (f->v[0].exchange(1) == 0) ::raise(SIGSTOP);
-      });
-    } catch (const Error& e) {
-      return errc_exit(e);
-    }
-    return 0;
-  });
+  Child cons = spawn_stalling_consumer(name, f);
   ASSERT_TRUE(f->wait(0, 1));
   EXPECT_EQ(prod.wait(), 0);
   ::kill(cons.pid, SIGCONT);
