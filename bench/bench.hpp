@@ -54,6 +54,17 @@ struct Config {
   int syncs() const { return warmup + iters + (verify ? 1 : 0); }
 };
 
+// The producer options every bench role uses, from the command line.
+inline shmcast::ProducerOptions producer_options(const Config& c, shmcast::Pin pin) {
+  shmcast::ProducerOptions o;
+  o.slot_bytes = c.slot_bytes;
+  o.slots = c.slots;
+  o.max_consumers = c.consumers > 1 ? c.consumers : 1;
+  o.checksums = c.checksums;
+  o.pin = pin;
+  return o;
+}
+
 struct RoleResult {
   std::int32_t status = 0;  // 0 running, 1 done, 2 failed (read after the role exits)
   char error[2048] = {};

@@ -163,13 +163,7 @@ int host_producer(Ctl* ctl) {
   ctl->src_hashes_ready.store(1, std::memory_order_release);
   r.setup_s = static_cast<double>(now_ns() - t0) * 1e-9;
 
-  shmcast::ProducerOptions o;
-  o.slot_bytes = c.slot_bytes;
-  o.slots = c.slots;
-  o.max_consumers = std::max<std::uint32_t>(c.consumers, 1);
-  o.checksums = c.checksums;
-  o.pin = shmcast::Pin::kNo;
-  shmcast::Producer p = shmcast::Producer::create(c.region, o);
+  shmcast::Producer p = shmcast::Producer::create(c.region, producer_options(c, shmcast::Pin::kNo));
   r.create_s = p.create_seconds();
   r.region_bytes = p.region_bytes();
   ctl->region_ready.store(1, std::memory_order_release);

@@ -98,19 +98,7 @@ TEST(FaultMatrix, OpenDuringCreateWaitsForTheHeader) {
   });
   wait_for([&] { return b->attached[0].load() == 1; });
   std::this_thread::sleep_for(20ms);
-  d::HeaderFixed h{};
-  h.magic = d::kMagic;
-  h.layout_version = d::kLayoutVersion;
-  h.header_bytes = d::kHeaderBytes;
-  h.total_bytes = g.total_bytes;
-  h.max_consumers = g.max_consumers;
-  h.slot_count = g.slot_count;
-  h.slot_bytes = g.slot_bytes;
-  h.seats_offset = g.seats_offset;
-  h.slots_offset = g.slots_offset;
-  h.manifest_offset = g.manifest_offset;
-  h.manifest_bytes = g.manifest_bytes;
-  h.data_offset = g.data_offset;
+  const d::HeaderFixed h = d::make_fixed_header(g, 0);
   // Magic first, the rest a little later: the consumer must not judge a
   // half-written header either.
   ASSERT_EQ(::pwrite(fd, &h, 8, 0), 8);

@@ -191,21 +191,7 @@ inline d::Geometry region_geometry() {
 }
 
 inline d::HeaderFixed fixed_for(const d::Geometry& g, bool checksums) {
-  d::HeaderFixed h{};
-  h.magic = d::kMagic;
-  h.layout_version = d::kLayoutVersion;
-  h.header_bytes = d::kHeaderBytes;
-  h.total_bytes = g.total_bytes;
-  h.features = checksums ? d::kFeatureChecksums : 0;
-  h.max_consumers = g.max_consumers;
-  h.slot_count = g.slot_count;
-  h.slot_bytes = g.slot_bytes;
-  h.seats_offset = g.seats_offset;
-  h.slots_offset = g.slots_offset;
-  h.manifest_offset = g.manifest_offset;
-  h.manifest_bytes = g.manifest_bytes;
-  h.data_offset = g.data_offset;
-  return h;
+  return d::make_fixed_header(g, checksums ? d::kFeatureChecksums : 0);
 }
 
 // ---------------------------------------------------------------- manifest target
