@@ -50,10 +50,19 @@ struct Consumer::Impl {
   ~Impl() { close_quietly(); }
 
   void require_open() const {
+    if (view.file().inherited()) throw_inherited("Consumer", view.file());
     if (!view.mapped() || !ring) throw Error(Errc::kClosed, "this consumer is closed");
   }
 
   void close_quietly() noexcept {
+    if (view.file().inherited()) {
+      // A forked child's copy: the seat and the engines are the parent's.
+      (void)cuda_engine.release();
+      (void)host_engine.release();
+      ring.reset();  // no side effects: leave() is never called here
+      view.file().unmap();
+      return;
+    }
     if (!view.mapped()) return;
     try {
       if (cuda_engine) cuda_engine->drain();
@@ -181,11 +190,16 @@ Consumer Consumer::open(std::string_view name, const ConsumerOptions& o) {
   auto impl = std::make_unique<Impl>();
   impl->name = std::string(name);
   impl->opts = o;
+  const TrustPolicy trust{o.group_access, o.trusted_uids};
   std::string waiting_for = "the region to appear";
   Errc waiting_code = Errc::kNotFound;
   for (;;) {
     try {
       MappedFile f = MappedFile::open(dir, name, true);
+      // Another user's region is never read: its owner could hand us any
+      // tensors, or cut the file under us.
+      if (std::string distrust = trust_problem(f, trust); !distrust.empty())
+        throw Error(Errc::kPermission, distrust);
       if (f.size() >= kHeaderBytes) {
         const Header& live = *reinterpret_cast<const Header*>(f.data());
         // init_state first (acquire), then the snapshot: when init_state
@@ -260,28 +274,37 @@ const SyncInfo& Consumer::wait_sync(Duration timeout) {
   m.require_open();
   if (m.state != State::kIdle) m.release_rest();  // the previous sync was not read: skip it
   const std::int64_t deadline = mono_ns() + timeout.count();
-  const RecordSnapshot rec = m.ring->wait_announce(m.last_version, deadline);
   const Geometry& g = m.view.geo();
-  // Refuse a file cut since it was mapped before touching the manifest or
-  // slots (its missing pages would raise SIGBUS): docs/reliability.md.
-  if (const std::uint64_t now = m.view.file().size_now(); now != g.total_bytes)
-    throw Error(Errc::kCorrupt, "region file " + m.view.file().path() + " is " + std::to_string(now) +
-                                    " bytes, not " + std::to_string(g.total_bytes) +
-                                    ": another process truncated or resized it; open the region again");
+  RecordSnapshot rec{};
   auto corrupt = [&](const std::string& why) {
     m.ring->set_error(Errc::kCorrupt, why);
     return Error(Errc::kCorrupt, "sync " + std::to_string(rec.version) + " of '" + m.name + "': " + why);
   };
-  if (rec.manifest_used < sizeof(ManifestHeader) || rec.manifest_used > g.manifest_bytes)
-    throw corrupt("manifest size " + std::to_string(rec.manifest_used) + " is out of bounds");
-  if (rec.first_seq == 0 || rec.first_seq > (1ull << 62) || rec.chunks != chunk_count(rec.stream_bytes, g.slot_bytes) ||
-      rec.stream_bytes > (1ull << 50))
-    throw corrupt("sync record is inconsistent (first chunk, chunk count, stream size)");
-  std::vector<std::byte> bytes(rec.manifest_used);
-  std::memcpy(bytes.data(), m.view.manifest(), bytes.size());
-  if (XXH3_64bits(bytes.data(), bytes.size()) != rec.manifest_hash) {
-    m.ring->check_seat();
-    throw corrupt("manifest bytes do not match their hash");
+  std::vector<std::byte> bytes;
+  for (;;) {
+    rec = m.ring->wait_announce(m.last_version, deadline);
+    // Refuse a file cut since it was mapped before touching the manifest or
+    // slots (its missing pages would raise SIGBUS): docs/reliability.md.
+    if (const std::uint64_t now = m.view.file().size_now(); now != g.total_bytes)
+      throw Error(Errc::kCorrupt, "region file " + m.view.file().path() + " is " + std::to_string(now) +
+                                      " bytes, not " + std::to_string(g.total_bytes) +
+                                      ": another process truncated or resized it; open the region again");
+    if (rec.manifest_used < sizeof(ManifestHeader) || rec.manifest_used > g.manifest_bytes)
+      throw corrupt("manifest size " + std::to_string(rec.manifest_used) + " is out of bounds");
+    if (rec.first_seq == 0 || rec.first_seq > (1ull << 62) ||
+        rec.chunks != chunk_count(rec.stream_bytes, g.slot_bytes) || rec.stream_bytes > kMaxStreamBytes)
+      throw corrupt("sync record is inconsistent (first chunk, chunk count, stream size)");
+    bytes.resize(rec.manifest_used);
+    std::memcpy(bytes.data(), m.view.manifest(), bytes.size());
+    // The manifest is covered by the record's seqlock: a producer that
+    // aborted this sync and began the next may have rewritten it while we
+    // copied. Then the copy is not corrupt, just stale: look again.
+    if (!m.ring->record_unchanged(rec)) continue;
+    if (XXH3_64bits(bytes.data(), bytes.size()) != rec.manifest_hash) {
+      m.ring->check_seat();
+      throw corrupt("manifest bytes do not match their hash");
+    }
+    break;
   }
   SyncInfo info;
   const std::string why = decode_manifest(bytes, rec.version, rec.stream_bytes, g.slot_bytes, &info);

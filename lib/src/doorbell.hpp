@@ -37,6 +37,15 @@ void ring_keep_parity(Bell& bell) noexcept;
 // default 20 us). Spinning keeps the small-sync round trip short.
 std::int64_t spin_ns() noexcept;
 
+// A spin-wait hint to the CPU (x86 pause, AArch64 yield; nothing elsewhere).
+inline void cpu_relax() noexcept {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__) || defined(__arm__)
+  asm volatile("yield" ::: "memory");
+#endif
+}
+
 enum class WaitResult { kReady, kTimeout, kCheck };
 
 // check_every_ns for a wait that needs no liveness checkpoints.
@@ -53,7 +62,7 @@ WaitResult wait_until(Bell& bell, Ready&& ready, std::int64_t deadline_ns, std::
   const std::int64_t spin_end = start + spin_ns();
   while (mono_ns() < spin_end) {
     if (ready()) return WaitResult::kReady;
-    __builtin_ia32_pause();
+    cpu_relax();
   }
   const std::int64_t check_at = start + check_every_ns;
   for (;;) {

@@ -27,6 +27,8 @@ inline constexpr std::uint64_t kMaxSlotBytes = 64ull << 30;
 inline constexpr std::uint64_t kMinManifestBytes = 4096;
 inline constexpr std::uint64_t kMaxManifestBytes = 1ull << 30;
 inline constexpr std::size_t kErrorTextBytes = 256;
+inline constexpr std::uint64_t kMaxStreamBytes = 1ull << 46;  // 64 TiB: one sync's stream, and one tensor
+inline constexpr std::uint32_t kMaxTensors = 1u << 20;        // tensors in one sync
 
 // Feature bits (Header::features). A reader rejects bits it does not know.
 inline constexpr std::uint64_t kFeatureChecksums = 1ull << 0;  // SlotDesc::checksum valid

@@ -1,12 +1,15 @@
 #include "liveness.hpp"
 
 #include <fcntl.h>
+#include <pthread.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
+#include <mutex>
+#include <vector>
 
 namespace shmcast::detail {
 
@@ -50,7 +53,44 @@ int lock_op(int fd, int cmd, short type, std::int64_t byte, struct flock* out) {
   return 0;
 }
 
+// The tracked descriptors. The prepare handler takes the mutex so that no
+// other thread holds it across fork(); the child closes every descriptor.
+struct FdRegistry {
+  std::mutex mu;
+  std::vector<int> fds;
+  FdRegistry() {
+    ::pthread_atfork([] { registry().mu.lock(); }, [] { registry().mu.unlock(); },
+                     [] {
+                       FdRegistry& r = registry();
+                       for (int fd : r.fds) ::close(fd);
+                       r.fds.clear();
+                       r.mu.unlock();
+                     });
+  }
+  static FdRegistry& registry() {
+    static FdRegistry* r = new FdRegistry();  // never destroyed: atfork handlers outlive statics
+    return *r;
+  }
+};
+
 }  // namespace
+
+void track_fd(int fd) {
+  FdRegistry& r = FdRegistry::registry();
+  std::lock_guard<std::mutex> g(r.mu);
+  r.fds.push_back(fd);
+}
+
+void untrack_fd(int fd) {
+  FdRegistry& r = FdRegistry::registry();
+  std::lock_guard<std::mutex> g(r.mu);
+  for (std::size_t i = 0; i < r.fds.size(); ++i)
+    if (r.fds[i] == fd) {
+      r.fds[i] = r.fds.back();
+      r.fds.pop_back();
+      return;
+    }
+}
 
 SelfIdentity self_identity() {
   SelfIdentity me{};

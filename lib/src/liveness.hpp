@@ -1,9 +1,15 @@
 // Liveness of peers. Each attached process holds an fcntl OFD write lock on
 // its own byte of the region file (layout.hpp: kProducerLockByte,
-// seat_lock_byte). The kernel drops the lock when the process dies, so a
-// probe with F_OFD_GETLK answers "is the holder alive" without trusting a
-// pid: it works across PID namespaces and is immune to pid reuse. The pid,
-// start time and PID namespace are recorded too, for people and tools.
+// seat_lock_byte). The kernel drops the lock when the last reference to the
+// open file description goes, so a probe with F_OFD_GETLK answers "is the
+// holder alive" without trusting a pid: it works across PID namespaces and
+// is immune to pid reuse. The pid, start time and PID namespace are
+// recorded too, for people and tools.
+//
+// Fork: an OFD lock would follow the descriptor (and any mapping of it) into
+// a forked child, keeping a dead parent "alive". So every region descriptor
+// is tracked here and closed in the child by a pthread_atfork handler, and
+// mappings are MADV_DONTFORK (region.cpp): the child holds no reference.
 //
 // Calls return 0 or -errno.
 #pragma once
@@ -30,6 +36,10 @@ std::uint64_t process_start_time(std::uint32_t pid);
 // open file description holds it, or another -errno.
 int lock_byte(int fd, std::int64_t byte);
 int unlock_byte(int fd, std::int64_t byte);
+
+// Region descriptors to close in a forked child (see above).
+void track_fd(int fd);
+void untrack_fd(int fd);
 
 enum class Alive { kYes, kNo, kUnknown };
 

@@ -21,18 +21,53 @@ bool shape_bytes(DType dt, const std::int64_t* shape, std::size_t ndim, std::uin
 
 std::string at(std::size_t i, const std::string& what) { return "tensor " + std::to_string(i) + ": " + what; }
 
+// Well-formed UTF-8 (RFC 3629: no overlong forms, no surrogates, <= U+10FFFF).
+bool valid_utf8(std::string_view s) {
+  std::size_t i = 0;
+  while (i < s.size()) {
+    const auto c = static_cast<unsigned char>(s[i]);
+    if (c < 0x80) {
+      ++i;
+      continue;
+    }
+    std::size_t n;
+    std::uint32_t cp;
+    if ((c & 0xe0) == 0xc0) n = 1, cp = c & 0x1f;
+    else if ((c & 0xf0) == 0xe0) n = 2, cp = c & 0x0f;
+    else if ((c & 0xf8) == 0xf0) n = 3, cp = c & 0x07;
+    else return false;
+    if (n >= s.size() - i) return false;  // truncated sequence
+    for (std::size_t k = 1; k <= n; ++k) {
+      const auto d = static_cast<unsigned char>(s[i + k]);
+      if ((d & 0xc0) != 0x80) return false;
+      cp = (cp << 6) | (d & 0x3f);
+    }
+    static constexpr std::uint32_t kMin[] = {0, 0x80, 0x800, 0x10000};
+    if (cp < kMin[n] || cp > 0x10ffff || (cp >= 0xd800 && cp <= 0xdfff)) return false;
+    i += n + 1;
+  }
+  return true;
+}
+
+// The rules every tensor name follows, on both sides of the region.
+std::string name_problem(std::string_view name) {
+  if (name.empty()) return "empty tensor name";
+  if (name.size() > kMaxNameBytes) return "tensor name longer than " + std::to_string(kMaxNameBytes) + " bytes";
+  if (name.find('\0') != std::string_view::npos) return "tensor name contains a NUL byte";
+  if (!valid_utf8(name)) return "tensor name is not valid UTF-8";
+  return {};
+}
+
 }  // namespace
 
 std::string validate_spec(const TensorSpec& s) {
-  if (s.name.empty()) return "empty tensor name";
-  if (s.name.size() > kMaxNameBytes) return "tensor name longer than " + std::to_string(kMaxNameBytes) + " bytes";
-  if (s.name.find('\0') != std::string::npos) return "tensor name contains a NUL byte";
+  if (std::string why = name_problem(s.name); !why.empty()) return why;
   if (dtype_size(s.dtype) == 0) return "unknown dtype " + std::to_string(static_cast<int>(s.dtype));
   if (s.shape.size() > static_cast<std::size_t>(kMaxDims)) return "more than 8 dimensions";
   if (s.dtype == DType::kRaw && s.shape.size() != 1) return "raw tensors must have shape {nbytes}";
   std::uint64_t n;
   if (!shape_bytes(s.dtype, s.shape.data(), s.shape.size(), &n)) return "negative dimension or size overflow";
-  if (n > (1ull << 46)) return "tensor larger than 64 TiB";
+  if (n > kMaxStreamBytes) return "tensor larger than 64 TiB";
   return {};
 }
 
@@ -108,6 +143,8 @@ std::string decode_manifest(std::span<const std::byte> bytes, std::uint64_t expe
   if (h.stream_bytes != expect_stream_bytes) return "manifest stream size disagrees with the sync record";
   const std::uint64_t max_entries = (bytes.size() - sizeof h) / sizeof(ManifestEntry);
   if (h.tensor_count > max_entries) return "tensor count exceeds the manifest";
+  if (h.tensor_count > kMaxTensors) return "more than " + std::to_string(kMaxTensors) + " tensors";
+  if (h.stream_bytes > kMaxStreamBytes) return "stream larger than 64 TiB";
   const std::uint64_t names_at = sizeof h + std::uint64_t{h.tensor_count} * sizeof(ManifestEntry);
   if (h.names_offset != names_at) return "names blob is not where the entries end";
   if (h.names_bytes > bytes.size() - names_at) return "names blob runs past the manifest";
@@ -117,12 +154,17 @@ std::string decode_manifest(std::span<const std::byte> bytes, std::uint64_t expe
   info.version = h.sync_version;
   info.stream_bytes = h.stream_bytes;
   info.tensors.reserve(h.tensor_count);
+  std::unordered_set<std::string_view> seen;
+  seen.reserve(h.tensor_count);
   std::uint64_t end_prev = 0, payload = 0;
   for (std::uint32_t i = 0; i < h.tensor_count; ++i) {
     ManifestEntry e;
     std::memcpy(&e, bytes.data() + sizeof h + std::uint64_t{i} * sizeof e, sizeof e);
     if (e.name_bytes == 0 || e.name_bytes > kMaxNameBytes) return at(i, "bad name length");
     if (std::uint64_t{e.name_offset} + e.name_bytes > h.names_bytes) return at(i, "name runs past the names blob");
+    const std::string_view name(names + e.name_offset, e.name_bytes);
+    if (std::string why = name_problem(name); !why.empty()) return at(i, why);
+    if (!seen.insert(name).second) return at(i, "name appears twice in the manifest");
     if (e.ndim > kMaxDims) return at(i, "more than 8 dimensions");
     const DType dt = static_cast<DType>(e.dtype);
     std::uint64_t n;
@@ -137,7 +179,7 @@ std::string decode_manifest(std::span<const std::byte> bytes, std::uint64_t expe
     end_prev = e.stream_offset + e.nbytes;
     payload += e.nbytes;
     TensorInfo t;
-    t.name.assign(names + e.name_offset, e.name_bytes);
+    t.name.assign(name);
     t.dtype = dt;
     t.shape.assign(e.shape, e.shape + e.ndim);
     t.nbytes = e.nbytes;

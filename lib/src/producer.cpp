@@ -48,6 +48,7 @@ struct Producer::Impl {
   ~Impl() { close_quietly(); }
 
   void require_open() const {
+    if (view.file().inherited()) throw_inherited("Producer", view.file());
     if (!view.mapped()) throw Error(Errc::kClosed, "this producer is closed");
   }
 
@@ -155,12 +156,14 @@ struct Producer::Impl {
     in_sync = false;
   }
 
-  bool still_ours() const {
-    struct stat st {};
-    return ::stat(path.c_str(), &st) == 0 && st.st_ino == view.file().inode();
-  }
-
   void close_quietly() noexcept {
+    if (view.file().inherited()) {
+      // A forked child's copy: the parent's region, seat and engine are not
+      // ours to close. Forget them without touching any of it.
+      (void)engine.release();
+      view.file().unmap();
+      return;
+    }
     if (!view.mapped()) return;
     try {
       abort("the producer closed in the middle of the sync");
@@ -171,7 +174,7 @@ struct Producer::Impl {
     // The record is unchanged: a sync published before close stays readable.
     ring_keep_parity(h.sync.announce);
     detail::ring(h.publish);
-    if (opts.unlink_on_close && still_ours()) ::unlink(path.c_str());
+    if (opts.unlink_on_close) view.file().unlink_if_same();
     engine.reset();
     if (pin.pinned) cuda_unpin(view.file().data(), view.file().size());  // unregister before unmap
     pin.pinned = false;
@@ -182,14 +185,37 @@ struct Producer::Impl {
 
 namespace {
 
-// Is the producer of the region file at `path` alive? Probes its lock byte.
-Alive existing_producer(const std::string& dir, std::string_view name) {
+// A region of this name exists. Takes it over when its producer is proven
+// dead (its lock byte is free and we now hold it, so no one can revive it),
+// by removing the name; throws kExists or kPermission when it is alive, not
+// ours, or its liveness cannot be told. Returns false when the name vanished.
+bool take_over_stale(const std::string& dir, std::string_view name, bool replace_stale) {
+  MappedFile old;
   try {
-    MappedFile f = MappedFile::open(dir, name, false);
-    return lock_held(f.fd(), kProducerLockByte);
-  } catch (const Error&) {
-    return Alive::kUnknown;
+    old = MappedFile::open_unmapped(dir, name, true);  // read-write: the lock probe below takes the lock
+  } catch (const Error& e) {
+    if (e.code() == Errc::kNotFound) return false;
+    throw Error(e.code() == Errc::kPermission ? Errc::kPermission : Errc::kExists,
+                "region '" + std::string(name) + "' exists but cannot be inspected, so it is left alone: " + e.what());
   }
+  const std::string why = trust_problem(old, TrustPolicy{});
+  if (!why.empty()) throw Error(Errc::kPermission, why + "; pick another region name, or have its owner remove it");
+  const int rc = lock_byte(old.fd(), kProducerLockByte);
+  if (rc == -EAGAIN)
+    throw Error(Errc::kExists, "region '" + std::string(name) + "' in " + dir +
+                                   " belongs to a live producer: pick another name, or stop that producer");
+  if (rc != 0)
+    throw Error(Errc::kExists, "region '" + std::string(name) + "' exists and the liveness of its producer cannot be "
+                               "checked (" + std::strerror(-rc) + "): it is left alone; remove it with "
+                               "`shmcast-inspect rm " + std::string(name) + "` if it is dead");
+  if (!replace_stale)
+    throw Error(Errc::kExists, "region '" + std::string(name) + "' exists (its producer is gone); remove it with "
+                               "`shmcast-inspect rm " + std::string(name) + "` or set replace_stale");
+  // The old producer is dead: take the name over. Attached consumers keep
+  // the old mapping, see the producer died, and reopen.
+  if (!old.unlink_if_same() && old.still_at_path())
+    throw Error(Errc::kPermission, "cannot replace stale region " + old.path() + ": " + std::strerror(errno), errno);
+  return true;
 }
 
 void init_header(RegionView& v, bool checksums) {
@@ -227,19 +253,8 @@ Producer Producer::create(std::string_view name, const ProducerOptions& o) {
       file = MappedFile::create(dir, name, g.total_bytes, o.group_access, kProducerLockByte);
       break;
     } catch (const Error& e) {
-      if (e.code() != Errc::kExists || attempt > 0) throw;
-      const Alive a = existing_producer(dir, name);
-      if (a == Alive::kYes)
-        throw Error(Errc::kExists, "region '" + std::string(name) + "' in " + dir +
-                                       " belongs to a live producer: pick another name, or stop that producer");
-      if (!o.replace_stale)
-        throw Error(Errc::kExists, "region '" + std::string(name) + "' exists (its producer is gone); remove it with "
-                                   "`shmcast-inspect rm " + std::string(name) + "` or set replace_stale");
-      // The old producer is dead: take the name over. Attached consumers keep
-      // the old mapping, see the producer died, and reopen.
-      if (::unlink(region_path(name).c_str()) != 0 && errno != ENOENT)
-        throw Error(Errc::kPermission, "cannot replace stale region " + region_path(name) + ": " +
-                                           std::strerror(errno), errno);
+      if (e.code() != Errc::kExists || attempt >= 2) throw;
+      take_over_stale(dir, name, o.replace_stale);
     }
   }
 
@@ -249,10 +264,6 @@ Producer Producer::create(std::string_view name, const ProducerOptions& o) {
   impl->opts = o;
   impl->checksums = o.checksums;
   impl->view = RegionView(std::move(file), g);
-  if (lock_byte(impl->view.fd(), kProducerLockByte) != 0) {
-    ::unlink(impl->path.c_str());
-    throw Error(Errc::kSystem, "cannot take the producer lock on " + impl->path);
-  }
   init_header(impl->view, o.checksums);
   impl->ring.emplace(&impl->view, ProducerRingOptions{o.stall_policy, o.consumer_timeout.count()});
   impl->engine = make_host_producer_engine();
@@ -304,13 +315,18 @@ std::uint64_t Producer::begin_sync(std::span<const TensorSpec> tensors) {
     if (!names.insert(tensors[i].name).second)
       throw Error(Errc::kInvalidArgument, "tensor name '" + tensors[i].name + "' appears twice in one sync");
   }
-  if (tensors.size() > 0xffffffffu) throw Error(Errc::kInvalidArgument, "too many tensors in one sync");
+  if (tensors.size() > kMaxTensors)
+    throw Error(Errc::kInvalidArgument, "more than " + std::to_string(kMaxTensors) + " tensors in one sync");
   const std::uint64_t need = manifest_size(tensors);
   if (need > m.view.geo().manifest_bytes)
     throw Error(Errc::kInvalidArgument, "the manifest of " + std::to_string(tensors.size()) + " tensors needs " +
                                             human_bytes(need) + " but the region holds " +
                                             human_bytes(m.view.geo().manifest_bytes) +
                                             ": create the producer with a larger manifest_bytes");
+  std::uint64_t total = 0;
+  for (const TensorSpec& t : tensors)
+    if (__builtin_add_overflow(total, t.nbytes(), &total) || total > kMaxStreamBytes)
+      throw Error(Errc::kInvalidArgument, "one sync may carry at most 64 TiB");
   const std::uint64_t S = m.view.geo().slot_bytes;
   m.specs.assign(tensors.begin(), tensors.end());
   m.stream_bytes = pack(m.specs, S, &m.offsets, &m.payload_bytes);
@@ -321,6 +337,7 @@ std::uint64_t Producer::begin_sync(std::span<const TensorSpec> tensors) {
   m.version = m.version + 1;
   m.first_seq = m.next_seq;
   m.chunks = chunk_count(m.stream_bytes, S);
+  m.ring->begin_announce();  // consumers copying the old manifest will see it change
   const std::uint64_t used = encode_manifest(m.specs, m.offsets, m.version, m.stream_bytes, m.payload_bytes,
                                              m.view.manifest(), m.view.geo().manifest_bytes);
   RecordSnapshot rec{};

@@ -6,13 +6,15 @@
 #include <sys/statvfs.h>
 #include <unistd.h>
 
-#include <boost/interprocess/file_mapping.hpp>
+#include <grp.h>
+#include <pwd.h>
+
 #include <boost/interprocess/mapped_region.hpp>
-#include <boost/interprocess/shared_memory_object.hpp>
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
 #include <optional>
+#include <utility>
 
 #include "liveness.hpp"
 #include "shmcast/shmcast.hpp"
@@ -22,10 +24,6 @@ namespace bip = boost::interprocess;
 namespace shmcast::detail {
 
 namespace {
-
-constexpr const char* kDevShm = "/dev/shm";
-
-bool is_dev_shm(const std::string& dir) { return dir == kDevShm || dir == "/dev/shm/"; }
 
 std::string file_name(std::string_view name) { return "shmcast." + std::string(name); }
 
@@ -51,6 +49,46 @@ Errc errc_for_errno(int e) {
 int boost_errno(const bip::interprocess_exception& ex) {
   int e = ex.get_native_error();
   return e != 0 ? e : EIO;
+}
+
+// What Boost.Interprocess needs to map a descriptor we opened ourselves.
+struct FdMappable {
+  int fd;
+  bip::mapping_handle_t get_mapping_handle() const { return bip::ipcdetail::mapping_handle_from_file_handle(fd); }
+};
+
+constexpr int kOpenFlags = O_NOFOLLOW | O_CLOEXEC | O_NONBLOCK;
+
+// After open(): refuse what is not a plain file. `fd` is closed on error.
+void check_regular(int fd, const std::string& path, struct stat* st) {
+  if (::fstat(fd, st) != 0) {
+    const int e = errno;
+    ::close(fd);
+    throw_errno(e, "fstat " + path);
+  }
+  if (!S_ISREG(st->st_mode)) {
+    ::close(fd);
+    throw Error(Errc::kCorrupt, path + " is not a regular file (a FIFO, socket, device or directory sits at the "
+                                       "region's name): remove it, or pick another region name");
+  }
+}
+
+[[noreturn]] void throw_open_error(int e, const std::string& path, const char* what) {
+  if (e == ELOOP)
+    throw Error(Errc::kPermission, path + " is a symbolic link: refused (a region is never opened through a "
+                                          "link; someone may be redirecting it): remove the link",
+                e);
+  if (e == ENOENT) throw Error(Errc::kNotFound, "no region at " + path + " (is the producer running?)", e);
+  if (e == EACCES || e == EPERM) {
+    struct stat st {};
+    std::string who;
+    if (::lstat(path.c_str(), &st) == 0) who = " (owned by " + describe_uid(st.st_uid) + ")";
+    throw Error(Errc::kPermission, std::string(what) + " " + path + who + ": " + std::strerror(e) +
+                                       ": regions are mode 0600; run as the user that created it, or create it "
+                                       "with group_access and share a group",
+                e);
+  }
+  throw_errno(e, std::string(what) + " " + path);
 }
 
 std::string shm_size_hint(std::uint64_t need) {
@@ -95,77 +133,125 @@ std::int64_t free_bytes(const std::string& dir) {
 }
 
 struct MappedFile::Impl {
-  std::optional<bip::shared_memory_object> shm;
-  std::optional<bip::file_mapping> file;
-  std::optional<bip::mapped_region> region;
-  int fd() const {
-    if (shm) return shm->get_mapping_handle().handle;
-    if (file) return file->get_mapping_handle().handle;
-    return -1;
-  }
+  std::unique_ptr<bip::mapped_region> region;
 };
 
 MappedFile::MappedFile() = default;
-MappedFile::MappedFile(MappedFile&&) noexcept = default;
-MappedFile& MappedFile::operator=(MappedFile&&) noexcept = default;
-MappedFile::~MappedFile() = default;
+MappedFile::MappedFile(MappedFile&& o) noexcept { *this = std::move(o); }
+MappedFile& MappedFile::operator=(MappedFile&& o) noexcept {
+  if (this != &o) {
+    unmap();
+    impl_ = std::move(o.impl_);
+    fd_ = std::exchange(o.fd_, -1);
+    base_ = std::exchange(o.base_, nullptr);
+    size_ = std::exchange(o.size_, 0);
+    inode_ = o.inode_;
+    dev_ = o.dev_;
+    uid_ = o.uid_;
+    gid_ = o.gid_;
+    mode_ = o.mode_;
+    pid_ = o.pid_;
+    path_ = std::move(o.path_);
+  }
+  return *this;
+}
+MappedFile::~MappedFile() { unmap(); }
 
-int MappedFile::fd() const { return impl_ ? impl_->fd() : -1; }
+bool MappedFile::inherited() const { return fd_ >= 0 && pid_ != ::getpid(); }
 
 std::uint64_t MappedFile::size_now() const {
   struct stat st {};
-  if (fd() < 0 || ::fstat(fd(), &st) != 0) return 0;
+  if (fd_ < 0 || inherited() || ::fstat(fd_, &st) != 0) return 0;
   return static_cast<std::uint64_t>(st.st_size);
 }
 
+bool MappedFile::still_at_path() const {
+  struct stat st {};
+  return ::lstat(path_.c_str(), &st) == 0 && st.st_ino == inode_ && st.st_dev == dev_;
+}
+
+bool MappedFile::unlink_if_same() const {
+  // A window remains between the check and the unlink; in a directory with
+  // the sticky bit (as /dev/shm has) nobody else can rename our file into it.
+  return still_at_path() && ::unlink(path_.c_str()) == 0;
+}
+
+void MappedFile::close_fd() {
+  if (fd_ >= 0) {
+    untrack_fd(fd_);
+    ::close(fd_);
+  }
+  fd_ = -1;
+}
+
 void MappedFile::unmap() {
-  if (impl_) {
-    impl_->region.reset();
-    impl_->shm.reset();
-    impl_->file.reset();
+  if (fd_ >= 0 && pid_ != ::getpid()) {
+    // A copy inherited through fork: the mapping was not inherited
+    // (MADV_DONTFORK) and the descriptor was closed at fork. Touch neither:
+    // the address range and the descriptor number may be reused by now.
+    if (impl_) (void)impl_->region.release();
+    fd_ = -1;
+  } else {
+    if (impl_) impl_->region.reset();
+    close_fd();
   }
   base_ = nullptr;
   size_ = 0;
 }
 
+void MappedFile::map(bool writable) {
+  if (size_ == 0) return;
+  if (!impl_) impl_ = std::make_unique<Impl>();
+  try {
+    impl_->region = std::make_unique<bip::mapped_region>(FdMappable{fd_}, writable ? bip::read_write : bip::read_only,
+                                                         0, static_cast<std::size_t>(size_));
+  } catch (const bip::interprocess_exception& ex) {
+    throw_errno(boost_errno(ex), "cannot map region " + path_);
+  }
+  base_ = static_cast<std::byte*>(impl_->region->get_address());
+  // A forked child must not inherit the mapping: it would keep the region's
+  // open file description, and with it this process's liveness locks, alive.
+  ::madvise(base_, size_, MADV_DONTFORK);
+}
+
 MappedFile MappedFile::create(const std::string& dir, std::string_view name, std::uint64_t bytes,
                               bool group_access, std::int64_t lock_byte) {
   MappedFile mf;
-  mf.impl_ = std::make_unique<Impl>();
   mf.path_ = dir + "/" + file_name(name);
+  mf.pid_ = ::getpid();
   const mode_t mode = group_access ? 0660 : 0600;
 
   const std::int64_t avail = free_bytes(dir);
   if (avail == -ENOENT) throw Error(Errc::kNotFound, "region directory " + dir + " does not exist", ENOENT);
   if (avail >= 0 && static_cast<std::uint64_t>(avail) < bytes) throw_full(dir, avail, bytes);
 
-  int fd = -1;
-  if (is_dev_shm(dir)) {
-    try {
-      bip::permissions perm(mode);
-      mf.impl_->shm.emplace(bip::create_only, file_name(name).c_str(), bip::read_write, perm);
-    } catch (const bip::interprocess_exception& ex) {
-      throw_errno(boost_errno(ex), "cannot create region " + mf.path_);
-    }
-    fd = mf.impl_->fd();
-  } else {
-    int own = ::open(mf.path_.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, mode);
-    if (own < 0) throw_errno(errno, "cannot create region " + mf.path_);
-    ::fchmod(own, mode);  // exact mode whatever the umask
-    ::close(own);
-    try {
-      mf.impl_->file.emplace(mf.path_.c_str(), bip::read_write);
-    } catch (const bip::interprocess_exception& ex) {
-      ::unlink(mf.path_.c_str());
-      throw_errno(boost_errno(ex), "cannot open region " + mf.path_);
-    }
-    fd = mf.impl_->fd();
+  // The one open of the path: everything below works on this descriptor.
+  const int fd = ::open(mf.path_.c_str(), O_RDWR | O_CREAT | O_EXCL | kOpenFlags, mode);
+  if (fd < 0) {
+    const int e = errno;
+    if (e == EEXIST) throw Error(Errc::kExists, "region " + mf.path_ + " exists", e);
+    throw_open_error(e, mf.path_, "cannot create region");
   }
-  ::fcntl(fd, F_SETFD, FD_CLOEXEC);
+  mf.fd_ = fd;
+  track_fd(fd);
+  struct stat st {};
+  if (::fstat(fd, &st) != 0) throw_errno(errno, "fstat " + mf.path_);
+  mf.inode_ = st.st_ino;
+  mf.dev_ = st.st_dev;
+  mf.uid_ = st.st_uid;
+  mf.gid_ = st.st_gid;
+  // From here on, failures remove the file we made (and only that file).
+  auto fail = [&](auto&& thrower) {
+    mf.unlink_if_same();
+    thrower();
+  };
+  ::fchmod(fd, mode);  // exact mode whatever the umask
+  mf.mode_ = mode;
   if (lock_byte >= 0) {
     if (const int rc = detail::lock_byte(fd, lock_byte); rc != 0) {
-      ::unlink(mf.path_.c_str());
-      throw_errno(-rc, "cannot lock new region " + mf.path_);
+      // Someone who found the name took the lock first: the name is theirs now.
+      if (rc == -EAGAIN) throw Error(Errc::kExists, "another producer took region " + mf.path_ + " over as it was created", EAGAIN);
+      fail([&] { throw_errno(-rc, "cannot lock new region " + mf.path_); });
     }
   }
 
@@ -176,63 +262,92 @@ MappedFile MappedFile::create(const std::string& dir, std::string_view name, std
     rc = ::posix_fallocate(fd, 0, static_cast<off_t>(bytes));
   } while (rc == EINTR);
   if (rc != 0) {
-    ::unlink(mf.path_.c_str());
-    if (rc == ENOSPC || rc == ENOMEM || rc == EFBIG) throw_full(dir, free_bytes(dir), bytes);
-    throw_errno(rc, "posix_fallocate of region " + mf.path_);
+    if (rc == ENOSPC || rc == ENOMEM || rc == EFBIG) fail([&] { throw_full(dir, free_bytes(dir), bytes); });
+    fail([&] { throw_errno(rc, "posix_fallocate of region " + mf.path_); });
   }
-
-  struct stat st {};
-  ::fstat(fd, &st);
-  mf.inode_ = st.st_ino;
-  try {
-    if (mf.impl_->shm)
-      mf.impl_->region.emplace(*mf.impl_->shm, bip::read_write, 0, bytes);
-    else
-      mf.impl_->region.emplace(*mf.impl_->file, bip::read_write, 0, bytes);
-  } catch (const bip::interprocess_exception& ex) {
-    ::unlink(mf.path_.c_str());
-    throw_errno(boost_errno(ex), "cannot map region " + mf.path_);
-  }
-  mf.base_ = static_cast<std::byte*>(mf.impl_->region->get_address());
   mf.size_ = bytes;
+  try {
+    mf.map(true);
+  } catch (...) {
+    mf.unlink_if_same();
+    throw;
+  }
   // Large pages where tmpfs allows them (shmem_enabled=advise); harmless else.
   ::madvise(mf.base_, bytes, MADV_HUGEPAGE);
   return mf;
 }
 
-MappedFile MappedFile::open(const std::string& dir, std::string_view name, bool writable) {
+MappedFile MappedFile::open_unmapped(const std::string& dir, std::string_view name, bool writable) {
   MappedFile mf;
-  mf.impl_ = std::make_unique<Impl>();
   mf.path_ = dir + "/" + file_name(name);
-  const bip::mode_t mode = writable ? bip::read_write : bip::read_only;
-  try {
-    if (is_dev_shm(dir))
-      mf.impl_->shm.emplace(bip::open_only, file_name(name).c_str(), mode);
-    else
-      mf.impl_->file.emplace(mf.path_.c_str(), mode);
-  } catch (const bip::interprocess_exception& ex) {
-    const int e = boost_errno(ex);
-    if (e == ENOENT) throw Error(Errc::kNotFound, "no region at " + mf.path_ + " (is the producer running?)", e);
-    throw_errno(e, "cannot open region " + mf.path_);
-  }
-  const int fd = mf.impl_->fd();
-  ::fcntl(fd, F_SETFD, FD_CLOEXEC);
+  mf.pid_ = ::getpid();
+  const int fd = ::open(mf.path_.c_str(), (writable ? O_RDWR : O_RDONLY) | kOpenFlags);
+  if (fd < 0) throw_open_error(errno, mf.path_, "cannot open region");
   struct stat st {};
-  if (::fstat(fd, &st) != 0) throw_errno(errno, "fstat " + mf.path_);
-  if (!S_ISREG(st.st_mode)) throw Error(Errc::kCorrupt, mf.path_ + " is not a regular file");
+  check_regular(fd, mf.path_, &st);
+  mf.fd_ = fd;
+  track_fd(fd);
   mf.inode_ = st.st_ino;
+  mf.dev_ = st.st_dev;
+  mf.uid_ = st.st_uid;
+  mf.gid_ = st.st_gid;
+  mf.mode_ = st.st_mode & 07777;
   mf.size_ = static_cast<std::uint64_t>(st.st_size);
-  if (mf.size_ == 0) return mf;  // creator has not allocated it yet: caller retries
-  try {
-    if (mf.impl_->shm)
-      mf.impl_->region.emplace(*mf.impl_->shm, mode, 0, mf.size_);
-    else
-      mf.impl_->region.emplace(*mf.impl_->file, mode, 0, mf.size_);
-  } catch (const bip::interprocess_exception& ex) {
-    throw_errno(boost_errno(ex), "cannot map region " + mf.path_);
-  }
-  mf.base_ = static_cast<std::byte*>(mf.impl_->region->get_address());
   return mf;
+}
+
+MappedFile MappedFile::open(const std::string& dir, std::string_view name, bool writable) {
+  MappedFile mf = open_unmapped(dir, name, writable);
+  mf.map(writable);  // size 0: the creator has not allocated it yet; the caller retries
+  return mf;
+}
+
+void throw_inherited(const char* what, const MappedFile& f) {
+  throw Error(Errc::kInvalidArgument, std::string("this ") + what + " was made by process " +
+                                          std::to_string(f.opener_pid()) + "; this process (" +
+                                          std::to_string(::getpid()) +
+                                          ") is a child forked from it and cannot use it: make a new one in the "
+                                          "child (its parent's stays the parent's, and closing it here does nothing)");
+}
+
+std::string describe_uid(std::uint32_t uid) {
+  std::string s = "uid " + std::to_string(uid);
+  struct passwd pw {};
+  struct passwd* res = nullptr;
+  char buf[1024];
+  if (::getpwuid_r(uid, &pw, buf, sizeof buf, &res) == 0 && res && res->pw_name) s += std::string(" (") + res->pw_name + ")";
+  return s;
+}
+
+namespace {
+bool in_my_groups(gid_t g) {
+  if (g == ::getegid()) return true;
+  gid_t groups[256];
+  const int n = ::getgroups(256, groups);
+  for (int i = 0; i < n; ++i)
+    if (groups[i] == g) return true;
+  return false;
+}
+}  // namespace
+
+std::string trust_problem(const MappedFile& f, const TrustPolicy& policy) {
+  char mode[8];
+  std::snprintf(mode, sizeof mode, "%04o", f.mode());
+  const std::uint32_t me = ::geteuid();
+  bool owner_ok = f.owner_uid() == me;
+  for (std::uint32_t u : policy.trusted_uids) owner_ok = owner_ok || f.owner_uid() == u;
+  if (!owner_ok)
+    return "region " + f.path() + " belongs to " + describe_uid(f.owner_uid()) + ", not to this process (" +
+           describe_uid(me) + "): refused, since anyone who owns it can change the tensors under you; run both "
+           "sides as one user, or list that uid in trusted_uids if you trust it";
+  if (f.mode() & S_IWOTH)
+    return "region " + f.path() + " (owner " + describe_uid(f.owner_uid()) + ") is mode " + mode +
+           ", writable by every user: refused; the producer creates regions 0600 or 0660, so someone changed it";
+  if ((f.mode() & S_IWGRP) && !(policy.group_access && in_my_groups(f.owner_gid())))
+    return "region " + f.path() + " (owner " + describe_uid(f.owner_uid()) + ") is mode " + mode +
+           ", writable by group " + std::to_string(f.owner_gid()) +
+           ": refused unless the consumer sets group_access and belongs to that group";
+  return {};
 }
 
 }  // namespace shmcast::detail

@@ -1,17 +1,38 @@
 // Layer 1: the named region. A file in the region directory ($SHMCAST_DIR or
 // /dev/shm), created O_EXCL with mode 0600 (0660 on request), fully
 // allocated with posix_fallocate before it is mapped, so that a full tmpfs
-// is an error at create time and never a SIGBUS later. Boost.Interprocess
-// owns the shm object and the mapping.
+// is an error at create time and never a SIGBUS later.
+//
+// The path is opened once: every open uses O_NOFOLLOW|O_CLOEXEC|O_NONBLOCK
+// (a symlink is refused, a FIFO never blocks), and everything after it
+// (fstat checks, fallocate, locks, mmap) works on that one descriptor.
+// Boost.Interprocess's mapped_region maps the descriptor (RAII unmap).
+//
+// Fork: the mapping is MADV_DONTFORK and every region descriptor is closed
+// in a forked child (pthread_atfork), so a child never holds a reference to
+// the region's open file description, and so never keeps its parent's OFD
+// liveness locks alive. A MappedFile inherited by a child never unmaps or
+// closes anything.
 #pragma once
+
+#include <sys/types.h>
 
 #include <cstddef>
 #include <cstdint>
 #include <memory>
 #include <string>
 #include <string_view>
+#include <vector>
 
 namespace shmcast::detail {
+
+// Who may have made a region this process trusts: its owner must be our
+// effective uid or one of `trusted_uids`; no other-write bit; group write
+// only with `group_access` and a group we belong to.
+struct TrustPolicy {
+  bool group_access = false;
+  std::vector<std::uint32_t> trusted_uids;
+};
 
 class MappedFile {
  public:
@@ -22,9 +43,13 @@ class MappedFile {
   // for the name then sees a live owner, never an abandoned file.
   static MappedFile create(const std::string& dir, std::string_view name, std::uint64_t bytes, bool group_access,
                            std::int64_t lock_byte = -1);
-  // Opens an existing region file, read-write when `writable`. Maps the whole
-  // file; a file of size 0 (being created) is returned unmapped with size() 0.
+  // Opens an existing region file, read-write when `writable`, and maps the
+  // whole file; a file of size 0 (being created) is returned unmapped with
+  // size() 0. Refuses symlinks and non-regular files. Does not judge the
+  // owner: call trust_problem().
   static MappedFile open(const std::string& dir, std::string_view name, bool writable);
+  // Opens without mapping: for probing the owner and the liveness locks.
+  static MappedFile open_unmapped(const std::string& dir, std::string_view name, bool writable);
 
   MappedFile();
   MappedFile(MappedFile&&) noexcept;
@@ -36,20 +61,48 @@ class MappedFile {
   // The file's size now (fstat), 0 when unknown. Differs from size() when
   // another process truncated or grew the file after it was mapped.
   std::uint64_t size_now() const;
-  int fd() const;  // for OFD locks; valid while mapped
+  int fd() const { return fd_; }  // for OFD locks; valid until unmap()
   const std::string& path() const { return path_; }
   std::uint64_t inode() const { return inode_; }
+  std::uint32_t owner_uid() const { return uid_; }
+  std::uint32_t owner_gid() const { return gid_; }
+  std::uint32_t mode() const { return mode_; }  // permission bits
+  // True in a process forked from the one that opened the file: such a copy
+  // must not be used (its descriptor is closed, its mapping absent).
+  bool inherited() const;
+  pid_t opener_pid() const { return pid_; }
+  // Does the path still name this file (same device and inode)?
+  bool still_at_path() const;
+  // Removes the path if it still names this file. True when removed.
+  bool unlink_if_same() const;
 
   void unmap();
 
  private:
+  void map(bool writable);
+  void close_fd();
+
   struct Impl;
   std::unique_ptr<Impl> impl_;
+  int fd_ = -1;
   std::byte* base_ = nullptr;
   std::uint64_t size_ = 0;
-  std::uint64_t inode_ = 0;
+  std::uint64_t inode_ = 0, dev_ = 0;
+  std::uint32_t uid_ = 0, gid_ = 0, mode_ = 0;
+  pid_t pid_ = 0;  // the process that opened it
   std::string path_;
 };
+
+// Empty when `f` may be trusted under `policy`; else the reason, naming the
+// owner and mode, and what to do.
+std::string trust_problem(const MappedFile& f, const TrustPolicy& policy);
+
+// Throws kInvalidArgument: `what` (a Producer, a Consumer) was inherited
+// from the process that made it through fork and cannot be used here.
+[[noreturn]] void throw_inherited(const char* what, const MappedFile& f);
+
+// "uid 65534 (nobody)"
+std::string describe_uid(std::uint32_t uid);
 
 // Free bytes in the filesystem that holds `dir`, or -errno.
 std::int64_t free_bytes(const std::string& dir);

@@ -159,7 +159,9 @@ void ProducerRing::begin_fill(std::uint64_t seq) {
   SlotDesc& d = v_->slot(v_->slot_of(seq));
   d.seq.store(0, std::memory_order_relaxed);
   d.filled.store(0, std::memory_order_relaxed);
-  d.fill_seq.store(seq, std::memory_order_relaxed);
+  // Release: a reader that sees the new fill_seq (acquire) also sees
+  // filled == 0, never the previous chunk's count (stale bytes as final).
+  d.fill_seq.store(seq, std::memory_order_release);
   // Readers that copied this slot re-check seq afterwards (ConsumerRing::
   // still_valid); the fence orders the store before the data writes.
   std::atomic_thread_fence(std::memory_order_seq_cst);
@@ -181,12 +183,19 @@ void ProducerRing::progress(std::uint64_t seq, std::uint64_t filled) {
   ring(v_->header().publish);  // a syscall only when a consumer sleeps
 }
 
+void ProducerRing::begin_announce() {
+  SyncRecord& r = v_->header().sync;
+  const std::uint32_t w = r.announce.word.load(std::memory_order_relaxed);
+  if ((w & 1u) == 0) r.announce.word.store(w + 1, std::memory_order_relaxed);  // odd: writing
+  // Orders the odd word before every later store (record fields, manifest
+  // bytes): a reader that sees any of those sees the word odd or changed.
+  std::atomic_thread_fence(std::memory_order_release);
+}
+
 void ProducerRing::announce(const RecordSnapshot& rec) {
   Header& h = v_->header();
   SyncRecord& r = h.sync;
-  const std::uint32_t w = r.announce.word.load(std::memory_order_relaxed);
-  r.announce.word.store(w | 1u, std::memory_order_relaxed);  // odd: writing
-  std::atomic_thread_fence(std::memory_order_release);
+  begin_announce();
   r.version.store(rec.version, std::memory_order_relaxed);
   r.first_seq.store(rec.first_seq, std::memory_order_relaxed);
   r.chunks.store(rec.chunks, std::memory_order_relaxed);
@@ -293,6 +302,12 @@ RecordSnapshot ConsumerRing::wait_announce(std::uint64_t after_version, std::int
       throw Error(Errc::kTimeout, "no sync arrived within the timeout; the producer (pid " +
                                       std::to_string(h.producer.pid.load()) + ") is alive but has not sent one");
   }
+}
+
+bool ConsumerRing::record_unchanged(const RecordSnapshot& rec) const {
+  // The copy's loads happen before the re-read of the word (seqlock reader).
+  std::atomic_thread_fence(std::memory_order_acquire);
+  return v_->header().sync.announce.word.load(std::memory_order_relaxed) == rec.word;
 }
 
 void ConsumerRing::ack(std::uint64_t version) {

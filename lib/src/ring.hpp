@@ -102,6 +102,10 @@ class ProducerRing {
   void publish(std::uint64_t seq, std::uint64_t version, std::uint64_t bytes, std::uint64_t checksum);
   // The first `filled` bytes of chunk `seq` (being filled) are final.
   void progress(std::uint64_t seq, std::uint64_t filled);
+  // Makes the sync record's seqlock odd: the record and the manifest area
+  // are about to change. Call before rewriting the manifest.
+  void begin_announce();
+  // Writes the record and makes the seqlock even again.
   void announce(const RecordSnapshot& rec);
   void abort(std::uint64_t version);
 
@@ -135,6 +139,10 @@ class ConsumerRing {
   // Waits for the next sync (> after_version) that this consumer is enrolled
   // in. Throws kClosed, kPeerDied, kEvicted, kTimeout.
   RecordSnapshot wait_announce(std::uint64_t after_version, std::int64_t deadline_ns);
+  // After copying the manifest of `rec`: true when the record (and so the
+  // manifest area, which the producer rewrites only with the record odd) did
+  // not change since `rec` was read.
+  bool record_unchanged(const RecordSnapshot& rec) const;
   void ack(std::uint64_t version);
   // Waits until chunk `seq` of sync `version` is published; checks its slot
   // descriptor and returns the slot index.

@@ -89,7 +89,9 @@ TEST(FaultMatrix, OtherUidCannotOpenReadOrChangeTheRegion) {
     }
     // The region is untouched and still works.
     EXPECT_EQ(file_size(region_path(name)), size_before);
-    Consumer c = Consumer::open(name, copts(5000ms));
+    ConsumerOptions co = copts(5000ms);
+    co.group_access = group_access;  // a 0660 region is trusted only by consumers that ask for it
+    Consumer c = Consumer::open(name, co);
     EpochSync s(1, 1, 3, 256 << 10);
     p.send(s.specs, s.ptrs);
     const SyncInfo& info = c.wait_sync(5s);

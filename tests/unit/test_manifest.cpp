@@ -160,3 +160,55 @@ TEST(DTypes, NamesRoundTrip) {
   EXPECT_FALSE(dtype_from_name("float99", &x));
   EXPECT_EQ(dtype_size(DType::kBF16), 2u);
 }
+
+// Tensor names are UTF-8 on both sides: the producer refuses other bytes at
+// begin_sync, and a region carrying them (hostile, or from a buggy writer)
+// is Corrupt at decode, so no consumer (Python included) sees them.
+TEST(Manifest, NamesMustBeUtf8OnBothSides) {
+  const std::string bad[] = {"w\xff", "\xc0\xaf", "\xed\xa0\x80", "a\xe2\x82", "\xf4\x90\x80\x80"};
+  for (const std::string& n : bad) {
+    EXPECT_NE(validate_spec({n, DType::kU8, {4}}), "") << "accepted a non-UTF-8 name";
+    // A writer that skipped the check: the decoder refuses the manifest.
+    auto specs = sample();
+    specs[0].name = n;
+    Encoded e = encode(specs);
+    SyncInfo info;
+    const std::string why = decode_manifest(e.bytes, 9, e.stream, S, &info);
+    EXPECT_NE(why.find("UTF-8"), std::string::npos) << why;
+  }
+  for (const std::string& n : {std::string("model.layers.0.mlp.weight"), std::string("\xc3\xa9t\xc3\xa9"),
+                               std::string("\xf0\x9f\x98\x80")})
+    EXPECT_EQ(validate_spec({n, DType::kU8, {4}}), "") << n;
+}
+
+// Duplicate names would make a name lookup (and a safetensors dump) ambiguous.
+TEST(Manifest, DuplicateNamesAreCorrupt) {
+  auto specs = sample();
+  specs[3].name = specs[1].name;
+  Encoded e = encode(specs);
+  SyncInfo info;
+  const std::string why = decode_manifest(e.bytes, 9, e.stream, S, &info);
+  EXPECT_NE(why.find("twice"), std::string::npos) << why;
+}
+
+// Counts and sizes are bounded before anything is allocated.
+TEST(Manifest, CountAndStreamAreBounded) {
+  Encoded e = encode(sample());
+  ManifestHeader h;
+  std::memcpy(&h, e.bytes.data(), sizeof h);
+  ManifestHeader big = h;
+  big.stream_bytes = kMaxStreamBytes + 1;
+  std::memcpy(e.bytes.data(), &big, sizeof big);
+  SyncInfo info;
+  EXPECT_NE(decode_manifest(e.bytes, 9, big.stream_bytes, S, &info), "");
+  // A count the bytes could hold but past the limit.
+  std::vector<std::byte> huge(sizeof(ManifestHeader) + (std::uint64_t{kMaxTensors} + 1) * sizeof(ManifestEntry));
+  ManifestHeader many = h;
+  many.tensor_count = kMaxTensors + 1;
+  many.names_offset = huge.size();
+  many.names_bytes = 0;
+  std::memcpy(huge.data(), &many, sizeof many);
+  const std::string why = decode_manifest(huge, 9, h.stream_bytes, S, &info);
+  EXPECT_NE(why.find("more than"), std::string::npos) << why;
+  EXPECT_NE(validate_spec({"t", DType::kU8, {static_cast<std::int64_t>(kMaxStreamBytes + 1)}}), "");
+}

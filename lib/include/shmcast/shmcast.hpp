@@ -180,6 +180,12 @@ struct ConsumerOptions {
   Duration chunk_timeout = std::chrono::seconds(60);
   Pin pin = Pin::kAuto;
   bool verify_checksums = true;  // when the producer writes them
+  // Whose regions to trust. A region owned by another uid, or writable by
+  // others, is refused with kPermission: its owner could change the tensors
+  // under you. By default only regions of this process's effective uid,
+  // mode 0600, are opened.
+  bool group_access = false;                // also accept 0660 regions of a group we are in
+  std::vector<std::uint32_t> trusted_uids;  // also accept regions owned by these uids
 };
 
 // A tensor stored with a constant row pitch (e.g. a column slice of a matrix):
