@@ -8,6 +8,7 @@ Python->C++ call in the common case (every tensor contiguous or a row-pitched
 from __future__ import annotations
 
 import math
+import os
 import threading
 from collections.abc import Mapping
 from typing import Optional, Union
@@ -125,14 +126,20 @@ def _row_pitch(t: torch.Tensor):
 
 
 def _parse_device(device) -> torch.device:
-    d = torch.device(device)
+    try:
+        d = torch.device(device)
+    except (RuntimeError, TypeError, ValueError) as e:
+        raise _C.InvalidArgument(f"device {device!r}: {e}; shmcast receives on 'cpu' or 'cuda[:N]'") from None
     if d.type == "cuda":
         if not torch.cuda.is_available():
             raise _C.CudaUnavailable(f"device {device!r}: torch sees no CUDA device")
         if d.index is None:
             d = torch.device("cuda", torch.cuda.current_device())
+        n = torch.cuda.device_count()
+        if d.index >= n:
+            raise _C.InvalidArgument(f"device {device!r}: the CUDA device index must be 0..{n - 1} on this machine")
     elif d.type != "cpu":
-        raise ValueError(f"shmcast receives on 'cpu' or 'cuda[:N]', not {device!r}")
+        raise _C.InvalidArgument(f"shmcast receives on 'cpu' or 'cuda[:N]', not {device!r}")
     return d
 
 
@@ -192,7 +199,17 @@ class _CudaArray:
 
 
 class _Closing:
-    """Context-manager mixin: `with X(...) as x:` closes x on exit."""
+    """Context-manager mixin: `with X(...) as x:` closes x on exit.
+
+    An object belongs to the process that made it. In a forked child,
+    close() (and so __exit__ and __del__) does nothing: the child's exit
+    must neither remove the parent's region nor free its seat. Every other
+    call raises shmcast.InvalidArgument there (the binding checks)."""
+
+    _pid = None  # the creator's pid, set first thing in __init__
+
+    def _owned(self) -> bool:
+        return self._pid == os.getpid()
 
     def __enter__(self):
         return self
@@ -241,7 +258,9 @@ class Producer(_Closing):
         pin: Union[str, bool] = "auto",
         staging_budget: int = 256 << 20,
     ):
+        self._pid = os.getpid()
         self._c = None
+        budget = _C.check_int(staging_budget, "staging_budget", 0, (1 << 63) - 1)
         self._c = _C.Producer(
             name,
             slot_bytes=slot_bytes,
@@ -256,7 +275,7 @@ class Producer(_Closing):
             consumer_timeout=consumer_timeout,
             pin=pin,
         )
-        self._staging_budget = int(staging_budget)
+        self._staging_budget = budget
         self._engine_cuda = False  # the library's producer engine moved to CUDA
         self._streams: dict = {}
 
@@ -457,7 +476,7 @@ class Producer(_Closing):
         """Marks the region closed (consumers get shmcast.Closed after the last
         sync), unpins, unmaps and by default removes the name. Idempotent."""
         c = getattr(self, "_c", None)
-        if c is not None and not c.closed:
+        if c is not None and not c.closed and self._owned():
             c.close()
 
     @property
@@ -471,8 +490,9 @@ class Producer(_Closing):
 
     def _live(self):
         c = self._c
-        if c is None or c.closed:
+        if c is None:
             raise _C.Closed("this producer is closed")
+        c.check()  # closed: Closed; in a forked child: InvalidArgument
         return c
 
     name = property(lambda self: self._c.name)
@@ -523,6 +543,7 @@ class Consumer(_Closing):
         verify_checksums: bool = True,
         mode: str = "copy",
     ):
+        self._pid = os.getpid()
         self._c = None
         self.device = _parse_device(device)
         if mode not in ("copy", "staging"):
@@ -715,6 +736,8 @@ class Consumer(_Closing):
     def close(self) -> None:
         """Leaves the seat (the producer stops waiting for this consumer),
         unpins and unmaps. Staging views from receive() become invalid."""
+        if not self._owned():
+            return
         c = getattr(self, "_c", None)
         if c is not None and not c.closed:
             c.close()
@@ -731,8 +754,9 @@ class Consumer(_Closing):
 
     def _live(self):
         c = self._c
-        if c is None or c.closed:
+        if c is None:
             raise _C.Closed("this consumer is closed")
+        c.check()  # closed: Closed; in a forked child: InvalidArgument
         return c
 
     name = property(lambda self: self._c.name)
