@@ -181,6 +181,50 @@ def _contiguous_strides(shape):
     return s
 
 
+def _overlaps(t: torch.Tensor) -> bool:
+    """True unless every element of `t` has its own memory: a stride-0
+    (expand()ed, broadcast) dimension, or strides that interleave. Checked
+    on non-contiguous tensors only (contiguous ones never overlap)."""
+    extent = 0  # elements spanned by the inner dimensions, minus one
+    for st, s in sorted((st, s) for s, st in zip(t.shape, t.stride()) if s > 1):
+        if st <= extent:
+            return True
+        extent += (s - 1) * st
+    return False
+
+
+def _unwritable(d) -> Optional[str]:
+    """Why receive_into() cannot write destination `d` (None: it can).
+    Runs for every destination of every receive_into(): cheap checks first."""
+    tt = type(d)
+    if tt is not torch.Tensor and tt is not torch.nn.Parameter:
+        if not isinstance(d, torch.Tensor):
+            return f"expected a torch.Tensor, got {tt.__name__}"
+        if hasattr(d, "full_tensor"):
+            return "a DTensor: receive into plain tensors and distribute them"
+    if d.layout is not torch.strided:
+        return f"a {d.layout} tensor: destinations must be dense"
+    if not (d.is_cuda or d.is_cpu):
+        return f"on {d.device}: destinations must be CPU or CUDA tensors"
+    if not d.is_contiguous() and _overlaps(d):
+        return (f"its elements share memory (strides {list(d.stride())}, e.g. an expand()ed view): "
+                "pass a tensor whose every element has its own memory (e.g. .clone())")
+    return None
+
+
+def _copy_back(pairs) -> None:
+    """dst.copy_(tmp) for receive_into's temporaries, as load_state_dict
+    writes parameters: under no_grad (a parameter that requires grad takes
+    the bytes), inference tensors under inference_mode."""
+    with torch.no_grad():
+        for d, tmp in pairs:
+            if d.is_inference() and not torch.is_inference_mode_enabled():
+                with torch.inference_mode():
+                    d.copy_(tmp)
+            else:
+                d.copy_(tmp)
+
+
 class _CudaArray:
     """Exposes a raw device pointer through __cuda_array_interface__ (v2) so
     torch.as_tensor wraps it without a copy; `owner` keeps the memory's owner
@@ -662,6 +706,8 @@ class Consumer(_Closing):
                 raise
 
     def _read_into(self, c, info, dsts: Mapping, strict: bool) -> int:
+        # Every destination is checked before the first byte is read: on any
+        # problem the sync is skipped and no destination is touched.
         problems = []
         plan = []  # (sync index, destination, nbytes)
         cuda_dev = None
@@ -673,6 +719,10 @@ class Consumer(_Closing):
                     problems.append(f"'{name}' is in the sync but has no destination")
                 continue
             seen += 1
+            why = _unwritable(d)
+            if why is not None:
+                problems.append(f"'{name}': {why}")
+                continue
             want = _FROM_NAME.get(dt)
             if d.dtype != want:
                 problems.append(f"'{name}': the sync has dtype {want or dt}, the destination {d.dtype}")
@@ -683,8 +733,6 @@ class Consumer(_Closing):
                     cuda_dev = d.device
                 elif d.device != cuda_dev:
                     problems.append(f"'{name}' is on {d.device} but others are on {cuda_dev}: one GPU per receive_into")
-            elif d.device.type != "cpu" or d.layout is not torch.strided:
-                problems.append(f"'{name}': destinations must be dense CPU or CUDA tensors, not {d.device}/{d.layout}")
             plan.append((j, d, nbytes))
         if strict and seen < len(dsts):
             names = {t[0] for t in info.tensors}
@@ -709,13 +757,11 @@ class Consumer(_Closing):
                 ptrs[j] = tmp.data_ptr()
         if cuda_dev is None:
             c.read_into(ptrs)
-            for d, tmp in after:
-                d.copy_(tmp)
+            _copy_back(after)
         else:
             with torch.cuda.device(cuda_dev):
                 c.read_into_device(ptrs, torch.cuda.current_stream(cuda_dev).cuda_stream)
-                for d, tmp in after:  # on the current stream, after the read
-                    d.copy_(tmp)
+                _copy_back(after)  # on the current stream, after the read
         return info.version
 
     def _skip_quietly(self, c):
