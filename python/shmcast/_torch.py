@@ -7,6 +7,7 @@ Python->C++ call in the common case (every tensor contiguous or a row-pitched
 """
 from __future__ import annotations
 
+import errno
 import math
 import os
 import threading
@@ -141,6 +142,45 @@ def _parse_device(device) -> torch.device:
     elif d.type != "cpu":
         raise _C.InvalidArgument(f"shmcast receives on 'cpu' or 'cuda[:N]', not {device!r}")
     return d
+
+
+def _free_bytes(device: torch.device) -> Optional[int]:
+    """Bytes an allocation on `device` can get now (None: unknown). CPU:
+    MemAvailable + SwapFree (/proc/meminfo); CUDA: the device's free memory
+    plus what torch's caching allocator holds unused."""
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    try:
+        with open("/proc/meminfo", "rb") as f:
+            info = dict(line.split(b":", 1) for line in f if b":" in line)
+        return sum(int(info[k].split()[0]) * 1024 for k in (b"MemAvailable", b"SwapFree"))
+    except (OSError, KeyError, ValueError):
+        try:
+            return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (OSError, ValueError):
+            return None
+
+
+def _alloc(shape, dtype: torch.dtype, device: torch.device, what: str) -> torch.Tensor:
+    """torch.empty(shape) once `device` has room for it. Sizes come from a
+    sync's manifest (another process wrote it): too large, or a failed
+    allocation, is shmcast.RegionFull (errno ENOMEM), never a torch error."""
+    n = (math.prod(shape) if isinstance(shape, tuple) else shape) * _ELEM_SIZE[dtype]
+    free = _free_bytes(device)
+    why = None
+    if free is not None and n > free:
+        why = f"only {free} bytes are free there"
+    else:
+        try:
+            return torch.empty(shape, dtype=dtype, device=device)
+        except RuntimeError as e:  # torch.cuda.OutOfMemoryError is one
+            why = f"the allocation failed ({str(e).splitlines()[0] if str(e) else type(e).__name__})"
+    err = _C.RegionFull(
+        f"{what} needs {n} bytes on {device}, but {why}. Free memory, send smaller syncs, or receive_into() "
+        f"preallocated tensors (if the producer did not send {n} bytes, its region is corrupt)")
+    err.sys_errno = errno.ENOMEM
+    raise err
 
 
 def _views(buf: torch.Tensor, tensors) -> list:
@@ -654,13 +694,15 @@ class Consumer(_Closing):
                 torch_dtype(t[1])
         nbytes = info.stream_bytes
         dev = self.device
+        what = f"sync {info.version} of '{c.name}'"
         if dev.type == "cpu":
             if mode == "staging":
                 buf = self._host_buf
                 if buf is None or buf.numel() < nbytes:
-                    buf = self._host_buf = torch.empty(_round_up(max(nbytes, 1), 1 << 21), dtype=torch.uint8)
+                    self._host_buf = buf = None  # the old one goes first
+                    buf = self._host_buf = _alloc(_round_up(max(nbytes, 1), 1 << 21), torch.uint8, dev, what)
             else:
-                buf = torch.empty(_round_up(max(nbytes, 1), 256), dtype=torch.uint8)
+                buf = _alloc(_round_up(max(nbytes, 1), 256), torch.uint8, dev, what)
             base = buf.data_ptr()
             c.read_into([base + t[4] if t[3] else None for t in tensors])
             return _views(buf, tensors)
@@ -673,7 +715,7 @@ class Consumer(_Closing):
                 base = ptrs[0] - tensors[0][4]
                 buf = torch.as_tensor(_CudaArray(base, nbytes, self), device=dev)
                 return _views(buf, tensors)
-            buf = torch.empty(_round_up(max(nbytes, 1), 256), dtype=torch.uint8, device=dev)
+            buf = _alloc(_round_up(max(nbytes, 1), 256), torch.uint8, dev, what)
             base = buf.data_ptr()
             c.read_into_device([base + t[4] if t[3] else None for t in tensors], stream)
             return _views(buf, tensors)
@@ -752,7 +794,8 @@ class Consumer(_Closing):
             if d.is_contiguous() and not (d.is_conj() or d.is_neg()) and (cuda_dev is None or d.is_cuda):
                 ptrs[j] = d.data_ptr()
             else:
-                tmp = torch.empty(d.shape, dtype=d.dtype, device=cuda_dev if cuda_dev is not None else d.device)
+                tmp = _alloc(tuple(d.shape), d.dtype, cuda_dev if cuda_dev is not None else d.device,
+                             f"sync {info.version}: the temporary for '{info.tensors[j][0]}'")
                 after.append((d, tmp))
                 ptrs[j] = tmp.data_ptr()
         if cuda_dev is None:

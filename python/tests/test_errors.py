@@ -149,6 +149,28 @@ def test_cuda_unavailable_on_cpu_build_or_machine(region):
 # ---------------------------------------------------------------- hostile or odd input: always a shmcast.Error
 
 
+def test_manifest_sizes_never_reach_torch_allocator_unchecked(region):
+    """A manifest no shmcast producer would write claims a 64 TiB tensor:
+    receive() refuses to allocate it (RegionFull, errno ENOMEM, saying what
+    to do) in both modes instead of raising torch's allocation error, and
+    the consumer goes on with the next sync."""
+    with shmcast.Producer(region, slot_bytes=roles.SLOT, slots=4) as prod, shmcast.Consumer(region) as cons:
+        for mode in ("copy", "staging"):
+            prod.send([("x", torch.arange(4.0))])
+            with regions.edit_sync(prod.path) as m:
+                m.set_tensor(0, nbytes=1 << 46, shape=(1 << 44,))
+                m.stream_bytes(1 << 46)
+                m.payload_bytes(1 << 46)
+            with pytest.raises(shmcast.RegionFull) as ei:
+                cons.receive(timeout=5, mode=mode)
+            e = ei.value
+            assert e.code == "RegionFull" and e.sys_errno == 12  # ENOMEM
+            assert str(1 << 46) in str(e) and "receive_into" in str(e)
+        data = [("y", torch.arange(6, dtype=torch.int32))]
+        prod.send(data)
+        assert roles.compare(cons.receive(timeout=5), data) == []
+
+
 def test_name_that_is_not_utf8_is_corrupt(region):
     """A manifest whose tensor name is not UTF-8 (a producer refuses such
     names; the region can still hold any bytes): shmcast.Corrupt, never a
