@@ -90,7 +90,9 @@ def torch_dtype(name: str) -> torch.dtype:
 
 class Mismatch(_C.InvalidArgument):
     """receive_into(): the sync does not match the destination tensors (names,
-    dtypes or shapes). The sync was skipped; the destinations are untouched."""
+    dtypes or shapes), or a destination cannot take its bytes (overlapping
+    memory, not a dense CPU/CUDA tensor). The sync was skipped; the
+    destinations are untouched."""
 
     code = "InvalidArgument"
 
@@ -725,12 +727,17 @@ class Consumer(_Closing):
         tensors (a mapping name -> preallocated tensor, CPU or CUDA, e.g. a
         model's parameters). Returns the sync's version.
 
-        Every destination must match its tensor's dtype and shape exactly.
+        Every destination must match its tensor's dtype and shape exactly
+        and be a dense CPU or CUDA tensor whose elements each have their own
+        memory (not an expand()ed view); it may be non-contiguous, and may
+        require grad (written as load_state_dict writes: under no_grad).
         strict=True: the sync's names and the mapping's names must be the
         same set; strict=False: tensors of the sync without a destination
         are skipped and destinations absent from the sync are left alone.
-        On any mismatch the sync is skipped, nothing is written, and
-        shmcast.Mismatch is raised."""
+        All of this is checked before the first byte is read: on any
+        mismatch the sync is skipped, nothing is written, and
+        shmcast.Mismatch is raised. (A read that fails later, e.g. the
+        producer died, may leave destinations partly written.)"""
         with self._lock:
             self.wait_sync(timeout)
             return self.read_into(tensors, strict=strict)
