@@ -53,7 +53,11 @@ WaitResult wait_until(Bell& bell, Ready&& ready, std::int64_t deadline_ns, std::
   const std::int64_t spin_end = start + spin_ns();
   while (mono_ns() < spin_end) {
     if (ready()) return WaitResult::kReady;
+#if defined(__x86_64__) || defined(__i386__)
     __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    asm volatile("yield" ::: "memory");
+#endif
   }
   const std::int64_t check_at = start + check_every_ns;
   for (;;) {
