@@ -19,12 +19,18 @@
 # generation, ABI, struct layouts and syscall numbers, and every futex, OFD
 # lock and shared-memory path of the two tiers. Not weak memory ordering:
 # qemu runs the guest's loads and stores on the x86 host's stronger (TSO)
-# order, so a missing acquire/release would not show here.
+# order, so a missing acquire/release would not show here. Nor the liveness
+# fallback's start-time check (used only when an F_OFD_GETLK probe fails):
+# qemu fakes /proc/self/stat, and a forked child reports its qemu ancestor's
+# start time in field 22 (TaskState.start_boottime is set once, at qemu
+# start, and fork() copies it), not the kernel's. OFD locks, futexes and
+# MAP_SHARED memory go straight to the host kernel.
 #
 # Environment:
 #   AARCH64_BUILD_DIR   build directory (build-aarch64)
 #   CTEST_JOBS          parallel ctest jobs (2)
 #   AARCH64_CTEST_ARGS  extra ctest arguments
+#   CMAKE_GENERATOR     generator for a new build dir (Ninja when found)
 # Output: one line, e.g.
 #   AARCH64-SUMMARY status=pass install_s=60 configure_build_s=120 test_s=90 tests=70 failed=0 excluded=1
 set -euo pipefail
@@ -71,7 +77,7 @@ fi
 t1=$(date +%s)
 
 gen=()
-command -v ninja >/dev/null && gen=(-G Ninja)
+[ -z "${CMAKE_GENERATOR:-}" ] && command -v ninja >/dev/null && gen=(-G Ninja)
 [ -f "$dir/CMakeCache.txt" ] && gen=()
 mkdir -p "$dir"
 cmake -S . -B "$dir" "${gen[@]}" --toolchain "$PWD/cmake/toolchain-aarch64.cmake" \
