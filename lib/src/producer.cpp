@@ -58,9 +58,24 @@ struct Producer::Impl {
     writer.complete_below(pos, [this](std::function<void()> publish) { engine->chunk_done(std::move(publish)); });
   }
 
+  // A write that fails leaves nothing half-announced: the sync is aborted
+  // (consumers get kAborted with the reason) before the error propagates.
   void write_tensor(std::size_t index, const Buffer& src, void* stream) {
     require_open();
     if (!in_sync) throw Error(Errc::kInvalidArgument, "write() outside a sync: call begin_sync() first");
+    try {
+      write_tensor_in_sync(index, src, stream);
+    } catch (const Error& e) {
+      abort(e.what());
+      throw;
+    }
+  }
+
+  void write_tensor_in_sync(std::size_t index, const Buffer& src, void* stream) {
+    if (src.device && !engine->is_cuda())
+      throw Error(Errc::kInvalidArgument, "write_device() on a producer with the host copy engine: create it with "
+                                          "engine = CopyEngine::kCuda (or kAuto on a machine with a GPU), or copy "
+                                          "the tensor to host memory and write() it");
     if (index != next_tensor) {
       if (index >= specs.size())
         throw Error(Errc::kInvalidArgument, "tensor index " + std::to_string(index) + " is out of range (the sync has " +
@@ -241,7 +256,8 @@ Producer Producer::create(std::string_view name, const ProducerOptions& o) {
   impl->view = RegionView(std::move(file), g);
   init_header(impl->view, o.checksums);
   impl->ring.emplace(&impl->view, ProducerRingOptions{o.stall_policy, o.consumer_timeout.count()});
-  impl->engine = make_host_producer_engine();
+  const bool cuda = o.engine == CopyEngine::kCuda || (o.engine == CopyEngine::kAuto && cuda_available());
+  impl->engine = cuda ? make_cuda_producer_engine() : make_host_producer_engine();
   impl->create_s = static_cast<double>(mono_ns() - t0) * 1e-9;
   if (o.pin != Pin::kNo) {
     impl->pin = cuda_pin(impl->view.file().data(), impl->view.file().size());
@@ -342,12 +358,6 @@ void Producer::write_device(std::size_t index, const void* src, void* stream) {
 }
 
 void Producer::write_device_strided(std::size_t index, const void* src, const Strided2D& layout, void* stream) {
-  impl_->require_open();
-  if (!impl_->engine->is_cuda()) {
-    if (impl_->writer.mid_chunk())
-      throw Error(Errc::kInvalidArgument, "cannot switch to device writes in the middle of a slot");
-    impl_->engine = make_cuda_producer_engine();
-  }
   impl_->write_tensor(index, Buffer{const_cast<void*>(src), true, layout}, stream);
 }
 
@@ -405,6 +415,7 @@ std::uint64_t Producer::slot_bytes() const { return impl_->view.geo().slot_bytes
 std::uint32_t Producer::slots() const { return impl_->view.geo().slot_count; }
 std::uint64_t Producer::last_version() const { return impl_->version; }
 bool Producer::pinned() const { return impl_->pin.pinned; }
+CopyEngine Producer::engine() const { return impl_->engine->is_cuda() ? CopyEngine::kCuda : CopyEngine::kHost; }
 double Producer::pin_seconds() const { return impl_->pin.seconds; }
 double Producer::create_seconds() const { return impl_->create_s; }
 void Producer::close() {

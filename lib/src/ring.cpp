@@ -291,15 +291,24 @@ RecordSnapshot ConsumerRing::wait_announce(std::uint64_t after_version, std::int
       return ((w & 1u) == 0 && w != seen) || h.init_state.load(std::memory_order_acquire) == kInitClosed ||
              seat_state(s.word.load(std::memory_order_acquire)) != kSeatActive;
     };
+    // A sync for us in the record now (the record is stable and new).
+    auto take = [&] {
+      if (!read_record(h, &rec)) return false;
+      seen = rec.word;
+      return rec.version > after_version && !rec.aborted && s.included_gen.load(std::memory_order_acquire) == gen_ &&
+             s.first_version.load(std::memory_order_relaxed) <= rec.version;
+    };
     const WaitResult r = wait_until(h.sync.announce, ready, deadline_ns, kLivenessPollNs);
     check_seat();
-    if (r == WaitResult::kReady && read_record(h, &rec)) {
-      seen = rec.word;
-      if (rec.version > after_version && !rec.aborted && s.included_gen.load(std::memory_order_acquire) == gen_ &&
-          s.first_version.load(std::memory_order_relaxed) <= rec.version)
-        return rec;
+    if (r == WaitResult::kReady && take()) return rec;
+    try {
+      check_producer(false);
+    } catch (const Error&) {
+      // The producer may have announced a sync, finished it and then died or
+      // closed between the wait and the check: that sync is complete.
+      if (take()) return rec;
+      throw;
     }
-    check_producer(false);
     if (r == WaitResult::kTimeout || mono_ns() >= deadline_ns)
       throw Error(Errc::kTimeout, "no sync arrived within the timeout; the producer (pid " +
                                       std::to_string(h.producer.pid.load()) + ") is alive but has not sent one");
@@ -355,7 +364,13 @@ ConsumerRing::ChunkWait ConsumerRing::wait_chunk(std::uint64_t seq, std::uint64_
     if (h.published_seq.load(std::memory_order_acquire) >= seq) break;
     if (const std::uint64_t f = more_filled(); f != 0) return {v_->slot_of(seq), false, f};
     check_abandoned();
-    check_producer(true);
+    try {
+      check_producer(true);
+    } catch (const Error&) {
+      // Published, then the producer died, between the wait and the check.
+      if (h.published_seq.load(std::memory_order_acquire) >= seq) break;
+      throw;
+    }
     if (h.init_state.load(std::memory_order_acquire) == kInitClosed)
       throw Error(Errc::kClosed, "the producer closed the region in the middle of sync " + std::to_string(version));
     // ready() may hold without any of the above (hostile bytes): the

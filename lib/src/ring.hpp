@@ -157,8 +157,6 @@ class ChunkWriter {
       ++published_;
     }
   }
-  // True when a chunk is acquired but not yet handed over.
-  bool mid_chunk() const { return acquired_ != published_; }
 
  private:
   void claim_chunk(std::uint64_t c);

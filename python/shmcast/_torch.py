@@ -343,6 +343,7 @@ class Producer(_Closing):
         consumer_timeout: float = 60.0,
         pin: Union[str, bool] = "auto",
         staging_budget: int = 256 << 20,
+        engine: str = "auto",
     ):
         self._pid = os.getpid()
         self._c = None
@@ -360,9 +361,12 @@ class Producer(_Closing):
             stall_policy=stall_policy,
             consumer_timeout=consumer_timeout,
             pin=pin,
+            engine=engine,
         )
         self._staging_budget = budget
-        self._engine_cuda = False  # the library's producer engine moved to CUDA
+        # Fixed at create: 'cuda' copies device tensors with async D2H (and
+        # host ones with memcpy); 'host' stages CUDA tensors to CPU first.
+        self._engine_cuda = self._c.engine == "cuda"
         self._streams: dict = {}
 
     # -------------------------------------------------------- sending
@@ -435,20 +439,16 @@ class Producer(_Closing):
                 lays.append(lay)
                 if lay is None:
                     slow.append(i)
-        # Where host sources go. The library's producer engine switches to
-        # CUDA at the first device write (and only at a slot boundary); its
-        # CUDA engine then copies host sources with memcpy. Device writes
-        # take device pointers only (cudaMemcpyDefault rejects pageable host
-        # memory). So in a sync that mixes CPU and CUDA tensors, while the
-        # engine is still the host one, the CPU tensors before the first
-        # CUDA tensor are staged onto the GPU; the rest go as host writes.
-        if cuda_dev is not None:
+        # Where sources go. A CUDA engine copies device tensors with async
+        # D2H and host tensors with memcpy; a host engine takes host memory
+        # only, so its CUDA tensors are staged to CPU one at a time.
+        if cuda_dev is not None and not self._engine_cuda:
+            slow = sorted(set(slow) | {i for i in range(len(devs)) if devs[i]})
+            devs = [False] * len(devs)
+            cuda_dev = None
+            target = "host"
+        elif cuda_dev is not None:
             target = "device"
-            if any_cpu and not self._engine_cuda:
-                first = devs.index(True)
-                early = [i for i in range(first) if not devs[i]]
-                if early:
-                    slow = sorted(set(slow) | set(early))
         elif any_cpu:
             target = "host"
         else:
@@ -458,9 +458,7 @@ class Producer(_Closing):
             if cuda_dev is None:
                 return c.send_batch(specs, srcs, devs, lays, None)
             with torch.cuda.device(cuda_dev):
-                v = c.send_batch(specs, srcs, devs, lays, streams)
-            self._engine_cuda = True
-            return v
+                return c.send_batch(specs, srcs, devs, lays, streams)
         return self._send_slow(c, specs, srcs, devs, lays, streams, slow, keep, target, cuda_dev)
 
     @staticmethod
@@ -480,8 +478,6 @@ class Producer(_Closing):
                     if cuda_dev is not None:
                         with torch.cuda.device(cuda_dev):
                             c.write_batch(start, srcs[start:i], devs[start:i], lays[start:i], streams)
-                        if any(devs[start:i]):
-                            self._engine_cuda = True
                     else:
                         c.write_batch(start, srcs[start:i], devs[start:i], lays[start:i], None)
                 if i == len(specs):
@@ -494,17 +490,14 @@ class Producer(_Closing):
                     target = "device" if staged.is_cuda else "host"
                 if staged.is_cuda and target == "host":
                     staged = staged.cpu()  # a GPU gather in a host sync
-                if target == "device" and not staged.is_cuda and self._engine_cuda:
-                    c.write(i, staged.data_ptr())  # a host source through the CUDA engine: memcpy
-                elif target == "device":
-                    dev = staged.device if staged.is_cuda else cuda_dev
-                    if dev is None:
-                        dev = torch.device("cuda", torch.cuda.current_device())
-                    if not staged.is_cuda:
-                        staged = staged.to(dev)  # the engine is not CUDA yet: start it with a device write
+                if staged.is_cuda and not self._engine_cuda:
+                    staged = staged.cpu()  # a host engine takes host memory only
+                if not staged.is_cuda:
+                    c.write(i, staged.data_ptr())  # host memory: memcpy (through either engine)
+                else:
+                    dev = staged.device
                     with torch.cuda.device(dev):
                         c.write_device(i, staged.data_ptr(), self._stream_of(dev))
-                    self._engine_cuda = True
                     # The copy runs on the library's stream: keep the staging
                     # copy alive until the device has done it.
                     held.append(staged)
@@ -512,8 +505,6 @@ class Producer(_Closing):
                     if held_bytes > self._staging_budget:
                         torch.cuda.synchronize(dev)  # every stream of the device, the library's too
                         held, held_bytes = [], 0
-                else:
-                    c.write(i, staged.data_ptr())
                 del staged
                 start = i + 1
             c.end_sync()  # returns once every copy has run: held copies may go

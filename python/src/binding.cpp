@@ -273,6 +273,14 @@ Pin parse_pin(py::handle o) {
   throw Error(Errc::kInvalidArgument, "pin must be 'auto', True/'yes' or False/'no', not '" + s + "'");
 }
 
+CopyEngine parse_engine(py::handle h) {
+  const std::string s = utf8_arg(h, "engine", Errc::kInvalidArgument);
+  if (s == "auto") return CopyEngine::kAuto;
+  if (s == "host") return CopyEngine::kHost;
+  if (s == "cuda") return CopyEngine::kCuda;
+  throw Error(Errc::kInvalidArgument, "engine must be 'auto', 'host' or 'cuda', not '" + s + "'");
+}
+
 StallPolicy parse_stall(py::handle h) {
   const std::string s = utf8_arg(h, "stall_policy", Errc::kInvalidArgument);
   if (s == "fail") return StallPolicy::kFail;
@@ -465,7 +473,7 @@ class PyProducer : Owned {
  public:
   PyProducer(py::handle name, py::handle slot_bytes, py::handle slots, py::handle max_consumers,
              py::handle manifest_bytes, bool group_access, bool replace_stale, bool unlink_on_close, bool checksums,
-             py::handle stall_policy, py::handle consumer_timeout, py::handle pin) {
+             py::handle stall_policy, py::handle consumer_timeout, py::handle pin, py::handle engine) {
     const std::string n = region_name_arg(name);
     ProducerOptions o;
     o.slot_bytes = int_arg<std::uint64_t>(slot_bytes, "slot_bytes", 1, detail::kMaxSlotBytes);
@@ -480,6 +488,7 @@ class PyProducer : Owned {
     o.stall_policy = parse_stall(stall_policy);
     o.consumer_timeout = seconds_arg(consumer_timeout, "consumer_timeout", false);
     o.pin = parse_pin(pin);
+    o.engine = parse_engine(engine);
     py::gil_scoped_release nogil;  // fallocate + cudaHostRegister can take a while
     p_ = std::make_unique<Producer>(Producer::create(n, o));
   }
@@ -628,6 +637,7 @@ class PyProducer : Owned {
   std::uint32_t slots() const { return p_->slots(); }
   std::uint64_t last_version() const { return p_->last_version(); }
   bool pinned() const { return p_->pinned(); }
+  std::string engine() const { return p_->engine() == CopyEngine::kCuda ? "cuda" : "host"; }
   double pin_seconds() const { return p_->pin_seconds(); }
   double create_seconds() const { return p_->create_seconds(); }
   const SentSync& last_sync() const { return last_; }
@@ -911,11 +921,12 @@ PYBIND11_MODULE(_shmcast, m) {
 
   py::class_<PyProducer>(m, "Producer", "Low-level producer (shmcast::Producer). Pointers are ints.")
       .def(py::init<py::handle, py::handle, py::handle, py::handle, py::handle, bool, bool, bool, bool, py::handle,
-                    py::handle, py::handle>(),
+                    py::handle, py::handle, py::handle>(),
            py::arg("name"), py::kw_only(), py::arg("slot_bytes") = 256ull << 20, py::arg("slots") = 2,
            py::arg("max_consumers") = 8, py::arg("manifest_bytes") = 1ull << 20, py::arg("group_access") = false,
            py::arg("replace_stale") = true, py::arg("unlink_on_close") = true, py::arg("checksums") = false,
-           py::arg("stall_policy") = "fail", py::arg("consumer_timeout") = 60.0, py::arg("pin") = "auto")
+           py::arg("stall_policy") = "fail", py::arg("consumer_timeout") = 60.0, py::arg("pin") = "auto",
+           py::arg("engine") = "auto")
       .def("begin_sync", &PyProducer::begin_sync, py::arg("specs"),
            "specs: sequence of (name, dtype, shape). Returns the sync's version.")
       .def("write", &PyProducer::write, py::arg("index"), py::arg("ptr"), py::arg("nbytes") = py::none())
@@ -948,6 +959,7 @@ PYBIND11_MODULE(_shmcast, m) {
       .def_property_readonly("last_version", &PyProducer::last_version)
       .def_property_readonly("last_sync", &PyProducer::last_sync, py::return_value_policy::copy)
       .def_property_readonly("pinned", &PyProducer::pinned)
+      .def_property_readonly("engine", &PyProducer::engine, "'host' or 'cuda': the copy engine chosen at create")
       .def_property_readonly("pin_seconds", &PyProducer::pin_seconds)
       .def_property_readonly("create_seconds", &PyProducer::create_seconds);
 

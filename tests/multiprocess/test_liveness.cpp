@@ -457,7 +457,8 @@ TEST(Api, MisuseIsInvalidArgument) {
   expect_invalid([&] { p.write(0, s.ptrs[0]); });  // outside a sync
   expect_invalid([&] { p.end_sync(); });
   p.begin_sync(s.specs);
-  expect_invalid([&] { p.write(1, s.ptrs[1]); });  // out of order
+  expect_invalid([&] { p.write(1, s.ptrs[1]); });  // out of order: aborts the sync
+  EXPECT_EQ(p.begin_sync(s.specs), 2u);             // so a fresh one can begin
   expect_invalid([&] { p.end_sync(); });            // tensors missing
   expect_invalid([&] { p.begin_sync(s.specs); });   // nested
   p.write(0, s.ptrs[0]);
