@@ -5,7 +5,9 @@
 #include <gtest/gtest.h>
 #include <poll.h>
 #include <signal.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/un.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -930,4 +932,337 @@ TEST(Tool, ShowReportsAbortsAndEvictions) {
   Result h = tool({"show", "err", "--dir", dir.path});
   EXPECT_NE(h.out.find("trainer hit a NaN"), std::string::npos) << h.out;
   EXPECT_NE(h.out.find("evicted"), std::string::npos) << h.out;
+}
+
+// ================================================================ hardening
+//
+// Regions the tool must not trust, names swapped under it, files cut under
+// a running dump, huge manifests and bad numbers.
+
+namespace {
+
+// ---- the binary's helper role: a producer run as another user (setpriv).
+
+// Makes region `name` in $SHMCAST_DIR, sends one sync, opens the file to
+// everyone (0666), says "R" on stdout, holds the region until stdin closes,
+// then closes it without unlinking the name.
+int role_foreign_producer(const std::string& name) {
+  try {
+    Producer p = Producer::create(name, small_opts(false));
+    SyncData d = make_sync(small_specs(), 1);
+    p.send(d.specs, d.ptrs());
+    if (::chmod(p.path().c_str(), 0666) != 0) return 3;
+    if (::write(1, "R", 1) != 1) return 4;
+    char c;
+    while (::read(0, &c, 1) > 0) {
+    }
+    p.close();
+    return 0;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "foreign producer: %s\n", e.what());
+    return 2;
+  }
+}
+
+constexpr std::uint32_t kNobody = 65534;
+
+std::string find_setpriv() {
+  for (const char* p : {"/usr/bin/setpriv", "/bin/setpriv", "/usr/sbin/setpriv", "/sbin/setpriv"})
+    if (::access(p, X_OK) == 0) return p;
+  return {};
+}
+
+// The test binary run again as uid/gid 65534 with no supplementary groups.
+struct ForeignProducer {
+  pid_t pid = -1;
+  int in = -1, out = -1, err = -1;
+  static ForeignProducer spawn(const std::string& setpriv, const std::string& name) {
+    char exe[4096];
+    const ssize_t n = ::readlink("/proc/self/exe", exe, sizeof exe - 1);
+    if (n <= 0) throw std::runtime_error("readlink /proc/self/exe");
+    exe[n] = '\0';
+    int i[2], o[2], e[2];
+    if (::pipe2(i, O_CLOEXEC) != 0 || ::pipe2(o, O_CLOEXEC) != 0 || ::pipe2(e, O_CLOEXEC) != 0)
+      throw std::runtime_error("pipe");
+    ForeignProducer f;
+    f.pid = ::fork();
+    if (f.pid == 0) {
+      ::dup2(i[0], 0);
+      ::dup2(o[1], 1);
+      ::dup2(e[1], 2);
+      const std::string uid = "--reuid=" + std::to_string(kNobody), gid = "--regid=" + std::to_string(kNobody);
+      ::execl(setpriv.c_str(), setpriv.c_str(), uid.c_str(), gid.c_str(), "--clear-groups", exe,
+              "--role=foreign-producer", name.c_str(), static_cast<char*>(nullptr));
+      ::_exit(127);
+    }
+    ::close(i[0]);
+    ::close(o[1]);
+    ::close(e[1]);
+    f.in = i[1];
+    f.out = o[0];
+    f.err = e[0];
+    return f;
+  }
+  // Waits for its "R"; on failure returns what it printed on stderr.
+  bool ready(std::string* why) {
+    struct pollfd p = {out, POLLIN, 0};
+    char c = 0;
+    if (::poll(&p, 1, 20000) == 1 && ::read(out, &c, 1) == 1 && c == 'R') return true;
+    char buf[4096];
+    const ssize_t n = ::read(err, buf, sizeof buf);
+    *why = n > 0 ? std::string(buf, static_cast<std::size_t>(n)) : "no output";
+    return false;
+  }
+  // Closes its stdin: it closes the region and exits. Returns its exit code.
+  int finish() {
+    if (in >= 0) ::close(in);
+    in = -1;
+    Child c;
+    c.pid = pid;
+    pid = -1;
+    return c.wait(20s);
+  }
+  ~ForeignProducer() {
+    if (in >= 0) ::close(in);
+    if (pid > 0) {
+      ::kill(pid, SIGKILL);
+      ::waitpid(pid, nullptr, 0);
+    }
+    for (int fd : {out, err})
+      if (fd >= 0) ::close(fd);
+  }
+};
+
+std::vector<std::string> temp_files(const std::string& dir) {
+  std::vector<std::string> v;
+  for (const auto& e : fs::directory_iterator(dir))
+    if (e.path().filename().string().find(".tmp.") != std::string::npos) v.push_back(e.path().string());
+  return v;
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------- 1. owners
+
+TEST(Tool, ForeignOwnedRegionIsUntrustedByEveryVerb) {
+  if (::geteuid() != 0) GTEST_SKIP() << "needs root to run a producer as another user";
+  const std::string setpriv = find_setpriv();
+  if (setpriv.empty()) GTEST_SKIP() << "setpriv is missing";
+  TempDir dir;
+  ASSERT_EQ(::chmod(dir.path.c_str(), 0777), 0);
+  make_closed("mine");
+  ForeignProducer theirs = ForeignProducer::spawn(setpriv, "theirs");
+  std::string why;
+  ASSERT_TRUE(theirs.ready(&why)) << why;
+  struct stat st {};
+  ASSERT_EQ(::stat(dir.file("theirs").c_str(), &st), 0);
+  ASSERT_EQ(st.st_uid, kNobody);
+  ASSERT_EQ(st.st_mode & 07777, 0666u);
+
+  // list: a distinct state, the owner and mode, and none of its bytes.
+  json lj = tool({"list", "--json", "--dir", dir.path}).j();
+  const json* t = find_region(lj, "theirs");
+  const json* m = find_region(lj, "mine");
+  ASSERT_TRUE(t && m) << lj.dump();
+  EXPECT_EQ(t->at("state"), "untrusted-owner");
+  EXPECT_EQ(t->at("trusted"), false);
+  EXPECT_EQ(t->at("file_type"), "regular");
+  EXPECT_EQ(t->at("owner").at("uid"), kNobody);
+  EXPECT_EQ(t->at("owner").at("user"), "nobody");
+  EXPECT_EQ(t->at("owner").at("mode"), "0666");
+  EXPECT_NE(t->at("reason").get<std::string>().find("65534"), std::string::npos) << t->dump();
+  EXPECT_TRUE(t->at("layout_version").is_null()) << "its header must not be read";
+  EXPECT_TRUE(t->at("producer").at("pid").is_null());
+  EXPECT_TRUE(t->at("sync_version").is_null());
+  EXPECT_EQ(m->at("state"), "closed");
+  EXPECT_EQ(m->at("trusted"), true);
+  EXPECT_EQ(m->at("owner").at("uid"), 0);
+  EXPECT_EQ(m->at("owner").at("mode"), "0600");
+  Result hl = tool({"list", "--dir", dir.path});
+  EXPECT_NE(hl.out.find("untrusted-owner"), std::string::npos) << hl.out;
+
+  // show: exit 4, the owner, no header, seats or manifest.
+  Result s = tool({"show", "theirs", "--json", "--dir", dir.path});
+  EXPECT_EQ(s.rc, 4) << s.err;
+  json sj = s.j();
+  EXPECT_EQ(sj.at("region").at("state"), "untrusted-owner");
+  EXPECT_TRUE(sj.at("header").is_null());
+  EXPECT_EQ(sj.at("seats").size(), 0u);
+  EXPECT_NE(sj.at("manifest").at("status"), "ok");
+  Result hs = tool({"show", "theirs", "--dir", dir.path});
+  EXPECT_EQ(hs.rc, 4);
+  EXPECT_NE(hs.out.find("NOT TRUSTED"), std::string::npos) << hs.out;
+  EXPECT_NE(hs.out.find("nobody"), std::string::npos) << hs.out;
+
+  // watch shows the state; dump refuses at once and writes nothing.
+  Result w = tool({"watch", "theirs", "--count", "1", "--json", "--dir", dir.path});
+  EXPECT_EQ(w.rc, 0) << w.err;
+  EXPECT_EQ(w.j().at("region").at("state"), "untrusted-owner");
+  const std::string out = dir.path + "/theirs.safetensors";
+  const auto t0 = std::chrono::steady_clock::now();
+  Result d = tool({"dump", "theirs", "--out", out, "--timeout", "10", "--json", "--dir", dir.path});
+  EXPECT_EQ(d.rc, 4) << d.err;
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, 5s);
+  EXPECT_NE(d.err.find("untrusted-owner"), std::string::npos) << d.err;
+  EXPECT_FALSE(exists(out));
+  EXPECT_TRUE(temp_files(dir.path).empty());
+
+  // gc never removes it (mine, closed and trusted, goes); rm only with --force.
+  json g = tool({"gc", "--grace", "0", "--json", "--dir", dir.path}).j();
+  EXPECT_EQ(names_of(g.at("removed")), (std::set<std::string>{"mine"}));
+  EXPECT_EQ(names_of(g.at("kept")), (std::set<std::string>{"theirs"}));
+  EXPECT_TRUE(exists(dir.file("theirs")));
+  EXPECT_EQ(tool({"rm", "theirs", "--dir", dir.path}).rc, 5);
+  EXPECT_TRUE(exists(dir.file("theirs")));
+
+  // Its producer leaves (closed, nobody attached): still never collected.
+  EXPECT_EQ(theirs.finish(), 0);
+  json g2 = tool({"gc", "--grace", "0", "--json", "--dir", dir.path}).j();
+  EXPECT_EQ(names_of(g2.at("removed")), (std::set<std::string>{}));
+  EXPECT_TRUE(exists(dir.file("theirs")));
+  Result r = tool({"rm", "theirs", "--json", "--dir", dir.path});
+  EXPECT_EQ(r.rc, 5);
+  EXPECT_EQ(r.j().at("removed"), false);
+  Result f = tool({"rm", "theirs", "--force", "--json", "--dir", dir.path});
+  EXPECT_EQ(f.rc, 0) << f.err;
+  EXPECT_EQ(f.j().at("forced"), true);
+  EXPECT_FALSE(exists(dir.file("theirs")));
+}
+
+TEST(Tool, GroupOrOtherWritableRegionsAreUntrusted) {
+  TempDir dir;
+  for (const char* n : {"private", "readable", "group", "world", "world-nogroup"}) make_closed(n);
+  ASSERT_EQ(::chmod(dir.file("readable").c_str(), 0644), 0);
+  ASSERT_EQ(::chmod(dir.file("group").c_str(), 0660), 0);  // group_access, the caller's own group
+  ASSERT_EQ(::chmod(dir.file("world").c_str(), 0666), 0);
+  ASSERT_EQ(::chmod(dir.file("world-nogroup").c_str(), 0602), 0);
+  bool foreign_group = false;
+  if (::geteuid() == 0) {
+    // Group-writable by a group the caller is not in.
+    make_closed("other-group");
+    ASSERT_EQ(::chown(dir.file("other-group").c_str(), static_cast<uid_t>(-1), kNobody), 0);
+    ASSERT_EQ(::chmod(dir.file("other-group").c_str(), 0660), 0);
+    foreign_group = ::getegid() != kNobody;
+    std::vector<gid_t> groups(static_cast<std::size_t>(std::max(::getgroups(0, nullptr), 0)));
+    if (!groups.empty() && ::getgroups(static_cast<int>(groups.size()), groups.data()) > 0)
+      for (gid_t g : groups)
+        if (g == kNobody) foreign_group = false;
+  }
+  json lj = tool({"list", "--json", "--dir", dir.path}).j();
+  std::map<std::string, std::string> state;
+  for (const json& r : lj.at("regions")) state[r.at("name")] = r.at("state");
+  EXPECT_EQ(state["private"], "closed");
+  EXPECT_EQ(state["readable"], "closed");
+  EXPECT_EQ(state["group"], "closed");
+  EXPECT_EQ(state["world"], "untrusted-owner");
+  EXPECT_EQ(state["world-nogroup"], "untrusted-owner");
+  EXPECT_EQ(find_region(lj, "world")->at("owner").at("mode"), "0666");
+  EXPECT_NE(find_region(lj, "world")->at("reason").get<std::string>().find("any user can write"),
+            std::string::npos);
+  if (foreign_group) {
+    EXPECT_EQ(state["other-group"], "untrusted-owner");
+    EXPECT_NE(find_region(lj, "other-group")->at("reason").get<std::string>().find("group 65534"),
+              std::string::npos);
+  }
+  json g = tool({"gc", "--grace", "0", "--json", "--dir", dir.path}).j();
+  EXPECT_EQ(names_of(g.at("removed")), (std::set<std::string>{"private", "readable", "group"}));
+  EXPECT_TRUE(exists(dir.file("world")));
+  EXPECT_TRUE(exists(dir.file("world-nogroup")));
+  if (foreign_group) {
+    EXPECT_TRUE(exists(dir.file("other-group")));
+  }
+}
+
+// ---------------------------------------------------------------- 2. non-regular files
+
+TEST(Tool, SymlinksFifosSocketsAndDirectoriesAreCleanStates) {
+  TempDir dir;
+  make_closed("real");
+  ASSERT_EQ(::symlink(dir.file("real").c_str(), dir.file("link").c_str()), 0);
+  ASSERT_EQ(::mkfifo(dir.file("fifo").c_str(), 0600), 0);
+  fs::create_directory(dir.file("adir"));
+  const int sock = ::socket(AF_UNIX, SOCK_STREAM, 0);
+  ASSERT_GE(sock, 0);
+  struct sockaddr_un addr {};
+  addr.sun_family = AF_UNIX;
+  const std::string sp = dir.file("sock");
+  ASSERT_LT(sp.size(), sizeof addr.sun_path);
+  std::memcpy(addr.sun_path, sp.c_str(), sp.size() + 1);
+  ASSERT_EQ(::bind(sock, reinterpret_cast<const sockaddr*>(&addr), sizeof addr), 0);
+
+  Result l = tool({"list", "--json", "--dir", dir.path}, 10s);
+  ASSERT_EQ(l.rc, 0) << l.err;
+  json lj = l.j();
+  const std::map<std::string, std::pair<std::string, std::string>> want = {
+      {"link", {"symlink", "symbolic link"}},
+      {"fifo", {"fifo", "FIFO"}},
+      {"adir", {"directory", "directory"}},
+      {"sock", {"socket", "socket"}}};
+  for (const auto& [n, w] : want) {
+    SCOPED_TRACE(n);
+    const json* r = find_region(lj, n);
+    ASSERT_NE(r, nullptr);
+    EXPECT_EQ(r->at("state"), "foreign");
+    EXPECT_EQ(r->at("file_type"), w.first);
+    EXPECT_NE(r->at("reason").get<std::string>().find(w.second), std::string::npos) << r->dump();
+    Result s = tool({"show", n, "--json", "--dir", dir.path}, 10s);
+    EXPECT_EQ(s.rc, 4) << s.err;
+  }
+  EXPECT_EQ(find_region(lj, "real")->at("state"), "closed");
+  // gc removes the real region but none of the others; the link's target
+  // was never touched through it.
+  json g = tool({"gc", "--grace", "0", "--json", "--dir", dir.path}, 10s).j();
+  EXPECT_EQ(names_of(g.at("removed")), (std::set<std::string>{"real"}));
+  for (const char* n : {"link", "fifo", "adir", "sock"}) EXPECT_TRUE(exists(dir.file(n))) << n;
+  ::close(sock);
+}
+
+TEST(Tool, FifoSwappedUnderTheNameNeverHangs) {
+  TempDir dir;
+  make_closed("image");
+  // A hard link keeps a region image whatever gc does to the swapped name.
+  const std::string image = dir.path + "/image.keep";
+  ASSERT_EQ(::link(dir.file("image").c_str(), image.c_str()), 0);
+  ASSERT_EQ(::unlink(dir.file("image").c_str()), 0);
+  const std::string target = dir.file("swap");
+  const std::string reg = dir.path + "/next.reg", fifo = dir.path + "/next.fifo";
+  std::atomic<bool> stop{false};
+  std::atomic<std::uint64_t> swaps{0};
+  std::thread swapper([&] {
+    while (!stop) {
+      ::unlink(reg.c_str());
+      if (::link(image.c_str(), reg.c_str()) == 0) ::rename(reg.c_str(), target.c_str());
+      ::unlink(fifo.c_str());
+      if (::mkfifo(fifo.c_str(), 0600) == 0) ::rename(fifo.c_str(), target.c_str());
+      swaps.fetch_add(1, std::memory_order_relaxed);
+    }
+  });
+  const auto t_end = std::chrono::steady_clock::now() + 25s;
+  int runs = 0;
+  std::string failure;
+  for (int i = 0; i < 150 && failure.empty() && std::chrono::steady_clock::now() < t_end; ++i) {
+    const char* verb = i % 3 == 0 ? "list" : i % 3 == 1 ? "show" : "gc";
+    std::vector<std::string> args = {verb, "--json", "--dir", dir.path};
+    if (i % 3 == 1) args.insert(args.begin() + 1, "swap");
+    Result r = tool(args, 5s);
+    ++runs;
+    if (r.rc == -1) failure = std::string(verb) + " hung (killed after 5 s)";
+    else if (r.rc >= 128) failure = std::string(verb) + " died of signal " + std::to_string(r.rc - 128);
+    else if (verb == std::string("list") && r.rc != 0) failure = "list exited " + std::to_string(r.rc) + ": " + r.err;
+    else if (verb == std::string("show") && r.rc != 0 && r.rc != 4 && r.rc != 3)  // 3: gc just removed it
+      failure = "show exited " + std::to_string(r.rc) + ": " + r.err;
+    else if (verb == std::string("gc") && r.rc != 0 && r.rc != 1)  // 1: the name was replaced before unlink
+      failure = "gc exited " + std::to_string(r.rc) + ": " + r.err;
+  }
+  stop = true;
+  swapper.join();
+  EXPECT_TRUE(failure.empty()) << failure << " (run " << runs << ", " << swaps.load() << " swaps)";
+  EXPECT_GT(swaps.load(), 100u);
+  EXPECT_GE(runs, 30);
+}
+
+int main(int argc, char** argv) {
+  if (argc == 3 && std::string(argv[1]) == "--role=foreign-producer") return role_foreign_producer(argv[2]);
+  testing::InitGoogleTest(&argc, argv);
+  return RUN_ALL_TESTS();
 }

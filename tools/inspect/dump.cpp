@@ -125,13 +125,16 @@ int cmd_dump(const Common& c, const std::string& name, const std::string& out, d
       return fail(c, "dump", kExitRefused, out_path.string() + " exists: pass --overwrite to replace it");
   }
 
-  // A damaged region will never deliver a sync: say so now instead of
-  // timing out. A missing one may still appear (the producer may be
-  // restarting): the consumer waits for it.
+  // A damaged or untrusted region will never deliver a sync we may use: say
+  // so now instead of timing out. A missing one may still appear (the
+  // producer may be restarting): the consumer waits for it, and the region
+  // it opened is checked again below.
+  auto refuse_region = [&](const RegionReport& r) {
+    return fail(c, "dump", kExitDamaged, "region '" + name + "' is " + r.state + ": " + r.reason);
+  };
   try {
     const RegionReport r = probe(c.dir, name, ProbeOptions{});
-    if (state_is_damaged(r.state))
-      return fail(c, "dump", kExitDamaged, "region '" + name + "' is " + r.state + ": " + r.reason);
+    if (state_is_damaged(r.state)) return refuse_region(r);
   } catch (const Error& e) {
     if (e.code() != Errc::kNotFound) return fail(c, "dump", kExitFailure, e.what());
   }
@@ -157,6 +160,13 @@ int cmd_dump(const Common& c, const std::string& name, const std::string& out, d
     co.pin = Pin::kNo;
     co.open_timeout = left();
     Consumer consumer = Consumer::open(name, co);
+    // The region may have appeared only now, or been replaced since the
+    // probe above: check the file the name holds now.
+    try {
+      const RegionReport r = probe(c.dir, name, ProbeOptions{});
+      if (r.state == kStateUntrusted) return refuse_region(r);
+    } catch (const Error&) {
+    }
     const SyncInfo& info = consumer.wait_sync(left());
     const auto t_sync = std::chrono::steady_clock::now();
 

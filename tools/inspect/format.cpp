@@ -181,12 +181,32 @@ json u64_or_null(bool have, std::uint64_t v) { return have ? json(v) : json(null
 
 }  // namespace
 
+std::string owner_text(const OwnerReport& o) {
+  if (!o.known) return "?";
+  return "uid " + std::to_string(o.uid) + (o.user.empty() ? "" : " (" + o.user + ")") + ", gid " +
+         std::to_string(o.gid) + (o.group.empty() ? "" : " (" + o.group + ")") + ", mode " + mode_text(o.mode) +
+         (o.trusted ? "" : ", NOT TRUSTED");
+}
+
 json region_summary_json(const RegionReport& r) {
   json j;
   j["name"] = r.name;
   j["file"] = r.path;
   j["state"] = r.state;
   j["reason"] = r.reason;
+  j["file_type"] = r.file_type.empty() ? json(nullptr) : json(r.file_type);
+  j["trusted"] = r.owner.known ? json(r.owner.trusted) : json(nullptr);
+  if (r.owner.known) {
+    json o;
+    o["uid"] = r.owner.uid;
+    o["user"] = r.owner.user.empty() ? json(nullptr) : json(r.owner.user);
+    o["gid"] = r.owner.gid;
+    o["group"] = r.owner.group.empty() ? json(nullptr) : json(r.owner.group);
+    o["mode"] = mode_text(r.owner.mode);
+    j["owner"] = o;
+  } else {
+    j["owner"] = nullptr;
+  }
   j["size_bytes"] = r.size;
   j["age_s"] = static_cast<double>(static_cast<std::int64_t>(r.age_s * 1000)) / 1000.0;
   j["layout_version"] = r.have_fixed && r.fixed.magic == kMagic ? json(r.fixed.layout_version) : json(nullptr);
@@ -423,6 +443,7 @@ void print_region_detail(std::ostream& os, const RegionReport& r, std::size_t li
   kv.row({"file", r.path});
   kv.row({"state", r.state + (r.reason.empty() ? "" : " (" + r.reason + ")")});
   kv.row({"size", human_bytes(r.size) + " (" + std::to_string(r.size) + " bytes)"});
+  if (r.owner.known) kv.row({"owner", owner_text(r.owner)});
   kv.row({"participants", r.any_lock == Alive::kYes ? "some alive" : r.any_lock == Alive::kNo ? "none alive" : "?"});
   if (r.have_fixed && r.fixed.magic == kMagic) {
     const HeaderFixed& f = r.fixed;

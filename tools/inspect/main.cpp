@@ -27,9 +27,13 @@ const char* kFooter = R"(Regions are the files shmcast.<name> in the region dire
 $SHMCAST_DIR, else /dev/shm.
 
 Region states: creating, ready, closed, dead, corrupt, foreign, newer-version,
-older-version, truncated, unreadable. Liveness comes from the OFD locks each
-participant holds on its byte of the region file, so it is right across PID
-namespaces and immune to pid reuse.
+older-version, truncated, unreadable, untrusted-owner. Liveness comes from the
+OFD locks each participant holds on its byte of the region file, so it is
+right across PID namespaces and immune to pid reuse. A file owned by another
+user, or writable by users outside the caller's groups, is untrusted-owner:
+its bytes are never read, dump refuses it, gc never removes it and rm only
+with --force. Symlinks are never followed; FIFOs, sockets, devices and
+directories are foreign.
 
 Read-only: list, show and watch open regions read-only and never lock or write.
 Acting:    dump attaches as a consumer; gc and rm remove region files.
@@ -42,10 +46,11 @@ Exit codes:
   1    failure (I/O error, region error during dump, gc could not remove one)
   2    usage error (bad option, bad region name)
   3    region not found
-  4    show/dump: the region is corrupt, foreign, truncated, unreadable or of
-       another layout version (show still prints its report)
-  5    refused: rm while a participant is alive (use --force);
-       dump when --out exists (use --overwrite)
+  4    show/dump: the region is corrupt, foreign, truncated, unreadable,
+       untrusted-owner or of another layout version (show still prints its
+       report)
+  5    refused: rm while a participant is alive or of an untrusted-owner
+       file (use --force); dump when --out exists (use --overwrite)
   6    dump: no sync arrived within --timeout
   7    dump: not enough free space for the output file
   130  dump: interrupted (the temporary file is removed))";
@@ -87,7 +92,8 @@ int main(int argc, char** argv) {
   CLI::App* show = app.add_subcommand(
       "show", "Show one region: header, seats, slots, the current manifest and the last errors (read-only)");
   show->add_option("NAME", name, "Region name")->required();
-  show->add_option("--limit", limit, "Tensor rows of the manifest to show; 0 shows all")->capture_default_str();
+  show->add_option("--limit", limit, "Tensor rows of the manifest to show; 0 shows all")
+      ->capture_default_str();
   add_json(show);
 
   double interval = 1.0;

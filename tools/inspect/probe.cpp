@@ -2,8 +2,11 @@
 
 #include <dirent.h>
 #include <fcntl.h>
+#include <grp.h>
+#include <pwd.h>
 #include <setjmp.h>
 #include <signal.h>
+#include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 #include <xxhash.h>
@@ -21,7 +24,6 @@
 
 #include "doorbell.hpp"
 #include "manifest.hpp"
-#include "region.hpp"
 
 namespace shmcast::inspect {
 
@@ -239,7 +241,127 @@ bool state_is_valid(const std::string& s) { return s == kStateReady || s == kSta
 
 bool state_is_damaged(const std::string& s) {
   return s == kStateCorrupt || s == kStateForeign || s == kStateNewer || s == kStateOlder || s == kStateTruncated ||
-         s == kStateUnreadable;
+         s == kStateUnreadable || s == kStateUntrusted;
+}
+
+int open_region_file(const std::string& path, struct stat* st, int* err) {
+  *err = 0;
+  int fd;
+  do {
+    fd = ::open(path.c_str(), O_RDONLY | O_NOFOLLOW | O_CLOEXEC | O_NONBLOCK | O_NOCTTY);
+  } while (fd < 0 && errno == EINTR);
+  if (fd < 0) {
+    *err = errno;
+    return -1;
+  }
+  if (::fstat(fd, st) != 0) {
+    *err = errno;
+    ::close(fd);
+    return -1;
+  }
+  if (!S_ISREG(st->st_mode)) {
+    ::close(fd);
+    return -1;
+  }
+  return fd;
+}
+
+const char* file_type_name(mode_t mode) {
+  if (S_ISREG(mode)) return "regular";
+  if (S_ISLNK(mode)) return "symlink";
+  if (S_ISFIFO(mode)) return "fifo";
+  if (S_ISDIR(mode)) return "directory";
+  if (S_ISSOCK(mode)) return "socket";
+  if (S_ISCHR(mode)) return "char-device";
+  if (S_ISBLK(mode)) return "block-device";
+  return "unknown";
+}
+
+namespace {
+
+std::string user_name(uid_t uid) {
+  struct passwd pw {}, *res = nullptr;
+  char buf[4096];
+  if (::getpwuid_r(uid, &pw, buf, sizeof buf, &res) != 0 || res == nullptr) return {};
+  return res->pw_name;
+}
+
+std::string group_name(gid_t gid) {
+  struct group gr {}, *res = nullptr;
+  char buf[4096];
+  if (::getgrgid_r(gid, &gr, buf, sizeof buf, &res) != 0 || res == nullptr) return {};
+  return res->gr_name;
+}
+
+std::string id_text(unsigned id, const std::string& name) {
+  return std::to_string(id) + (name.empty() ? "" : " (" + name + ")");
+}
+
+bool in_my_groups(gid_t gid) {
+  if (gid == ::getegid()) return true;
+  const int n = ::getgroups(0, nullptr);
+  if (n <= 0) return false;
+  std::vector<gid_t> groups(static_cast<std::size_t>(n));
+  const int got = ::getgroups(n, groups.data());
+  for (int i = 0; i < got; ++i)
+    if (groups[static_cast<std::size_t>(i)] == gid) return true;
+  return false;
+}
+
+const char* type_phrase(mode_t mode) {
+  if (S_ISLNK(mode)) return "a symbolic link (never followed)";
+  if (S_ISFIFO(mode)) return "a FIFO";
+  if (S_ISDIR(mode)) return "a directory";
+  if (S_ISSOCK(mode)) return "a socket";
+  if (S_ISCHR(mode)) return "a character device";
+  if (S_ISBLK(mode)) return "a block device";
+  return "not a regular file";
+}
+
+void fill_owner(RegionReport* r, const struct stat& st) {
+  OwnerReport& o = r->owner;
+  o.known = true;
+  o.uid = st.st_uid;
+  o.gid = st.st_gid;
+  o.user = user_name(st.st_uid);
+  o.group = group_name(st.st_gid);
+  o.mode = st.st_mode & 07777;
+  o.trusted = untrusted_why(st).empty();
+  r->file_type = file_type_name(st.st_mode);
+}
+
+// The read-only mapping of a region file and its descriptor.
+struct ReadOnlyMap {
+  int fd = -1;
+  const std::byte* base = nullptr;
+  std::size_t len = 0;
+  ReadOnlyMap() = default;
+  ReadOnlyMap(const ReadOnlyMap&) = delete;
+  ReadOnlyMap& operator=(const ReadOnlyMap&) = delete;
+  ~ReadOnlyMap() {
+    if (base != nullptr) ::munmap(const_cast<std::byte*>(base), len);
+    if (fd >= 0) ::close(fd);
+  }
+};
+
+}  // namespace
+
+std::string mode_text(std::uint32_t mode) {
+  char buf[8];
+  std::snprintf(buf, sizeof buf, "%04o", static_cast<unsigned>(mode & 07777));
+  return buf;
+}
+
+std::string untrusted_why(const struct stat& st) {
+  const uid_t me = ::geteuid();
+  if (st.st_uid != me)
+    return "owned by uid " + id_text(st.st_uid, user_name(st.st_uid)) + ", not by this user, uid " +
+           id_text(me, user_name(me)) + "; mode " + mode_text(st.st_mode);
+  if (st.st_mode & S_IWOTH) return "mode " + mode_text(st.st_mode) + ": any user can write it";
+  if ((st.st_mode & S_IWGRP) && !in_my_groups(st.st_gid))
+    return "mode " + mode_text(st.st_mode) + ": group " + id_text(st.st_gid, group_name(st.st_gid)) +
+           " can write it and this user is not in that group";
+  return {};
 }
 
 void install_bus_guard() {
@@ -284,6 +406,8 @@ RegionReport probe(const std::string& dir, const std::string& name, const ProbeO
   r.name = name;
   r.path = dir + "/shmcast." + name;
 
+  // lstat first, so that a symlink, FIFO or device is reported without
+  // being opened at all; the descriptor's fstat below is what counts.
   struct stat lst {};
   if (::lstat(r.path.c_str(), &lst) != 0) {
     const int e = errno;
@@ -293,11 +417,14 @@ RegionReport probe(const std::string& dir, const std::string& name, const ProbeO
     return r;
   }
   set_times(&r, lst, opts);
-  if (!S_ISREG(lst.st_mode)) {
+  fill_owner(&r, lst);
+  auto not_regular = [&](const struct stat& st) {
+    fill_owner(&r, st);
     r.state = kStateForeign;
-    r.reason = "not a regular file";
+    r.reason = type_phrase(st.st_mode);
     return r;
-  }
+  };
+  if (!S_ISREG(lst.st_mode)) return not_regular(lst);
   const std::string bad = validate_name(name);
   if (!bad.empty()) {
     r.valid_name = false;
@@ -305,22 +432,44 @@ RegionReport probe(const std::string& dir, const std::string& name, const ProbeO
     r.reason = "file name is not a valid region name: " + bad;
     return r;
   }
+  auto untrusted = [&](const std::string& why) {
+    r.state = kStateUntrusted;
+    r.reason = why + "; its contents are not read";
+    return r;
+  };
+  if (const std::string why = untrusted_why(lst); !why.empty()) return untrusted(why);
 
-  MappedFile f;
-  try {
-    f = MappedFile::open(dir, name, false);
-  } catch (const Error& e) {
-    if (e.code() == Errc::kNotFound) throw;
+  ReadOnlyMap f;
+  struct stat st {};
+  int err = 0;
+  f.fd = open_region_file(r.path, &st, &err);
+  if (f.fd < 0) {
+    if (err == ENOENT) throw Error(Errc::kNotFound, "no region at " + r.path, err);
+    if (err == 0) return not_regular(st);  // swapped under the name since the lstat
+    struct stat again {};
+    if ((err == ELOOP || err == ENXIO) && ::lstat(r.path.c_str(), &again) == 0 && !S_ISREG(again.st_mode))
+      return not_regular(again);
     r.state = kStateUnreadable;
-    r.reason = e.what();
+    r.reason = "cannot open " + r.path + ": " + std::strerror(err);
     return r;
   }
-  struct stat st {};
-  if (::fstat(f.fd(), &st) == 0) set_times(&r, st, opts);
-  r.any_lock = any_lock_held(f.fd());
-  const std::byte* base = f.data();
-  const std::uint64_t size = base != nullptr ? f.size() : 0;
+  set_times(&r, st, opts);
+  fill_owner(&r, st);
+  if (const std::string why = untrusted_why(st); !why.empty()) return untrusted(why);
+  r.any_lock = any_lock_held(f.fd);
+  const std::uint64_t size = static_cast<std::uint64_t>(st.st_size);
   r.size = size;
+  if (size > 0) {
+    void* m = ::mmap(nullptr, static_cast<std::size_t>(size), PROT_READ, MAP_SHARED, f.fd, 0);
+    if (m == MAP_FAILED) {
+      r.state = kStateUnreadable;
+      r.reason = std::string("cannot map ") + r.path + ": " + std::strerror(errno);
+      return r;
+    }
+    f.base = static_cast<const std::byte*>(m);
+    f.len = static_cast<std::size_t>(size);
+  }
+  const std::byte* base = f.base;
 
   if (size == 0) {
     if (r.young || r.any_lock == Alive::kYes) {
@@ -386,7 +535,7 @@ RegionReport probe(const std::string& dir, const std::string& name, const ProbeO
     r.state = r.fixed.layout_version > kLayoutVersion ? kStateNewer : kStateOlder;
     r.reason = fmt("layout version %llu; this tool reads version %llu", r.fixed.layout_version, kLayoutVersion);
     // Byte 0 is the producer's lock byte in every layout so far; informative only.
-    r.producer_alive = lock_held(f.fd(), kProducerLockByte);
+    r.producer_alive = lock_held(f.fd, kProducerLockByte);
     return r;
   }
   if (size < kHeaderBytes) {
@@ -412,7 +561,7 @@ RegionReport probe(const std::string& dir, const std::string& name, const ProbeO
   r.bytes_done = h.bytes_done.load(std::memory_order_relaxed);
   r.last_sync_ns = h.last_sync_ns.load(std::memory_order_relaxed);
   r.last_end_unix_ns = h.last_end_unix_ns.load(std::memory_order_relaxed);
-  r.producer_alive = peer_alive(f.fd(), kProducerLockByte, h.producer);
+  r.producer_alive = peer_alive(f.fd, kProducerLockByte, h.producer);
 
   if (r.init_state == kInitCreating) {
     if (r.young || r.producer_alive == Alive::kYes) {
@@ -509,7 +658,7 @@ RegionReport probe(const std::string& dir, const std::string& name, const ProbeO
     sr.pid = s.consumer.pid.load(std::memory_order_relaxed);
     sr.start_time = s.consumer.start_time.load(std::memory_order_relaxed);
     sr.pidns = s.consumer.pidns.load(std::memory_order_relaxed);
-    sr.alive = lock_held(f.fd(), seat_lock_byte(i));
+    sr.alive = lock_held(f.fd, seat_lock_byte(i));
     sr.attach_unix_ns = s.attach_unix_ns.load(std::memory_order_relaxed);
     sr.released_seq = s.released_seq.load(std::memory_order_relaxed);
     sr.acked_version = s.acked_version.load(std::memory_order_relaxed);
