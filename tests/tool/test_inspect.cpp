@@ -5,11 +5,13 @@
 #include <gtest/gtest.h>
 #include <poll.h>
 #include <signal.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
 #include <sys/wait.h>
 #include <unistd.h>
+#include <xxhash.h>
 
 #include <atomic>
 #include <chrono>
@@ -111,7 +113,7 @@ Proc spawn_tool(const std::vector<std::string>& args) {
   return p;
 }
 
-Result finish(Proc p, std::chrono::milliseconds timeout = 30s) {
+Result finish(Proc p, std::chrono::milliseconds timeout = 30s, struct rusage* usage = nullptr) {
   Result r;
   const auto end = std::chrono::steady_clock::now() + timeout;
   bool out_open = true, err_open = true;
@@ -131,9 +133,11 @@ Result finish(Proc p, std::chrono::milliseconds timeout = 30s) {
   }
   int status = 0;
   bool done = false;
+  struct rusage ru {};
   while (std::chrono::steady_clock::now() < end) {
-    if (::waitpid(p.pid, &status, WNOHANG) == p.pid) {
+    if (::wait4(p.pid, &status, WNOHANG, &ru) == p.pid) {
       done = true;
+      if (usage != nullptr) *usage = ru;
       break;
     }
     std::this_thread::sleep_for(5ms);
@@ -1040,6 +1044,31 @@ std::vector<std::string> temp_files(const std::string& dir) {
   return v;
 }
 
+// Rewrites the manifest of the current sync in a region file and fixes the
+// sync record's hash to match, as a buggy or hostile producer could.
+void rewrite_manifest(const std::string& path, const std::function<void(std::string&)>& edit) {
+  const int fd = ::open(path.c_str(), O_RDWR);
+  ASSERT_GE(fd, 0) << path;
+  detail::HeaderFixed f{};
+  ASSERT_EQ(::pread(fd, &f, sizeof f, 0), static_cast<ssize_t>(sizeof f));
+  const off_t rec = offsetof(detail::Header, sync);
+  std::uint64_t used = 0;
+  ASSERT_EQ(::pread(fd, &used, 8, rec + offsetof(detail::SyncRecord, manifest_used)), 8);
+  ASSERT_GE(used, sizeof(detail::ManifestHeader));
+  std::string m(used, '\0');
+  ASSERT_EQ(::pread(fd, m.data(), used, static_cast<off_t>(f.manifest_offset)), static_cast<ssize_t>(used));
+  edit(m);
+  ASSERT_EQ(::pwrite(fd, m.data(), used, static_cast<off_t>(f.manifest_offset)), static_cast<ssize_t>(used));
+  const std::uint64_t h = XXH3_64bits(m.data(), m.size());
+  ASSERT_EQ(::pwrite(fd, &h, 8, rec + offsetof(detail::SyncRecord, manifest_hash)), 8);
+  ::close(fd);
+}
+
+detail::ManifestEntry* manifest_entry(std::string& m, std::size_t i) {
+  return reinterpret_cast<detail::ManifestEntry*>(m.data() + sizeof(detail::ManifestHeader) +
+                                                  i * sizeof(detail::ManifestEntry));
+}
+
 }  // namespace
 
 // ---------------------------------------------------------------- 1. owners
@@ -1259,6 +1288,72 @@ TEST(Tool, FifoSwappedUnderTheNameNeverHangs) {
   EXPECT_TRUE(failure.empty()) << failure << " (run " << runs << ", " << swaps.load() << " swaps)";
   EXPECT_GT(swaps.load(), 100u);
   EXPECT_GE(runs, 30);
+}
+
+// ---------------------------------------------------------------- 4. big manifests
+
+TEST(Tool, ShowLimitDecodesOnlyTheEntriesItPrints) {
+  TempDir dir;
+  constexpr int kCount = 1000000;  // about 115 MB of manifest
+  Signal ready;
+  Child producer = Child::spawn([&] {
+    ProducerOptions o = small_opts();
+    o.manifest_bytes = 128ull << 20;
+    Producer p = Producer::create("huge", o);
+    std::vector<TensorSpec> specs(kCount);
+    char name[64];
+    for (int i = 0; i < kCount; ++i) {
+      std::snprintf(name, sizeof name, "layer.%07d.weight", i);
+      specs[static_cast<std::size_t>(i)] = {name, DType::kF32, {0}};
+    }
+    const std::uint8_t dummy = 0;
+    std::vector<const void*> ptrs(kCount, &dummy);
+    p.send(specs, ptrs);
+    ready.post();
+    park();
+    return 0;
+  });
+  ASSERT_TRUE(ready.wait(1, 50s));
+  struct rusage ru {};
+  Result r = finish(spawn_tool({"show", "huge", "--limit", "5", "--json", "--dir", dir.path}), 40s, &ru);
+  ASSERT_EQ(r.rc, 0) << r.err;
+  json j = r.j();
+  const json& m = j.at("manifest");
+  ASSERT_EQ(m.at("status"), "ok") << m.dump();
+  EXPECT_EQ(m.at("tensor_count"), kCount);
+  EXPECT_EQ(m.at("shown"), 5);
+  EXPECT_EQ(m.at("truncated"), true);
+  ASSERT_EQ(m.at("tensors").size(), 5u);
+  EXPECT_EQ(m.at("tensors")[0].at("name"), "layer.0000000.weight");
+  EXPECT_EQ(m.at("tensors")[4].at("name"), "layer.0000004.weight");
+  EXPECT_EQ(m.at("tensors")[4].at("dtype"), "f32");
+  // Peak RSS of that show (KiB): far below the manifest's size.
+  EXPECT_LT(ru.ru_maxrss, 48 * 1024) << "show --limit 5 peaked at " << ru.ru_maxrss / 1024 << " MiB";
+}
+
+TEST(Tool, ShowValidatesEntriesItDoesNotPrint) {
+  TempDir dir;
+  Producer p = Producer::create("many", small_opts());
+  std::vector<TensorSpec> specs;
+  for (int i = 0; i < 9000; ++i) specs.push_back({"t." + std::to_string(i), DType::kF32, {0}});
+  const std::uint8_t dummy = 0;
+  std::vector<const void*> ptrs(specs.size(), &dummy);
+  p.send(specs, ptrs);
+  json ok = tool({"show", "many", "--limit", "3", "--json", "--dir", dir.path}).j();
+  ASSERT_EQ(ok.at("manifest").at("status"), "ok") << ok.at("manifest").dump();
+  EXPECT_EQ(ok.at("manifest").at("tensor_count"), 9000);
+  EXPECT_EQ(ok.at("manifest").at("tensors")[2].at("name"), "t.2");
+  json all = tool({"show", "many", "--limit", "0", "--json", "--dir", dir.path}).j();
+  ASSERT_EQ(all.at("manifest").at("tensors").size(), 9000u);
+  EXPECT_EQ(all.at("manifest").at("tensors")[8999].at("name"), "t.8999");
+  EXPECT_EQ(all.at("manifest").at("tensors")[4096].at("name"), "t.4096");
+  // A bad entry far past the limit (in the third window of entries) is still found.
+  rewrite_manifest(dir.file("many"), [](std::string& m) { manifest_entry(m, 8500)->dtype = 999; });
+  json bad = tool({"show", "many", "--limit", "3", "--json", "--dir", dir.path}).j();
+  EXPECT_EQ(bad.at("manifest").at("status"), "invalid");
+  EXPECT_NE(bad.at("manifest").at("reason").get<std::string>().find("tensor 8500:"), std::string::npos)
+      << bad.at("manifest").dump();
+  EXPECT_EQ(bad.at("manifest").at("tensors").size(), 0u);
 }
 
 int main(int argc, char** argv) {

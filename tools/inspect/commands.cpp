@@ -201,6 +201,7 @@ int cmd_show(const Common& c, const std::string& name, std::size_t limit) {
   if (!check_name(c, "show", name, &rc)) return rc;
   ProbeOptions o;
   o.decode_manifest = true;
+  o.manifest_limit = limit;
   RegionReport r;
   try {
     r = probe(c.dir, name, o);

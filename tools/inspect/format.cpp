@@ -340,9 +340,9 @@ void region_detail_json(const RegionReport& r, std::size_t limit, json* out) {
   m["status"] = r.header_valid ? r.manifest.status : std::string("none");
   m["reason"] = r.header_valid ? r.manifest.reason : std::string("the header is not valid");
   const bool ok = r.header_valid && r.manifest.status == "ok";
-  const SyncInfo& info = r.manifest.info;
+  const ManifestReport& info = r.manifest;
   m["version"] = u64_or_null(ok, info.version);
-  m["tensor_count"] = u64_or_null(ok, info.tensors.size());
+  m["tensor_count"] = u64_or_null(ok, info.tensor_count);
   m["payload_bytes"] = u64_or_null(ok, info.payload_bytes);
   m["stream_bytes"] = u64_or_null(ok, info.stream_bytes);
   m["limit"] = limit;
@@ -364,7 +364,7 @@ void region_detail_json(const RegionReport& r, std::size_t limit, json* out) {
     }
   }
   m["shown"] = shown;
-  m["truncated"] = ok && shown < info.tensors.size();
+  m["truncated"] = ok && shown < info.tensor_count;
   m["tensors"] = tensors;
   j["manifest"] = m;
 
@@ -494,21 +494,20 @@ void print_region_detail(std::ostream& os, const RegionReport& r, std::size_t li
   if (r.header_valid) {
     const ManifestReport& m = r.manifest;
     if (m.status == "ok") {
-      const SyncInfo& info = m.info;
-      os << "\nMANIFEST  sync " << info.version << ": " << info.tensors.size() << " tensors, "
-         << human_bytes(info.payload_bytes) << " payload, " << human_bytes(info.stream_bytes) << " stream\n";
+      os << "\nMANIFEST  sync " << m.version << ": " << m.tensor_count << " tensors, "
+         << human_bytes(m.payload_bytes) << " payload, " << human_bytes(m.stream_bytes) << " stream\n";
       Table t({"#", "NAME", "DTYPE", "SHAPE", "BYTES", "OFFSET"}, {true, false, false, false, true, true});
       std::size_t shown = 0;
-      for (std::size_t i = 0; i < info.tensors.size(); ++i) {
+      for (std::size_t i = 0; i < m.tensors.size(); ++i) {
         if (limit != 0 && shown >= limit) break;
-        const TensorInfo& ti = info.tensors[i];
+        const TensorInfo& ti = m.tensors[i];
         t.row({std::to_string(i), ti.name, std::string(dtype_name(ti.dtype)), shape_text(ti.shape),
                human_bytes(ti.nbytes), std::to_string(ti.stream_offset)});
         ++shown;
       }
       t.print(os);
-      if (shown < info.tensors.size())
-        os << "... " << (info.tensors.size() - shown) << " more (use --limit 0 to show all)\n";
+      if (shown < m.tensor_count)
+        os << "... " << (m.tensor_count - shown) << " more (use --limit 0 to show all)\n";
     } else {
       os << "\nMANIFEST  " << m.status << (m.reason.empty() ? "" : ": " + term_safe(m.reason)) << "\n";
     }

@@ -92,7 +92,7 @@ int main(int argc, char** argv) {
   CLI::App* show = app.add_subcommand(
       "show", "Show one region: header, seats, slots, the current manifest and the last errors (read-only)");
   show->add_option("NAME", name, "Region name")->required();
-  show->add_option("--limit", limit, "Tensor rows of the manifest to show; 0 shows all")
+  show->add_option("--limit", limit, "Tensor rows of the manifest to show (only these are decoded); 0 shows all")
       ->capture_default_str();
   add_json(show);
 

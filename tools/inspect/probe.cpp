@@ -156,7 +156,207 @@ void set_times(RegionReport* r, const struct stat& st, const ProbeOptions& opts)
   r->inode = st.st_ino;
 }
 
-void decode_current_manifest(RegionReport* r, const std::byte* base, std::uint64_t size) {
+// ---------------------------------------------------------------- manifest
+//
+// The manifest is read with pread in bounded pieces, never through the
+// mapping and never whole: memory stays bounded however large it is (a
+// 256 MiB manifest of millions of tensors), and a file cut under us gives a
+// short read, not SIGBUS. Every byte is hashed and every entry validated (by
+// the library's decode_manifest, one window of entries at a time), but only
+// the first `limit` entries are kept and decoded.
+
+constexpr std::size_t kReadPiece = 1u << 20;  // bytes per pread of the manifest
+constexpr std::size_t kWindow = 4096;         // entries validated per decode_manifest call
+
+// Sequential, hashed reads of [off, off + len) of a file.
+class HashedReader {
+ public:
+  HashedReader(int fd, std::uint64_t off, std::uint64_t len) : fd_(fd), off_(off), len_(len) {
+    state_ = XXH3_createState();
+    if (state_ == nullptr) throw std::bad_alloc();
+    XXH3_64bits_reset(state_);
+  }
+  ~HashedReader() { XXH3_freeState(state_); }
+  HashedReader(const HashedReader&) = delete;
+  HashedReader& operator=(const HashedReader&) = delete;
+
+  std::uint64_t pos() const { return pos_; }
+  std::uint64_t left() const { return len_ - pos_; }
+  // Reads the next n bytes into dst (n <= left()). False on a short read:
+  // the file shrank.
+  bool read(void* dst, std::size_t n) {
+    char* p = static_cast<char*>(dst);
+    std::size_t got = 0;
+    while (got < n) {
+      const ssize_t k = ::pread(fd_, p + got, n - got, static_cast<off_t>(off_ + pos_ + got));
+      if (k < 0 && errno == EINTR) continue;
+      if (k <= 0) return false;
+      got += static_cast<std::size_t>(k);
+    }
+    XXH3_64bits_update(state_, p, n);
+    pos_ += n;
+    return true;
+  }
+  std::uint64_t digest() const { return XXH3_64bits_digest(state_); }
+
+ private:
+  int fd_;
+  std::uint64_t off_, len_, pos_ = 0;
+  XXH3_state_t* state_ = nullptr;
+};
+
+// "tensor K: why" from a window starting at entry `first` -> "tensor first+K: why".
+std::string shift_index(const std::string& why, std::uint64_t first) {
+  const std::string pre = "tensor ";
+  if (why.compare(0, pre.size(), pre) != 0) return why;
+  char* end = nullptr;
+  const unsigned long long k = std::strtoull(why.c_str() + pre.size(), &end, 10);
+  if (end == why.c_str() + pre.size()) return why;
+  return pre + std::to_string(first + k) + end;
+}
+
+struct NameWant {
+  std::uint64_t start, bytes;
+  std::size_t tensor;  // index into the kept tensors
+};
+
+// One pass over the manifest of `rec`: hashes all of it into *hash and
+// validates it. Returns "" when valid (m filled), else why not; *shrank is
+// set when the file ended early.
+std::string stream_manifest(int fd, std::uint64_t moff, const RecordSnapshot& rec, std::uint64_t slot_bytes,
+                            std::size_t limit, ManifestReport* m, std::uint64_t* hash, bool* shrank) {
+  HashedReader rd(fd, moff, rec.manifest_used);
+  std::string why;
+  auto done = [&](std::string w) {
+    // Hash the rest so the caller can tell "changing" from "invalid".
+    std::vector<char> buf(std::min<std::uint64_t>(kReadPiece, rd.left()));
+    while (rd.left() > 0) {
+      const std::size_t n = static_cast<std::size_t>(std::min<std::uint64_t>(buf.size(), rd.left()));
+      if (!rd.read(buf.data(), n)) {
+        *shrank = true;
+        return std::string("the file shrank while it was read");
+      }
+    }
+    *hash = rd.digest();
+    return w;
+  };
+  ManifestHeader h{};
+  if (!rd.read(&h, sizeof h)) {
+    *shrank = true;
+    return "the file shrank while it was read";
+  }
+  // The structure the windows below rely on (decode_manifest checks the same
+  // on a whole manifest).
+  const std::uint64_t used = rec.manifest_used;
+  if (h.magic != kManifestMagic) return done("bad manifest magic");
+  if (h.format != kManifestVersion) return done("unknown manifest format " + std::to_string(h.format));
+  if (h.entry_bytes != sizeof(ManifestEntry)) return done("bad manifest entry size");
+  if (h.tensor_count > (used - sizeof h) / sizeof(ManifestEntry)) return done("tensor count exceeds the manifest");
+  const std::uint64_t names_at = sizeof h + std::uint64_t{h.tensor_count} * sizeof(ManifestEntry);
+  if (h.names_offset != names_at) return done("names blob is not where the entries end");
+  if (h.names_bytes > used - names_at) return done("names blob runs past the manifest");
+
+  const std::size_t keep = limit == 0 ? h.tensor_count : std::min<std::uint64_t>(limit, h.tensor_count);
+  std::vector<TensorInfo> kept;
+  std::vector<NameWant> wants;
+  kept.reserve(keep);
+  wants.reserve(keep);
+  std::vector<ManifestEntry> win(std::min<std::uint64_t>(kWindow, h.tensor_count));
+  std::vector<std::byte> synth;
+  std::uint64_t end_prev = 0, payload = 0;
+  std::uint64_t first = 0;
+  do {
+    const std::size_t w = static_cast<std::size_t>(std::min<std::uint64_t>(kWindow, h.tensor_count - first));
+    if (w > 0 && !rd.read(win.data(), w * sizeof(ManifestEntry))) {
+      *shrank = true;
+      return "the file shrank while it was read";
+    }
+    if (!why.empty()) continue;  // only hashing now
+    // The window as a manifest of its own, names replaced by a blank blob as
+    // long as the longest name (decode_manifest checks only their lengths
+    // and bounds; their real bounds are checked here).
+    std::uint64_t blob = 0, win_payload = 0;
+    for (std::size_t k = 0; k < w; ++k) {
+      const ManifestEntry& e = win[k];
+      if (e.name_bytes <= kMaxNameBytes) blob = std::max<std::uint64_t>(blob, e.name_bytes);
+      win_payload += e.nbytes;
+    }
+    ManifestHeader wh = h;
+    wh.tensor_count = static_cast<std::uint32_t>(w);
+    wh.names_offset = sizeof wh + w * sizeof(ManifestEntry);
+    wh.names_bytes = blob;
+    wh.payload_bytes = win_payload;
+    synth.assign(wh.names_offset + blob, std::byte{0});
+    std::memcpy(synth.data(), &wh, sizeof wh);
+    for (std::size_t k = 0; k < w; ++k) {
+      ManifestEntry e = win[k];
+      e.name_offset = 0;
+      std::memcpy(synth.data() + sizeof wh + k * sizeof e, &e, sizeof e);
+    }
+    SyncInfo part;
+    why = decode_manifest(synth, rec.version, rec.stream_bytes, slot_bytes, &part);
+    if (!why.empty()) {
+      why = shift_index(why, first);
+      continue;
+    }
+    for (std::size_t k = 0; k < w && why.empty(); ++k) {
+      const ManifestEntry& e = win[k];
+      if (std::uint64_t{e.name_offset} + e.name_bytes > h.names_bytes)
+        why = "tensor " + std::to_string(first + k) + ": name runs past the names blob";
+    }
+    if (!why.empty()) continue;
+    if (w > 0 && win[0].stream_offset < end_prev) {
+      why = "tensor " + std::to_string(first) + ": overlaps the previous tensor";
+      continue;
+    }
+    if (w > 0) end_prev = win[w - 1].stream_offset + win[w - 1].nbytes;
+    payload += win_payload;
+    for (std::size_t k = 0; k < w && kept.size() < keep; ++k) {
+      part.tensors[k].name.clear();
+      wants.push_back({win[k].name_offset, win[k].name_bytes, kept.size()});
+      kept.push_back(std::move(part.tensors[k]));
+    }
+  } while ((first += kWindow) < h.tensor_count);
+  if (why.empty() && payload != h.payload_bytes) why = "payload size disagrees with the entries";
+
+  // The names blob, in pieces; the kept entries take their names as their
+  // bytes go by.
+  std::sort(wants.begin(), wants.end(), [](const NameWant& a, const NameWant& b) { return a.start < b.start; });
+  for (NameWant& nw : wants) kept[nw.tensor].name.resize(nw.bytes);
+  std::vector<char> piece(std::min<std::uint64_t>(kReadPiece, h.names_bytes));
+  std::vector<std::size_t> active;
+  std::size_t next = 0;
+  for (std::uint64_t at = 0; at < h.names_bytes;) {
+    const std::size_t n = static_cast<std::size_t>(std::min<std::uint64_t>(piece.size(), h.names_bytes - at));
+    if (!rd.read(piece.data(), n)) {
+      *shrank = true;
+      return "the file shrank while it was read";
+    }
+    const std::uint64_t end = at + n;
+    if (why.empty()) {
+      while (next < wants.size() && wants[next].start < end) active.push_back(next++);
+      std::size_t still = 0;
+      for (std::size_t i : active) {
+        const NameWant& nw = wants[i];
+        const std::uint64_t lo = std::max(nw.start, at), hi = std::min(nw.start + nw.bytes, end);
+        if (hi > lo) std::memcpy(kept[nw.tensor].name.data() + (lo - nw.start), piece.data() + (lo - at), hi - lo);
+        if (nw.start + nw.bytes > end) active[still++] = i;
+      }
+      active.resize(still);
+    }
+    at = end;
+  }
+  why = done(why);
+  if (!why.empty()) return why;
+  m->version = h.sync_version;
+  m->tensor_count = h.tensor_count;
+  m->payload_bytes = payload;
+  m->stream_bytes = h.stream_bytes;
+  m->tensors = std::move(kept);
+  return {};
+}
+
+void decode_current_manifest(RegionReport* r, int fd, const std::byte* base, std::uint64_t size, std::size_t limit) {
   const Header* live = reinterpret_cast<const Header*>(base);
   const Geometry& g = r->geo;
   ManifestReport& m = r->manifest;
@@ -192,10 +392,13 @@ void decode_current_manifest(RegionReport* r, const std::byte* base, std::uint64
       m.reason = "manifest runs past the end of the file";
       return;
     }
-    std::vector<std::byte> bytes(rec.manifest_used);
-    if (!guarded_copy(bytes.data(), base + g.manifest_offset, bytes.size())) {
+    ManifestReport got;
+    std::uint64_t hash = 0;
+    bool shrank = false;
+    const std::string why = stream_manifest(fd, g.manifest_offset, rec, g.slot_bytes, limit, &got, &hash, &shrank);
+    if (shrank) {
       m.status = "invalid";
-      m.reason = "the file shrank while it was read";
+      m.reason = why;
       return;
     }
     RecordSnapshot again{};
@@ -210,23 +413,19 @@ void decode_current_manifest(RegionReport* r, const std::byte* base, std::uint64
       last_why = "a new sync was announced while the manifest was read";
       continue;
     }
-    if (XXH3_64bits(bytes.data(), bytes.size()) != rec.manifest_hash) {
+    if (hash != rec.manifest_hash) {
       // The producer writes the next manifest before it announces it, so
       // between syncs the bytes may belong to the next one.
       last_why = "the manifest bytes do not match the sync record's hash (the producer may be writing the next "
                  "manifest, or the area is corrupt)";
       continue;
     }
-    SyncInfo info;
-    const std::string why = decode_manifest(bytes, rec.version, rec.stream_bytes, g.slot_bytes, &info);
     if (!why.empty()) {
       m.status = "invalid";
       m.reason = why;
       return;
     }
-    info.first_seq = rec.first_seq;
-    info.chunks = rec.chunks;
-    m.info = std::move(info);
+    m = std::move(got);
     m.status = "ok";
     m.reason.clear();
     return;
@@ -702,7 +901,7 @@ RegionReport probe(const std::string& dir, const std::string& name, const ProbeO
   }
 
   if (opts.decode_manifest)
-    decode_current_manifest(&r, base, size);
+    decode_current_manifest(&r, f.fd, base, size, opts.manifest_limit);
   else
     r.manifest.status = "skipped";
   return r;

@@ -7,7 +7,7 @@
 // does not trust, is reported as untrusted and its bytes are never read.
 // Every byte the tool looks at is first copied out of the mapping into
 // private memory by a copy that survives SIGBUS (a file truncated under us),
-// and every count, offset and size is
+// or read with pread; every count, offset and size is
 // checked against the mapped size before it is used.
 #pragma once
 
@@ -84,7 +84,13 @@ struct SlotReport {
 struct ManifestReport {
   std::string status = "none";  // none / ok / changing / invalid / skipped
   std::string reason;
-  SyncInfo info;  // valid when status == "ok"
+  // Valid when status == "ok". Every entry was validated, but only the first
+  // ProbeOptions::manifest_limit of them are decoded into `tensors`.
+  std::uint64_t version = 0;
+  std::uint64_t tensor_count = 0;
+  std::uint64_t payload_bytes = 0;
+  std::uint64_t stream_bytes = 0;
+  std::vector<TensorInfo> tensors;
 };
 
 // Who owns a region file and who may write it (from fstat, else lstat).
@@ -143,6 +149,7 @@ struct RegionReport {
 
 struct ProbeOptions {
   bool decode_manifest = false;
+  std::size_t manifest_limit = 0;  // manifest entries to decode (all are validated); 0: all
   double grace_s = 60;  // a file younger than this in state "creating" is left alone
 };
 
