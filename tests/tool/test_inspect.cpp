@@ -1069,6 +1069,13 @@ detail::ManifestEntry* manifest_entry(std::string& m, std::size_t i) {
                                                   i * sizeof(detail::ManifestEntry));
 }
 
+// Stops a tool process and waits until it is stopped.
+bool stop_process(pid_t pid) {
+  if (::kill(pid, SIGSTOP) != 0) return false;
+  int status = 0;
+  return ::waitpid(pid, &status, WUNTRACED) == pid && WIFSTOPPED(status);
+}
+
 }  // namespace
 
 // ---------------------------------------------------------------- 1. owners
@@ -1290,6 +1297,71 @@ TEST(Tool, FifoSwappedUnderTheNameNeverHangs) {
   EXPECT_GE(runs, 30);
 }
 
+// ---------------------------------------------------------------- 3. cut under dump
+
+TEST(Tool, DumpSurvivesTheRegionBeingCutUnderIt) {
+  constexpr std::uint64_t kBigSlot = 8ull << 20;
+  constexpr int kTensors = 32;  // 256 MiB through two 8 MiB slots
+  // Where the file is cut, as a fraction of its size or as an offset.
+  const std::vector<std::pair<const char*, std::function<std::uint64_t(const detail::HeaderFixed&)>>> cuts = {
+      {"to nothing", [](const detail::HeaderFixed&) { return 0ull; }},
+      {"inside the header", [](const detail::HeaderFixed&) { return 1000ull; }},
+      {"after the header", [](const detail::HeaderFixed& f) { return f.header_bytes; }},
+      {"at the data", [](const detail::HeaderFixed& f) { return f.data_offset; }},
+      {"inside slot 0", [](const detail::HeaderFixed& f) { return f.data_offset + kBigSlot / 2; }},
+      {"inside slot 1", [](const detail::HeaderFixed& f) { return f.total_bytes - kBigSlot / 2; }},
+  };
+  for (const auto& [label, cut_at] : cuts) {
+    SCOPED_TRACE(label);
+    TempDir dir;
+    Signal ready;
+    Child producer = Child::spawn([&] {
+      ProducerOptions o = small_opts();
+      o.slot_bytes = kBigSlot;
+      Producer p = Producer::create("big", o);
+      ready.post();
+      p.wait_for_consumers(1, 20s);
+      std::vector<std::uint8_t> buf(kBigSlot);
+      fill_pattern(buf.data(), buf.size(), 7);
+      std::vector<TensorSpec> specs;
+      std::vector<const void*> ptrs;
+      for (int i = 0; i < kTensors; ++i) {
+        specs.push_back({"t." + std::to_string(i), DType::kU8, {static_cast<std::int64_t>(kBigSlot)}});
+        ptrs.push_back(buf.data());
+      }
+      p.send(specs, ptrs);  // dies of SIGBUS once the file is cut: expected
+      park();
+      return 0;
+    });
+    ASSERT_TRUE(ready.wait(1));
+    const std::string out = dir.path + "/big.safetensors";
+    Proc dump = spawn_tool({"dump", "big", "--out", out, "--timeout", "30", "--json", "--dir", dir.path});
+    // Mid-dump: its temporary file exists once the sync was announced.
+    const auto until = std::chrono::steady_clock::now() + 20s;
+    while (temp_files(dir.path).empty() && std::chrono::steady_clock::now() < until) std::this_thread::yield();
+    ASSERT_FALSE(temp_files(dir.path).empty()) << "dump never started writing";
+    ASSERT_TRUE(stop_process(dump.pid));
+    detail::HeaderFixed f{};
+    const int fd = ::open(dir.file("big").c_str(), O_RDWR);
+    ASSERT_GE(fd, 0);
+    ASSERT_EQ(::pread(fd, &f, sizeof f, 0), static_cast<ssize_t>(sizeof f));
+    ASSERT_EQ(::ftruncate(fd, static_cast<off_t>(cut_at(f))), 0);
+    ::close(fd);
+    ::kill(dump.pid, SIGCONT);
+    Result r = finish(dump, 40s);
+    EXPECT_NE(r.rc, -1) << "dump hung";
+    EXPECT_LT(r.rc, 128) << "dump died of signal " << r.rc - 128 << "; stderr: " << r.err;
+    EXPECT_NE(r.rc, 0) << "dump cannot have received the whole sync";
+    EXPECT_NE(r.err.find("shmcast-inspect dump: "), std::string::npos) << r.err;
+    if (r.rc > 0 && r.rc < 128) {
+      EXPECT_EQ(r.j().at("ok"), false) << r.out;
+    }
+    EXPECT_EQ(r.err.find("Bad address"), std::string::npos) << r.err;
+    EXPECT_FALSE(exists(out));
+    EXPECT_TRUE(temp_files(dir.path).empty()) << "a temporary file was left behind";
+  }
+}
+
 // ---------------------------------------------------------------- 4. big manifests
 
 TEST(Tool, ShowLimitDecodesOnlyTheEntriesItPrints) {
@@ -1354,6 +1426,31 @@ TEST(Tool, ShowValidatesEntriesItDoesNotPrint) {
   EXPECT_NE(bad.at("manifest").at("reason").get<std::string>().find("tensor 8500:"), std::string::npos)
       << bad.at("manifest").dump();
   EXPECT_EQ(bad.at("manifest").at("tensors").size(), 0u);
+}
+
+// ---------------------------------------------------------------- 5. dump bounds
+
+TEST(Tool, DumpTimeoutBoundsAStalledSync) {
+  TempDir dir;
+  Producer p = Producer::create("stall", small_opts());
+  const std::string out = dir.path + "/stall.safetensors";
+  const auto t0 = std::chrono::steady_clock::now();
+  Proc dump = spawn_tool({"dump", "stall", "--out", out, "--timeout", "2", "--json", "--dir", dir.path});
+  p.wait_for_consumers(1, 20s);
+  // Two slots' worth of tensors; the producer writes the first and stalls.
+  std::vector<std::uint8_t> a(kSlot);
+  ASSERT_EQ(p.begin_sync({{{"a", DType::kU8, {static_cast<std::int64_t>(kSlot)}},
+                           {"b", DType::kU8, {static_cast<std::int64_t>(kSlot)}},
+                           {"c", DType::kU8, {16}}}}),
+            1u);
+  p.write(0, a.data());
+  Result r = finish(dump, 20s);
+  const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_EQ(r.rc, 6) << r.err;
+  EXPECT_LT(took, 6.0) << "--timeout 2 must bound the whole dump";
+  EXPECT_FALSE(exists(out));
+  EXPECT_TRUE(temp_files(dir.path).empty());
+  p.abort_sync("test over");
 }
 
 int main(int argc, char** argv) {

@@ -22,14 +22,19 @@ namespace shmcast::inspect {
 
 using namespace shmcast::detail;
 
+std::string fail_json(const Common& c, const std::string& command, int code, const std::string& message) {
+  json j = doc(command, false);
+  j["dir"] = c.dir;
+  j["exit_code"] = code;
+  j["error"] = message;
+  return json_text(j);
+}
+
 int fail(const Common& c, const std::string& command, int code, const std::string& message) {
   std::cerr << "shmcast-inspect " << command << ": " << term_safe(message) << "\n";
   if (c.json) {
-    json j = doc(command, false);
-    j["dir"] = c.dir;
-    j["exit_code"] = code;
-    j["error"] = message;
-    print_json(j);
+    std::cout << fail_json(c, command, code, message) << "\n";
+    std::cout.flush();
   }
   return code;
 }

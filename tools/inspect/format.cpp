@@ -22,8 +22,10 @@ json doc(const std::string& command, bool ok) {
   return j;
 }
 
+std::string json_text(const json& j) { return j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace); }
+
 void print_json(const json& j) {
-  std::cout << j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace) << "\n";
+  std::cout << json_text(j) << "\n";
   std::cout.flush();
 }
 

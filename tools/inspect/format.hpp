@@ -33,6 +33,8 @@ enum Exit : int {
 json doc(const std::string& command, bool ok = true);
 // Prints a JSON document on one line of stdout (invalid UTF-8 is replaced).
 void print_json(const json& j);
+// The same line as a string, without the newline.
+std::string json_text(const json& j);
 
 json alive_json(Alive a);
 const char* alive_word(Alive a);  // yes / no / ?

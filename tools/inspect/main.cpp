@@ -48,12 +48,14 @@ Exit codes:
   3    region not found
   4    show/dump: the region is corrupt, foreign, truncated, unreadable,
        untrusted-owner or of another layout version (show still prints its
-       report)
+       report); dump: the region was truncated under it
   5    refused: rm while a participant is alive or of an untrusted-owner
        file (use --force); dump when --out exists (use --overwrite)
-  6    dump: no sync arrived within --timeout
+  6    dump: not done within --timeout (which bounds the whole dump)
   7    dump: not enough free space for the output file
-  130  dump: interrupted (the temporary file is removed))";
+  130  dump: interrupted (the temporary file is removed)
+
+dump never ends by a signal and never leaves its temporary file behind.)";
 
 std::string resolve_dir(const std::string& opt) {
   std::string d = opt.empty() ? shmcast::region_dir() : opt;
@@ -115,7 +117,9 @@ int main(int argc, char** argv) {
   dump->add_option("NAME", name, "Region name")->required();
   dump->add_option("--out,-o", out, "Output file (written to a temporary file in the same directory, then renamed)")
       ->required();
-  dump->add_option("--timeout", timeout, "Seconds to wait for the region and for the next sync")
+  dump->add_option("--timeout", timeout,
+                    "Seconds the whole dump may take: waiting for the region and the next sync, receiving and "
+                    "writing it")
       ->check(CLI::Range(0.0, 1e7))
       ->capture_default_str();
   dump->add_flag("--overwrite", overwrite, "Replace --out if it exists");

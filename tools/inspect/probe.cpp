@@ -38,30 +38,21 @@ namespace {
 // raises SIGBUS. Every read of the mapping goes through guarded_copy(), which
 // turns that SIGBUS into a failed copy instead of a crash. Between sigsetjmp
 // and the copy there are no C++ objects with destructors, so the long jump
-// skips nothing.
+// skips nothing. A SIGBUS anywhere else (library code that touches the
+// mapping, as dump's consumer does) goes to the hook, never to the default
+// action.
 
 thread_local sigjmp_buf* t_jump = nullptr;
+std::atomic<BusHook> g_bus_hook{nullptr};
 
-void on_sigbus(int sig, siginfo_t*, void*) {
+void on_sigbus(int, siginfo_t*, void*) {
   sigjmp_buf* j = t_jump;
   if (j != nullptr) siglongjmp(*j, 1);
-  // Not a guarded read: die the way SIGBUS would have killed us.
-  ::signal(sig, SIG_DFL);
-  ::raise(sig);
-}
-
-bool guarded_copy(void* dst, const std::byte* src, std::size_t n) {
-  sigjmp_buf jb;
-  if (sigsetjmp(jb, 1) != 0) {
-    t_jump = nullptr;
-    return false;
-  }
-  t_jump = &jb;
-  std::atomic_signal_fence(std::memory_order_seq_cst);
-  std::memcpy(dst, src, n);
-  std::atomic_signal_fence(std::memory_order_seq_cst);
-  t_jump = nullptr;
-  return true;
+  if (BusHook hook = g_bus_hook.load(std::memory_order_relaxed)) hook();
+  static const char msg[] =
+      "shmcast-inspect: a region file was truncated while it was mapped (SIGBUS); nothing was changed\n";
+  (void)!::write(STDERR_FILENO, msg, sizeof msg - 1);
+  ::_exit(1);
 }
 
 // read_record() on the live header, under the guard. Returns false when the
@@ -442,6 +433,22 @@ bool state_is_damaged(const std::string& s) {
   return s == kStateCorrupt || s == kStateForeign || s == kStateNewer || s == kStateOlder || s == kStateTruncated ||
          s == kStateUnreadable || s == kStateUntrusted;
 }
+
+bool guarded_copy(void* dst, const std::byte* src, std::size_t n) {
+  sigjmp_buf jb;
+  if (sigsetjmp(jb, 1) != 0) {
+    t_jump = nullptr;
+    return false;
+  }
+  t_jump = &jb;
+  std::atomic_signal_fence(std::memory_order_seq_cst);
+  std::memcpy(dst, src, n);
+  std::atomic_signal_fence(std::memory_order_seq_cst);
+  t_jump = nullptr;
+  return true;
+}
+
+void set_bus_hook(BusHook hook) { g_bus_hook.store(hook, std::memory_order_relaxed); }
 
 int open_region_file(const std::string& path, struct stat* st, int* err) {
   *err = 0;

@@ -6,8 +6,8 @@
 // written. A file owned by another user, or writable by users the caller
 // does not trust, is reported as untrusted and its bytes are never read.
 // Every byte the tool looks at is first copied out of the mapping into
-// private memory by a copy that survives SIGBUS (a file truncated under us),
-// or read with pread; every count, offset and size is
+// private memory by a copy that survives SIGBUS (guarded_copy: a file
+// truncated under us), or read with pread; every count, offset and size is
 // checked against the mapped size before it is used.
 #pragma once
 
@@ -155,6 +155,17 @@ struct ProbeOptions {
 
 // Installs the SIGBUS handler the guarded copies rely on. Call once.
 void install_bus_guard();
+
+// The one SIGBUS-safe copy: copies n bytes out of a mapping, false when a
+// page faulted (the file was truncated under us). Needs install_bus_guard().
+bool guarded_copy(void* dst, const std::byte* src, std::size_t n);
+
+// A SIGBUS outside guarded_copy (in library code that touches a mapping)
+// never kills the tool by the signal: the handler calls `hook` (which must be
+// async-signal-safe and end the process with _exit), or without one prints
+// a message and _exits 1.
+using BusHook = void (*)();
+void set_bus_hook(BusHook hook);
 
 // The one way a region path is opened: O_RDONLY | O_NOFOLLOW | O_CLOEXEC |
 // O_NONBLOCK | O_NOCTTY, then fstat on the descriptor. So a symlink is never
