@@ -1453,6 +1453,31 @@ TEST(Tool, DumpTimeoutBoundsAStalledSync) {
   p.abort_sync("test over");
 }
 
+TEST(Tool, DumpRefusesDuplicateTensorNames) {
+  TempDir dir;
+  Producer p = Producer::create("dup", small_opts());
+  const std::string out = dir.path + "/dup.safetensors";
+  Proc dump = spawn_tool({"dump", "dup", "--out", out, "--timeout", "30", "--json", "--dir", dir.path});
+  p.wait_for_consumers(1, 20s);
+  // Freeze dump, announce a sync and rename its second tensor after the
+  // first (same length, so offsets stay valid), re-hashing the manifest.
+  ASSERT_TRUE(stop_process(dump.pid));
+  SyncData d = make_sync(small_specs(), 1);  // "w.0", "w.1", "b"
+  ASSERT_EQ(p.send(d.specs, d.ptrs()), 1u);
+  rewrite_manifest(dir.file("dup"), [](std::string& m) {
+    const auto* h = reinterpret_cast<const detail::ManifestHeader*>(m.data());
+    const detail::ManifestEntry* e1 = manifest_entry(m, 1);
+    ASSERT_EQ(m.compare(h->names_offset + e1->name_offset, 3, "w.1"), 0);
+    m.replace(h->names_offset + e1->name_offset, 3, "w.0");
+  });
+  ::kill(dump.pid, SIGCONT);
+  Result r = finish(dump, 20s);
+  EXPECT_EQ(r.rc, 4) << r.err << r.out;
+  EXPECT_NE(r.err.find("twice"), std::string::npos) << r.err;
+  EXPECT_FALSE(exists(out));
+  EXPECT_TRUE(temp_files(dir.path).empty());
+}
+
 int main(int argc, char** argv) {
   if (argc == 3 && std::string(argv[1]) == "--role=foreign-producer") return role_foreign_producer(argv[2]);
   testing::InitGoogleTest(&argc, argv);

@@ -29,6 +29,8 @@
 #include <filesystem>
 #include <iostream>
 #include <memory>
+#include <string_view>
+#include <unordered_map>
 
 #include "commands.hpp"
 #include "file_io.hpp"
@@ -248,6 +250,23 @@ int cmd_dump(const Common& c, const std::string& name, const std::string& out, d
     }
     const SyncInfo& info = consumer.wait_sync(left());
     const auto t_sync = std::chrono::steady_clock::now();
+
+    // safetensors names must be unique; no shmcast producer sends a name
+    // twice, so a manifest that does is corrupt.
+    {
+      std::unordered_map<std::string_view, std::size_t> seen;
+      seen.reserve(info.tensors.size());
+      for (std::size_t i = 0; i < info.tensors.size(); ++i) {
+        const auto [it, fresh] = seen.emplace(info.tensors[i].name, i);
+        if (!fresh) {
+          consumer.skip();
+          return bail(kExitDamaged, "sync " + std::to_string(info.version) + " names tensor '" +
+                                        info.tensors[i].name + "' twice (tensors " + std::to_string(it->second) +
+                                        " and " + std::to_string(i) +
+                                        "): the manifest is corrupt and a safetensors file cannot hold it");
+        }
+      }
+    }
 
     // ---- the safetensors header
     json header;

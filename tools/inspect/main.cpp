@@ -48,7 +48,8 @@ Exit codes:
   3    region not found
   4    show/dump: the region is corrupt, foreign, truncated, unreadable,
        untrusted-owner or of another layout version (show still prints its
-       report); dump: the region was truncated under it
+       report); dump: the region was truncated under it, or its manifest
+       names a tensor twice
   5    refused: rm while a participant is alive or of an untrusted-owner
        file (use --force); dump when --out exists (use --overwrite)
   6    dump: not done within --timeout (which bounds the whole dump)
