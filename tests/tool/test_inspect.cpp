@@ -1428,6 +1428,37 @@ TEST(Tool, ShowValidatesEntriesItDoesNotPrint) {
   EXPECT_EQ(bad.at("manifest").at("tensors").size(), 0u);
 }
 
+// ---------------------------------------------------------------- 5. numbers
+
+TEST(Tool, NonFiniteNegativeAndAbsurdNumbersAreRejected) {
+  TempDir dir;
+  Producer p = Producer::create("n", small_opts());
+  const std::string out = dir.path + "/n.safetensors";
+  const std::vector<std::vector<std::string>> bad = {
+      {"watch", "n", "--interval", "nan"},        {"watch", "n", "--interval", "inf"},
+      {"watch", "n", "--interval", "-1"},         {"watch", "n", "--interval", "0"},
+      {"watch", "n", "--count", "-1"},            {"watch", "n", "--count", "1.5"},
+      {"watch", "n", "--count", "1e30"},          {"dump", "n", "--out", out, "--timeout", "nan"},
+      {"dump", "n", "--out", out, "--timeout", "-5"}, {"dump", "n", "--out", out, "--timeout", "inf"},
+      {"dump", "n", "--out", out, "--timeout", "1e12"}, {"gc", "--grace", "nan"},
+      {"gc", "--grace", "-1"},                    {"gc", "--grace", "1e300"},
+      {"show", "n", "--limit", "-1"},             {"show", "n", "--limit", "nan"},
+  };
+  for (std::vector<std::string> args : bad) {
+    args.push_back("--dir");
+    args.push_back(dir.path);
+    std::string line;
+    for (const auto& a : args) line += a + " ";
+    Result r = tool(args, 5s);
+    EXPECT_EQ(r.rc, 2) << line << "\nstderr: " << r.err;
+    EXPECT_FALSE(r.err.empty()) << line;
+  }
+  EXPECT_FALSE(exists(out));
+  // Sane values still work.
+  EXPECT_EQ(tool({"watch", "n", "--count", "1", "--interval", "0.01", "--dir", dir.path}).rc, 0);
+  EXPECT_EQ(tool({"gc", "--grace", "3600", "--dry-run", "--dir", dir.path}).rc, 0);
+}
+
 // ---------------------------------------------------------------- 5. dump bounds
 
 TEST(Tool, DumpTimeoutBoundsAStalledSync) {

@@ -11,6 +11,8 @@
 // never takes a lock or writes a byte. docs/inspect.md documents the JSON
 // documents (--json) and the exit codes.
 #include <CLI/CLI.hpp>
+#include <cmath>
+#include <cstdlib>
 #include <string>
 
 #include "commands.hpp"
@@ -58,6 +60,28 @@ Exit codes:
 
 dump never ends by a signal and never leaves its temporary file behind.)";
 
+// Numbers on the command line: finite, within [lo, hi], whole when `whole`.
+// (CLI::Range alone lets "nan" through, and "-1" wraps into an unsigned.)
+CLI::Validator number(double lo, double hi, bool whole) {
+  auto text = [](double v) {
+    char buf[32];
+    std::snprintf(buf, sizeof buf, "%g", v);
+    return std::string(buf);
+  };
+  const std::string desc = (whole ? "INT in [" : "NUMBER in [") + text(lo) + " - " + text(hi) + "]";
+  return CLI::Validator(
+      [=](std::string& in) -> std::string {
+        char* end = nullptr;
+        const double v = std::strtod(in.c_str(), &end);
+        if (in.empty() || end != in.c_str() + in.size()) return "'" + in + "' is not a number";
+        if (!std::isfinite(v)) return "must be a finite number, not '" + in + "'";
+        if (v < lo || v > hi) return "must be between " + text(lo) + " and " + text(hi) + ", not " + in;
+        if (whole && v != std::floor(v)) return "must be a whole number, not " + in;
+        return {};
+      },
+      desc);
+}
+
 std::string resolve_dir(const std::string& opt) {
   std::string d = opt.empty() ? shmcast::region_dir() : opt;
   while (d.size() > 1 && d.back() == '/') d.pop_back();
@@ -96,6 +120,7 @@ int main(int argc, char** argv) {
       "show", "Show one region: header, seats, slots, the current manifest and the last errors (read-only)");
   show->add_option("NAME", name, "Region name")->required();
   show->add_option("--limit", limit, "Tensor rows of the manifest to show (only these are decoded); 0 shows all")
+      ->check(number(0, 1e9, true))
       ->capture_default_str();
   add_json(show);
 
@@ -105,9 +130,11 @@ int main(int argc, char** argv) {
       "watch", "Live view of one region: slot states, sync version, throughput; Ctrl-C quits (read-only)");
   watch->add_option("NAME", name, "Region name")->required();
   watch->add_option("--interval", interval, "Seconds between refreshes")
-      ->check(CLI::Range(0.01, 86400.0))
+      ->check(number(0.01, 86400, false))
       ->capture_default_str();
-  watch->add_option("--count", count, "Stop after this many refreshes; 0 runs until Ctrl-C")->capture_default_str();
+  watch->add_option("--count", count, "Stop after this many refreshes; 0 runs until Ctrl-C")
+      ->check(number(0, 1e9, true))
+      ->capture_default_str();
   add_json(watch);
 
   std::string out;
@@ -121,7 +148,7 @@ int main(int argc, char** argv) {
   dump->add_option("--timeout", timeout,
                     "Seconds the whole dump may take: waiting for the region and the next sync, receiving and "
                     "writing it")
-      ->check(CLI::Range(0.0, 1e7))
+      ->check(number(0, 604800, false))
       ->capture_default_str();
   dump->add_flag("--overwrite", overwrite, "Replace --out if it exists");
   add_json(dump);
@@ -133,7 +160,7 @@ int main(int argc, char** argv) {
   gc->add_flag("--dry-run,-n", dry_run, "Only report what would be removed");
   gc->add_option("--grace", grace,
                  "Seconds during which a region being created (or a damaged file) is left alone")
-      ->check(CLI::Range(0.0, 1e9))
+      ->check(number(0, 31536000, false))
       ->capture_default_str();
   add_json(gc);
 
