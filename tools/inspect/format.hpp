@@ -23,7 +23,8 @@ enum Exit : int {
   kExitUsage = 2,      // bad arguments or region name
   kExitNotFound = 3,   // no such region
   kExitDamaged = 4,    // show/dump: region is corrupt/foreign/truncated/newer-/older-version/unreadable/untrusted-owner
-  kExitRefused = 5,    // rm: a participant is alive or the file untrusted (use --force); dump: output exists (use --overwrite)
+  kExitRefused = 5,    // rm: a participant is alive or the file is untrusted (use --force);
+                       // dump: output exists (use --overwrite)
   kExitTimeout = 6,    // dump: no sync arrived within --timeout
   kExitNoSpace = 7,    // dump: not enough free space for the file
   kExitInterrupted = 130,  // dump: interrupted by SIGINT/SIGTERM (temp file removed)
