@@ -1193,7 +1193,7 @@ TEST(Tool, GroupOrOtherWritableRegionsAreUntrusted) {
   EXPECT_EQ(state["world"], "untrusted-owner");
   EXPECT_EQ(state["world-nogroup"], "untrusted-owner");
   EXPECT_EQ(find_region(lj, "world")->at("owner").at("mode"), "0666");
-  EXPECT_NE(find_region(lj, "world")->at("reason").get<std::string>().find("any user can write"),
+  EXPECT_NE(find_region(lj, "world")->at("reason").get<std::string>().find("writable by every user"),
             std::string::npos);
   if (foreign_group) {
     EXPECT_EQ(state["other-group"], "untrusted-owner");
