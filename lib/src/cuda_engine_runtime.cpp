@@ -1,5 +1,8 @@
-// The CUDA copy engine (built with SHMCAST_WITH_CUDA). Plain C++ against the
-// CUDA runtime API: no kernels, so no nvcc is needed to build it.
+// The CUDA copy engine against the CUDA runtime API (linked with libcudart),
+// built with SHMCAST_WITH_CUDA and -DSHMCAST_CUDA_API=runtime. The default
+// build uses cuda_engine.cpp instead: the same engine on the driver API,
+// loaded at run time. This one is kept to measure the two against each other
+// (scripts/device-pip.sh). No kernels, so no nvcc is needed to build it.
 //
 // How a lane works (one per engine, on one device):
 //
