@@ -183,7 +183,9 @@ print('shmcast', shmcast.__version__, 'dist', md.version('shmcast'), 'engine', v
 print(shmcast.__file__); print(m.__file__)
 print('cuda_available', shmcast.cuda_available(), repr(shmcast.cuda_unavailable_reason()))
 assert shmcast.__file__.startswith('$VENV/'), 'not the installed package'
-assert shmcast.__version__ == md.version('shmcast') == '$VER'
+assert shmcast.__version__ == md.version('shmcast') == '$VER', 'versions differ'
+assert v.cuda_engine == 'driver', 'the pip build has no driver-API CUDA engine'
+assert shmcast.cuda_available(), 'CUDA is not available to the installed package'
 " || rc=1
   local so
   so=$(env -u PYTHONPATH $VPY -c "import shmcast._shmcast as m; print(m.__file__)")
