@@ -243,6 +243,11 @@ for part in text.split("######## ")[1:]:
     m = re.search(r"\d+% tests passed, \d+ tests failed out of \d+", part)
     print(f"ctest {head}: {m.group(0) if m else 'no summary'}")
 EOF
-echo "stages:"
-for s in "${STAGES[@]}"; do echo "  $s"; done | tee -a "$OUT/summary.txt"
+{
+  echo "pytest -m cuda, installed package: $(grep -E "(passed|failed|skipped|error).* in [0-9.]+s" "$OUT/pytest.log" 2>/dev/null | head -1)"
+  echo "python_no_gpu.py, installed package, no driver: $(grep -E "all checks passed|^FAIL" "$OUT/pytest.log" 2>/dev/null | tail -1)"
+  echo "pip: $(grep -E "scikit-build-core [0-9.]+ using CMake|Successfully installed" "$OUT/pip.log" 2>/dev/null | sort -u | tr -s ' ' | tr '\n' ';')"
+  echo "stages:"
+  for s in "${STAGES[@]}"; do echo "  $s"; done
+} | tee -a "$OUT/summary.txt"
 log "done"
