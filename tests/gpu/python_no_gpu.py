@@ -120,16 +120,22 @@ def main() -> int:
 
     with shmcast.Producer(name, slot_bytes=1 << 20, slots=2, max_consumers=1, pin="auto") as prod:
         check(not prod.pinned, "pin='auto' leaves the region unpinned without CUDA")
-        # Device writes need CUDA: CudaUnavailable, and the producer goes on
+        # Without CUDA, engine='auto' is the host engine: device writes are
+        # refused (InvalidArgument, the sync aborted) and the producer goes on
         # (no consumer is attached yet, so none sees the aborted sync).
         raw = prod.raw
+        check(raw.engine == "host", "engine='auto' is the host engine without CUDA")
         raw.begin_sync([("x", "u8", [16])])
         try:
             raw.write_device(0, 0x1000, 0)
             fail("write_device worked without CUDA")
+        except shmcast.InvalidArgument as e:
+            check("CopyEngine::kCuda" in str(e), f"write_device on the host engine is refused: {e}")
+        try:
+            shmcast.Producer(name + "-cuda", slot_bytes=1 << 20, max_consumers=1, pin=False, engine="cuda")
+            fail("engine='cuda' worked without CUDA")
         except shmcast.CudaUnavailable as e:
-            check("CUDA" in str(e), f"write_device raises CudaUnavailable: {e}")
-        raw.abort_sync("no CUDA here")
+            check("CUDA" in str(e), f"engine='cuda' raises CudaUnavailable: {e}")
 
         def consumer():
             try:
