@@ -12,6 +12,8 @@
 #include <cstdint>
 #include <string>
 
+#include "shmcast/shmcast.hpp"
+
 namespace shmcast::detail {
 
 inline constexpr std::uint64_t kMagic = 0x0054534143'4d4853ull;  // "SHMCAST\0" (LE)
@@ -21,14 +23,14 @@ inline constexpr std::uint64_t kSeatBytes = 512;
 inline constexpr std::uint64_t kSlotDescBytes = 64;
 inline constexpr std::uint64_t kDataAlign = 2ull << 20;  // huge-page / DMA friendly
 inline constexpr std::uint64_t kTensorAlign = 256;       // start of each tensor in the stream
-inline constexpr std::uint32_t kMaxConsumers = 64;
-inline constexpr std::uint32_t kMaxSlots = 4096;
-inline constexpr std::uint64_t kMaxSlotBytes = 64ull << 30;
-inline constexpr std::uint64_t kMinManifestBytes = 4096;
-inline constexpr std::uint64_t kMaxManifestBytes = 1ull << 30;
+inline constexpr std::uint32_t kMaxConsumers = limits::kMaxConsumers;
+inline constexpr std::uint32_t kMaxSlots = limits::kMaxSlots;
+inline constexpr std::uint64_t kMaxSlotBytes = limits::kMaxSlotBytes;
+inline constexpr std::uint64_t kMinManifestBytes = limits::kMinManifestBytes;
+inline constexpr std::uint64_t kMaxManifestBytes = limits::kMaxManifestBytes;
 inline constexpr std::size_t kErrorTextBytes = 256;
-inline constexpr std::uint64_t kMaxStreamBytes = 1ull << 46;  // 64 TiB: one sync's stream, and one tensor
-inline constexpr std::uint32_t kMaxTensors = 1u << 20;        // tensors in one sync
+inline constexpr std::uint64_t kMaxStreamBytes = limits::kMaxStreamBytes;
+inline constexpr std::uint32_t kMaxTensors = limits::kMaxTensors;
 
 // Feature bits (Header::features). A reader rejects bits it does not know.
 inline constexpr std::uint64_t kFeatureChecksums = 1ull << 0;  // SlotDesc::checksum valid

@@ -200,3 +200,22 @@ std::string decode_manifest(std::span<const std::byte> bytes, std::uint64_t expe
 }
 
 }  // namespace shmcast::detail
+
+namespace shmcast {
+
+SyncLayout stream_layout(std::span<const TensorSpec> tensors, std::uint64_t slot_bytes) {
+  if (slot_bytes == 0 || slot_bytes > limits::kMaxSlotBytes)
+    throw Error(Errc::kInvalidArgument, "slot_bytes must be 1.." + std::to_string(limits::kMaxSlotBytes));
+  if (tensors.size() > limits::kMaxTensors)
+    throw Error(Errc::kInvalidArgument, "more than " + std::to_string(limits::kMaxTensors) + " tensors");
+  for (std::size_t i = 0; i < tensors.size(); ++i)
+    if (std::string why = detail::validate_spec(tensors[i]); !why.empty())
+      throw Error(Errc::kInvalidArgument, "tensor " + std::to_string(i) + " ('" + tensors[i].name + "'): " + why);
+  const std::uint64_t S = detail::align_up(slot_bytes, detail::kDataAlign);
+  SyncLayout l;
+  l.stream_bytes = detail::pack(tensors, S, &l.offsets, &l.payload_bytes);
+  l.chunks = (l.stream_bytes + S - 1) / S;
+  return l;
+}
+
+}  // namespace shmcast

@@ -43,6 +43,7 @@ struct Producer::Impl {
   std::uint64_t stream_bytes = 0, payload_bytes = 0;
   std::size_t next_tensor = 0;
   ChunkWriter writer;  // the sync's chunks
+  SyncLayout layout;   // of the sync in progress or the last one begun
   std::int64_t sync_start_ns = 0;
 
   ~Impl() { close_quietly(); }
@@ -338,6 +339,7 @@ std::uint64_t Producer::begin_sync(std::span<const TensorSpec> tensors) {
   rec.manifest_hash = XXH3_64bits(m.view.manifest(), used);
   m.view.header().error_code.store(0, std::memory_order_relaxed);
   m.view.header().error_text[0] = 0;
+  m.layout = SyncLayout{m.version, rec.first_seq, rec.chunks, m.stream_bytes, m.payload_bytes, m.offsets};
   m.ring->enroll(m.version, rec.first_seq);
   m.ring->announce(rec);
   m.in_sync = true;
@@ -414,6 +416,7 @@ std::uint64_t Producer::region_bytes() const { return impl_->view.geo().total_by
 std::uint64_t Producer::slot_bytes() const { return impl_->view.geo().slot_bytes; }
 std::uint32_t Producer::slots() const { return impl_->view.geo().slot_count; }
 std::uint64_t Producer::last_version() const { return impl_->version; }
+const SyncLayout& Producer::last_layout() const { return impl_->layout; }
 bool Producer::pinned() const { return impl_->pin.pinned; }
 CopyEngine Producer::engine() const { return impl_->engine->is_cuda() ? CopyEngine::kCuda : CopyEngine::kHost; }
 double Producer::pin_seconds() const { return impl_->pin.seconds; }

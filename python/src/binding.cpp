@@ -28,8 +28,6 @@
 #include <type_traits>
 #include <vector>
 
-#include "manifest.hpp"  // detail::pack: the exact stream layout (internal header)
-#include "ring.hpp"      // detail::chunk_count
 #include "shmcast/shmcast.hpp"
 
 namespace py = pybind11;
@@ -423,13 +421,6 @@ struct PySync {
   }
 };
 
-// The layout of the last sync a producer began (computed with detail::pack,
-// which is what begin_sync used).
-struct SentSync {
-  std::uint64_t version = 0, first_seq = 0, chunks = 0, stream_bytes = 0, payload_bytes = 0;
-  std::size_t tensors = 0;
-};
-
 // ------------------------------------------------------------------ fork
 
 // A forked child inherits these objects (their mapping, file descriptors,
@@ -476,11 +467,11 @@ class PyProducer : Owned {
              py::handle stall_policy, py::handle consumer_timeout, py::handle pin, py::handle engine) {
     const std::string n = region_name_arg(name);
     ProducerOptions o;
-    o.slot_bytes = int_arg<std::uint64_t>(slot_bytes, "slot_bytes", 1, detail::kMaxSlotBytes);
-    o.slots = int_arg<std::uint32_t>(slots, "slots", 2, detail::kMaxSlots);
-    o.max_consumers = int_arg<std::uint32_t>(max_consumers, "max_consumers", 1, detail::kMaxConsumers);
+    o.slot_bytes = int_arg<std::uint64_t>(slot_bytes, "slot_bytes", 1, limits::kMaxSlotBytes);
+    o.slots = int_arg<std::uint32_t>(slots, "slots", 2, limits::kMaxSlots);
+    o.max_consumers = int_arg<std::uint32_t>(max_consumers, "max_consumers", 1, limits::kMaxConsumers);
     o.manifest_bytes =
-        int_arg<std::uint64_t>(manifest_bytes, "manifest_bytes", detail::kMinManifestBytes, detail::kMaxManifestBytes);
+        int_arg<std::uint64_t>(manifest_bytes, "manifest_bytes", limits::kMinManifestBytes, limits::kMaxManifestBytes);
     o.group_access = group_access;
     o.replace_stale = replace_stale;
     o.unlink_on_close = unlink_on_close;
@@ -585,7 +576,7 @@ class PyProducer : Owned {
   }
 
   void wait_for_consumers(py::handle n_arg, py::handle timeout) {
-    const std::uint32_t n = int_arg<std::uint32_t>(n_arg, "n", 0, detail::kMaxConsumers);
+    const std::uint32_t n = int_arg<std::uint32_t>(n_arg, "n", 0, limits::kMaxConsumers);
     const auto deadline = Clock::now() + seconds_arg(timeout, "timeout", true);
     // In slices, so Ctrl-C works during a long wait.
     for (;;) {
@@ -640,7 +631,10 @@ class PyProducer : Owned {
   std::string engine() const { return p_->engine() == CopyEngine::kCuda ? "cuda" : "host"; }
   double pin_seconds() const { return p_->pin_seconds(); }
   double create_seconds() const { return p_->create_seconds(); }
-  const SentSync& last_sync() const { return last_; }
+  SyncLayout last_sync() {
+    check();
+    return get().last_layout();
+  }
 
  private:
   static constexpr Duration kSlice = std::chrono::milliseconds(200);
@@ -655,18 +649,6 @@ class PyProducer : Owned {
   std::uint64_t begin_locked(std::vector<TensorSpec> specs) {
     Producer& p = get();
     const std::uint64_t v = p.begin_sync(specs);
-    // Mirror the library's bookkeeping: the sync takes chunks
-    // [next_seq, next_seq + chunks) whether it ends or is aborted.
-    std::vector<std::uint64_t> offsets;
-    std::uint64_t payload = 0;
-    const std::uint64_t stream = detail::pack(specs, p.slot_bytes(), &offsets, &payload);
-    last_.version = v;
-    last_.first_seq = next_seq_;
-    last_.chunks = detail::chunk_count(stream, p.slot_bytes());
-    last_.stream_bytes = stream;
-    last_.payload_bytes = payload;
-    last_.tensors = specs.size();
-    next_seq_ += last_.chunks;
     nbytes_.resize(specs.size());
     for (std::size_t i = 0; i < specs.size(); ++i) nbytes_[i] = specs[i].nbytes();
     return v;
@@ -694,8 +676,6 @@ class PyProducer : Owned {
   std::unique_ptr<Producer> p_;
   std::mutex mu_;
   bool closed_ = false;
-  std::uint64_t next_seq_ = 1;
-  SentSync last_;
   std::vector<std::uint64_t> nbytes_;
 };
 
@@ -840,12 +820,12 @@ PYBIND11_MODULE(_shmcast, m) {
   m.attr("version_minor") = kVersionMinor;
   register_exceptions(m);
   py::dict limits;  // the library's limits on a region's geometry (docs/protocol.md)
-  limits["max_consumers"] = detail::kMaxConsumers;
+  limits["max_consumers"] = limits::kMaxConsumers;
   limits["min_slots"] = 2;
-  limits["max_slots"] = detail::kMaxSlots;
-  limits["max_slot_bytes"] = detail::kMaxSlotBytes;
-  limits["min_manifest_bytes"] = detail::kMinManifestBytes;
-  limits["max_manifest_bytes"] = detail::kMaxManifestBytes;
+  limits["max_slots"] = limits::kMaxSlots;
+  limits["max_slot_bytes"] = limits::kMaxSlotBytes;
+  limits["min_manifest_bytes"] = limits::kMinManifestBytes;
+  limits["max_manifest_bytes"] = limits::kMaxManifestBytes;
   m.attr("limits") = limits;
 
   m.def("region_dir", [] { return text(region_dir(), "surrogateescape"); },
@@ -888,11 +868,9 @@ PYBIND11_MODULE(_shmcast, m) {
       "stream_layout",
       [](py::handle specs, py::handle slot_bytes_arg) {
         std::vector<TensorSpec> s = to_specs(specs);
-        const std::uint64_t slot_bytes = int_arg<std::uint64_t>(slot_bytes_arg, "slot_bytes", 1, detail::kMaxSlotBytes);
-        std::vector<std::uint64_t> offsets;
-        std::uint64_t payload = 0;
-        const std::uint64_t stream = detail::pack(s, slot_bytes, &offsets, &payload);
-        return py::make_tuple(stream, payload, detail::chunk_count(stream, slot_bytes), offsets);
+        const std::uint64_t slot_bytes = int_arg<std::uint64_t>(slot_bytes_arg, "slot_bytes", 1, limits::kMaxSlotBytes);
+        const SyncLayout l = shmcast::stream_layout(s, slot_bytes);
+        return py::make_tuple(l.stream_bytes, l.payload_bytes, l.chunks, l.offsets);
       },
       py::arg("specs"), py::arg("slot_bytes"),
       "(stream_bytes, payload_bytes, chunks, offsets) of a sync of `specs` in slots of slot_bytes "
@@ -911,13 +889,14 @@ PYBIND11_MODULE(_shmcast, m) {
                std::to_string(s.tensors.size()) + " payload_bytes=" + std::to_string(s.payload_bytes) + ">";
       });
 
-  py::class_<SentSync>(m, "SentSync", "Layout of the last sync a producer began.")
-      .def_readonly("version", &SentSync::version)
-      .def_readonly("first_seq", &SentSync::first_seq)
-      .def_readonly("chunks", &SentSync::chunks)
-      .def_readonly("stream_bytes", &SentSync::stream_bytes)
-      .def_readonly("payload_bytes", &SentSync::payload_bytes)
-      .def_readonly("tensors", &SentSync::tensors);
+  py::class_<SyncLayout>(m, "SentSync", "Layout of the last sync a producer began (shmcast::SyncLayout).")
+      .def_readonly("version", &SyncLayout::version)
+      .def_readonly("first_seq", &SyncLayout::first_seq)
+      .def_readonly("chunks", &SyncLayout::chunks)
+      .def_readonly("stream_bytes", &SyncLayout::stream_bytes)
+      .def_readonly("payload_bytes", &SyncLayout::payload_bytes)
+      .def_property_readonly("tensors", [](const SyncLayout& l) { return l.offsets.size(); })
+      .def_readonly("offsets", &SyncLayout::offsets);
 
   py::class_<PyProducer>(m, "Producer", "Low-level producer (shmcast::Producer). Pointers are ints.")
       .def(py::init<py::handle, py::handle, py::handle, py::handle, py::handle, bool, bool, bool, bool, py::handle,

@@ -29,6 +29,13 @@
 #include <string_view>
 #include <vector>
 
+// Symbols of the library's public API; everything else is hidden.
+#if defined(SHMCAST_STATIC_DEFINE) || !defined(__GNUC__)
+#define SHMCAST_API
+#else
+#define SHMCAST_API __attribute__((visibility("default")))
+#endif
+
 namespace shmcast {
 
 inline constexpr int kVersionMajor = 0;
@@ -57,9 +64,9 @@ enum class Errc : int {
   kSystem,               // unexpected OS error (errno attached)
 };
 
-const char* errc_name(Errc code) noexcept;
+SHMCAST_API const char* errc_name(Errc code) noexcept;
 
-class Error : public std::runtime_error {
+class SHMCAST_API Error : public std::runtime_error {
  public:
   Error(Errc code, const std::string& message, int sys_errno = 0);
   Errc code() const noexcept { return code_; }
@@ -83,9 +90,20 @@ enum class DType : std::uint16_t {
   kRaw = 255,  // untyped bytes: shape must be {nbytes}
 };
 
-std::size_t dtype_size(DType) noexcept;          // 0 for unknown
-std::string_view dtype_name(DType) noexcept;     // "bf16", "f32", ...
-bool dtype_from_name(std::string_view name, DType* out) noexcept;
+SHMCAST_API std::size_t dtype_size(DType) noexcept;          // 0 for unknown
+SHMCAST_API std::string_view dtype_name(DType) noexcept;     // "bf16", "f32", ...
+SHMCAST_API bool dtype_from_name(std::string_view name, DType* out) noexcept;
+
+// The library's limits (region geometry and one sync).
+namespace limits {
+inline constexpr std::uint32_t kMaxConsumers = 64;
+inline constexpr std::uint32_t kMaxSlots = 4096;
+inline constexpr std::uint64_t kMaxSlotBytes = 64ull << 30;
+inline constexpr std::uint64_t kMinManifestBytes = 4096;
+inline constexpr std::uint64_t kMaxManifestBytes = 1ull << 30;
+inline constexpr std::uint32_t kMaxTensors = 1u << 20;        // tensors in one sync
+inline constexpr std::uint64_t kMaxStreamBytes = 1ull << 46;  // 64 TiB: one sync's stream, and one tensor
+}  // namespace limits
 
 inline constexpr int kMaxDims = 8;
 inline constexpr std::size_t kMaxNameBytes = 1024;
@@ -94,7 +112,7 @@ struct TensorSpec {
   std::string name;
   DType dtype = DType::kRaw;
   std::vector<std::int64_t> shape;  // empty = scalar
-  std::uint64_t nbytes() const;     // dtype_size * prod(shape); throws on overflow
+  SHMCAST_API std::uint64_t nbytes() const;  // dtype_size * prod(shape); throws on overflow
 };
 
 // What a consumer sees of one tensor of a sync.
@@ -114,10 +132,25 @@ struct SyncInfo {
   std::uint64_t chunks = 0;           // chunks (one per slot fill)
   std::vector<TensorInfo> tensors;
   // Index of a tensor by name, or -1.
-  std::ptrdiff_t find(std::string_view name) const;
+  SHMCAST_API std::ptrdiff_t find(std::string_view name) const;
 };
 
 // A contiguous piece of one tensor inside a slot, valid only during visit().
+// Where a sync's tensors sit in its byte stream, and which chunks it takes.
+struct SyncLayout {
+  std::uint64_t version = 0;        // 0 before the first begin_sync
+  std::uint64_t first_seq = 0;      // first chunk sequence number
+  std::uint64_t chunks = 0;
+  std::uint64_t stream_bytes = 0;   // with alignment padding
+  std::uint64_t payload_bytes = 0;  // sum of tensor sizes
+  std::vector<std::uint64_t> offsets;  // stream offset of each tensor, manifest order
+};
+
+// The layout a producer with slots of `slot_bytes` (rounded up to 2 MiB, as
+// create() does) gives a sync of `tensors` (version and first_seq left 0).
+// Throws kInvalidArgument for an invalid spec or slot size.
+SHMCAST_API SyncLayout stream_layout(std::span<const TensorSpec> tensors, std::uint64_t slot_bytes);
+
 struct Piece {
   std::size_t tensor;          // index into SyncInfo::tensors
   std::uint64_t offset;        // byte offset of this piece within the tensor
@@ -135,15 +168,15 @@ using Duration = std::chrono::nanoseconds;
 
 // Region directory: $SHMCAST_DIR if set, else /dev/shm. A tmpfs volume that
 // two containers share works the same as /dev/shm.
-std::string region_dir();
+SHMCAST_API std::string region_dir();
 // Path of the file that backs region `name`.
-std::string region_path(std::string_view name);
+SHMCAST_API std::string region_path(std::string_view name);
 // Validates a region name: 1..128 chars of [A-Za-z0-9._-], not starting with
 // '.' or '-'. Returns an empty string when valid, else the reason.
-std::string validate_name(std::string_view name);
+SHMCAST_API std::string validate_name(std::string_view name);
 // Removes the region's name. Attached processes keep their mapping.
 // Returns false when there was nothing to remove.
-bool unlink_region(std::string_view name);
+SHMCAST_API bool unlink_region(std::string_view name);
 
 enum class StallPolicy : std::uint8_t {
   kFail,   // a live consumer that stalls past consumer_timeout fails the sync
@@ -207,7 +240,7 @@ struct Strided2D {
 
 // ---------------------------------------------------------------- producer
 
-class Producer {
+class SHMCAST_API Producer {
  public:
   // Creates region `name` (O_EXCL, mode 0600): header, seats, slots, manifest.
   static Producer create(std::string_view name, const ProducerOptions& options = {});
@@ -259,6 +292,9 @@ class Producer {
   std::uint64_t slot_bytes() const;
   std::uint32_t slots() const;
   std::uint64_t last_version() const;
+  // The layout of the sync in progress, or of the last one begun (completed
+  // or aborted): what consumers will see in SyncInfo.
+  const SyncLayout& last_layout() const;
   bool pinned() const;
   CopyEngine engine() const;   // kHost or kCuda: the engine chosen at create
   double pin_seconds() const;  // time spent in cudaHostRegister
@@ -277,7 +313,7 @@ class Producer {
 
 // ---------------------------------------------------------------- consumer
 
-class Consumer {
+class SHMCAST_API Consumer {
  public:
   // Opens region `name`, claims a consumer seat and waits for nothing else.
   static Consumer open(std::string_view name, const ConsumerOptions& options = {});
@@ -329,8 +365,8 @@ class Consumer {
 // ---------------------------------------------------------------- CUDA
 
 // True when built with CUDA and at least one device is usable.
-bool cuda_available() noexcept;
+SHMCAST_API bool cuda_available() noexcept;
 // Why not, in words, when cuda_available() is false.
-std::string cuda_unavailable_reason();
+SHMCAST_API std::string cuda_unavailable_reason();
 
 }  // namespace shmcast
