@@ -343,8 +343,10 @@ def run(args) -> dict:
     p = ctx.Process(target=producer_main, args=(args, pb), daemon=True)
     c = ctx.Process(target=consumer_main, args=(args, cb), daemon=True)
     p.start()
+    pb.close()  # our copy of the child's end: without it a dead child reads as EOF, not a hang
     info = pa.recv()
     c.start()
+    cb.close()
     cinfo = ca.recv()
     # The ceiling of this configuration, measured now, while the consumer waits.
     pa.send({"op": "ceiling"})

@@ -1289,7 +1289,31 @@ class Orchestrator:
             print("weight_sync_bench: MISMATCH: a receiver got bytes that were not sent: " + ", ".join(bad),
                   file=sys.stderr)
             return 1
+        failed = shmcast_failures(self.res)
+        if failed:
+            print("weight_sync_bench: shmcast runs failed: " + "; ".join(failed), file=sys.stderr)
+            return 2
         return 0
+
+
+def _is_shmcast(label):
+    lab = str(label)
+    return lab == "c" or lab.startswith("c-") or lab in ("fanout", "loop-c")
+
+
+def shmcast_failures(res):
+    """The shmcast tasks (path c, fan-out, loop-c) that ended with an error."""
+    out = []
+    for g in res.get("groups", []):
+        for t in g.get("tasks", []):
+            lab = str(t.get("label"))
+            if _is_shmcast(lab) and t.get("errors"):
+                out.append(f"{g['name']}/{lab}: {t['errors'][0]}")
+    for nr in res.get("not_run", []):  # a group that died (not one skipped for the time budget)
+        labs = [str(x) for x in (nr.get("tasks") or []) if _is_shmcast(x)]
+        if labs and "budget" not in nr.get("why", ""):
+            out.append(f"{nr['group']}/{','.join(labs)}: {nr['why']}")
+    return out
 
 
 def mismatches(res):
