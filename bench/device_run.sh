@@ -6,14 +6,15 @@
 # (at most 8 files come back): device_run.log (this output), env.log,
 # build.log, [tests.log,] bench.jsonl (one JSON object per run), summary.txt,
 # e2e_results.json, logs.tar.gz (each run's JSON and stderr, the e2e tables).
-# About 6-7 minutes on an H200 (build ~2 min).
+# Estimated 5-6 minutes on an H200 (build 1-2), not yet timed there.
 #
 #   run: bash bench/device_run.sh            carry: [".deb"]   kind: nvidia-h200
 #
 # Packages the machine lacks are unpacked from .deb/ (apt-get download here,
 # see scripts/device-env.sh) into /tmp/pfx, never into /.
 #   STAGES     default "env build bench"; add "test" for ctest -L gpu and the
-#              multi-process tier (builds the tests too: about 3 more minutes)
+#              multi-process tier (builds the tests too: minutes more; best in
+#              its own call, STAGES="env build test")
 #   BENCH_SET  default "default sweep2 sweep3 sweep4 staging inline host python e2e";
 #              also h2d2 h2d2d2h2 h2d2k4 h2d2sweep (the copy-stream experiments)
 #   REPS       timed syncs per configuration, and copies per ceiling (default 10)
