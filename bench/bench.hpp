@@ -72,9 +72,12 @@ struct Config {
   }
 };
 
-// The producer options every bench role uses, from the command line.
-inline shmcast::ProducerOptions producer_options(const Config& c, shmcast::Pin pin) {
+// The producer options every bench role uses, from the command line. The
+// engine is explicit: host mode measures the memcpy engine (with progressive
+// fill) even on a machine with a GPU, cuda mode the CUDA engine.
+inline shmcast::ProducerOptions producer_options(const Config& c, shmcast::Pin pin, shmcast::CopyEngine engine) {
   shmcast::ProducerOptions o;
+  o.engine = engine;
   o.slot_bytes = c.slot_bytes;
   o.slots = c.slots;
   o.max_consumers = c.consumers > 1 ? c.consumers : 1;

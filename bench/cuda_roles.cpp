@@ -106,7 +106,7 @@ int cuda_producer(Ctl* ctl) {
   ck(cudaStreamCreateWithFlags(&fill, cudaStreamNonBlocking), "cudaStreamCreate");
   r.setup_s = static_cast<double>(now_ns() - t0) * 1e-9;
 
-  shmcast::Producer p = shmcast::Producer::create(c.region, producer_options(c, shmcast::Pin::kYes));
+  shmcast::Producer p = shmcast::Producer::create(c.region, producer_options(c, shmcast::Pin::kYes, shmcast::CopyEngine::kCuda));
   r.create_s = p.create_seconds();
   r.pin_s = p.pin_seconds();
   r.pinned = p.pinned();

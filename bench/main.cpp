@@ -208,7 +208,7 @@ int host_producer(Ctl* ctl) {
   }
   r.setup_s = static_cast<double>(now_ns() - t0) * 1e-9;
 
-  shmcast::Producer p = shmcast::Producer::create(c.region, producer_options(c, shmcast::Pin::kNo));
+  shmcast::Producer p = shmcast::Producer::create(c.region, producer_options(c, shmcast::Pin::kNo, shmcast::CopyEngine::kHost));
   r.create_s = p.create_seconds();
   r.region_bytes = p.region_bytes();
   ctl->region_ready.store(1, std::memory_order_release);

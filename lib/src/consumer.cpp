@@ -83,51 +83,27 @@ struct Consumer::Impl {
     state = State::kIdle;
   }
 
-  // Runs `per_chunk(data, chunk_index, start, bytes)` over each chunk in
-  // order (data points at stream byte `start`), then hands the release to
-  // `engine`. With `follow`, a chunk is handed over in several ranges as the
-  // producer fills it (host copies without checksums), so the consumer copies
-  // bytes while they are still in the CPU cache.
+  // Runs `per_range(data, start, bytes)` over the sync's bytes in stream
+  // order (data points at stream byte `start`), chunk by chunk, then hands
+  // each chunk's release to `engine`. With `follow`, a chunk is handed over
+  // in several ranges as the producer fills it (host copies without
+  // checksums), so the consumer copies bytes while they are still in the
+  // CPU cache.
   template <class F>
-  void for_each_chunk(ConsumerEngine& engine, F&& per_chunk, bool follow = false) {
+  void for_each_chunk(ConsumerEngine& engine, F&& per_range, bool follow = false) {
     require_open();
     if (state != State::kManifest) throw Error(Errc::kInvalidArgument, "no sync to read: call wait_sync() first");
     state = State::kReading;
-    const std::uint64_t S = view.geo().slot_bytes;
+    ChunkReader reader(&*ring, &view, info.version, info.first_seq, info.chunks, info.stream_bytes, follow,
+                       checksums && opts.verify_checksums, opts.chunk_timeout.count());
     // Set from the engine's completion thread (CUDA callbacks).
     std::atomic<bool> broken{false};
     try {
-      for (std::uint64_t c = 0; c < info.chunks; ++c) {
-        const std::uint64_t seq = info.first_seq + c;
-        const std::uint64_t bytes = chunk_len(c, info.stream_bytes, S);
-        const std::int64_t deadline = mono_ns() + opts.chunk_timeout.count();
-        std::uint64_t have = 0;  // bytes of this chunk already handed over
-        std::uint32_t k;
-        for (;;) {
-          std::uint64_t avail = have;
-          bool complete = true;
-          k = follow ? ring->wait_chunk(seq, info.version, bytes, deadline, &avail, &complete)
-                     : ring->wait_chunk(seq, info.version, bytes, deadline);
-          if (complete) break;
-          per_chunk(view.slot_data(k) + have, c, c * S + have, avail - have);
-          have = avail;
-        }
-        const std::byte* data = view.slot_data(k);
-        if (checksums && opts.verify_checksums) {
-          const std::uint64_t want = view.slot(k).checksum.load(std::memory_order_relaxed);
-          if (XXH3_64bits(data, bytes) != want) {
-            if (!ring->still_valid(k, seq)) ring->check_seat();
-            throw Error(Errc::kChecksum, "chunk " + std::to_string(seq) + " of sync " + std::to_string(info.version) +
-                                             " fails its checksum: its bytes changed between producer and consumer");
-          }
-        }
-        if (have < bytes) per_chunk(data + have, c, c * S + have, bytes - have);
-        ConsumerRing* r = &*ring;
-        std::atomic<bool>* flag = &broken;
-        engine.chunk_done([r, k, seq, flag] {
-          if (!r->still_valid(k, seq)) flag->store(true, std::memory_order_relaxed);
-          r->release(seq);
-        });
+      ChunkReader::Range r;
+      while (reader.next(&r)) {
+        if (r.bytes > 0) per_range(r.data, r.start, r.bytes);
+        if (!r.last) continue;
+        engine.chunk_done(reader.releaser(r, &broken));
         if (broken.load(std::memory_order_relaxed)) break;
       }
       engine.drain();
@@ -329,7 +305,7 @@ void Consumer::read_into(std::span<void* const> dsts) {
   const bool follow = !(m.checksums && m.opts.verify_checksums);  // a checksum needs the whole chunk first
   m.for_each_chunk(
       e,
-      [&](const std::byte* data, std::uint64_t, std::uint64_t start, std::uint64_t bytes) {
+      [&](const std::byte* data, std::uint64_t start, std::uint64_t bytes) {
         m.pieces(&cursor, start, bytes, data,
                  [&](std::size_t j, std::uint64_t off, const std::byte* src, std::uint64_t n) {
                    if (dsts[j]) e.copy(Buffer{dsts[j], false, {}}, off, src, n);
@@ -347,7 +323,7 @@ void Consumer::visit(const std::function<void(const Piece&)>& fn) {
   }
   std::size_t cursor = 0;
   std::vector<Piece> chunk;
-  m.for_each_chunk(*m.host_engine, [&](const std::byte* data, std::uint64_t, std::uint64_t start, std::uint64_t bytes) {
+  m.for_each_chunk(*m.host_engine, [&](const std::byte* data, std::uint64_t start, std::uint64_t bytes) {
     chunk.clear();
     m.pieces(&cursor, start, bytes, data, [&](std::size_t j, std::uint64_t off, const std::byte* src, std::uint64_t n) {
       chunk.push_back(Piece{j, off, src, n, m.info.tensors[j].nbytes});
@@ -370,7 +346,7 @@ void Consumer::read_into_device(std::span<void* const> dsts, void* stream) {
   ConsumerEngine& e = *m.cuda_engine;
   e.begin(stream);
   std::size_t cursor = 0;
-  m.for_each_chunk(e, [&](const std::byte* data, std::uint64_t, std::uint64_t start, std::uint64_t bytes) {
+  m.for_each_chunk(e, [&](const std::byte* data, std::uint64_t start, std::uint64_t bytes) {
     m.pieces(&cursor, start, bytes, data, [&](std::size_t j, std::uint64_t off, const std::byte* src, std::uint64_t n) {
       if (dsts[j]) e.copy(Buffer{dsts[j], true, {}}, off, src, n);
     });
@@ -387,7 +363,7 @@ std::vector<void*> Consumer::read_to_staging(int device, void* stream) {
   std::byte* base = e.staging(device, m.info.stream_bytes);
   e.begin(stream);
   // One H2D per slot: the staging buffer mirrors the stream.
-  m.for_each_chunk(e, [&](const std::byte* data, std::uint64_t, std::uint64_t start, std::uint64_t bytes) {
+  m.for_each_chunk(e, [&](const std::byte* data, std::uint64_t start, std::uint64_t bytes) {
     e.copy(Buffer{base, true, {}}, start, data, bytes);
   });
   e.end(stream);

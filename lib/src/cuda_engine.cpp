@@ -1,5 +1,10 @@
-// The CUDA copy engine (built with SHMCAST_WITH_CUDA). Plain C++ against the
-// CUDA runtime API: no kernels, so no nvcc is needed to build it.
+// The CUDA copy engine (built with SHMCAST_WITH_CUDA; SHMCAST_CUDA_API=driver,
+// the default). Plain C++ against the CUDA driver API, which cuda_driver.cpp
+// loads at run time: libshmcast links no CUDA library, so one build works on
+// machines with and without a GPU and next to any CUDA runtime (torch's, the
+// application's). Only cuda.h is needed to build it; no nvcc. The same engine
+// against the runtime API (libcudart) is cuda_engine_runtime.cpp, kept for
+// comparison (-DSHMCAST_CUDA_API=runtime): both behave alike.
 //
 // How a lane works (one per engine, on one device):
 //
@@ -11,11 +16,11 @@
 //   begin(caller_stream) records an event on the caller's stream and makes the
 //   copy stream wait for it, so the kernels that produced (producer) or last
 //   used (consumer) the tensors come first. Nothing waits on the host. One
-//   cudaMemcpyAsync per piece (a tensor's bytes inside one slot); no events per
-//   piece.
+//   cuMemcpyDtoHAsync / cuMemcpyHtoDAsync per piece (a tensor's bytes inside
+//   one slot); no events per piece.
 // * chunk_done(fn) records one reusable event on the copy stream after the
 //   chunk's copies, makes a second library stream ("callback stream") wait for
-//   it, and queues fn there with cudaLaunchHostFunc. The callback stream holds
+//   it, and queues fn there with cuLaunchHostFunc. The callback stream holds
 //   nothing but these waits and host functions, so the copy stream never stalls
 //   behind a host function: the DMA engine goes straight on to the next chunk
 //   while the CUDA callback thread publishes (producer) or releases (consumer)
@@ -31,54 +36,71 @@
 //   (44.7 GB/s with 2 H2D streams against 44.7 with 1; 42.9 with 2 + 2), so
 //   one stream each is the default; the knob stays for other machines.
 // * drain() records a blocking-sync event after everything on all streams and
-//   waits for it with cudaEventSynchronize: the caller's thread sleeps, it does
+//   waits for it with cuEventSynchronize: the caller's thread sleeps, it does
 //   not spin. Copy errors and exceptions thrown by a host function are
 //   rethrown there as Error(Errc::kCuda).
 //
-// Devices: an engine works on the device that is current when it is first
-// used (cudaGetDevice in begin()). If a later begin() finds another device
-// current, the engine drains and moves its streams to that device. The
+// Contexts and devices. Everything happens in the primary context of a device:
+// the context the CUDA runtime (and so torch) uses for it, so a cudaStream_t
+// of the runtime is a CUstream of that context. The library retains each
+// device's primary context once, on first use, for the life of the process
+// (as the runtime does), and pushes it on the calling thread around its calls
+// (nothing is pushed when it is current already, as it is after cudaSetDevice
+// or under torch.cuda.device). An engine works on the device that is current
+// when it is first used; begin(caller_stream) then picks the device whose
+// context owns the caller's stream (cuStreamGetCtx), or, for a default stream
+// (0, cudaStreamLegacy, cudaStreamPerThread), the device of the current
+// context (device 0 when none is current, like cudaGetDevice). If that is
+// another device, the engine drains and moves its streams there. The
 // consumer's staging(device, ...) moves it to `device`. Copies between pinned
 // host memory and any device's memory work from a stream of any device
 // (unified addressing), but a stream on the tensor's own device uses its own
-// copy engines, which is the fast path.
+// copy engines, which is the fast path. Streams of contexts made with
+// cuCtxCreate (not a primary context) are not supported.
 //
 // Non-contiguous sources (Strided2D): copied straight from the strided tensor
-// with cudaMemcpy2DAsync (a piece that starts or ends mid-row adds a
-// one-row cudaMemcpyAsync for the partial row at either end). No device
-// staging buffer is used, so the trainer's GPU memory is never held by the
-// library: once a tensor's D2H copies have run, its memory may be reused
-// (end_sync() returns only after that).
+// with cuMemcpy2DAsync (a piece that starts or ends mid-row adds a one-row
+// copy for the partial row at either end; a pitch above the device's
+// CU_DEVICE_ATTRIBUTE_MAX_PITCH is copied row by row). No device staging
+// buffer is used, so the trainer's GPU memory is never held by the library:
+// once a tensor's D2H copies have run, its memory may be reused (end_sync()
+// returns only after that).
 #include <sys/mman.h>
 #include <sys/resource.h>
-
-#include <cuda_runtime_api.h>
 
 #include <atomic>
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <mutex>
 #include <string>
+#include <unordered_map>
 
+#include "cuda_driver.hpp"
 #include "engine.hpp"
 
 namespace shmcast::detail {
 
 namespace {
 
-constexpr std::uint64_t kPinChunk = 64ull << 30;  // cudaHostRegister at most 64 GiB per call
+constexpr std::uint64_t kPinChunk = 64ull << 30;  // cuMemHostRegister at most 64 GiB per call
 
-std::string err_text(cudaError_t e) {
-  return std::string(cudaGetErrorName(e)) + " (" + cudaGetErrorString(e) + ")";
+// The loaded driver. Engines and pins call this only after cuda_present()
+// said yes, so it does not fail in practice.
+const cu::Api& drv() {
+  std::string why;
+  const cu::Api* a = cu::load(&why);
+  if (a == nullptr) throw Error(Errc::kCudaUnavailable, why);
+  return *a;
 }
 
-// Clears the calling thread's last (non-sticky) error so nothing trips a
-// later, unrelated CUDA call.
-void clear_error() noexcept { (void)cudaGetLastError(); }
+std::string err_text(CUresult e) {
+  const cu::Api* a = cu::load(nullptr);
+  return a != nullptr ? cu::error_text(*a, e) : "CUresult " + std::to_string(static_cast<int>(e));
+}
 
-[[noreturn]] void throw_cuda(cudaError_t e, const std::string& what, const char* todo) {
-  clear_error();
+[[noreturn]] void throw_cuda(CUresult e, const std::string& what, const char* todo) {
   std::string msg = "CUDA: " + what + " failed: " + err_text(e);
   if (todo && *todo) msg += std::string("; ") + todo;
   throw Error(Errc::kCuda, msg);
@@ -86,16 +108,21 @@ void clear_error() noexcept { (void)cudaGetLastError(); }
 
 constexpr const char* kTodoArgs =
     "check that the pointer is device memory of the stated size (and, for Strided2D, that the layout fits the "
-    "allocation) and that the stream belongs to the current device";
+    "allocation) and that the stream belongs to the tensor's device";
+constexpr const char* kTodoStream =
+    "pass a stream of the tensor's device (a cudaStream_t of the CUDA runtime, i.e. of the device's primary context, "
+    "or nullptr for the current device's default stream)";
 constexpr const char* kTodoAsync =
     "an earlier asynchronous copy or kernel failed; the CUDA context is usually unusable after this, so restart the "
     "process (run with CUDA_LAUNCH_BLOCKING=1 or compute-sanitizer to find the failing call)";
 
-#define SHMCAST_CK(call, what, todo)            \
-  do {                                          \
-    const cudaError_t e_ = (call);              \
-    if (e_ != cudaSuccess) throw_cuda(e_, what, todo); \
+#define SHMCAST_CK(call, what, todo)                      \
+  do {                                                    \
+    const CUresult e_ = (call);                           \
+    if (e_ != CUDA_SUCCESS) throw_cuda(e_, what, todo);   \
   } while (0)
+
+CUdeviceptr dptr(const void* p) { return static_cast<CUdeviceptr>(reinterpret_cast<std::uintptr_t>(p)); }
 
 bool inline_callbacks() {
   static const bool v = [] {
@@ -105,35 +132,70 @@ bool inline_callbacks() {
   return v;
 }
 
-// Makes `dev` current for the scope, then restores the caller's device.
-class DeviceScope {
+// Makes `ctx` the calling thread's current context for the scope (pushes it
+// unless it is current already), then restores the caller's.
+class CtxScope {
  public:
-  explicit DeviceScope(int dev) {
-    if (cudaGetDevice(&prev_) != cudaSuccess) {
-      clear_error();
-      prev_ = -1;
-    }
-    if (prev_ != dev) {
-      SHMCAST_CK(cudaSetDevice(dev), "cudaSetDevice(" + std::to_string(dev) + ")", "");
-    } else {
-      prev_ = -1;
-    }
+  CtxScope(const cu::Api& d, CUcontext ctx) : d_(d) {
+    CUcontext cur = nullptr;
+    if (d_.cuCtxGetCurrent(&cur) == CUDA_SUCCESS && cur == ctx) return;
+    SHMCAST_CK(d_.cuCtxPushCurrent(ctx), "cuCtxPushCurrent", "");
+    pushed_ = true;
   }
-  ~DeviceScope() {
-    if (prev_ >= 0 && cudaSetDevice(prev_) != cudaSuccess) clear_error();
+  ~CtxScope() {
+    CUcontext popped = nullptr;
+    if (pushed_) (void)d_.cuCtxPopCurrent(&popped);
   }
-  DeviceScope(const DeviceScope&) = delete;
-  DeviceScope& operator=(const DeviceScope&) = delete;
+  CtxScope(const CtxScope&) = delete;
+  CtxScope& operator=(const CtxScope&) = delete;
 
  private:
-  int prev_ = -1;
+  const cu::Api& d_;
+  bool pushed_ = false;
 };
 
-int current_device() {
-  int d = 0;
-  SHMCAST_CK(cudaGetDevice(&d), "cudaGetDevice", "");
-  return d;
+// The primary context of device ordinal `dev`, retained on first use and kept
+// for the life of the process (the runtime keeps it too): the engines'
+// streams, staging buffers and the region's registration live in it.
+CUcontext primary_context(const cu::Api& d, int dev) {
+  static std::mutex* const mu = new std::mutex;  // leaked: used until exit
+  static auto* const ctxs = new std::unordered_map<int, CUcontext>;
+  std::lock_guard<std::mutex> lock(*mu);
+  const auto it = ctxs->find(dev);
+  if (it != ctxs->end()) return it->second;
+  CUdevice h = 0;
+  SHMCAST_CK(d.cuDeviceGet(&h, dev), "cuDeviceGet(" + std::to_string(dev) + ")", "");
+  CUcontext c = nullptr;
+  SHMCAST_CK(d.cuDevicePrimaryCtxRetain(&c, h), "cuDevicePrimaryCtxRetain (device " + std::to_string(dev) + ")",
+             "is the GPU in exclusive-process mode and used by another process, or out of memory?");
+  ctxs->emplace(dev, c);
+  return c;
 }
+
+// The device of the calling thread's current context (the runtime makes the
+// primary context of its current device current: cudaSetDevice does since
+// CUDA 12, and any runtime call that needs it does), else device 0, which is
+// what cudaGetDevice reports before any cudaSetDevice.
+int current_device(const cu::Api& d) {
+  CUcontext c = nullptr;
+  if (d.cuCtxGetCurrent(&c) == CUDA_SUCCESS && c != nullptr) {
+    CUdevice dev = 0;  // a CUdevice is the device's ordinal
+    if (d.cuCtxGetDevice(&dev) == CUDA_SUCCESS) return static_cast<int>(dev);
+  }
+  return 0;
+}
+
+// The device of context `c`, or -1.
+int context_device(const cu::Api& d, CUcontext c) {
+  if (d.cuCtxPushCurrent(c) != CUDA_SUCCESS) return -1;
+  CUdevice dev = -1;
+  if (d.cuCtxGetDevice(&dev) != CUDA_SUCCESS) dev = -1;
+  CUcontext popped = nullptr;
+  (void)d.cuCtxPopCurrent(&popped);
+  return static_cast<int>(dev);
+}
+
+bool is_default_stream(CUstream s) { return s == nullptr || s == CU_STREAM_LEGACY || s == CU_STREAM_PER_THREAD; }
 
 void require_cuda() {
   std::string why;
@@ -163,89 +225,122 @@ struct HostCall {
   Lane* lane;
 };
 
-// Copy streams plus a callback stream on one device; see the file comment.
+// Copy streams plus a callback stream in one device's primary context; see
+// the file comment.
 class Lane {
  public:
-  explicit Lane(int streams) : n_(streams < 1 ? 1 : (streams > kMaxCopyStreams ? kMaxCopyStreams : streams)) {}
+  explicit Lane(int streams)
+      : d_(drv()), n_(streams < 1 ? 1 : (streams > kMaxCopyStreams ? kMaxCopyStreams : streams)) {}
   ~Lane() { destroy(); }
   Lane(const Lane&) = delete;
   Lane& operator=(const Lane&) = delete;
 
+  const cu::Api& api() const { return d_; }
+  CUcontext context() const { return ctx_; }
   int device() const { return device_; }
   int streams() const { return n_; }
-  cudaStream_t stream(int i) const { return copy_[i]; }
+  std::uint64_t max_pitch() const { return max_pitch_; }
+  CUstream stream(int i) const { return copy_[i]; }
   // The stream for the next piece that is not split (round robin).
-  cudaStream_t next_stream() { return copy_[n_ == 1 ? 0 : rr_++ % n_]; }
+  CUstream next_stream() { return copy_[n_ == 1 ? 0 : rr_++ % n_]; }
+
+  // The device for work ordered after `caller`: the device whose context owns
+  // it, or for a default stream the current context's (see the file comment).
+  int device_for(void* caller) const {
+    const CUstream s = static_cast<CUstream>(caller);
+    if (!is_default_stream(s)) {
+      CUcontext c = nullptr;
+      if (d_.cuStreamGetCtx(s, &c) == CUDA_SUCCESS && c != nullptr) {
+        if (c == ctx_) return device_;
+        const int dev = context_device(d_, c);
+        if (dev >= 0) return dev;
+      }
+      // Not a stream the driver knows: cuEventRecord reports it in after().
+    }
+    return current_device(d_);
+  }
 
   // Creates the streams and events on `dev` (drains and destroys old ones).
   void home(int dev) {
-    if (copy_[0] != nullptr && dev == device_) return;
-    if (copy_[0] != nullptr) {
+    if (ctx_ != nullptr && dev == device_) return;
+    if (ctx_ != nullptr) {
       drain();
       destroy();
     }
-    DeviceScope scope(dev);
+    CUcontext ctx = primary_context(d_, dev);
+    CtxScope scope(d_, ctx);
+    ctx_ = ctx;
     device_ = dev;
-    for (int i = 0; i < n_; ++i) {
-      SHMCAST_CK(cudaStreamCreateWithFlags(&copy_[i], cudaStreamNonBlocking), "cudaStreamCreateWithFlags", "");
-      SHMCAST_CK(cudaEventCreateWithFlags(&chunk_ev_[i], cudaEventDisableTiming), "cudaEventCreateWithFlags", "");
+    try {
+      for (int i = 0; i < n_; ++i) {
+        SHMCAST_CK(d_.cuStreamCreate(&copy_[i], CU_STREAM_NON_BLOCKING), "cuStreamCreate", "");
+        SHMCAST_CK(d_.cuEventCreate(&chunk_ev_[i], CU_EVENT_DISABLE_TIMING), "cuEventCreate", "");
+      }
+      SHMCAST_CK(d_.cuStreamCreate(&cb_, CU_STREAM_NON_BLOCKING), "cuStreamCreate", "");
+      SHMCAST_CK(d_.cuEventCreate(&order_ev_, CU_EVENT_DISABLE_TIMING), "cuEventCreate", "");
+      SHMCAST_CK(d_.cuEventCreate(&drain_ev_, CU_EVENT_DISABLE_TIMING | CU_EVENT_BLOCKING_SYNC), "cuEventCreate",
+                 "");
+      CUdevice h = 0;
+      int pitch = 0;
+      if (d_.cuDeviceGet(&h, dev) == CUDA_SUCCESS &&
+          d_.cuDeviceGetAttribute(&pitch, CU_DEVICE_ATTRIBUTE_MAX_PITCH, h) == CUDA_SUCCESS && pitch > 0)
+        max_pitch_ = static_cast<std::uint64_t>(pitch);
+      else
+        max_pitch_ = 0;  // unknown: try the 2D copy, fall back to rows if it is refused
+    } catch (...) {
+      destroy();
+      throw;
     }
-    SHMCAST_CK(cudaStreamCreateWithFlags(&cb_, cudaStreamNonBlocking), "cudaStreamCreateWithFlags", "");
-    SHMCAST_CK(cudaEventCreateWithFlags(&order_ev_, cudaEventDisableTiming), "cudaEventCreateWithFlags", "");
-    SHMCAST_CK(cudaEventCreateWithFlags(&drain_ev_, cudaEventDisableTiming | cudaEventBlockingSync),
-               "cudaEventCreateWithFlags", "");
   }
 
   // The copy streams wait for the work queued so far on `caller`.
   void after(void* caller) {
-    DeviceScope scope(device_);
-    SHMCAST_CK(cudaEventRecord(order_ev_, static_cast<cudaStream_t>(caller)), "cudaEventRecord on the caller's stream",
-               "pass a cudaStream_t of the current device (or nullptr for the default stream)");
-    for (int i = 0; i < n_; ++i) SHMCAST_CK(cudaStreamWaitEvent(copy_[i], order_ev_, 0), "cudaStreamWaitEvent", "");
+    CtxScope scope(d_, ctx_);
+    SHMCAST_CK(d_.cuEventRecord(order_ev_, static_cast<CUstream>(caller)), "cuEventRecord on the caller's stream",
+               kTodoStream);
+    for (int i = 0; i < n_; ++i) SHMCAST_CK(d_.cuStreamWaitEvent(copy_[i], order_ev_, 0), "cuStreamWaitEvent", "");
   }
 
   // `caller` waits for the copies queued so far on the copy streams.
   void before(void* caller) {
-    DeviceScope scope(device_);
+    CtxScope scope(d_, ctx_);
     for (int i = 0; i < n_; ++i) {
-      SHMCAST_CK(cudaEventRecord(chunk_ev_[i], copy_[i]), "cudaEventRecord", "");
-      SHMCAST_CK(cudaStreamWaitEvent(static_cast<cudaStream_t>(caller), chunk_ev_[i], 0),
-                 "cudaStreamWaitEvent on the caller's stream",
-                 "pass a cudaStream_t of the current device (or nullptr for the default stream)");
+      SHMCAST_CK(d_.cuEventRecord(chunk_ev_[i], copy_[i]), "cuEventRecord", "");
+      SHMCAST_CK(d_.cuStreamWaitEvent(static_cast<CUstream>(caller), chunk_ev_[i], 0),
+                 "cuStreamWaitEvent on the caller's stream", kTodoStream);
     }
   }
 
   // Runs fn once every copy queued so far has completed.
   void when_done(std::function<void()> fn) {
     rethrow_host_error();
-    auto* call = new HostCall{std::move(fn), this};
-    cudaError_t e = cudaSuccess;
+    auto call = std::make_unique<HostCall>(HostCall{std::move(fn), this});
+    CtxScope scope(d_, ctx_);
+    CUresult e = CUDA_SUCCESS;
     if (inline_callbacks() && n_ == 1) {
-      e = cudaLaunchHostFunc(copy_[0], &Lane::trampoline, call);
+      e = d_.cuLaunchHostFunc(copy_[0], &Lane::trampoline, call.get());
     } else {
       e = join_copies();
-      if (e == cudaSuccess) e = cudaLaunchHostFunc(cb_, &Lane::trampoline, call);
+      if (e == CUDA_SUCCESS) e = d_.cuLaunchHostFunc(cb_, &Lane::trampoline, call.get());
     }
-    if (e != cudaSuccess) {
-      delete call;
-      throw_cuda(e, "queueing the completion callback (cudaLaunchHostFunc)", kTodoAsync);
-    }
+    if (e != CUDA_SUCCESS) throw_cuda(e, "queueing the completion callback (cuLaunchHostFunc)", kTodoAsync);
+    (void)call.release();  // the trampoline deletes it
   }
 
   // Blocks (sleeping, not spinning) until every copy and host function queued
   // so far has completed; rethrows their errors.
   void drain() {
-    if (copy_[0] == nullptr) return;
+    if (ctx_ == nullptr) return;
     {
-      DeviceScope scope(device_);
-      cudaError_t e = join_copies();
-      if (e == cudaSuccess) e = cudaEventRecord(drain_ev_, cb_);
-      if (e == cudaSuccess) e = cudaEventSynchronize(drain_ev_);
-      if (e != cudaSuccess) {
+      CtxScope scope(d_, ctx_);
+      CUresult e = join_copies();
+      if (e == CUDA_SUCCESS) e = d_.cuEventRecord(drain_ev_, cb_);
+      if (e == CUDA_SUCCESS) e = d_.cuEventSynchronize(drain_ev_);
+      if (e != CUDA_SUCCESS) {
         // A plain synchronize gives the error of the failed copy itself.
-        cudaError_t e2 = cudaSuccess;
-        for (int i = 0; i < n_ && e2 == cudaSuccess; ++i) e2 = cudaStreamSynchronize(copy_[i]);
-        throw_cuda(e2 != cudaSuccess ? e2 : e, "an asynchronous copy between the shared region and GPU memory",
+        CUresult e2 = CUDA_SUCCESS;
+        for (int i = 0; i < n_ && e2 == CUDA_SUCCESS; ++i) e2 = d_.cuStreamSynchronize(copy_[i]);
+        throw_cuda(e2 != CUDA_SUCCESS ? e2 : e, "an asynchronous copy between the shared region and GPU memory",
                    kTodoAsync);
       }
     }
@@ -254,16 +349,16 @@ class Lane {
 
  private:
   // The callback stream waits for everything queued on the copy streams.
-  cudaError_t join_copies() {
-    cudaError_t e = cudaSuccess;
-    for (int i = 0; i < n_ && e == cudaSuccess; ++i) {
-      e = cudaEventRecord(chunk_ev_[i], copy_[i]);
-      if (e == cudaSuccess) e = cudaStreamWaitEvent(cb_, chunk_ev_[i], 0);
+  CUresult join_copies() {
+    CUresult e = CUDA_SUCCESS;
+    for (int i = 0; i < n_ && e == CUDA_SUCCESS; ++i) {
+      e = d_.cuEventRecord(chunk_ev_[i], copy_[i]);
+      if (e == CUDA_SUCCESS) e = d_.cuStreamWaitEvent(cb_, chunk_ev_[i], 0);
     }
     return e;
   }
 
-  static void CUDART_CB trampoline(void* p) {
+  static void CUDA_CB trampoline(void* p) {
     HostCall* call = static_cast<HostCall*>(p);
     Lane* lane = call->lane;
     try {
@@ -294,35 +389,42 @@ class Lane {
   }
 
   void destroy() noexcept {
-    if (copy_[0] == nullptr) return;
-    int prev = -1;
-    if (cudaGetDevice(&prev) == cudaSuccess && prev != device_) (void)cudaSetDevice(device_);
-    // Let queued host functions run before their streams go away. Errors here
-    // (a dead context, the runtime unloading at exit) are ignored.
-    for (int i = 0; i < n_; ++i) (void)cudaStreamSynchronize(copy_[i]);
-    (void)cudaStreamSynchronize(cb_);
+    if (ctx_ == nullptr) return;
+    // Errors here (a dead context, the driver shutting down at exit) are
+    // ignored.
+    CUcontext cur = nullptr, popped = nullptr;
+    const bool push = d_.cuCtxGetCurrent(&cur) == CUDA_SUCCESS && cur != ctx_;
+    const bool pushed = push && d_.cuCtxPushCurrent(ctx_) == CUDA_SUCCESS;
+    // Let queued host functions run before their streams go away.
+    for (int i = 0; i < n_; ++i)
+      if (copy_[i] != nullptr) (void)d_.cuStreamSynchronize(copy_[i]);
+    if (cb_ != nullptr) (void)d_.cuStreamSynchronize(cb_);
     for (int i = 0; i < n_; ++i) {
-      (void)cudaEventDestroy(chunk_ev_[i]);
-      (void)cudaStreamDestroy(copy_[i]);
+      if (chunk_ev_[i] != nullptr) (void)d_.cuEventDestroy(chunk_ev_[i]);
+      if (copy_[i] != nullptr) (void)d_.cuStreamDestroy(copy_[i]);
       chunk_ev_[i] = nullptr;
       copy_[i] = nullptr;
     }
-    (void)cudaEventDestroy(order_ev_);
-    (void)cudaEventDestroy(drain_ev_);
-    (void)cudaStreamDestroy(cb_);
-    if (prev >= 0 && prev != device_) (void)cudaSetDevice(prev);
-    clear_error();
+    if (order_ev_ != nullptr) (void)d_.cuEventDestroy(order_ev_);
+    if (drain_ev_ != nullptr) (void)d_.cuEventDestroy(drain_ev_);
+    if (cb_ != nullptr) (void)d_.cuStreamDestroy(cb_);
+    if (pushed) (void)d_.cuCtxPopCurrent(&popped);
     cb_ = nullptr;
     order_ev_ = drain_ev_ = nullptr;
+    ctx_ = nullptr;
+    device_ = -1;
   }
 
+  const cu::Api& d_;
   const int n_;
+  CUcontext ctx_ = nullptr;  // non-null once homed
   int device_ = -1;
   unsigned rr_ = 0;
-  cudaStream_t copy_[kMaxCopyStreams] = {};
-  cudaEvent_t chunk_ev_[kMaxCopyStreams] = {};
-  cudaStream_t cb_ = nullptr;
-  cudaEvent_t order_ev_ = nullptr, drain_ev_ = nullptr;
+  std::uint64_t max_pitch_ = 0;
+  CUstream copy_[kMaxCopyStreams] = {};
+  CUevent chunk_ev_[kMaxCopyStreams] = {};
+  CUstream cb_ = nullptr;
+  CUevent order_ev_ = nullptr, drain_ev_ = nullptr;
   std::atomic<bool> has_host_error_{false};
   std::mutex mu_;
   std::string host_error_;
@@ -330,14 +432,17 @@ class Lane {
 
 // Copies bytes [offset, offset + n) of a tensor laid out as `l` at `tensor`
 // to (to_slot) or from the contiguous slot memory `slot`, on the lane's
-// streams.
+// streams. The lane's context must be current.
 void copy_async(std::byte* slot, std::byte* tensor, const Strided2D& l, std::uint64_t offset, std::uint64_t n,
                 bool to_slot, Lane& lane) {
-  auto one = [&](std::byte* s, std::byte* t, std::uint64_t bytes, cudaStream_t stream) {
-    const cudaError_t e = to_slot ? cudaMemcpyAsync(s, t, bytes, cudaMemcpyDeviceToHost, stream)
-                                  : cudaMemcpyAsync(t, s, bytes, cudaMemcpyHostToDevice, stream);
-    if (e != cudaSuccess) throw_cuda(e, std::string("cudaMemcpyAsync ") + (to_slot ? "D2H" : "H2D") + " of " +
-                                            std::to_string(bytes) + " bytes", kTodoArgs);
+  const cu::Api& d = lane.api();
+  auto one = [&](std::byte* s, std::byte* t, std::uint64_t bytes, CUstream stream) {
+    const CUresult e = to_slot ? d.cuMemcpyDtoHAsync(s, dptr(t), bytes, stream)
+                               : d.cuMemcpyHtoDAsync(dptr(t), s, bytes, stream);
+    if (e != CUDA_SUCCESS)
+      throw_cuda(e, std::string(to_slot ? "cuMemcpyDtoHAsync" : "cuMemcpyHtoDAsync") + " of " +
+                        std::to_string(bytes) + " bytes",
+                 kTodoArgs);
   };
   if (n == 0) return;
   if (l.rows == 0 || l.pitch_bytes == l.row_bytes) {
@@ -356,7 +461,7 @@ void copy_async(std::byte* slot, std::byte* tensor, const Strided2D& l, std::uin
     }
     return;
   }
-  cudaStream_t stream = lane.next_stream();
+  CUstream stream = lane.next_stream();
   std::uint64_t row = offset / l.row_bytes, col = offset % l.row_bytes;
   if (col != 0) {  // head: the rest of a partial row
     const std::uint64_t take = l.row_bytes - col < n ? l.row_bytes - col : n;
@@ -371,14 +476,36 @@ void copy_async(std::byte* slot, std::byte* tensor, const Strided2D& l, std::uin
   } else if (full > 1) {
     std::byte* t = tensor + row * l.pitch_bytes;
     const std::uint64_t w = l.row_bytes, p = l.pitch_bytes;
-    cudaError_t e = to_slot ? cudaMemcpy2DAsync(slot, w, t, p, w, full, cudaMemcpyDeviceToHost, stream)
-                            : cudaMemcpy2DAsync(t, p, slot, w, w, full, cudaMemcpyHostToDevice, stream);
-    if (e == cudaErrorInvalidPitchValue) {
-      // Pitch beyond what the 2D copy takes: one copy per row.
-      clear_error();
+    const std::uint64_t max_pitch = lane.max_pitch();
+    const bool fits = max_pitch == 0 || p <= max_pitch;
+    CUresult e = CUDA_ERROR_INVALID_VALUE;
+    if (fits) {
+      CUDA_MEMCPY2D c{};
+      c.WidthInBytes = w;
+      c.Height = full;
+      if (to_slot) {
+        c.srcMemoryType = CU_MEMORYTYPE_DEVICE;
+        c.srcDevice = dptr(t);
+        c.srcPitch = p;
+        c.dstMemoryType = CU_MEMORYTYPE_HOST;
+        c.dstHost = slot;
+        c.dstPitch = w;
+      } else {
+        c.srcMemoryType = CU_MEMORYTYPE_HOST;
+        c.srcHost = slot;
+        c.srcPitch = w;
+        c.dstMemoryType = CU_MEMORYTYPE_DEVICE;
+        c.dstDevice = dptr(t);
+        c.dstPitch = p;
+      }
+      e = d.cuMemcpy2DAsync(&c, stream);
+    }
+    if (!fits || e == CUDA_ERROR_INVALID_VALUE) {
+      // Pitch beyond what the 2D copy takes: one copy per row (a bad
+      // pointer then fails in the first row's copy, with its own error).
       for (std::uint64_t r = 0; r < full; ++r) one(slot + r * w, t + r * p, w, stream);
-    } else if (e != cudaSuccess) {
-      throw_cuda(e, std::string("cudaMemcpy2DAsync ") + (to_slot ? "D2H" : "H2D") + " of " + std::to_string(full) +
+    } else if (e != CUDA_SUCCESS) {
+      throw_cuda(e, std::string("cuMemcpy2DAsync ") + (to_slot ? "D2H" : "H2D") + " of " + std::to_string(full) +
                         " rows of " + std::to_string(w) + " bytes (pitch " + std::to_string(p) + ")",
                  kTodoArgs);
     }
@@ -407,11 +534,13 @@ void scatter_host(std::byte* base, const Strided2D& l, std::uint64_t offset, con
 
 class CudaProducerEngine final : public ProducerEngine {
  public:
-  CudaProducerEngine() : lane_(stream_count("SHMCAST_CUDA_D2H_STREAMS", kD2HStreams)) { lane_.home(current_device()); }
+  CudaProducerEngine() : lane_(stream_count("SHMCAST_CUDA_D2H_STREAMS", kD2HStreams)) {
+    lane_.home(current_device(lane_.api()));
+  }
   ~CudaProducerEngine() override = default;  // the lane waits for queued work
 
   void begin(void* caller_stream) override {
-    lane_.home(current_device());
+    lane_.home(lane_.device_for(caller_stream));
     lane_.after(caller_stream);
   }
   void copy(std::byte* dst, const Buffer& src, std::uint64_t offset, std::uint64_t n) override {
@@ -421,6 +550,7 @@ class CudaProducerEngine final : public ProducerEngine {
       gather_host(dst, static_cast<const std::byte*>(src.ptr), src.layout, offset, n);
       return;
     }
+    CtxScope scope(lane_.api(), lane_.context());
     copy_async(dst, static_cast<std::byte*>(src.ptr), src.layout, offset, n, true, lane_);
   }
   void chunk_done(std::function<void()> publish) override { lane_.when_done(std::move(publish)); }
@@ -433,7 +563,9 @@ class CudaProducerEngine final : public ProducerEngine {
 
 class CudaConsumerEngine final : public ConsumerEngine {
  public:
-  CudaConsumerEngine() : lane_(stream_count("SHMCAST_CUDA_H2D_STREAMS", kH2DStreams)) { lane_.home(current_device()); }
+  CudaConsumerEngine() : lane_(stream_count("SHMCAST_CUDA_H2D_STREAMS", kH2DStreams)) {
+    lane_.home(current_device(lane_.api()));
+  }
   ~CudaConsumerEngine() override {
     try {
       lane_.drain();  // nothing may still copy into the staging buffer
@@ -443,7 +575,7 @@ class CudaConsumerEngine final : public ConsumerEngine {
   }
 
   void begin(void* caller_stream) override {
-    const int dev = staging_next_ >= 0 ? staging_next_ : current_device();
+    const int dev = staging_next_ >= 0 ? staging_next_ : lane_.device_for(caller_stream);
     staging_next_ = -1;
     lane_.home(dev);
     lane_.after(caller_stream);
@@ -453,6 +585,7 @@ class CudaConsumerEngine final : public ConsumerEngine {
       scatter_host(static_cast<std::byte*>(dst.ptr), dst.layout, offset, src, n);
       return;
     }
+    CtxScope scope(lane_.api(), lane_.context());
     copy_async(const_cast<std::byte*>(src), static_cast<std::byte*>(dst.ptr), dst.layout, offset, n, false, lane_);
   }
   void chunk_done(std::function<void()> release) override { lane_.when_done(std::move(release)); }
@@ -461,8 +594,9 @@ class CudaConsumerEngine final : public ConsumerEngine {
   bool is_cuda() const override { return true; }
 
   std::byte* staging(int device, std::uint64_t bytes) override {
+    const cu::Api& d = lane_.api();
     int count = 0;
-    SHMCAST_CK(cudaGetDeviceCount(&count), "cudaGetDeviceCount", "");
+    SHMCAST_CK(d.cuDeviceGetCount(&count), "cuDeviceGetCount", "");
     if (device < 0 || device >= count)
       throw Error(Errc::kInvalidArgument, "staging device " + std::to_string(device) + " does not exist (" +
                                               std::to_string(count) + " CUDA devices)");
@@ -471,28 +605,30 @@ class CudaConsumerEngine final : public ConsumerEngine {
     if (staging_ != nullptr && staging_device_ == device && staging_bytes_ >= bytes) return staging_;
     lane_.drain();  // nothing may still copy into the old buffer
     free_staging();
-    DeviceScope scope(device);
-    void* p = nullptr;
+    CtxScope scope(d, lane_.context());
+    CUdeviceptr p = 0;
     const std::uint64_t want = bytes == 0 ? 1 : bytes;
-    const cudaError_t e = cudaMalloc(&p, want);
-    if (e != cudaSuccess)
-      throw_cuda(e, "cudaMalloc of a " + std::to_string(want) + "-byte staging buffer on device " +
+    const CUresult e = d.cuMemAlloc(&p, want);
+    if (e != CUDA_SUCCESS)
+      throw_cuda(e, "cuMemAlloc of a " + std::to_string(want) + "-byte staging buffer on device " +
                         std::to_string(device),
                  "free GPU memory, or read into your own buffers with read_into_device()");
-    staging_ = static_cast<std::byte*>(p);
+    staging_ = reinterpret_cast<std::byte*>(static_cast<std::uintptr_t>(p));
     staging_bytes_ = want;
     staging_device_ = device;
+    staging_ctx_ = lane_.context();
     return staging_;
   }
 
  private:
   void free_staging() noexcept {
     if (staging_ == nullptr) return;
-    int prev = -1;
-    if (cudaGetDevice(&prev) == cudaSuccess && prev != staging_device_) (void)cudaSetDevice(staging_device_);
-    (void)cudaFree(staging_);
-    if (prev >= 0 && prev != staging_device_) (void)cudaSetDevice(prev);
-    clear_error();
+    const cu::Api& d = lane_.api();
+    CUcontext cur = nullptr, popped = nullptr;
+    const bool pushed = d.cuCtxGetCurrent(&cur) == CUDA_SUCCESS && cur != staging_ctx_ &&
+                        d.cuCtxPushCurrent(staging_ctx_) == CUDA_SUCCESS;
+    (void)d.cuMemFree(dptr(staging_));  // fails harmlessly when the driver is shutting down
+    if (pushed) (void)d.cuCtxPopCurrent(&popped);
     staging_ = nullptr;
     staging_bytes_ = 0;
   }
@@ -502,6 +638,7 @@ class CudaConsumerEngine final : public ConsumerEngine {
   std::byte* staging_ = nullptr;
   std::uint64_t staging_bytes_ = 0;
   int staging_device_ = -1;
+  CUcontext staging_ctx_ = nullptr;
 };
 
 std::string memlock_text() {
@@ -511,23 +648,39 @@ std::string memlock_text() {
   return std::to_string(rl.rlim_cur) + " bytes";
 }
 
+// Which device's primary context registered each pinned region (by base
+// address), so that it is unregistered there.
+std::mutex& pin_mutex() {
+  static std::mutex* const m = new std::mutex;
+  return *m;
+}
+std::unordered_map<void*, int>& pin_devices() {
+  static auto* const m = new std::unordered_map<void*, int>;
+  return *m;
+}
+
 }  // namespace
 
 bool cuda_present(std::string* why) {
+  std::string load_why;
+  const cu::Api* d = cu::load(&load_why);
+  if (d == nullptr) {
+    if (why) *why = "CUDA is unavailable: " + load_why;
+    return false;
+  }
   int n = 0;
-  const cudaError_t e = cudaGetDeviceCount(&n);
-  clear_error();  // nothing sticky is left for a later call
-  if (e != cudaSuccess) {
-    if (why) {
-      *why = "no CUDA device: " + std::string(cudaGetErrorString(e)) + " (" + cudaGetErrorName(e) + ")";
-      if (e == cudaErrorInsufficientDriver || e == cudaErrorNoDevice)
-        *why += "; is the NVIDIA driver installed and a GPU visible (nvidia-smi; in a container, run it with "
-                "--gpus or the NVIDIA runtime; check CUDA_VISIBLE_DEVICES)?";
-    }
+  const CUresult e = d->cuDeviceGetCount(&n);
+  if (e != CUDA_SUCCESS) {
+    if (why)
+      *why = "no CUDA device: cuDeviceGetCount failed: " + cu::error_text(*d, e) +
+             "; is a GPU visible (nvidia-smi; in a container, run it with --gpus or the NVIDIA runtime; check "
+             "CUDA_VISIBLE_DEVICES)?";
     return false;
   }
   if (n == 0) {
-    if (why) *why = "no CUDA device: cudaGetDeviceCount found 0 devices (check CUDA_VISIBLE_DEVICES)";
+    if (why)
+      *why = "no CUDA device: the NVIDIA driver (CUDA " + cu::version_text(d->driver_version) +
+             ") found 0 devices (check CUDA_VISIBLE_DEVICES)";
     return false;
   }
   if (why) why->clear();
@@ -551,30 +704,42 @@ PinInfo cuda_pin(void* base, std::uint64_t bytes) {
     info.why = why;
     return info;
   }
+  const cu::Api& d = drv();
   const auto t0 = std::chrono::steady_clock::now();
   std::byte* p = static_cast<std::byte*>(base);
+  try {
+    // Registered in the current device's primary context (the runtime's
+    // cudaHostRegister does the same); portable, so every context sees the
+    // region as pinned, and mapped, as cudaHostRegisterDefault is under
+    // unified addressing.
+    const int dev = current_device(d);
+    CtxScope scope(d, primary_context(d, dev));
 #ifndef MADV_POPULATE_WRITE
 #define MADV_POPULATE_WRITE 23
 #endif
-  // Map every page of the region into this process first, in one call, rather
-  // than have the registration fault them in. Older kernels say EINVAL: fine.
-  (void)::madvise(base, bytes, MADV_POPULATE_WRITE);
-  std::uint64_t done = 0;
-  while (done < bytes) {
-    const std::uint64_t n = bytes - done < kPinChunk ? bytes - done : kPinChunk;
-    const cudaError_t e = cudaHostRegister(p + done, n, cudaHostRegisterDefault | cudaHostRegisterPortable);
-    if (e != cudaSuccess) {
-      clear_error();
-      for (std::uint64_t u = 0; u < done; u += kPinChunk) (void)cudaHostUnregister(p + u);
-      clear_error();
-      info.why = "cudaHostRegister of " + std::to_string(n) + " bytes at offset " + std::to_string(done) + " (of " +
-                 std::to_string(bytes) + ") failed: " + err_text(e) +
-                 ". Page-locking needs RLIMIT_MEMLOCK to cover the region (now " + memlock_text() +
-                 "; `ulimit -l unlimited`, or `--ulimit memlock=-1` for a container) and, in a container, "
-                 "a /dev/shm large enough for it; or use Pin::kNo (unpinned copies are slower)";
-      return info;
+    // Map every page of the region into this process first, in one call, rather
+    // than have the registration fault them in. Older kernels say EINVAL: fine.
+    (void)::madvise(base, bytes, MADV_POPULATE_WRITE);
+    std::uint64_t done = 0;
+    while (done < bytes) {
+      const std::uint64_t n = bytes - done < kPinChunk ? bytes - done : kPinChunk;
+      const CUresult e = d.cuMemHostRegister(p + done, n, CU_MEMHOSTREGISTER_PORTABLE | CU_MEMHOSTREGISTER_DEVICEMAP);
+      if (e != CUDA_SUCCESS) {
+        for (std::uint64_t u = 0; u < done; u += kPinChunk) (void)d.cuMemHostUnregister(p + u);
+        info.why = "cuMemHostRegister of " + std::to_string(n) + " bytes at offset " + std::to_string(done) +
+                   " (of " + std::to_string(bytes) + ") failed: " + cu::error_text(d, e) +
+                   ". Page-locking needs RLIMIT_MEMLOCK to cover the region (now " + memlock_text() +
+                   "; `ulimit -l unlimited`, or `--ulimit memlock=-1` for a container) and, in a container, "
+                   "a /dev/shm large enough for it; or use Pin::kNo (unpinned copies are slower)";
+        return info;
+      }
+      done += n;
     }
-    done += n;
+    std::lock_guard<std::mutex> lock(pin_mutex());
+    pin_devices()[base] = dev;
+  } catch (const Error& e) {
+    info.why = e.what();
+    return info;
   }
   info.pinned = true;
   info.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -582,9 +747,25 @@ PinInfo cuda_pin(void* base, std::uint64_t bytes) {
 }
 
 void cuda_unpin(void* base, std::uint64_t bytes) {
-  std::byte* p = static_cast<std::byte*>(base);
-  for (std::uint64_t u = 0; u < bytes; u += kPinChunk) (void)cudaHostUnregister(p + u);
-  clear_error();
+  const cu::Api* d = cu::load(nullptr);
+  if (d == nullptr) return;
+  int dev = -1;
+  {
+    std::lock_guard<std::mutex> lock(pin_mutex());
+    const auto it = pin_devices().find(base);
+    if (it != pin_devices().end()) {
+      dev = it->second;
+      pin_devices().erase(it);
+    }
+  }
+  if (dev < 0) return;  // not registered here
+  try {
+    CtxScope scope(*d, primary_context(*d, dev));
+    std::byte* p = static_cast<std::byte*>(base);
+    for (std::uint64_t u = 0; u < bytes; u += kPinChunk) (void)d->cuMemHostUnregister(p + u);
+  } catch (...) {
+    // A dead context or a driver shutting down: the registration goes with it.
+  }
 }
 
 }  // namespace shmcast::detail

@@ -49,6 +49,8 @@ bool valid_utf8(std::string_view s) {
   return true;
 }
 
+}  // namespace
+
 // The rules every tensor name follows, on both sides of the region.
 std::string name_problem(std::string_view name) {
   if (name.empty()) return "empty tensor name";
@@ -57,6 +59,8 @@ std::string name_problem(std::string_view name) {
   if (!valid_utf8(name)) return "tensor name is not valid UTF-8";
   return {};
 }
+
+namespace {
 
 }  // namespace
 
@@ -132,7 +136,8 @@ std::uint64_t encode_manifest(std::span<const TensorSpec> specs, std::span<const
 }
 
 std::string decode_manifest(std::span<const std::byte> bytes, std::uint64_t expect_version,
-                            std::uint64_t expect_stream_bytes, std::uint64_t slot_bytes, SyncInfo* out) {
+                            std::uint64_t expect_stream_bytes, std::uint64_t slot_bytes, SyncInfo* out,
+                            bool check_names) {
   if (bytes.size() < sizeof(ManifestHeader)) return "manifest shorter than its header";
   ManifestHeader h;
   std::memcpy(&h, bytes.data(), sizeof h);
@@ -155,7 +160,7 @@ std::string decode_manifest(std::span<const std::byte> bytes, std::uint64_t expe
   info.stream_bytes = h.stream_bytes;
   info.tensors.reserve(h.tensor_count);
   std::unordered_set<std::string_view> seen;
-  seen.reserve(h.tensor_count);
+  if (check_names) seen.reserve(h.tensor_count);
   std::uint64_t end_prev = 0, payload = 0;
   for (std::uint32_t i = 0; i < h.tensor_count; ++i) {
     ManifestEntry e;
@@ -163,8 +168,10 @@ std::string decode_manifest(std::span<const std::byte> bytes, std::uint64_t expe
     if (e.name_bytes == 0 || e.name_bytes > kMaxNameBytes) return at(i, "bad name length");
     if (std::uint64_t{e.name_offset} + e.name_bytes > h.names_bytes) return at(i, "name runs past the names blob");
     const std::string_view name(names + e.name_offset, e.name_bytes);
-    if (std::string why = name_problem(name); !why.empty()) return at(i, why);
-    if (!seen.insert(name).second) return at(i, "name appears twice in the manifest");
+    if (check_names) {
+      if (std::string why = name_problem(name); !why.empty()) return at(i, why);
+      if (!seen.insert(name).second) return at(i, "name appears twice in the manifest");
+    }
     if (e.ndim > kMaxDims) return at(i, "more than 8 dimensions");
     const DType dt = static_cast<DType>(e.dtype);
     std::uint64_t n;
@@ -179,7 +186,7 @@ std::string decode_manifest(std::span<const std::byte> bytes, std::uint64_t expe
     end_prev = e.stream_offset + e.nbytes;
     payload += e.nbytes;
     TensorInfo t;
-    t.name.assign(name);
+    if (check_names) t.name.assign(name);
     t.dtype = dt;
     t.shape.assign(e.shape, e.shape + e.ndim);
     t.nbytes = e.nbytes;

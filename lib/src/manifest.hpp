@@ -33,8 +33,14 @@ std::uint64_t encode_manifest(std::span<const TensorSpec> specs, std::span<const
 // Decodes a private copy of the manifest. Returns an empty string on success
 // or why the bytes are not a valid manifest for (version, stream_bytes,
 // slot_bytes).
+// `check_names` false skips the name rules (UTF-8, NUL, duplicates) and
+// leaves the names empty: for a reader that validates windows of entries
+// with placeholder names (shmcast-inspect show --limit).
 std::string decode_manifest(std::span<const std::byte> bytes, std::uint64_t expect_version,
-                            std::uint64_t expect_stream_bytes, std::uint64_t slot_bytes, SyncInfo* out);
+                            std::uint64_t expect_stream_bytes, std::uint64_t slot_bytes, SyncInfo* out,
+                            bool check_names = true);
+// The rules every tensor name follows; empty when `name` is valid.
+std::string name_problem(std::string_view name);
 
 // Checks a tensor spec (name, dtype, shape); empty string when valid.
 std::string validate_spec(const TensorSpec& spec);

@@ -40,9 +40,9 @@ struct Producer::Impl {
   std::uint64_t next_seq = 1;
   std::vector<TensorSpec> specs;
   std::vector<std::uint64_t> offsets;
-  std::uint64_t stream_bytes = 0, payload_bytes = 0, first_seq = 0, chunks = 0;
+  std::uint64_t stream_bytes = 0, payload_bytes = 0;
   std::size_t next_tensor = 0;
-  std::uint64_t acquired = 0, published = 0;  // chunks of this sync
+  ChunkWriter writer;  // the sync's chunks
   std::int64_t sync_start_ns = 0;
 
   ~Impl() { close_quietly(); }
@@ -52,36 +52,30 @@ struct Producer::Impl {
     if (!view.mapped()) throw Error(Errc::kClosed, "this producer is closed");
   }
 
-  void acquire_chunk(std::uint64_t c) {
-    while (acquired <= c) {
-      const std::uint64_t seq = first_seq + acquired;
-      ring->acquire(seq);
-      ring->begin_fill(seq);
-      ++acquired;
-    }
+  // Hands chunks that end at or before stream byte `pos` to the engine,
+  // which publishes each once its bytes are complete.
+  void complete_below(std::uint64_t pos) {
+    writer.complete_below(pos, [this](std::function<void()> publish) { engine->chunk_done(std::move(publish)); });
   }
 
-  void publish_below(std::uint64_t c_end) {
-    if (c_end > chunks) c_end = chunks;
-    while (published < c_end) {
-      acquire_chunk(published);  // a chunk no tensor touched (all padding)
-      const std::uint64_t c = published;
-      const std::uint64_t seq = first_seq + c;
-      const std::uint64_t bytes = chunk_len(c, stream_bytes, view.geo().slot_bytes);
-      const std::uint64_t ver = version;
-      std::byte* data = view.slot_data(view.slot_of(seq));
-      ProducerRing* r = &*ring;
-      const bool sum = checksums;
-      engine->chunk_done([r, seq, ver, bytes, data, sum] {
-        r->publish(seq, ver, bytes, sum ? XXH3_64bits(data, bytes) : 0);
-      });
-      ++published;
-    }
-  }
-
+  // A write that fails leaves nothing half-announced: the sync is aborted
+  // (consumers get kAborted with the reason) before the error propagates.
   void write_tensor(std::size_t index, const Buffer& src, void* stream) {
     require_open();
     if (!in_sync) throw Error(Errc::kInvalidArgument, "write() outside a sync: call begin_sync() first");
+    try {
+      write_tensor_in_sync(index, src, stream);
+    } catch (const Error& e) {
+      abort(e.what());
+      throw;
+    }
+  }
+
+  void write_tensor_in_sync(std::size_t index, const Buffer& src, void* stream) {
+    if (src.device && !engine->is_cuda())
+      throw Error(Errc::kInvalidArgument, "write_device() on a producer with the host copy engine: create it with "
+                                          "engine = CopyEngine::kCuda (or kAuto on a machine with a GPU), or copy "
+                                          "the tensor to host memory and write() it");
     if (index != next_tensor) {
       if (index >= specs.size())
         throw Error(Errc::kInvalidArgument, "tensor index " + std::to_string(index) + " is out of range (the sync has " +
@@ -102,7 +96,6 @@ struct Producer::Impl {
     }
     if (n > 0 && src.ptr == nullptr)
       throw Error(Errc::kInvalidArgument, "null source for tensor '" + specs[index].name + "'");
-    const std::uint64_t S = view.geo().slot_bytes;
     const std::uint64_t off = offsets[index];
     if (src.device) engine->begin(stream);
     // Progressive fill only when every earlier byte of the chunk is final
@@ -111,12 +104,10 @@ struct Producer::Impl {
     std::uint64_t done = 0;
     while (done < n) {
       const std::uint64_t pos = off + done;
-      const std::uint64_t c = pos / S;
-      publish_below(c);
-      acquire_chunk(c);
-      const std::uint64_t in_chunk = pos - c * S;
-      const std::uint64_t len = (n - done) < (S - in_chunk) ? (n - done) : (S - in_chunk);
-      std::byte* dst = view.slot_data(view.slot_of(first_seq + c)) + in_chunk;
+      complete_below(pos);
+      std::uint64_t room;
+      std::byte* dst = writer.claim(pos, &room);
+      const std::uint64_t len = (n - done) < room ? (n - done) : room;
       if (follow) {
         // Copy in cache-sized steps and mark each final, so consumers copy
         // the bytes out while they are still in the cache.
@@ -124,7 +115,7 @@ struct Producer::Impl {
           const std::uint64_t n2 = len - step < kFillStep ? len - step : kFillStep;
           engine->copy(dst + step, src, done + step, n2);
           step += n2;
-          ring->progress(first_seq + c, in_chunk + step);
+          writer.filled_to(pos + step);
         }
       } else {
         engine->copy(dst, src, done, len);
@@ -132,8 +123,7 @@ struct Producer::Impl {
       done += len;
     }
     ++next_tensor;
-    const std::uint64_t next_start = next_tensor < specs.size() ? offsets[next_tensor] : stream_bytes;
-    publish_below(next_start == stream_bytes ? chunks : next_start / S);
+    complete_below(next_tensor < specs.size() ? offsets[next_tensor] : stream_bytes);
   }
 
   void set_error_text(Errc code, const std::string& text) {
@@ -152,7 +142,7 @@ struct Producer::Impl {
     } catch (...) {
     }
     ring->abort(version);
-    next_seq = first_seq + chunks;
+    next_seq = writer.next_seq();
     in_sync = false;
   }
 
@@ -266,7 +256,8 @@ Producer Producer::create(std::string_view name, const ProducerOptions& o) {
   impl->view = RegionView(std::move(file), g);
   init_header(impl->view, o.checksums);
   impl->ring.emplace(&impl->view, ProducerRingOptions{o.stall_policy, o.consumer_timeout.count()});
-  impl->engine = make_host_producer_engine();
+  const bool cuda = o.engine == CopyEngine::kCuda || (o.engine == CopyEngine::kAuto && cuda_available());
+  impl->engine = cuda ? make_cuda_producer_engine() : make_host_producer_engine();
   impl->create_s = static_cast<double>(mono_ns() - t0) * 1e-9;
   if (o.pin != Pin::kNo) {
     impl->pin = cuda_pin(impl->view.file().data(), impl->view.file().size());
@@ -327,33 +318,30 @@ std::uint64_t Producer::begin_sync(std::span<const TensorSpec> tensors) {
   for (const TensorSpec& t : tensors)
     if (__builtin_add_overflow(total, t.nbytes(), &total) || total > kMaxStreamBytes)
       throw Error(Errc::kInvalidArgument, "one sync may carry at most 64 TiB");
-  const std::uint64_t S = m.view.geo().slot_bytes;
   m.specs.assign(tensors.begin(), tensors.end());
-  m.stream_bytes = pack(m.specs, S, &m.offsets, &m.payload_bytes);
+  m.stream_bytes = pack(m.specs, m.view.geo().slot_bytes, &m.offsets, &m.payload_bytes);
 
   // Nobody may still be reading the manifest area we are about to rewrite.
   if (m.last_completed > 0) m.ring->wait_acks(m.last_completed);
   m.sync_start_ns = mono_ns();
   m.version = m.version + 1;
-  m.first_seq = m.next_seq;
-  m.chunks = chunk_count(m.stream_bytes, S);
+  m.writer = ChunkWriter(&*m.ring, &m.view, m.version, m.next_seq, m.stream_bytes, m.checksums);
   m.ring->begin_announce();  // consumers copying the old manifest will see it change
   const std::uint64_t used = encode_manifest(m.specs, m.offsets, m.version, m.stream_bytes, m.payload_bytes,
                                              m.view.manifest(), m.view.geo().manifest_bytes);
   RecordSnapshot rec{};
   rec.version = m.version;
-  rec.first_seq = m.first_seq;
-  rec.chunks = m.chunks;
+  rec.first_seq = m.next_seq;
+  rec.chunks = m.writer.chunks();
   rec.stream_bytes = m.stream_bytes;
   rec.manifest_used = used;
   rec.manifest_hash = XXH3_64bits(m.view.manifest(), used);
   m.view.header().error_code.store(0, std::memory_order_relaxed);
   m.view.header().error_text[0] = 0;
-  m.ring->enroll(m.version, m.first_seq);
+  m.ring->enroll(m.version, rec.first_seq);
   m.ring->announce(rec);
   m.in_sync = true;
   m.next_tensor = 0;
-  m.acquired = m.published = 0;
   return m.version;
 }
 
@@ -370,12 +358,6 @@ void Producer::write_device(std::size_t index, const void* src, void* stream) {
 }
 
 void Producer::write_device_strided(std::size_t index, const void* src, const Strided2D& layout, void* stream) {
-  impl_->require_open();
-  if (!impl_->engine->is_cuda()) {
-    if (impl_->published != impl_->acquired)
-      throw Error(Errc::kInvalidArgument, "cannot switch to device writes in the middle of a slot");
-    impl_->engine = make_cuda_producer_engine();
-  }
   impl_->write_tensor(index, Buffer{const_cast<void*>(src), true, layout}, stream);
 }
 
@@ -387,9 +369,9 @@ void Producer::end_sync() {
     throw Error(Errc::kInvalidArgument, "end_sync() before every tensor was written: next is '" +
                                             m.specs[m.next_tensor].name + "' (index " +
                                             std::to_string(m.next_tensor) + ")");
-  m.publish_below(m.chunks);
+  m.complete_below(m.stream_bytes);
   m.engine->drain();
-  m.next_seq = m.first_seq + m.chunks;
+  m.next_seq = m.writer.next_seq();
   m.in_sync = false;
   m.last_completed = m.version;
   Header& h = m.view.header();
@@ -433,6 +415,7 @@ std::uint64_t Producer::slot_bytes() const { return impl_->view.geo().slot_bytes
 std::uint32_t Producer::slots() const { return impl_->view.geo().slot_count; }
 std::uint64_t Producer::last_version() const { return impl_->version; }
 bool Producer::pinned() const { return impl_->pin.pinned; }
+CopyEngine Producer::engine() const { return impl_->engine->is_cuda() ? CopyEngine::kCuda : CopyEngine::kHost; }
 double Producer::pin_seconds() const { return impl_->pin.seconds; }
 double Producer::create_seconds() const { return impl_->create_s; }
 void Producer::close() {

@@ -15,6 +15,7 @@
 #include <cstring>
 #include <optional>
 #include <utility>
+#include <vector>
 
 #include "liveness.hpp"
 #include "shmcast/shmcast.hpp"
@@ -320,34 +321,42 @@ std::string describe_uid(std::uint32_t uid) {
 }
 
 namespace {
-bool in_my_groups(gid_t g) {
-  if (g == ::getegid()) return true;
-  gid_t groups[256];
-  const int n = ::getgroups(256, groups);
-  for (int i = 0; i < n; ++i)
-    if (groups[i] == g) return true;
+bool in_my_groups(gid_t gid) {
+  if (gid == ::getegid()) return true;
+  const int n = ::getgroups(0, nullptr);
+  if (n <= 0) return false;
+  std::vector<gid_t> groups(static_cast<std::size_t>(n));
+  const int got = ::getgroups(n, groups.data());
+  for (int i = 0; i < got; ++i)
+    if (groups[static_cast<std::size_t>(i)] == gid) return true;
   return false;
 }
 }  // namespace
 
-std::string trust_problem(const MappedFile& f, const TrustPolicy& policy) {
+std::string trust_problem(const std::string& path, std::uint32_t uid, std::uint32_t gid, std::uint32_t mode_bits,
+                          const TrustPolicy& policy) {
   char mode[8];
-  std::snprintf(mode, sizeof mode, "%04o", f.mode());
+  std::snprintf(mode, sizeof mode, "%04o", mode_bits & 07777);
   const std::uint32_t me = ::geteuid();
-  bool owner_ok = f.owner_uid() == me;
-  for (std::uint32_t u : policy.trusted_uids) owner_ok = owner_ok || f.owner_uid() == u;
+  bool owner_ok = uid == me;
+  for (std::uint32_t u : policy.trusted_uids) owner_ok = owner_ok || uid == u;
   if (!owner_ok)
-    return "region " + f.path() + " belongs to " + describe_uid(f.owner_uid()) + ", not to this process (" +
+    return "region " + path + " belongs to " + describe_uid(uid) + " (mode " + mode + "), not to this process (" +
            describe_uid(me) + "): refused, since anyone who owns it can change the tensors under you; run both "
            "sides as one user, or list that uid in trusted_uids if you trust it";
-  if (f.mode() & S_IWOTH)
-    return "region " + f.path() + " (owner " + describe_uid(f.owner_uid()) + ") is mode " + mode +
+  if (mode_bits & S_IWOTH)
+    return "region " + path + " (owner " + describe_uid(uid) + ") is mode " + mode +
            ", writable by every user: refused; the producer creates regions 0600 or 0660, so someone changed it";
-  if ((f.mode() & S_IWGRP) && !(policy.group_access && in_my_groups(f.owner_gid())))
-    return "region " + f.path() + " (owner " + describe_uid(f.owner_uid()) + ") is mode " + mode +
-           ", writable by group " + std::to_string(f.owner_gid()) +
-           ": refused unless the consumer sets group_access and belongs to that group";
+  if ((mode_bits & S_IWGRP) && !(policy.group_access && in_my_groups(gid)))
+    return "region " + path + " (owner " + describe_uid(uid) + ") is mode " + mode + ", writable by group " +
+           std::to_string(gid) + (policy.group_access ? ", which this user is not in: refused"
+                                                      : ": refused unless the consumer sets group_access and belongs "
+                                                        "to that group");
   return {};
+}
+
+std::string trust_problem(const MappedFile& f, const TrustPolicy& policy) {
+  return trust_problem(f.path(), f.owner_uid(), f.owner_gid(), f.mode(), policy);
 }
 
 }  // namespace shmcast::detail

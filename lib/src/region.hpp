@@ -96,6 +96,9 @@ class MappedFile {
 // Empty when `f` may be trusted under `policy`; else the reason, naming the
 // owner and mode, and what to do.
 std::string trust_problem(const MappedFile& f, const TrustPolicy& policy);
+// The same rule for any file: its owner, group and mode bits.
+std::string trust_problem(const std::string& path, std::uint32_t uid, std::uint32_t gid, std::uint32_t mode,
+                          const TrustPolicy& policy);
 
 // Throws kInvalidArgument: `what` (a Producer, a Consumer) was inherited
 // from the process that made it through fork and cannot be used here.

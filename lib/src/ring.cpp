@@ -1,5 +1,7 @@
 #include "ring.hpp"
 
+#include <xxhash.h>
+
 #include <atomic>
 #include <cstring>
 
@@ -289,15 +291,24 @@ RecordSnapshot ConsumerRing::wait_announce(std::uint64_t after_version, std::int
       return ((w & 1u) == 0 && w != seen) || h.init_state.load(std::memory_order_acquire) == kInitClosed ||
              seat_state(s.word.load(std::memory_order_acquire)) != kSeatActive;
     };
+    // A sync for us in the record now (the record is stable and new).
+    auto take = [&] {
+      if (!read_record(h, &rec)) return false;
+      seen = rec.word;
+      return rec.version > after_version && !rec.aborted && s.included_gen.load(std::memory_order_acquire) == gen_ &&
+             s.first_version.load(std::memory_order_relaxed) <= rec.version;
+    };
     const WaitResult r = wait_until(h.sync.announce, ready, deadline_ns, kLivenessPollNs);
     check_seat();
-    if (r == WaitResult::kReady && read_record(h, &rec)) {
-      seen = rec.word;
-      if (rec.version > after_version && !rec.aborted && s.included_gen.load(std::memory_order_acquire) == gen_ &&
-          s.first_version.load(std::memory_order_relaxed) <= rec.version)
-        return rec;
+    if (r == WaitResult::kReady && take()) return rec;
+    try {
+      check_producer(false);
+    } catch (const Error&) {
+      // The producer may have announced a sync, finished it and then died or
+      // closed between the wait and the check: that sync is complete.
+      if (take()) return rec;
+      throw;
     }
-    check_producer(false);
     if (r == WaitResult::kTimeout || mono_ns() >= deadline_ns)
       throw Error(Errc::kTimeout, "no sync arrived within the timeout; the producer (pid " +
                                       std::to_string(h.producer.pid.load()) + ") is alive but has not sent one");
@@ -315,18 +326,17 @@ void ConsumerRing::ack(std::uint64_t version) {
   ring(v_->header().release);
 }
 
-std::uint32_t ConsumerRing::wait_chunk(std::uint64_t seq, std::uint64_t version, std::uint64_t expect_bytes,
-                                       std::int64_t deadline_ns, std::uint64_t* partial, bool* complete) {
+ConsumerRing::ChunkWait ConsumerRing::wait_chunk(std::uint64_t seq, std::uint64_t version, std::uint64_t expect_bytes,
+                                                 std::int64_t deadline_ns, bool follow, std::uint64_t have) {
   Header& h = v_->header();
   const SlotDesc& fill = v_->slot(v_->slot_of(seq));
   // Final bytes of a chunk still being filled, beyond what the caller has.
   auto more_filled = [&]() -> std::uint64_t {
-    if (!partial || fill.fill_seq.load(std::memory_order_acquire) != seq) return 0;
+    if (!follow || fill.fill_seq.load(std::memory_order_acquire) != seq) return 0;
     std::uint64_t f = fill.filled.load(std::memory_order_acquire);
     if (f > expect_bytes) f = expect_bytes;  // untrusted: never past the chunk
-    return f > *partial ? f : 0;
+    return f > have ? f : 0;
   };
-  if (complete) *complete = true;
   // Throws when the producer gave up on sync `version`: it aborted it, or it
   // has announced a newer sync since (only after publishing every chunk of
   // this one or aborting it), so chunk `seq` will never come.
@@ -352,13 +362,15 @@ std::uint32_t ConsumerRing::wait_chunk(std::uint64_t seq, std::uint64_t version,
     const WaitResult r = wait_until(h.publish, ready, deadline_ns, kLivenessPollNs);
     check_seat();
     if (h.published_seq.load(std::memory_order_acquire) >= seq) break;
-    if (const std::uint64_t f = more_filled(); f != 0) {
-      *partial = f;
-      *complete = false;
-      return v_->slot_of(seq);
-    }
+    if (const std::uint64_t f = more_filled(); f != 0) return {v_->slot_of(seq), false, f};
     check_abandoned();
-    check_producer(true);
+    try {
+      check_producer(true);
+    } catch (const Error&) {
+      // Published, then the producer died, between the wait and the check.
+      if (h.published_seq.load(std::memory_order_acquire) >= seq) break;
+      throw;
+    }
     if (h.init_state.load(std::memory_order_acquire) == kInitClosed)
       throw Error(Errc::kClosed, "the producer closed the region in the middle of sync " + std::to_string(version));
     // ready() may hold without any of the above (hostile bytes): the
@@ -386,7 +398,7 @@ std::uint32_t ConsumerRing::wait_chunk(std::uint64_t seq, std::uint64_t version,
                                     std::to_string(d.version.load()) + ", " + std::to_string(d.bytes.load()) +
                                     " bytes; expected " + std::to_string(version) + ", " +
                                     std::to_string(expect_bytes) + ")");
-  return k;
+  return {k, true, expect_bytes};
 }
 
 bool ConsumerRing::still_valid(std::uint32_t slot, std::uint64_t seq) const {
@@ -406,6 +418,104 @@ void ConsumerRing::set_error(Errc code, const std::string& text) {
   Seat& s = v_->seat(static_cast<std::uint32_t>(seat_));
   copy_text(s.error_text, text);
   s.error_code.store(static_cast<std::uint32_t>(code), std::memory_order_release);
+}
+
+// ================================================================ chunk streams
+
+ChunkWriter::ChunkWriter(ProducerRing* ring, RegionView* view, std::uint64_t version, std::uint64_t first_seq,
+                         std::uint64_t stream_bytes, bool checksums)
+    : ring_(ring),
+      v_(view),
+      version_(version),
+      first_seq_(first_seq),
+      stream_(stream_bytes),
+      S_(view->geo().slot_bytes),
+      chunks_(chunk_count(stream_bytes, view->geo().slot_bytes)),
+      checksums_(checksums) {}
+
+void ChunkWriter::claim_chunk(std::uint64_t c) {
+  while (acquired_ <= c) {
+    const std::uint64_t seq = first_seq_ + acquired_;
+    ring_->acquire(seq);
+    ring_->begin_fill(seq);
+    ++acquired_;
+  }
+}
+
+std::byte* ChunkWriter::claim(std::uint64_t pos, std::uint64_t* room) {
+  const std::uint64_t c = pos / S_;
+  claim_chunk(c);
+  const std::uint64_t in_chunk = pos - c * S_;
+  *room = chunk_len(c, stream_, S_) - in_chunk;
+  return v_->slot_data(v_->slot_of(first_seq_ + c)) + in_chunk;
+}
+
+void ChunkWriter::filled_to(std::uint64_t pos) {
+  if (pos == 0) return;
+  const std::uint64_t c = (pos - 1) / S_;
+  ring_->progress(first_seq_ + c, pos - c * S_);
+}
+
+std::function<void()> ChunkWriter::publisher(std::uint64_t c) const {
+  const std::uint64_t seq = first_seq_ + c;
+  const std::uint64_t bytes = chunk_len(c, stream_, S_);
+  const std::byte* data = v_->slot_data(v_->slot_of(seq));
+  ProducerRing* r = ring_;
+  const std::uint64_t ver = version_;
+  const bool sum = checksums_;
+  // Runs when the chunk's bytes are complete (a CUDA callback thread for
+  // device copies): with checksums it hashes the whole slot first.
+  return [r, seq, ver, bytes, data, sum] { r->publish(seq, ver, bytes, sum ? XXH3_64bits(data, bytes) : 0); };
+}
+
+ChunkReader::ChunkReader(ConsumerRing* ring, RegionView* view, std::uint64_t version, std::uint64_t first_seq,
+                         std::uint64_t chunks, std::uint64_t stream_bytes, bool follow, bool verify_checksums,
+                         std::int64_t chunk_timeout_ns)
+    : ring_(ring),
+      v_(view),
+      version_(version),
+      first_seq_(first_seq),
+      chunks_(chunks),
+      stream_(stream_bytes),
+      S_(view->geo().slot_bytes),
+      follow_(follow),
+      verify_(verify_checksums),
+      timeout_ns_(chunk_timeout_ns) {}
+
+bool ChunkReader::next(Range* out) {
+  if (c_ >= chunks_) return false;
+  const std::uint64_t seq = first_seq_ + c_;
+  const std::uint64_t bytes = chunk_len(c_, stream_, S_);
+  if (have_ == 0) deadline_ = mono_ns() + timeout_ns_;
+  const ConsumerRing::ChunkWait w = ring_->wait_chunk(seq, version_, bytes, deadline_, follow_, have_);
+  const std::byte* data = v_->slot_data(w.slot);
+  if (!w.published) {
+    *out = Range{data + have_, c_ * S_ + have_, w.final_bytes - have_, false, seq, w.slot};
+    have_ = w.final_bytes;
+    return true;
+  }
+  if (verify_) {
+    const std::uint64_t want = v_->slot(w.slot).checksum.load(std::memory_order_relaxed);
+    if (XXH3_64bits(data, bytes) != want) {
+      if (!ring_->still_valid(w.slot, seq)) ring_->check_seat();
+      throw Error(Errc::kChecksum, "chunk " + std::to_string(seq) + " of sync " + std::to_string(version_) +
+                                       " fails its checksum: its bytes changed between producer and consumer");
+    }
+  }
+  *out = Range{data + have_, c_ * S_ + have_, bytes - have_, true, seq, w.slot};
+  ++c_;
+  have_ = 0;
+  return true;
+}
+
+std::function<void()> ChunkReader::releaser(const Range& r, std::atomic<bool>* broken) const {
+  ConsumerRing* ring = ring_;
+  const std::uint32_t k = r.slot;
+  const std::uint64_t seq = r.seq;
+  return [ring, k, seq, broken] {
+    if (!ring->still_valid(k, seq)) broken->store(true, std::memory_order_relaxed);
+    ring->release(seq);
+  };
 }
 
 }  // namespace shmcast::detail

@@ -8,6 +8,7 @@
 // docs/protocol.md describes the same rules for people.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <string>
@@ -124,6 +125,50 @@ class ProducerRing {
   std::vector<std::string> events_;
 };
 
+// Producer side of one sync's chunk stream: acquires slots in order
+// (waiting for consumers to release them), marks progressive fill, and
+// hands each finished chunk's publish step to the caller's `defer` (the copy
+// engine runs it once the chunk's bytes are complete: at once on the host,
+// from a completion callback on CUDA).
+class ChunkWriter {
+ public:
+  ChunkWriter() = default;
+  ChunkWriter(ProducerRing* ring, RegionView* view, std::uint64_t version, std::uint64_t first_seq,
+              std::uint64_t stream_bytes, bool checksums);
+
+  std::uint64_t chunks() const { return chunks_; }
+  std::uint64_t next_seq() const { return first_seq_ + chunks_; }
+  std::uint64_t slot_bytes() const { return S_; }
+  // Slot memory for stream byte `pos` (< stream bytes) and, in *room, how
+  // many bytes of its chunk follow it. Acquires that chunk and every one
+  // before it first (each acquisition may wait for consumers).
+  std::byte* claim(std::uint64_t pos, std::uint64_t* room);
+  // Stream bytes [chunk start, pos) of the chunk holding byte pos - 1 are
+  // final: a host reader may copy them out before the chunk is published.
+  void filled_to(std::uint64_t pos);
+  // Every chunk that ends at or before stream byte `pos` is written:
+  // defer(publish) for each not yet handed over, in order.
+  template <class Defer>
+  void complete_below(std::uint64_t pos, Defer&& defer) {
+    const std::uint64_t c_end = pos >= stream_ ? chunks_ : pos / S_;
+    while (published_ < c_end) {
+      claim_chunk(published_);  // a chunk no tensor touched (all padding) still goes through the ring
+      defer(publisher(published_));
+      ++published_;
+    }
+  }
+
+ private:
+  void claim_chunk(std::uint64_t c);
+  std::function<void()> publisher(std::uint64_t c) const;
+
+  ProducerRing* ring_ = nullptr;
+  RegionView* v_ = nullptr;
+  std::uint64_t version_ = 0, first_seq_ = 0, stream_ = 0, S_ = 1, chunks_ = 0;
+  std::uint64_t acquired_ = 0, published_ = 0;
+  bool checksums_ = false;
+};
+
 // ---------------------------------------------------------------- consumer side
 
 class ConsumerRing {
@@ -144,13 +189,16 @@ class ConsumerRing {
   // not change since `rec` was read.
   bool record_unchanged(const RecordSnapshot& rec) const;
   void ack(std::uint64_t version);
-  // Waits until chunk `seq` of sync `version` is published; checks its slot
-  // descriptor and returns the slot index.
-  // With `partial`, also returns early when more than *partial bytes of the
-  // chunk are final before it is published: then *partial is raised to that
-  // count and *complete is false. Bytes past *partial are not yet valid.
-  std::uint32_t wait_chunk(std::uint64_t seq, std::uint64_t version, std::uint64_t expect_bytes,
-                           std::int64_t deadline_ns, std::uint64_t* partial = nullptr, bool* complete = nullptr);
+  // Waits until chunk `seq` of sync `version` is published, then checks its
+  // slot descriptor. With `follow`, also returns early, unpublished, as soon
+  // as more than `have` of its bytes are final (progressive fill).
+  struct ChunkWait {
+    std::uint32_t slot;
+    bool published;
+    std::uint64_t final_bytes;  // == expect_bytes when published
+  };
+  ChunkWait wait_chunk(std::uint64_t seq, std::uint64_t version, std::uint64_t expect_bytes, std::int64_t deadline_ns,
+                       bool follow, std::uint64_t have);
   // After reading a slot: true when it still holds `seq` and this consumer
   // still owns its seat (so what was read is what was published).
   bool still_valid(std::uint32_t slot, std::uint64_t seq) const;
@@ -166,6 +214,42 @@ class ConsumerRing {
   RegionView* v_;
   int seat_ = -1;
   std::uint64_t gen_ = 0;
+};
+
+// Consumer side of one sync's chunk stream: waits for each chunk in order
+// and hands out its final bytes as ranges, checking the slot descriptor and
+// the checksum (when present) before the last range of a chunk. With
+// `follow`, a chunk being filled is handed out in several ranges as the
+// producer marks bytes final (host copies, no checksum). After the bytes of a
+// chunk's last range are copied, the caller runs releaser(): it releases the
+// slot, and flags `broken` when the slot was overwritten during the copy.
+class ChunkReader {
+ public:
+  struct Range {
+    const std::byte* data;  // stream byte `start`, in slot memory
+    std::uint64_t start;
+    std::uint64_t bytes;
+    bool last;             // the chunk's last range: release it after copying
+    std::uint64_t seq;
+    std::uint32_t slot;
+  };
+  ChunkReader(ConsumerRing* ring, RegionView* view, std::uint64_t version, std::uint64_t first_seq,
+              std::uint64_t chunks, std::uint64_t stream_bytes, bool follow, bool verify_checksums,
+              std::int64_t chunk_timeout_ns);
+  // The next range, or false when every chunk was handed out. Throws the
+  // ring's errors (Aborted, PeerDied, Timeout, Corrupt, Checksum, ...).
+  bool next(Range* out);
+  std::function<void()> releaser(const Range& r, std::atomic<bool>* broken) const;
+
+ private:
+  ConsumerRing* ring_;
+  RegionView* v_;
+  std::uint64_t version_, first_seq_, chunks_, stream_, S_;
+  bool follow_, verify_;
+  std::int64_t timeout_ns_;
+  std::uint64_t c_ = 0;      // chunk being handed out
+  std::uint64_t have_ = 0;   // bytes of it handed out so far
+  std::int64_t deadline_ = 0;
 };
 
 }  // namespace shmcast::detail

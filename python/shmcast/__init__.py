@@ -13,7 +13,10 @@ Adapters: shmcast.vllm (ShmcastWorkerExtension), shmcast.roll
 (serialize_named_weights / named_tensors_from_ticket). docs/python.md has
 the whole story.
 """
-# torch first: with CUDA, the extension then shares torch's CUDA runtime.
+# torch first. The default build reaches CUDA through the driver
+# (libcuda.so.1, loaded on first use) and shares the device's primary context
+# with torch's runtime; a build with SHMCAST_CUDA_API=runtime links libcudart,
+# which then is torch's when loaded after it.
 import torch as _torch  # noqa: F401
 
 try:
@@ -21,7 +24,7 @@ try:
 except ImportError as _e:  # pragma: no cover
     raise ImportError(
         f"shmcast: the compiled extension shmcast._shmcast is missing next to {__file__} ({_e}). Build it "
-        "(cmake --build <build>) and put <build>/python on PYTHONPATH, or `cmake --install` it; see docs/python.md"
+        "(`pip install .`, or cmake --build <build> and put <build>/python on PYTHONPATH); see docs/python.md"
     ) from None
 from ._shmcast import (  # noqa: F401  (exceptions: shmcast.Error and one subclass per code)
     Aborted,
@@ -53,7 +56,10 @@ from ._shmcast import (  # noqa: F401  (exceptions: shmcast.Error and one subcla
 )
 from ._torch import Consumer, Mismatch, Producer, dtype_name, supported_dtypes, torch_dtype  # noqa: F401
 
-__version__ = f"{_shmcast.version_major}.{_shmcast.version_minor}.0"
+try:
+    from ._version import __version__  # written by the build: project(VERSION) of CMakeLists.txt
+except ImportError:  # pragma: no cover  (a package assembled without the build's _version.py)
+    __version__ = f"{_shmcast.version_major}.{_shmcast.version_minor}.0"
 
 __all__ = [
     "Producer", "Consumer", "Mismatch", "SyncInfo",

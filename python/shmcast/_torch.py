@@ -7,7 +7,9 @@ Python->C++ call in the common case (every tensor contiguous or a row-pitched
 """
 from __future__ import annotations
 
+import errno
 import math
+import os
 import threading
 from collections.abc import Mapping
 from typing import Optional, Union
@@ -88,7 +90,9 @@ def torch_dtype(name: str) -> torch.dtype:
 
 class Mismatch(_C.InvalidArgument):
     """receive_into(): the sync does not match the destination tensors (names,
-    dtypes or shapes). The sync was skipped; the destinations are untouched."""
+    dtypes or shapes), or a destination cannot take its bytes (overlapping
+    memory, not a dense CPU/CUDA tensor). The sync was skipped; the
+    destinations are untouched."""
 
     code = "InvalidArgument"
 
@@ -125,15 +129,60 @@ def _row_pitch(t: torch.Tensor):
 
 
 def _parse_device(device) -> torch.device:
-    d = torch.device(device)
+    try:
+        d = torch.device(device)
+    except (RuntimeError, TypeError, ValueError) as e:
+        raise _C.InvalidArgument(f"device {device!r}: {e}; shmcast receives on 'cpu' or 'cuda[:N]'") from None
     if d.type == "cuda":
         if not torch.cuda.is_available():
             raise _C.CudaUnavailable(f"device {device!r}: torch sees no CUDA device")
         if d.index is None:
             d = torch.device("cuda", torch.cuda.current_device())
+        n = torch.cuda.device_count()
+        if d.index >= n:
+            raise _C.InvalidArgument(f"device {device!r}: the CUDA device index must be 0..{n - 1} on this machine")
     elif d.type != "cpu":
-        raise ValueError(f"shmcast receives on 'cpu' or 'cuda[:N]', not {device!r}")
+        raise _C.InvalidArgument(f"shmcast receives on 'cpu' or 'cuda[:N]', not {device!r}")
     return d
+
+
+def _free_bytes(device: torch.device) -> Optional[int]:
+    """Bytes an allocation on `device` can get now (None: unknown). CPU:
+    MemAvailable + SwapFree (/proc/meminfo); CUDA: the device's free memory
+    plus what torch's caching allocator holds unused."""
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    try:
+        with open("/proc/meminfo", "rb") as f:
+            info = dict(line.split(b":", 1) for line in f if b":" in line)
+        return sum(int(info[k].split()[0]) * 1024 for k in (b"MemAvailable", b"SwapFree"))
+    except (OSError, KeyError, ValueError):
+        try:
+            return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (OSError, ValueError):
+            return None
+
+
+def _alloc(shape, dtype: torch.dtype, device: torch.device, what: str) -> torch.Tensor:
+    """torch.empty(shape) once `device` has room for it. Sizes come from a
+    sync's manifest (another process wrote it): too large, or a failed
+    allocation, is shmcast.RegionFull (errno ENOMEM), never a torch error."""
+    n = (math.prod(shape) if isinstance(shape, tuple) else shape) * _ELEM_SIZE[dtype]
+    free = _free_bytes(device)
+    why = None
+    if free is not None and n > free:
+        why = f"only {free} bytes are free there"
+    else:
+        try:
+            return torch.empty(shape, dtype=dtype, device=device)
+        except RuntimeError as e:  # torch.cuda.OutOfMemoryError is one
+            why = f"the allocation failed ({str(e).splitlines()[0] if str(e) else type(e).__name__})"
+    err = _C.RegionFull(
+        f"{what} needs {n} bytes on {device}, but {why}. Free memory, send smaller syncs, or receive_into() "
+        f"preallocated tensors (if the producer did not send {n} bytes, its region is corrupt)")
+    err.sys_errno = errno.ENOMEM
+    raise err
 
 
 def _views(buf: torch.Tensor, tensors) -> list:
@@ -174,6 +223,50 @@ def _contiguous_strides(shape):
     return s
 
 
+def _overlaps(t: torch.Tensor) -> bool:
+    """True unless every element of `t` has its own memory: a stride-0
+    (expand()ed, broadcast) dimension, or strides that interleave. Checked
+    on non-contiguous tensors only (contiguous ones never overlap)."""
+    extent = 0  # elements spanned by the inner dimensions, minus one
+    for st, s in sorted((st, s) for s, st in zip(t.shape, t.stride()) if s > 1):
+        if st <= extent:
+            return True
+        extent += (s - 1) * st
+    return False
+
+
+def _unwritable(d) -> Optional[str]:
+    """Why receive_into() cannot write destination `d` (None: it can).
+    Runs for every destination of every receive_into(): cheap checks first."""
+    tt = type(d)
+    if tt is not torch.Tensor and tt is not torch.nn.Parameter:
+        if not isinstance(d, torch.Tensor):
+            return f"expected a torch.Tensor, got {tt.__name__}"
+        if hasattr(d, "full_tensor"):
+            return "a DTensor: receive into plain tensors and distribute them"
+    if d.layout is not torch.strided:
+        return f"a {d.layout} tensor: destinations must be dense"
+    if not (d.is_cuda or d.is_cpu):
+        return f"on {d.device}: destinations must be CPU or CUDA tensors"
+    if not d.is_contiguous() and _overlaps(d):
+        return (f"its elements share memory (strides {list(d.stride())}, e.g. an expand()ed view): "
+                "pass a tensor whose every element has its own memory (e.g. .clone())")
+    return None
+
+
+def _copy_back(pairs) -> None:
+    """dst.copy_(tmp) for receive_into's temporaries, as load_state_dict
+    writes parameters: under no_grad (a parameter that requires grad takes
+    the bytes), inference tensors under inference_mode."""
+    with torch.no_grad():
+        for d, tmp in pairs:
+            if d.is_inference() and not torch.is_inference_mode_enabled():
+                with torch.inference_mode():
+                    d.copy_(tmp)
+            else:
+                d.copy_(tmp)
+
+
 class _CudaArray:
     """Exposes a raw device pointer through __cuda_array_interface__ (v2) so
     torch.as_tensor wraps it without a copy; `owner` keeps the memory's owner
@@ -192,7 +285,17 @@ class _CudaArray:
 
 
 class _Closing:
-    """Context-manager mixin: `with X(...) as x:` closes x on exit."""
+    """Context-manager mixin: `with X(...) as x:` closes x on exit.
+
+    An object belongs to the process that made it. In a forked child,
+    close() (and so __exit__ and __del__) does nothing: the child's exit
+    must neither remove the parent's region nor free its seat. Every other
+    call raises shmcast.InvalidArgument there (the binding checks)."""
+
+    _pid = None  # the creator's pid, set first thing in __init__
+
+    def _owned(self) -> bool:
+        return self._pid == os.getpid()
 
     def __enter__(self):
         return self
@@ -240,8 +343,11 @@ class Producer(_Closing):
         consumer_timeout: float = 60.0,
         pin: Union[str, bool] = "auto",
         staging_budget: int = 256 << 20,
+        engine: str = "auto",
     ):
+        self._pid = os.getpid()
         self._c = None
+        budget = _C.check_int(staging_budget, "staging_budget", 0, (1 << 63) - 1)
         self._c = _C.Producer(
             name,
             slot_bytes=slot_bytes,
@@ -255,9 +361,12 @@ class Producer(_Closing):
             stall_policy=stall_policy,
             consumer_timeout=consumer_timeout,
             pin=pin,
+            engine=engine,
         )
-        self._staging_budget = int(staging_budget)
-        self._engine_cuda = False  # the library's producer engine moved to CUDA
+        self._staging_budget = budget
+        # Fixed at create: 'cuda' copies device tensors with async D2H (and
+        # host ones with memcpy); 'host' stages CUDA tensors to CPU first.
+        self._engine_cuda = self._c.engine == "cuda"
         self._streams: dict = {}
 
     # -------------------------------------------------------- sending
@@ -330,20 +439,16 @@ class Producer(_Closing):
                 lays.append(lay)
                 if lay is None:
                     slow.append(i)
-        # Where host sources go. The library's producer engine switches to
-        # CUDA at the first device write (and only at a slot boundary); its
-        # CUDA engine then copies host sources with memcpy. Device writes
-        # take device pointers only (cudaMemcpyDefault rejects pageable host
-        # memory). So in a sync that mixes CPU and CUDA tensors, while the
-        # engine is still the host one, the CPU tensors before the first
-        # CUDA tensor are staged onto the GPU; the rest go as host writes.
-        if cuda_dev is not None:
+        # Where sources go. A CUDA engine copies device tensors with async
+        # D2H and host tensors with memcpy; a host engine takes host memory
+        # only, so its CUDA tensors are staged to CPU one at a time.
+        if cuda_dev is not None and not self._engine_cuda:
+            slow = sorted(set(slow) | {i for i in range(len(devs)) if devs[i]})
+            devs = [False] * len(devs)
+            cuda_dev = None
+            target = "host"
+        elif cuda_dev is not None:
             target = "device"
-            if any_cpu and not self._engine_cuda:
-                first = devs.index(True)
-                early = [i for i in range(first) if not devs[i]]
-                if early:
-                    slow = sorted(set(slow) | set(early))
         elif any_cpu:
             target = "host"
         else:
@@ -353,9 +458,7 @@ class Producer(_Closing):
             if cuda_dev is None:
                 return c.send_batch(specs, srcs, devs, lays, None)
             with torch.cuda.device(cuda_dev):
-                v = c.send_batch(specs, srcs, devs, lays, streams)
-            self._engine_cuda = True
-            return v
+                return c.send_batch(specs, srcs, devs, lays, streams)
         return self._send_slow(c, specs, srcs, devs, lays, streams, slow, keep, target, cuda_dev)
 
     @staticmethod
@@ -375,8 +478,6 @@ class Producer(_Closing):
                     if cuda_dev is not None:
                         with torch.cuda.device(cuda_dev):
                             c.write_batch(start, srcs[start:i], devs[start:i], lays[start:i], streams)
-                        if any(devs[start:i]):
-                            self._engine_cuda = True
                     else:
                         c.write_batch(start, srcs[start:i], devs[start:i], lays[start:i], None)
                 if i == len(specs):
@@ -389,17 +490,14 @@ class Producer(_Closing):
                     target = "device" if staged.is_cuda else "host"
                 if staged.is_cuda and target == "host":
                     staged = staged.cpu()  # a GPU gather in a host sync
-                if target == "device" and not staged.is_cuda and self._engine_cuda:
-                    c.write(i, staged.data_ptr())  # a host source through the CUDA engine: memcpy
-                elif target == "device":
-                    dev = staged.device if staged.is_cuda else cuda_dev
-                    if dev is None:
-                        dev = torch.device("cuda", torch.cuda.current_device())
-                    if not staged.is_cuda:
-                        staged = staged.to(dev)  # the engine is not CUDA yet: start it with a device write
+                if staged.is_cuda and not self._engine_cuda:
+                    staged = staged.cpu()  # a host engine takes host memory only
+                if not staged.is_cuda:
+                    c.write(i, staged.data_ptr())  # host memory: memcpy (through either engine)
+                else:
+                    dev = staged.device
                     with torch.cuda.device(dev):
                         c.write_device(i, staged.data_ptr(), self._stream_of(dev))
-                    self._engine_cuda = True
                     # The copy runs on the library's stream: keep the staging
                     # copy alive until the device has done it.
                     held.append(staged)
@@ -407,8 +505,6 @@ class Producer(_Closing):
                     if held_bytes > self._staging_budget:
                         torch.cuda.synchronize(dev)  # every stream of the device, the library's too
                         held, held_bytes = [], 0
-                else:
-                    c.write(i, staged.data_ptr())
                 del staged
                 start = i + 1
             c.end_sync()  # returns once every copy has run: held copies may go
@@ -457,7 +553,7 @@ class Producer(_Closing):
         """Marks the region closed (consumers get shmcast.Closed after the last
         sync), unpins, unmaps and by default removes the name. Idempotent."""
         c = getattr(self, "_c", None)
-        if c is not None and not c.closed:
+        if c is not None and not c.closed and self._owned():
             c.close()
 
     @property
@@ -471,8 +567,9 @@ class Producer(_Closing):
 
     def _live(self):
         c = self._c
-        if c is None or c.closed:
+        if c is None:
             raise _C.Closed("this producer is closed")
+        c.check()  # closed: Closed; in a forked child: InvalidArgument
         return c
 
     name = property(lambda self: self._c.name)
@@ -523,6 +620,7 @@ class Consumer(_Closing):
         verify_checksums: bool = True,
         mode: str = "copy",
     ):
+        self._pid = os.getpid()
         self._c = None
         self.device = _parse_device(device)
         if mode not in ("copy", "staging"):
@@ -589,13 +687,15 @@ class Consumer(_Closing):
                 torch_dtype(t[1])
         nbytes = info.stream_bytes
         dev = self.device
+        what = f"sync {info.version} of '{c.name}'"
         if dev.type == "cpu":
             if mode == "staging":
                 buf = self._host_buf
                 if buf is None or buf.numel() < nbytes:
-                    buf = self._host_buf = torch.empty(_round_up(max(nbytes, 1), 1 << 21), dtype=torch.uint8)
+                    self._host_buf = buf = None  # the old one goes first
+                    buf = self._host_buf = _alloc(_round_up(max(nbytes, 1), 1 << 21), torch.uint8, dev, what)
             else:
-                buf = torch.empty(_round_up(max(nbytes, 1), 256), dtype=torch.uint8)
+                buf = _alloc(_round_up(max(nbytes, 1), 256), torch.uint8, dev, what)
             base = buf.data_ptr()
             c.read_into([base + t[4] if t[3] else None for t in tensors])
             return _views(buf, tensors)
@@ -608,7 +708,7 @@ class Consumer(_Closing):
                 base = ptrs[0] - tensors[0][4]
                 buf = torch.as_tensor(_CudaArray(base, nbytes, self), device=dev)
                 return _views(buf, tensors)
-            buf = torch.empty(_round_up(max(nbytes, 1), 256), dtype=torch.uint8, device=dev)
+            buf = _alloc(_round_up(max(nbytes, 1), 256), torch.uint8, dev, what)
             base = buf.data_ptr()
             c.read_into_device([base + t[4] if t[3] else None for t in tensors], stream)
             return _views(buf, tensors)
@@ -618,12 +718,17 @@ class Consumer(_Closing):
         tensors (a mapping name -> preallocated tensor, CPU or CUDA, e.g. a
         model's parameters). Returns the sync's version.
 
-        Every destination must match its tensor's dtype and shape exactly.
+        Every destination must match its tensor's dtype and shape exactly
+        and be a dense CPU or CUDA tensor whose elements each have their own
+        memory (not an expand()ed view); it may be non-contiguous, and may
+        require grad (written as load_state_dict writes: under no_grad).
         strict=True: the sync's names and the mapping's names must be the
         same set; strict=False: tensors of the sync without a destination
         are skipped and destinations absent from the sync are left alone.
-        On any mismatch the sync is skipped, nothing is written, and
-        shmcast.Mismatch is raised."""
+        All of this is checked before the first byte is read: on any
+        mismatch the sync is skipped, nothing is written, and
+        shmcast.Mismatch is raised. (A read that fails later, e.g. the
+        producer died, may leave destinations partly written.)"""
         with self._lock:
             self.wait_sync(timeout)
             return self.read_into(tensors, strict=strict)
@@ -641,6 +746,8 @@ class Consumer(_Closing):
                 raise
 
     def _read_into(self, c, info, dsts: Mapping, strict: bool) -> int:
+        # Every destination is checked before the first byte is read: on any
+        # problem the sync is skipped and no destination is touched.
         problems = []
         plan = []  # (sync index, destination, nbytes)
         cuda_dev = None
@@ -652,6 +759,10 @@ class Consumer(_Closing):
                     problems.append(f"'{name}' is in the sync but has no destination")
                 continue
             seen += 1
+            why = _unwritable(d)
+            if why is not None:
+                problems.append(f"'{name}': {why}")
+                continue
             want = _FROM_NAME.get(dt)
             if d.dtype != want:
                 problems.append(f"'{name}': the sync has dtype {want or dt}, the destination {d.dtype}")
@@ -662,8 +773,6 @@ class Consumer(_Closing):
                     cuda_dev = d.device
                 elif d.device != cuda_dev:
                     problems.append(f"'{name}' is on {d.device} but others are on {cuda_dev}: one GPU per receive_into")
-            elif d.device.type != "cpu" or d.layout is not torch.strided:
-                problems.append(f"'{name}': destinations must be dense CPU or CUDA tensors, not {d.device}/{d.layout}")
             plan.append((j, d, nbytes))
         if strict and seen < len(dsts):
             names = {t[0] for t in info.tensors}
@@ -683,18 +792,17 @@ class Consumer(_Closing):
             if d.is_contiguous() and not (d.is_conj() or d.is_neg()) and (cuda_dev is None or d.is_cuda):
                 ptrs[j] = d.data_ptr()
             else:
-                tmp = torch.empty(d.shape, dtype=d.dtype, device=cuda_dev if cuda_dev is not None else d.device)
+                tmp = _alloc(tuple(d.shape), d.dtype, cuda_dev if cuda_dev is not None else d.device,
+                             f"sync {info.version}: the temporary for '{info.tensors[j][0]}'")
                 after.append((d, tmp))
                 ptrs[j] = tmp.data_ptr()
         if cuda_dev is None:
             c.read_into(ptrs)
-            for d, tmp in after:
-                d.copy_(tmp)
+            _copy_back(after)
         else:
             with torch.cuda.device(cuda_dev):
                 c.read_into_device(ptrs, torch.cuda.current_stream(cuda_dev).cuda_stream)
-                for d, tmp in after:  # on the current stream, after the read
-                    d.copy_(tmp)
+                _copy_back(after)  # on the current stream, after the read
         return info.version
 
     def _skip_quietly(self, c):
@@ -715,6 +823,8 @@ class Consumer(_Closing):
     def close(self) -> None:
         """Leaves the seat (the producer stops waiting for this consumer),
         unpins and unmaps. Staging views from receive() become invalid."""
+        if not self._owned():
+            return
         c = getattr(self, "_c", None)
         if c is not None and not c.closed:
             c.close()
@@ -731,8 +841,9 @@ class Consumer(_Closing):
 
     def _live(self):
         c = self._c
-        if c is None or c.closed:
+        if c is None:
             raise _C.Closed("this consumer is closed")
+        c.check()  # closed: Closed; in a forked child: InvalidArgument
         return c
 
     name = property(lambda self: self._c.name)

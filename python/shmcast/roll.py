@@ -57,7 +57,12 @@ def default_region() -> str:
 
 def _env_int(name: str, default: int) -> int:
     v = os.environ.get(name)
-    return int(v) if v else default
+    if not v:
+        return default
+    try:
+        return int(v)
+    except ValueError:
+        raise _C.InvalidArgument(f"${name} is {v!r}; it must be an int") from None
 
 
 @dataclass(frozen=True)
@@ -137,6 +142,9 @@ def serialize_named_weights(
                 t.full_tensor()
         return None
     region = region or default_region()
+    if consumers is None:
+        consumers = _env_int("SHMCAST_ROLL_CONSUMERS", 0)
+    consumers = _C.check_int(consumers, "consumers", 0, _C.limits["max_consumers"])
     prod = _producer(region, producer_options)
     specs = [(n, dtype_name(t.dtype), tuple(t.shape)) for n, t in named]
     stream, _payload, _chunks, _ = _C.stream_layout(specs, prod.slot_bytes)
@@ -146,8 +154,6 @@ def serialize_named_weights(
             f"a bucket of {stream} stream bytes does not fit in region '{region}' ({prod.slots} x {prod.slot_bytes} "
             "bytes): receivers read only after the ticket arrives, so a bucket must fit whole. Use smaller buckets or "
             "a larger region (slot_bytes/slots, or $SHMCAST_ROLL_SLOT_BYTES / $SHMCAST_ROLL_SLOTS)")
-    if consumers is None:
-        consumers = _env_int("SHMCAST_ROLL_CONSUMERS", 0)
     if consumers > 0 and prod.consumers < consumers:
         prod.wait_for_consumers(consumers, timeout)
     version = prod.send(named)

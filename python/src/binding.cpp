@@ -9,6 +9,8 @@
 // Batched entry points (Producer.send_batch / write_batch) move a whole
 // sync in ONE Python->C++ call, so per-tensor Python overhead is only the
 // argument conversion.
+#include <unistd.h>
+
 #include <pybind11/functional.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
@@ -18,9 +20,12 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <memory>
 #include <mutex>
 #include <optional>
 #include <string>
+#include <string_view>
+#include <type_traits>
 #include <vector>
 
 #include "manifest.hpp"  // detail::pack: the exact stream layout (internal header)
@@ -31,6 +36,19 @@ namespace py = pybind11;
 using namespace shmcast;
 
 namespace {
+
+// ------------------------------------------------------------------ text
+
+// A Python str from bytes that need not be UTF-8: error texts come from the
+// region (another process wrote them, and the library cuts them at 255
+// bytes, possibly inside a character), so decoding must never raise.
+// errors: "backslashreplace" for messages, "surrogateescape" for paths
+// (what os.fsdecode does).
+py::str text(std::string_view s, const char* errors = "backslashreplace") {
+  PyObject* o = PyUnicode_DecodeUTF8(s.data(), static_cast<Py_ssize_t>(s.size()), errors);
+  if (!o) throw py::error_already_set();
+  return py::reinterpret_steal<py::str>(o);
+}
 
 // ------------------------------------------------------------------ errors
 
@@ -51,7 +69,7 @@ void raise_shmcast_error(const Error& e) {
   PyObject* type = (c >= 0 && c <= kMaxErrc && g_exc_by_code[c]) ? g_exc_by_code[c] : g_exc_base;
   py::gil_scoped_acquire gil;  // translators run with the GIL; harmless
   try {
-    py::object inst = py::reinterpret_borrow<py::object>(type)(py::str(strip_prefix(e)));
+    py::object inst = py::reinterpret_borrow<py::object>(type)(text(strip_prefix(e)));
     inst.attr("code") = py::str(errc_name(e.code()));
     inst.attr("sys_errno") = py::int_(e.sys_errno());
     PyErr_SetObject(type, inst.ptr());
@@ -122,41 +140,170 @@ void register_exceptions(py::module_& m) {
   });
 }
 
-// ------------------------------------------------------------------ helpers
+// ------------------------------------------------------------------ arguments
+//
+// Every argument is converted here, with the GIL held, so that a bad one is
+// a shmcast.InvalidArgument naming it and its range (or a TypeError naming it
+// when it is not a number / not a str) rather than pybind11's "incompatible
+// function arguments".
 
-Duration seconds(double s) {
-  if (std::isnan(s) || s < 0) throw Error(Errc::kInvalidArgument, "timeout must be a number of seconds >= 0");
-  if (s > 3.0e8) s = 3.0e8;  // ~10 years: "forever" without overflowing a deadline
+std::string ascii_repr(py::handle h) {
+  PyObject* r = PyObject_ASCII(h.ptr());
+  if (!r) throw py::error_already_set();
+  return py::reinterpret_steal<py::str>(r).cast<std::string>();
+}
+
+// An integer argument in lo..hi (Python ints of any size, or anything with
+// __index__; not floats).
+template <class T>
+T int_arg(py::handle h, const char* what, T lo, T hi) {
+  static_assert(std::is_integral_v<T> && sizeof(T) <= 8);
+  PyObject* o = h.ptr();
+  py::object index;
+  if (!PyLong_Check(o)) {
+    if (PyFloat_Check(o) || !PyIndex_Check(o))
+      throw py::type_error(std::string(what) + " must be an int, not " + Py_TYPE(o)->tp_name);
+    index = py::reinterpret_steal<py::object>(PyNumber_Index(o));
+    if (!index) throw py::error_already_set();
+    o = index.ptr();
+  }
+  int overflow = 0;
+  const long long x = PyLong_AsLongLongAndOverflow(o, &overflow);
+  if (x == -1 && PyErr_Occurred()) throw py::error_already_set();
+  bool ok = false;
+  T v{};
+  if (overflow == 0) {
+    if constexpr (std::is_signed_v<T>) {
+      ok = x >= static_cast<long long>(lo) && x <= static_cast<long long>(hi);
+    } else {
+      ok = x >= 0 && static_cast<unsigned long long>(x) >= lo && static_cast<unsigned long long>(x) <= hi;
+    }
+    v = static_cast<T>(x);
+  } else if constexpr (std::is_unsigned_v<T>) {
+    if (overflow > 0) {
+      const unsigned long long u = PyLong_AsUnsignedLongLong(o);
+      if (u == static_cast<unsigned long long>(-1) && PyErr_Occurred()) {
+        PyErr_Clear();  // beyond 64 bits
+      } else {
+        ok = u >= lo && u <= hi;
+        v = static_cast<T>(u);
+      }
+    }
+  }
+  if (!ok)
+    throw Error(Errc::kInvalidArgument, std::string(what) + " is " + py::str(o).cast<std::string>() +
+                                            "; it must be an int in " + std::to_string(lo) + ".." + std::to_string(hi));
+  return v;
+}
+
+constexpr std::uint64_t kU64Max = std::numeric_limits<std::uint64_t>::max();
+
+// A duration in seconds: a number >= 0; inf (and None where allow_none)
+// means no limit.
+Duration seconds_arg(py::handle h, const char* what, bool allow_none) {
+  const double forever = 3.0e8;  // ~10 years: "forever" without overflowing a deadline
+  double s;
+  if (h.is_none()) {
+    if (!allow_none) throw py::type_error(std::string(what) + " must be a number of seconds, not None");
+    s = forever;
+  } else if (PyFloat_Check(h.ptr()) || PyLong_Check(h.ptr()) || PyIndex_Check(h.ptr())) {
+    s = PyFloat_AsDouble(h.ptr());
+    if (s == -1.0 && PyErr_Occurred()) {
+      if (!PyErr_ExceptionMatches(PyExc_OverflowError)) throw py::error_already_set();
+      PyErr_Clear();  // an int beyond a double: a very long time (or a very negative one)
+      s = PyObject_RichCompareBool(h.ptr(), py::int_(0).ptr(), Py_LT) == 1 ? -1.0 : forever;
+    }
+  } else {
+    throw py::type_error(std::string(what) + " must be a number of seconds, not " + Py_TYPE(h.ptr())->tp_name);
+  }
+  if (std::isnan(s) || s < 0)
+    throw Error(Errc::kInvalidArgument, std::string(what) + " is " + ascii_repr(h) +
+                                            "; it must be a number of seconds >= 0 (inf" +
+                                            (allow_none ? " or None" : "") + ": no limit)");
+  if (s > forever) s = forever;
   return Duration(static_cast<std::int64_t>(std::llround(s * 1e9)));
 }
-Duration opt_seconds(const std::optional<double>& s) { return s ? seconds(*s) : seconds(3.0e8); }
 
-Pin parse_pin(const py::object& o) {
+// A str argument as UTF-8 (bytes pass as they are). A str that has no UTF-8
+// form (a lone surrogate, e.g. from os.fsdecode of a non-UTF-8 name) is
+// `code`, not a UnicodeEncodeError.
+std::string utf8_arg(py::handle h, const char* what, Errc code) {
+  PyObject* o = h.ptr();
+  if (PyUnicode_Check(o)) {
+    Py_ssize_t n = 0;
+    const char* p = PyUnicode_AsUTF8AndSize(o, &n);
+    if (!p) {
+      PyErr_Clear();
+      throw Error(code, std::string(what) + " " + ascii_repr(h) +
+                            " is not valid Unicode (a lone surrogate?): it has no UTF-8 form");
+    }
+    return std::string(p, static_cast<std::size_t>(n));
+  }
+  if (PyBytes_Check(o)) return std::string(PyBytes_AS_STRING(o), static_cast<std::size_t>(PyBytes_GET_SIZE(o)));
+  throw py::type_error(std::string(what) + " must be a str, not " + Py_TYPE(o)->tp_name);
+}
+
+std::string region_name_arg(py::handle h) { return utf8_arg(h, "region name", Errc::kBadName); }
+
+// Free text (an abort reason): never refused; what has no UTF-8 form is escaped.
+std::string message_arg(py::handle h) {
+  py::str s(h);
+  PyObject* b = PyUnicode_AsEncodedString(s.ptr(), "utf-8", "backslashreplace");
+  if (!b) throw py::error_already_set();
+  py::bytes bytes = py::reinterpret_steal<py::bytes>(b);
+  return std::string(PyBytes_AS_STRING(b), static_cast<std::size_t>(PyBytes_GET_SIZE(b)));
+}
+
+std::size_t index_arg(py::handle h, const char* what = "index") {
+  return int_arg<std::size_t>(h, what, 0, std::numeric_limits<std::size_t>::max());
+}
+
+Strided2D layout_args(py::handle rows, py::handle row_bytes, py::handle pitch_bytes) {
+  return Strided2D{int_arg<std::uint64_t>(rows, "rows", 0, kU64Max),
+                   int_arg<std::uint64_t>(row_bytes, "row_bytes", 0, kU64Max),
+                   int_arg<std::uint64_t>(pitch_bytes, "pitch_bytes", 0, kU64Max)};
+}
+
+Pin parse_pin(py::handle o) {
   if (py::isinstance<py::bool_>(o)) return o.cast<bool>() ? Pin::kYes : Pin::kNo;
-  const std::string s = py::str(o);
+  const std::string s = utf8_arg(py::str(o), "pin", Errc::kInvalidArgument);
   if (s == "auto") return Pin::kAuto;
   if (s == "yes" || s == "on" || s == "true") return Pin::kYes;
   if (s == "no" || s == "off" || s == "false") return Pin::kNo;
   throw Error(Errc::kInvalidArgument, "pin must be 'auto', True/'yes' or False/'no', not '" + s + "'");
 }
 
-StallPolicy parse_stall(const std::string& s) {
+CopyEngine parse_engine(py::handle h) {
+  const std::string s = utf8_arg(h, "engine", Errc::kInvalidArgument);
+  if (s == "auto") return CopyEngine::kAuto;
+  if (s == "host") return CopyEngine::kHost;
+  if (s == "cuda") return CopyEngine::kCuda;
+  throw Error(Errc::kInvalidArgument, "engine must be 'auto', 'host' or 'cuda', not '" + s + "'");
+}
+
+StallPolicy parse_stall(py::handle h) {
+  const std::string s = utf8_arg(h, "stall_policy", Errc::kInvalidArgument);
   if (s == "fail") return StallPolicy::kFail;
   if (s == "evict") return StallPolicy::kEvict;
   throw Error(Errc::kInvalidArgument, "stall_policy must be 'fail' or 'evict', not '" + s + "'");
 }
 
-DType parse_dtype(const std::string& s) {
+DType parse_dtype(py::handle h) {
+  const std::string s = utf8_arg(h, "dtype", Errc::kInvalidArgument);
   DType d;
   if (!dtype_from_name(s, &d)) throw Error(Errc::kInvalidArgument, "unknown shmcast dtype '" + s + "'");
   return d;
 }
 
-std::uintptr_t as_ptr(py::handle h) {
+// A pointer or stream: an int (the hot path: one per tensor) or None (0).
+std::uintptr_t as_ptr(py::handle h, const char* what = "pointer") {
   if (h.is_none()) return 0;
-  const unsigned long long v = PyLong_AsUnsignedLongLong(h.ptr());
-  if (v == static_cast<unsigned long long>(-1) && PyErr_Occurred()) throw py::error_already_set();
-  return static_cast<std::uintptr_t>(v);
+  if (PyLong_Check(h.ptr())) {
+    const unsigned long long v = PyLong_AsUnsignedLongLong(h.ptr());
+    if (!(v == static_cast<unsigned long long>(-1) && PyErr_Occurred())) return static_cast<std::uintptr_t>(v);
+    PyErr_Clear();
+  }
+  return int_arg<std::uintptr_t>(h, what, 0, std::numeric_limits<std::uintptr_t>::max());
 }
 
 // specs: sequence of (name, dtype, shape).
@@ -168,11 +315,12 @@ std::vector<TensorSpec> to_specs(py::handle specs) {
     py::sequence t = py::reinterpret_borrow<py::sequence>(item);
     if (t.size() != 3) throw Error(Errc::kInvalidArgument, "a tensor spec is (name, dtype, shape)");
     TensorSpec s;
-    s.name = t[0].cast<std::string>();
-    s.dtype = parse_dtype(t[1].cast<std::string>());
+    s.name = utf8_arg(t[0], "tensor name", Errc::kInvalidArgument);
+    s.dtype = parse_dtype(t[1]);
     py::sequence shape = py::reinterpret_borrow<py::sequence>(t[2]);
     s.shape.reserve(shape.size());
-    for (py::handle d : shape) s.shape.push_back(d.cast<std::int64_t>());
+    for (py::handle d : shape)
+      s.shape.push_back(int_arg<std::int64_t>(d, "shape dimension", 0, std::numeric_limits<std::int64_t>::max()));
     out.push_back(std::move(s));
   }
   return out;
@@ -190,7 +338,7 @@ std::optional<Strided2D> to_layout(py::handle h) {
   if (h.is_none()) return std::nullopt;
   py::sequence t = py::reinterpret_borrow<py::sequence>(h);
   if (t.size() != 3) throw Error(Errc::kInvalidArgument, "a strided layout is (rows, row_bytes, pitch_bytes)");
-  return Strided2D{t[0].cast<std::uint64_t>(), t[1].cast<std::uint64_t>(), t[2].cast<std::uint64_t>()};
+  return layout_args(t[0], t[1], t[2]);
 }
 
 // One source of a batched write, converted while the GIL is held.
@@ -225,12 +373,12 @@ std::vector<Source> to_sources(py::handle ptrs, py::handle devices, py::handle l
   }
   if (!streams.is_none()) {
     if (PyLong_Check(streams.ptr())) {
-      void* s = reinterpret_cast<void*>(as_ptr(streams));
+      void* s = reinterpret_cast<void*>(as_ptr(streams, "stream"));
       for (auto& src : out) src.stream = s;
     } else {
       py::sequence st = py::reinterpret_borrow<py::sequence>(streams);
       if (st.size() != n) throw Error(Errc::kInvalidArgument, "streams has a different length than ptrs");
-      for (std::size_t i = 0; i < n; ++i) out[i].stream = reinterpret_cast<void*>(as_ptr(st[i]));
+      for (std::size_t i = 0; i < n; ++i) out[i].stream = reinterpret_cast<void*>(as_ptr(st[i], "stream"));
     }
   }
   return out;
@@ -259,8 +407,17 @@ struct PySync {
     p.tensors = py::list(s.tensors.size());
     for (std::size_t i = 0; i < s.tensors.size(); ++i) {
       const TensorInfo& t = s.tensors[i];
-      p.tensors[i] = py::make_tuple(py::str(t.name), py::str(std::string(dtype_name(t.dtype))), shape_tuple(t.shape),
-                                    py::int_(t.nbytes), py::int_(t.stream_offset));
+      // Names reach Python only as valid UTF-8 (a producer rejects others;
+      // a region written by something else may still hold any bytes).
+      PyObject* name = PyUnicode_DecodeUTF8(t.name.data(), static_cast<Py_ssize_t>(t.name.size()), nullptr);
+      if (!name) {
+        PyErr_Clear();
+        throw Error(Errc::kCorrupt, "sync " + std::to_string(s.version) + ": the name of tensor " + std::to_string(i) +
+                                        " ('" + text(t.name).cast<std::string>() +
+                                        "') is not valid UTF-8; whatever wrote the region is broken");
+      }
+      p.tensors[i] = py::make_tuple(py::reinterpret_steal<py::str>(name), py::str(std::string(dtype_name(t.dtype))),
+                                    shape_tuple(t.shape), py::int_(t.nbytes), py::int_(t.stream_offset));
     }
     return p;
   }
@@ -273,88 +430,133 @@ struct SentSync {
   std::size_t tensors = 0;
 };
 
+// ------------------------------------------------------------------ fork
+
+// A forked child inherits these objects (their mapping, file descriptors,
+// seat and locks) but they are the parent's: in the child, close() and the
+// destructor do nothing, so the child's exit neither unlinks the parent's
+// region nor frees its seat, and every other call raises InvalidArgument
+// (checked before the object's mutex, which a parent thread may have held at
+// the fork).
+class Owned {
+ protected:
+  bool forked() const { return ::getpid() != pid_; }
+  void check_owner(const char* what) const {
+    if (forked())
+      throw Error(Errc::kInvalidArgument, std::string("this ") + what + " belongs to process " + std::to_string(pid_) +
+                                              "; a forked child (pid " + std::to_string(::getpid()) +
+                                              ") cannot use it: create a new " + what + " in the child");
+  }
+
+ private:
+  const pid_t pid_ = ::getpid();
+};
+
 // ------------------------------------------------------------------ producer
 
-class PyProducer {
+class PyProducer : Owned {
+  // (First: the methods below deduce their return types from it.)
+  // Runs f(producer) with the GIL released and this object locked.
+  template <class F>
+  decltype(auto) locked(F&& f) {
+    check_owner("Producer");
+    py::gil_scoped_release nogil;
+    std::lock_guard lk(mu_);
+    return f(get());
+  }
+
+  Producer& get() {
+    if (closed_) throw Error(Errc::kClosed, "this producer is closed");
+    return *p_;
+  }
+
  public:
-  PyProducer(const std::string& name, std::uint64_t slot_bytes, std::uint32_t slots, std::uint32_t max_consumers,
-             std::uint64_t manifest_bytes, bool group_access, bool replace_stale, bool unlink_on_close, bool checksums,
-             const std::string& stall_policy, double consumer_timeout, const py::object& pin) {
+  PyProducer(py::handle name, py::handle slot_bytes, py::handle slots, py::handle max_consumers,
+             py::handle manifest_bytes, bool group_access, bool replace_stale, bool unlink_on_close, bool checksums,
+             py::handle stall_policy, py::handle consumer_timeout, py::handle pin, py::handle engine) {
+    const std::string n = region_name_arg(name);
     ProducerOptions o;
-    o.slot_bytes = slot_bytes;
-    o.slots = slots;
-    o.max_consumers = max_consumers;
-    o.manifest_bytes = manifest_bytes;
+    o.slot_bytes = int_arg<std::uint64_t>(slot_bytes, "slot_bytes", 1, detail::kMaxSlotBytes);
+    o.slots = int_arg<std::uint32_t>(slots, "slots", 2, detail::kMaxSlots);
+    o.max_consumers = int_arg<std::uint32_t>(max_consumers, "max_consumers", 1, detail::kMaxConsumers);
+    o.manifest_bytes =
+        int_arg<std::uint64_t>(manifest_bytes, "manifest_bytes", detail::kMinManifestBytes, detail::kMaxManifestBytes);
     o.group_access = group_access;
     o.replace_stale = replace_stale;
     o.unlink_on_close = unlink_on_close;
     o.checksums = checksums;
     o.stall_policy = parse_stall(stall_policy);
-    o.consumer_timeout = seconds(consumer_timeout);
+    o.consumer_timeout = seconds_arg(consumer_timeout, "consumer_timeout", false);
     o.pin = parse_pin(pin);
+    o.engine = parse_engine(engine);
     py::gil_scoped_release nogil;  // fallocate + cudaHostRegister can take a while
-    p_.emplace(Producer::create(name, o));
+    p_ = std::make_unique<Producer>(Producer::create(n, o));
+  }
+
+  // What every other call raises first: InvalidArgument in a forked child,
+  // Closed once closed.
+  void check() {
+    check_owner("Producer");
+    (void)get();
+  }
+
+  ~PyProducer() {
+    if (forked()) (void)p_.release();  // the parent's producer: leave it be (the child's exit frees the memory)
   }
 
   std::uint64_t begin_sync(py::handle specs) {
     std::vector<TensorSpec> s = to_specs(specs);
-    py::gil_scoped_release nogil;
-    std::lock_guard lk(mu_);
-    return begin_locked(std::move(s));
+    return locked([&](Producer&) { return begin_locked(std::move(s)); });
   }
 
-  void write(std::size_t i, py::handle ptr, std::optional<std::uint64_t> nbytes) {
-    Source src;
-    src.ptr = reinterpret_cast<void*>(as_ptr(ptr));
-    py::gil_scoped_release nogil;
-    std::lock_guard lk(mu_);
-    check_nbytes(i, nbytes);
-    get().write(i, src.ptr);
-  }
-
-  void write_strided(std::size_t i, py::handle ptr, std::uint64_t rows, std::uint64_t row_bytes,
-                     std::uint64_t pitch_bytes) {
+  void write(py::handle i, py::handle ptr, py::handle nbytes) {
+    const std::size_t index = index_arg(i);
     void* p = reinterpret_cast<void*>(as_ptr(ptr));
-    py::gil_scoped_release nogil;
-    std::lock_guard lk(mu_);
-    get().write_strided(i, p, Strided2D{rows, row_bytes, pitch_bytes});
+    std::optional<std::uint64_t> n;
+    if (!nbytes.is_none()) n = int_arg<std::uint64_t>(nbytes, "nbytes", 0, kU64Max);
+    locked([&](Producer& pr) {
+      check_nbytes(index, n);
+      pr.write(index, p);
+    });
   }
 
-  void write_device(std::size_t i, py::handle ptr, py::handle stream) {
+  void write_strided(py::handle i, py::handle ptr, py::handle rows, py::handle row_bytes, py::handle pitch_bytes) {
+    const std::size_t index = index_arg(i);
     void* p = reinterpret_cast<void*>(as_ptr(ptr));
-    void* s = reinterpret_cast<void*>(as_ptr(stream));
-    py::gil_scoped_release nogil;
-    std::lock_guard lk(mu_);
-    get().write_device(i, p, s);
+    const Strided2D l = layout_args(rows, row_bytes, pitch_bytes);
+    locked([&](Producer& pr) { pr.write_strided(index, p, l); });
   }
 
-  void write_device_strided(std::size_t i, py::handle ptr, std::uint64_t rows, std::uint64_t row_bytes,
-                            std::uint64_t pitch_bytes, py::handle stream) {
+  void write_device(py::handle i, py::handle ptr, py::handle stream) {
+    const std::size_t index = index_arg(i);
     void* p = reinterpret_cast<void*>(as_ptr(ptr));
-    void* s = reinterpret_cast<void*>(as_ptr(stream));
-    py::gil_scoped_release nogil;
-    std::lock_guard lk(mu_);
-    get().write_device_strided(i, p, Strided2D{rows, row_bytes, pitch_bytes}, s);
+    void* s = reinterpret_cast<void*>(as_ptr(stream, "stream"));
+    locked([&](Producer& pr) { pr.write_device(index, p, s); });
+  }
+
+  void write_device_strided(py::handle i, py::handle ptr, py::handle rows, py::handle row_bytes,
+                            py::handle pitch_bytes, py::handle stream) {
+    const std::size_t index = index_arg(i);
+    void* p = reinterpret_cast<void*>(as_ptr(ptr));
+    const Strided2D l = layout_args(rows, row_bytes, pitch_bytes);
+    void* s = reinterpret_cast<void*>(as_ptr(stream, "stream"));
+    locked([&](Producer& pr) { pr.write_device_strided(index, p, l, s); });
   }
 
   // Writes tensors first, first+1, ... from one batch of sources.
-  void write_batch(std::size_t first, py::handle ptrs, py::handle devices, py::handle layouts, py::handle streams) {
+  void write_batch(py::handle first, py::handle ptrs, py::handle devices, py::handle layouts, py::handle streams) {
+    const std::size_t f = index_arg(first, "first");
     std::vector<Source> srcs = to_sources(ptrs, devices, layouts, streams);
-    py::gil_scoped_release nogil;
-    std::lock_guard lk(mu_);
-    write_locked(first, srcs);
+    locked([&](Producer&) { write_locked(f, srcs); });
   }
 
   void end_sync() {
-    py::gil_scoped_release nogil;
-    std::lock_guard lk(mu_);
-    get().end_sync();
+    locked([](Producer& p) { p.end_sync(); });
   }
 
-  void abort_sync(const std::string& why) {
-    py::gil_scoped_release nogil;
-    std::lock_guard lk(mu_);
-    get().abort_sync(why);
+  void abort_sync(py::handle why) {
+    const std::string w = message_arg(why);
+    locked([&](Producer& p) { p.abort_sync(w); });
   }
 
   // begin_sync + every write + end_sync in one call; aborts the sync (and
@@ -366,61 +568,61 @@ class PyProducer {
     if (srcs.size() != s.size())
       throw Error(Errc::kInvalidArgument, "send_batch(): " + std::to_string(s.size()) + " specs but " +
                                               std::to_string(srcs.size()) + " sources");
-    py::gil_scoped_release nogil;
-    std::lock_guard lk(mu_);
-    const std::uint64_t v = begin_locked(std::move(s));
-    try {
-      write_locked(0, srcs);
-      get().end_sync();
-    } catch (const Error& e) {
+    return locked([&](Producer& p) {
+      const std::uint64_t v = begin_locked(std::move(s));
       try {
-        get().abort_sync(e.what());
-      } catch (...) {
+        write_locked(0, srcs);
+        p.end_sync();
+      } catch (const Error& e) {
+        try {
+          p.abort_sync(e.what());
+        } catch (...) {
+        }
+        throw;
       }
-      throw;
-    }
-    return v;
+      return v;
+    });
   }
 
-  void wait_for_consumers(std::uint32_t n, std::optional<double> timeout) {
+  void wait_for_consumers(py::handle n_arg, py::handle timeout) {
+    const std::uint32_t n = int_arg<std::uint32_t>(n_arg, "n", 0, detail::kMaxConsumers);
+    const auto deadline = Clock::now() + seconds_arg(timeout, "timeout", true);
     // In slices, so Ctrl-C works during a long wait.
-    const auto deadline = Clock::now() + opt_seconds(timeout);
     for (;;) {
-      {
-        py::gil_scoped_release nogil;
-        std::lock_guard lk(mu_);
+      const bool done = locked([&](Producer& p) {
         const auto left = deadline - Clock::now();
         const Duration slice = std::min<Duration>(std::chrono::duration_cast<Duration>(left), kSlice);
         try {
-          get().wait_for_consumers(n, slice < Duration::zero() ? Duration::zero() : slice);
-          return;
+          p.wait_for_consumers(n, slice < Duration::zero() ? Duration::zero() : slice);
+          return true;
         } catch (const Error& e) {
           if (e.code() != Errc::kTimeout || Clock::now() >= deadline) throw;
         }
-      }
+        return false;
+      });
+      if (done) return;
       if (PyErr_CheckSignals() != 0) throw py::error_already_set();
     }
   }
 
   std::uint32_t consumers() {
-    py::gil_scoped_release nogil;
-    std::lock_guard lk(mu_);
-    return get().consumers();
+    return locked([](Producer& p) { return p.consumers(); });
   }
 
-  void wait_drained(std::optional<double> timeout) {
-    const Duration t = opt_seconds(timeout);
-    py::gil_scoped_release nogil;
-    std::lock_guard lk(mu_);
-    get().wait_drained(t);
+  void wait_drained(py::handle timeout) {
+    const Duration t = seconds_arg(timeout, "timeout", true);
+    locked([&](Producer& p) { p.wait_drained(t); });
   }
 
-  std::vector<std::string> take_events() {
-    std::lock_guard lk(mu_);
-    return p_ ? p_->take_events() : std::vector<std::string>{};
+  py::list take_events() {
+    std::vector<std::string> ev = locked([](Producer& p) { return p.take_events(); });
+    py::list out;
+    for (const std::string& e : ev) out.append(text(e));
+    return out;
   }
 
   void close() {
+    if (forked()) return;  // the parent's region: not the child's to close
     py::gil_scoped_release nogil;
     std::lock_guard lk(mu_);
     if (p_) p_->close();
@@ -429,23 +631,19 @@ class PyProducer {
 
   bool closed() const { return closed_; }
   std::string name() const { return p_->name(); }
-  std::string path() const { return p_->path(); }
+  py::str path() const { return text(p_->path(), "surrogateescape"); }
   std::uint64_t region_bytes() const { return p_->region_bytes(); }
   std::uint64_t slot_bytes() const { return p_->slot_bytes(); }
   std::uint32_t slots() const { return p_->slots(); }
   std::uint64_t last_version() const { return p_->last_version(); }
   bool pinned() const { return p_->pinned(); }
+  std::string engine() const { return p_->engine() == CopyEngine::kCuda ? "cuda" : "host"; }
   double pin_seconds() const { return p_->pin_seconds(); }
   double create_seconds() const { return p_->create_seconds(); }
   const SentSync& last_sync() const { return last_; }
 
  private:
   static constexpr Duration kSlice = std::chrono::milliseconds(200);
-
-  Producer& get() {
-    if (closed_) throw Error(Errc::kClosed, "this producer is closed");
-    return *p_;
-  }
 
   void check_nbytes(std::size_t i, const std::optional<std::uint64_t>& nbytes) const {
     if (!nbytes || i >= nbytes_.size()) return;  // the library reports a bad index
@@ -493,7 +691,7 @@ class PyProducer {
     }
   }
 
-  std::optional<Producer> p_;
+  std::unique_ptr<Producer> p_;
   std::mutex mu_;
   bool closed_ = false;
   std::uint64_t next_seq_ = 1;
@@ -503,39 +701,70 @@ class PyProducer {
 
 // ------------------------------------------------------------------ consumer
 
-class PyConsumer {
+class PyConsumer : Owned {
+  // (First: the methods below deduce their return types from it.)
+  // Runs f(consumer) with the GIL released and this object locked.
+  template <class F>
+  decltype(auto) locked(F&& f) {
+    check_owner("Consumer");
+    py::gil_scoped_release nogil;
+    std::lock_guard lk(mu_);
+    return f(get());
+  }
+
+  Consumer& get() {
+    if (closed_) throw Error(Errc::kClosed, "this consumer is closed");
+    return *c_;
+  }
+
  public:
-  PyConsumer(const std::string& name, double open_timeout, double chunk_timeout, const py::object& pin,
+  PyConsumer(py::handle name, py::handle open_timeout, py::handle chunk_timeout, py::handle pin,
              bool verify_checksums) {
+    const std::string n = region_name_arg(name);
     ConsumerOptions o;
-    o.open_timeout = seconds(open_timeout);
-    o.chunk_timeout = seconds(chunk_timeout);
+    o.open_timeout = seconds_arg(open_timeout, "open_timeout", false);
+    o.chunk_timeout = seconds_arg(chunk_timeout, "chunk_timeout", false);
     o.pin = parse_pin(pin);
     o.verify_checksums = verify_checksums;
     py::gil_scoped_release nogil;
-    c_.emplace(Consumer::open(name, o));
+    c_ = std::make_unique<Consumer>(Consumer::open(n, o));
   }
 
-  PySync wait_sync(std::optional<double> timeout) {
-    const auto deadline = Clock::now() + opt_seconds(timeout);
+  // What every other call raises first: InvalidArgument in a forked child,
+  // Closed once closed.
+  void check() {
+    check_owner("Consumer");
+    (void)get();
+  }
+
+  ~PyConsumer() {
+    if (forked()) (void)c_.release();  // the parent's seat: leave it be
+  }
+
+  PySync wait_sync(py::handle timeout) {
+    const auto deadline = Clock::now() + seconds_arg(timeout, "timeout", true);
     for (;;) {
-      {
-        std::optional<SyncInfo> got;
-        {
-          py::gil_scoped_release nogil;
-          std::lock_guard lk(mu_);
-          const auto left = std::chrono::duration_cast<Duration>(deadline - Clock::now());
-          const Duration slice = std::max(Duration::zero(), std::min<Duration>(left, kSlice));
-          try {
-            got = get().wait_sync(slice);  // copy: the snapshot is converted with the GIL held
-          } catch (const Error& e) {
-            if (e.code() != Errc::kTimeout || Clock::now() >= deadline) throw;
-          }
+      std::optional<SyncInfo> got = locked([&](Consumer& c) -> std::optional<SyncInfo> {
+        const auto left = std::chrono::duration_cast<Duration>(deadline - Clock::now());
+        const Duration slice = std::max(Duration::zero(), std::min<Duration>(left, kSlice));
+        try {
+          return c.wait_sync(slice);  // copy: the snapshot is converted with the GIL held
+        } catch (const Error& e) {
+          if (e.code() != Errc::kTimeout || Clock::now() >= deadline) throw;
         }
-        if (got) {
+        return std::nullopt;
+      });
+      if (got) {
+        try {
           last_ = PySync::from(*got);
-          return last_;
+        } catch (const Error&) {  // a name Python cannot hold: the sync is skipped, not left half-taken
+          try {
+            locked([](Consumer& c) { c.skip(); });
+          } catch (const Error&) {
+          }
+          throw;
         }
+        return last_;
       }
       if (PyErr_CheckSignals() != 0) throw py::error_already_set();
     }
@@ -543,27 +772,19 @@ class PyConsumer {
 
   void read_into(py::handle ptrs) {
     std::vector<void*> d = to_ptrs(ptrs);
-    py::gil_scoped_release nogil;
-    std::lock_guard lk(mu_);
-    get().read_into(d);
+    locked([&](Consumer& c) { c.read_into(d); });
   }
 
   void read_into_device(py::handle ptrs, py::handle stream) {
     std::vector<void*> d = to_ptrs(ptrs);
-    void* s = reinterpret_cast<void*>(as_ptr(stream));
-    py::gil_scoped_release nogil;
-    std::lock_guard lk(mu_);
-    get().read_into_device(d, s);
+    void* s = reinterpret_cast<void*>(as_ptr(stream, "stream"));
+    locked([&](Consumer& c) { c.read_into_device(d, s); });
   }
 
-  std::vector<std::uintptr_t> read_to_staging(int device, py::handle stream) {
-    void* s = reinterpret_cast<void*>(as_ptr(stream));
-    std::vector<void*> out;
-    {
-      py::gil_scoped_release nogil;
-      std::lock_guard lk(mu_);
-      out = get().read_to_staging(device, s);
-    }
+  std::vector<std::uintptr_t> read_to_staging(py::handle device, py::handle stream) {
+    const int dev = int_arg<int>(device, "device", 0, std::numeric_limits<int>::max());
+    void* s = reinterpret_cast<void*>(as_ptr(stream, "stream"));
+    std::vector<void*> out = locked([&](Consumer& c) { return c.read_to_staging(dev, s); });
     std::vector<std::uintptr_t> r(out.size());
     for (std::size_t i = 0; i < out.size(); ++i) r[i] = reinterpret_cast<std::uintptr_t>(out[i]);
     return r;
@@ -572,21 +793,20 @@ class PyConsumer {
   // fn(tensor_index, offset, data_ptr, nbytes, tensor_nbytes) for every piece,
   // while its slot is held: data_ptr is valid only during the call.
   void visit(const py::function& fn) {
-    py::gil_scoped_release nogil;
-    std::lock_guard lk(mu_);
-    get().visit([&](const Piece& p) {
-      py::gil_scoped_acquire gil;
-      fn(p.tensor, p.offset, reinterpret_cast<std::uintptr_t>(p.data), p.bytes, p.tensor_bytes);
+    locked([&](Consumer& c) {
+      c.visit([&](const Piece& p) {
+        py::gil_scoped_acquire gil;
+        fn(p.tensor, p.offset, reinterpret_cast<std::uintptr_t>(p.data), p.bytes, p.tensor_bytes);
+      });
     });
   }
 
   void skip() {
-    py::gil_scoped_release nogil;
-    std::lock_guard lk(mu_);
-    get().skip();
+    locked([](Consumer& c) { c.skip(); });
   }
 
   void close() {
+    if (forked()) return;  // the parent's seat: not the child's to free
     py::gil_scoped_release nogil;
     std::lock_guard lk(mu_);
     if (c_) c_->close();
@@ -605,12 +825,7 @@ class PyConsumer {
  private:
   static constexpr Duration kSlice = std::chrono::milliseconds(200);
 
-  Consumer& get() {
-    if (closed_) throw Error(Errc::kClosed, "this consumer is closed");
-    return *c_;
-  }
-
-  std::optional<Consumer> c_;
+  std::unique_ptr<Consumer> c_;
   std::mutex mu_;
   bool closed_ = false;
   PySync last_;
@@ -624,16 +839,43 @@ PYBIND11_MODULE(_shmcast, m) {
   m.attr("version_major") = kVersionMajor;
   m.attr("version_minor") = kVersionMinor;
   register_exceptions(m);
+  py::dict limits;  // the library's limits on a region's geometry (docs/protocol.md)
+  limits["max_consumers"] = detail::kMaxConsumers;
+  limits["min_slots"] = 2;
+  limits["max_slots"] = detail::kMaxSlots;
+  limits["max_slot_bytes"] = detail::kMaxSlotBytes;
+  limits["min_manifest_bytes"] = detail::kMinManifestBytes;
+  limits["max_manifest_bytes"] = detail::kMaxManifestBytes;
+  m.attr("limits") = limits;
 
-  m.def("region_dir", &region_dir, "Region directory: $SHMCAST_DIR if set, else /dev/shm.");
-  m.def("region_path", [](const std::string& n) { return region_path(n); }, py::arg("name"));
-  m.def("validate_name", [](const std::string& n) { return validate_name(n); }, py::arg("name"),
+  m.def("region_dir", [] { return text(region_dir(), "surrogateescape"); },
+        "Region directory: $SHMCAST_DIR if set, else /dev/shm.");
+  m.def("region_path", [](py::handle n) { return text(region_path(region_name_arg(n)), "surrogateescape"); },
+        py::arg("name"));
+  m.def(
+      "validate_name",
+      [](py::handle n) {
+        try {
+          return text(validate_name(region_name_arg(n)));
+        } catch (const Error& e) {  // a str with no UTF-8 form
+          return text(strip_prefix(e));
+        }
+      },
+      py::arg("name"),
         "Empty string when the region name is valid, else the reason.");
-  m.def("unlink_region", [](const std::string& n) { return unlink_region(n); }, py::arg("name"),
+  m.def("unlink_region", [](py::handle n) { return unlink_region(region_name_arg(n)); }, py::arg("name"),
         "Removes the region's name; False when there was nothing to remove.");
+  m.def(
+      "check_int",
+      [](py::handle value, const std::string& name, std::int64_t lo, std::int64_t hi) {
+        return int_arg<std::int64_t>(value, name.c_str(), lo, hi);
+      },
+      py::arg("value"), py::arg("name"), py::arg("lo"), py::arg("hi"),
+      "`value` as an int when it is one in lo..hi; else InvalidArgument naming `name` and the range (TypeError for a "
+      "non-integer). The check every numeric argument of the binding gets.");
   m.def("cuda_available", &cuda_available, "True when built with CUDA and a device is usable.");
   m.def("cuda_unavailable_reason", &cuda_unavailable_reason);
-  m.def("dtype_size", [](const std::string& n) { return dtype_size(parse_dtype(n)); }, py::arg("dtype"));
+  m.def("dtype_size", [](py::handle n) { return dtype_size(parse_dtype(n)); }, py::arg("dtype"));
   m.def("dtype_names", [] {
     std::vector<std::string> out;
     for (int i = 1; i <= 255; ++i) {
@@ -644,8 +886,9 @@ PYBIND11_MODULE(_shmcast, m) {
   });
   m.def(
       "stream_layout",
-      [](py::handle specs, std::uint64_t slot_bytes) {
+      [](py::handle specs, py::handle slot_bytes_arg) {
         std::vector<TensorSpec> s = to_specs(specs);
+        const std::uint64_t slot_bytes = int_arg<std::uint64_t>(slot_bytes_arg, "slot_bytes", 1, detail::kMaxSlotBytes);
         std::vector<std::uint64_t> offsets;
         std::uint64_t payload = 0;
         const std::uint64_t stream = detail::pack(s, slot_bytes, &offsets, &payload);
@@ -677,12 +920,13 @@ PYBIND11_MODULE(_shmcast, m) {
       .def_readonly("tensors", &SentSync::tensors);
 
   py::class_<PyProducer>(m, "Producer", "Low-level producer (shmcast::Producer). Pointers are ints.")
-      .def(py::init<const std::string&, std::uint64_t, std::uint32_t, std::uint32_t, std::uint64_t, bool, bool, bool,
-                    bool, const std::string&, double, const py::object&>(),
+      .def(py::init<py::handle, py::handle, py::handle, py::handle, py::handle, bool, bool, bool, bool, py::handle,
+                    py::handle, py::handle, py::handle>(),
            py::arg("name"), py::kw_only(), py::arg("slot_bytes") = 256ull << 20, py::arg("slots") = 2,
            py::arg("max_consumers") = 8, py::arg("manifest_bytes") = 1ull << 20, py::arg("group_access") = false,
            py::arg("replace_stale") = true, py::arg("unlink_on_close") = true, py::arg("checksums") = false,
-           py::arg("stall_policy") = "fail", py::arg("consumer_timeout") = 60.0, py::arg("pin") = "auto")
+           py::arg("stall_policy") = "fail", py::arg("consumer_timeout") = 60.0, py::arg("pin") = "auto",
+           py::arg("engine") = "auto")
       .def("begin_sync", &PyProducer::begin_sync, py::arg("specs"),
            "specs: sequence of (name, dtype, shape). Returns the sync's version.")
       .def("write", &PyProducer::write, py::arg("index"), py::arg("ptr"), py::arg("nbytes") = py::none())
@@ -704,7 +948,8 @@ PYBIND11_MODULE(_shmcast, m) {
       .def_property_readonly("consumers", &PyProducer::consumers)
       .def("wait_drained", &PyProducer::wait_drained, py::arg("timeout") = 60.0)
       .def("take_events", &PyProducer::take_events)
-      .def("close", &PyProducer::close)
+      .def("close", &PyProducer::close, "Idempotent; does nothing in a forked child (the object is the parent's).")
+      .def("check", &PyProducer::check, "Raises Closed once closed, InvalidArgument in a forked child.")
       .def_property_readonly("closed", &PyProducer::closed)
       .def_property_readonly("name", &PyProducer::name)
       .def_property_readonly("path", &PyProducer::path)
@@ -714,11 +959,12 @@ PYBIND11_MODULE(_shmcast, m) {
       .def_property_readonly("last_version", &PyProducer::last_version)
       .def_property_readonly("last_sync", &PyProducer::last_sync, py::return_value_policy::copy)
       .def_property_readonly("pinned", &PyProducer::pinned)
+      .def_property_readonly("engine", &PyProducer::engine, "'host' or 'cuda': the copy engine chosen at create")
       .def_property_readonly("pin_seconds", &PyProducer::pin_seconds)
       .def_property_readonly("create_seconds", &PyProducer::create_seconds);
 
   py::class_<PyConsumer>(m, "Consumer", "Low-level consumer (shmcast::Consumer). Pointers are ints.")
-      .def(py::init<const std::string&, double, double, const py::object&, bool>(), py::arg("name"), py::kw_only(),
+      .def(py::init<py::handle, py::handle, py::handle, py::handle, bool>(), py::arg("name"), py::kw_only(),
            py::arg("open_timeout") = 30.0, py::arg("chunk_timeout") = 60.0, py::arg("pin") = "auto",
            py::arg("verify_checksums") = true)
       .def("wait_sync", &PyConsumer::wait_sync, py::arg("timeout") = 30.0,
@@ -731,7 +977,8 @@ PYBIND11_MODULE(_shmcast, m) {
            "until the next wait_sync().")
       .def("visit", &PyConsumer::visit, py::arg("fn"))
       .def("skip", &PyConsumer::skip)
-      .def("close", &PyConsumer::close)
+      .def("close", &PyConsumer::close, "Idempotent; does nothing in a forked child (the object is the parent's).")
+      .def("check", &PyConsumer::check, "Raises Closed once closed, InvalidArgument in a forked child.")
       .def_property_readonly("closed", &PyConsumer::closed)
       .def_property_readonly("sync", &PyConsumer::sync, py::return_value_policy::copy)
       .def_property_readonly("last_version", &PyConsumer::last_version)

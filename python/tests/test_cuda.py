@@ -173,3 +173,35 @@ def test_threads_receive_while_send(region):
     finally:
         cons.close()
         prod.close()
+
+
+def test_cuda_consumer_refuses_what_it_cannot_hold_or_write(region):
+    """On the GPU too: a manifest announcing 64 TiB is RegionFull before
+    any allocation (copy mode: checked against the device's free memory);
+    receive_into refuses an expanded CUDA destination before writing the
+    others, and writes a non-contiguous CUDA parameter that requires grad;
+    a device index beyond the machine's is InvalidArgument."""
+    import regions
+
+    with pytest.raises(shmcast.InvalidArgument, match="device"):
+        shmcast.Consumer(region, device=f"cuda:{torch.cuda.device_count()}", open_timeout=0)
+    with shmcast.Producer(region, slot_bytes=roles.SLOT, slots=4) as prod, \
+            shmcast.Consumer(region, device="cuda:0") as cons:
+        prod.send([("x", torch.arange(4.0))])
+        with regions.edit_sync(prod.path) as m:
+            m.set_tensor(0, nbytes=1 << 46, shape=(1 << 44,))
+            m.stream_bytes(1 << 46)
+            m.payload_bytes(1 << 46)
+        with pytest.raises(shmcast.RegionFull, match="cuda:0"):
+            cons.receive(timeout=5, mode="copy")
+        data = [("a", torch.arange(6.0).reshape(2, 3)), ("b", torch.arange(4.0))]
+        a = torch.zeros(2, 3, device="cuda:0")
+        prod.send(data)
+        with pytest.raises(shmcast.Mismatch, match="share memory"):
+            cons.receive_into({"a": a, "b": torch.zeros(1, device="cuda:0").expand(4)}, timeout=5)
+        assert torch.count_nonzero(a).item() == 0
+        w = torch.nn.Parameter(torch.zeros(3, 2, device="cuda:0").t())
+        prod.send(data)
+        cons.receive_into({"a": w, "b": torch.zeros(4, device="cuda:0")}, timeout=5)
+        torch.cuda.synchronize()
+        assert torch.equal(w.detach().cpu(), data[0][1]) and w.is_leaf and w.requires_grad

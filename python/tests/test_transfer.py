@@ -102,16 +102,24 @@ def test_receive_into_mismatch_errors_then_recovers(region):
             (dict(a=torch.zeros(3, 2)), "shape"),
             (dict(b=None), "no destination"),
             (dict(c=torch.zeros(1)), "not in the sync"),
+            # destinations that cannot take the bytes: refused before "a" (first) is written
+            (dict(b=torch.zeros(1, dtype=torch.int64).expand(4)), "share memory"),          # stride 0
+            (dict(b=torch.zeros(3, dtype=torch.int64).as_strided((4,), (0,))), "share memory"),
+            (dict(a=torch.zeros(2, 6).as_strided((2, 3), (1, 1))), "share memory"),  # internal overlap
+            (dict(b="not a tensor"), "expected a torch.Tensor"),
+            (dict(b=torch.zeros(4, dtype=torch.int64, device="meta")), "CPU or CUDA"),
+            (dict(b=torch.zeros(4, dtype=torch.int64).to_sparse()), "dense"),
         ]
         for over, words in cases:
             prod.send(data)
             d = dst(**over)
-            before = {k: v.clone() for k, v in d.items()}
+            before = {k: v.clone() for k, v in d.items()
+                      if isinstance(v, torch.Tensor) and v.device.type == "cpu" and v.layout is torch.strided}
             with pytest.raises(shmcast.Mismatch, match=words) as ei:
                 cons.receive_into(d, timeout=5)
             assert isinstance(ei.value, shmcast.InvalidArgument) and isinstance(ei.value, ValueError)
-            for k, v in d.items():  # nothing written
-                assert torch.equal(v, before[k])
+            for k, v in before.items():  # nothing written
+                assert torch.equal(d[k], v), (words, k)
         # strict=False: extra destinations are left alone, missing ones skipped
         prod.send(data)
         d = {"a": torch.zeros(2, 3), "zzz": torch.full((1,), 7.0)}
@@ -121,6 +129,27 @@ def test_receive_into_mismatch_errors_then_recovers(region):
         # the consumer still works normally afterwards
         prod.send(data)
         assert roles.compare(cons.receive(timeout=5), data) == []
+
+
+def test_receive_into_tensors_autograd_or_inference_would_refuse(region):
+    """receive_into() writes like load_state_dict (under no_grad): leaf
+    parameters that require grad, non-contiguous ones (their bytes go
+    through a temporary and copy_()), views of such parameters, and views of
+    inference tensors all take the sync; none stops it half-written."""
+    with shmcast.Producer(region, slot_bytes=roles.SLOT, slots=4) as prod, shmcast.Consumer(region) as cons:
+        data = [(n, torch.arange(k, k + 6, dtype=torch.float32).reshape(2, 3)) for k, n in enumerate("pqvi")]
+        p = torch.nn.Parameter(torch.zeros(2, 3))                # contiguous leaf
+        q = torch.nn.Parameter(torch.zeros(3, 2).t())            # non-contiguous leaf
+        big = torch.nn.Parameter(torch.zeros(2, 5))
+        v = big[:, 1:4]                                          # a view of a leaf that requires grad
+        with torch.inference_mode():
+            inf = torch.zeros(3, 2)
+        i = inf.t()                                              # a view of an inference tensor
+        prod.send(data)
+        assert cons.receive_into({"p": p, "q": q, "v": v, "i": i}, timeout=5) == prod.last_version
+        assert roles.compare([("p", p), ("q", q), ("v", v), ("i", i)], data) == []
+        assert p.is_leaf and q.is_leaf and q.requires_grad and q.grad_fn is None
+        assert torch.equal(big[:, 0], torch.zeros(2)) and torch.equal(big[:, 4], torch.zeros(2))
 
 
 def test_large_sync_many_slots(region, procs):

@@ -268,15 +268,18 @@ TEST(Liveness, ConsumerReattachesAfterProducerRestart) {
 TEST(Liveness, OpeningARegionWhoseProducerIsDeadTimesOutWithPeerDied) {
   const std::string name = unique_name("stale");
   RegionGuard g{name};
+  SharedFlags* f = SharedFlags::make();
   Child dead = Child::spawn([&] {
     Producer p = Producer::create(name, opts());
+    f->v[0].store(1);
     ::pause();
     return 0;
   });
   ConsumerOptions co = copts(20000ms);
-  // Wait for the region, then kill its producer without letting it unlink.
-  for (int i = 0; i < 2000 && ::access(region_path(name).c_str(), F_OK) != 0; ++i) ::usleep(1000);
-  ::usleep(50000);
+  // Wait until the region is created (create() returned), then kill its
+  // producer without letting it unlink. Killed during create() instead, it
+  // would leave a region still marked "being created": a different case.
+  ASSERT_TRUE(f->wait(0, 1));
   dead.kill9();
   dead.wait();
   co.open_timeout = 200ms;
@@ -454,7 +457,8 @@ TEST(Api, MisuseIsInvalidArgument) {
   expect_invalid([&] { p.write(0, s.ptrs[0]); });  // outside a sync
   expect_invalid([&] { p.end_sync(); });
   p.begin_sync(s.specs);
-  expect_invalid([&] { p.write(1, s.ptrs[1]); });  // out of order
+  expect_invalid([&] { p.write(1, s.ptrs[1]); });  // out of order: aborts the sync
+  EXPECT_EQ(p.begin_sync(s.specs), 2u);             // so a fresh one can begin
   expect_invalid([&] { p.end_sync(); });            // tensors missing
   expect_invalid([&] { p.begin_sync(s.specs); });   // nested
   p.write(0, s.ptrs[0]);

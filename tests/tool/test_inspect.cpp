@@ -5,9 +5,13 @@
 #include <gtest/gtest.h>
 #include <poll.h>
 #include <signal.h>
+#include <sys/resource.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/un.h>
 #include <sys/wait.h>
 #include <unistd.h>
+#include <xxhash.h>
 
 #include <atomic>
 #include <chrono>
@@ -109,7 +113,7 @@ Proc spawn_tool(const std::vector<std::string>& args) {
   return p;
 }
 
-Result finish(Proc p, std::chrono::milliseconds timeout = 30s) {
+Result finish(Proc p, std::chrono::milliseconds timeout = 30s, struct rusage* usage = nullptr) {
   Result r;
   const auto end = std::chrono::steady_clock::now() + timeout;
   bool out_open = true, err_open = true;
@@ -129,9 +133,11 @@ Result finish(Proc p, std::chrono::milliseconds timeout = 30s) {
   }
   int status = 0;
   bool done = false;
+  struct rusage ru {};
   while (std::chrono::steady_clock::now() < end) {
-    if (::waitpid(p.pid, &status, WNOHANG) == p.pid) {
+    if (::wait4(p.pid, &status, WNOHANG, &ru) == p.pid) {
       done = true;
+      if (usage != nullptr) *usage = ru;
       break;
     }
     std::this_thread::sleep_for(5ms);
@@ -930,4 +936,581 @@ TEST(Tool, ShowReportsAbortsAndEvictions) {
   Result h = tool({"show", "err", "--dir", dir.path});
   EXPECT_NE(h.out.find("trainer hit a NaN"), std::string::npos) << h.out;
   EXPECT_NE(h.out.find("evicted"), std::string::npos) << h.out;
+}
+
+// ================================================================ hardening
+//
+// Regions the tool must not trust, names swapped under it, files cut under
+// a running dump, huge manifests and bad numbers.
+
+namespace {
+
+// ---- the binary's helper role: a producer run as another user (setpriv).
+
+// Makes region `name` in $SHMCAST_DIR, sends one sync, opens the file to
+// everyone (0666), says "R" on stdout, holds the region until stdin closes,
+// then closes it without unlinking the name.
+int role_foreign_producer(const std::string& name) {
+  try {
+    Producer p = Producer::create(name, small_opts(false));
+    SyncData d = make_sync(small_specs(), 1);
+    p.send(d.specs, d.ptrs());
+    if (::chmod(p.path().c_str(), 0666) != 0) return 3;
+    if (::write(1, "R", 1) != 1) return 4;
+    char c;
+    while (::read(0, &c, 1) > 0) {
+    }
+    p.close();
+    return 0;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "foreign producer: %s\n", e.what());
+    return 2;
+  }
+}
+
+constexpr std::uint32_t kNobody = 65534;
+
+std::string find_setpriv() {
+  for (const char* p : {"/usr/bin/setpriv", "/bin/setpriv", "/usr/sbin/setpriv", "/sbin/setpriv"})
+    if (::access(p, X_OK) == 0) return p;
+  return {};
+}
+
+// The test binary run again as uid/gid 65534 with no supplementary groups.
+struct ForeignProducer {
+  pid_t pid = -1;
+  int in = -1, out = -1, err = -1;
+  static ForeignProducer spawn(const std::string& setpriv, const std::string& name) {
+    char exe[4096];
+    const ssize_t n = ::readlink("/proc/self/exe", exe, sizeof exe - 1);
+    if (n <= 0) throw std::runtime_error("readlink /proc/self/exe");
+    exe[n] = '\0';
+    int i[2], o[2], e[2];
+    if (::pipe2(i, O_CLOEXEC) != 0 || ::pipe2(o, O_CLOEXEC) != 0 || ::pipe2(e, O_CLOEXEC) != 0)
+      throw std::runtime_error("pipe");
+    ForeignProducer f;
+    f.pid = ::fork();
+    if (f.pid == 0) {
+      ::dup2(i[0], 0);
+      ::dup2(o[1], 1);
+      ::dup2(e[1], 2);
+      const std::string uid = "--reuid=" + std::to_string(kNobody), gid = "--regid=" + std::to_string(kNobody);
+      ::execl(setpriv.c_str(), setpriv.c_str(), uid.c_str(), gid.c_str(), "--clear-groups", exe,
+              "--role=foreign-producer", name.c_str(), static_cast<char*>(nullptr));
+      ::_exit(127);
+    }
+    ::close(i[0]);
+    ::close(o[1]);
+    ::close(e[1]);
+    f.in = i[1];
+    f.out = o[0];
+    f.err = e[0];
+    return f;
+  }
+  // Waits for its "R"; on failure returns what it printed on stderr.
+  bool ready(std::string* why) {
+    struct pollfd p = {out, POLLIN, 0};
+    char c = 0;
+    if (::poll(&p, 1, 20000) == 1 && ::read(out, &c, 1) == 1 && c == 'R') return true;
+    char buf[4096];
+    const ssize_t n = ::read(err, buf, sizeof buf);
+    *why = n > 0 ? std::string(buf, static_cast<std::size_t>(n)) : "no output";
+    return false;
+  }
+  // Closes its stdin: it closes the region and exits. Returns its exit code.
+  int finish() {
+    if (in >= 0) ::close(in);
+    in = -1;
+    Child c;
+    c.pid = pid;
+    pid = -1;
+    return c.wait(20s);
+  }
+  ~ForeignProducer() {
+    if (in >= 0) ::close(in);
+    if (pid > 0) {
+      ::kill(pid, SIGKILL);
+      ::waitpid(pid, nullptr, 0);
+    }
+    for (int fd : {out, err})
+      if (fd >= 0) ::close(fd);
+  }
+};
+
+std::vector<std::string> temp_files(const std::string& dir) {
+  std::vector<std::string> v;
+  for (const auto& e : fs::directory_iterator(dir))
+    if (e.path().filename().string().find(".tmp.") != std::string::npos) v.push_back(e.path().string());
+  return v;
+}
+
+// Rewrites the manifest of the current sync in a region file and fixes the
+// sync record's hash to match, as a buggy or hostile producer could.
+void rewrite_manifest(const std::string& path, const std::function<void(std::string&)>& edit) {
+  const int fd = ::open(path.c_str(), O_RDWR);
+  ASSERT_GE(fd, 0) << path;
+  detail::HeaderFixed f{};
+  ASSERT_EQ(::pread(fd, &f, sizeof f, 0), static_cast<ssize_t>(sizeof f));
+  const off_t rec = offsetof(detail::Header, sync);
+  std::uint64_t used = 0;
+  ASSERT_EQ(::pread(fd, &used, 8, rec + offsetof(detail::SyncRecord, manifest_used)), 8);
+  ASSERT_GE(used, sizeof(detail::ManifestHeader));
+  std::string m(used, '\0');
+  ASSERT_EQ(::pread(fd, m.data(), used, static_cast<off_t>(f.manifest_offset)), static_cast<ssize_t>(used));
+  edit(m);
+  ASSERT_EQ(::pwrite(fd, m.data(), used, static_cast<off_t>(f.manifest_offset)), static_cast<ssize_t>(used));
+  const std::uint64_t h = XXH3_64bits(m.data(), m.size());
+  ASSERT_EQ(::pwrite(fd, &h, 8, rec + offsetof(detail::SyncRecord, manifest_hash)), 8);
+  ::close(fd);
+}
+
+detail::ManifestEntry* manifest_entry(std::string& m, std::size_t i) {
+  return reinterpret_cast<detail::ManifestEntry*>(m.data() + sizeof(detail::ManifestHeader) +
+                                                  i * sizeof(detail::ManifestEntry));
+}
+
+// Stops a tool process and waits until it is stopped.
+bool stop_process(pid_t pid) {
+  if (::kill(pid, SIGSTOP) != 0) return false;
+  int status = 0;
+  return ::waitpid(pid, &status, WUNTRACED) == pid && WIFSTOPPED(status);
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------- 1. owners
+
+TEST(Tool, ForeignOwnedRegionIsUntrustedByEveryVerb) {
+  if (::geteuid() != 0) GTEST_SKIP() << "needs root to run a producer as another user";
+  const std::string setpriv = find_setpriv();
+  if (setpriv.empty()) GTEST_SKIP() << "setpriv is missing";
+  TempDir dir;
+  ASSERT_EQ(::chmod(dir.path.c_str(), 0777), 0);
+  make_closed("mine");
+  ForeignProducer theirs = ForeignProducer::spawn(setpriv, "theirs");
+  std::string why;
+  ASSERT_TRUE(theirs.ready(&why)) << why;
+  struct stat st {};
+  ASSERT_EQ(::stat(dir.file("theirs").c_str(), &st), 0);
+  ASSERT_EQ(st.st_uid, kNobody);
+  ASSERT_EQ(st.st_mode & 07777, 0666u);
+
+  // list: a distinct state, the owner and mode, and none of its bytes.
+  json lj = tool({"list", "--json", "--dir", dir.path}).j();
+  const json* t = find_region(lj, "theirs");
+  const json* m = find_region(lj, "mine");
+  ASSERT_TRUE(t && m) << lj.dump();
+  EXPECT_EQ(t->at("state"), "untrusted-owner");
+  EXPECT_EQ(t->at("trusted"), false);
+  EXPECT_EQ(t->at("file_type"), "regular");
+  EXPECT_EQ(t->at("owner").at("uid"), kNobody);
+  EXPECT_EQ(t->at("owner").at("user"), "nobody");
+  EXPECT_EQ(t->at("owner").at("mode"), "0666");
+  EXPECT_NE(t->at("reason").get<std::string>().find("65534"), std::string::npos) << t->dump();
+  EXPECT_TRUE(t->at("layout_version").is_null()) << "its header must not be read";
+  EXPECT_TRUE(t->at("producer").at("pid").is_null());
+  EXPECT_TRUE(t->at("sync_version").is_null());
+  EXPECT_EQ(m->at("state"), "closed");
+  EXPECT_EQ(m->at("trusted"), true);
+  EXPECT_EQ(m->at("owner").at("uid"), 0);
+  EXPECT_EQ(m->at("owner").at("mode"), "0600");
+  Result hl = tool({"list", "--dir", dir.path});
+  EXPECT_NE(hl.out.find("untrusted-owner"), std::string::npos) << hl.out;
+
+  // show: exit 4, the owner, no header, seats or manifest.
+  Result s = tool({"show", "theirs", "--json", "--dir", dir.path});
+  EXPECT_EQ(s.rc, 4) << s.err;
+  json sj = s.j();
+  EXPECT_EQ(sj.at("region").at("state"), "untrusted-owner");
+  EXPECT_TRUE(sj.at("header").is_null());
+  EXPECT_EQ(sj.at("seats").size(), 0u);
+  EXPECT_NE(sj.at("manifest").at("status"), "ok");
+  Result hs = tool({"show", "theirs", "--dir", dir.path});
+  EXPECT_EQ(hs.rc, 4);
+  EXPECT_NE(hs.out.find("NOT TRUSTED"), std::string::npos) << hs.out;
+  EXPECT_NE(hs.out.find("nobody"), std::string::npos) << hs.out;
+
+  // watch shows the state; dump refuses at once and writes nothing.
+  Result w = tool({"watch", "theirs", "--count", "1", "--json", "--dir", dir.path});
+  EXPECT_EQ(w.rc, 0) << w.err;
+  EXPECT_EQ(w.j().at("region").at("state"), "untrusted-owner");
+  const std::string out = dir.path + "/theirs.safetensors";
+  const auto t0 = std::chrono::steady_clock::now();
+  Result d = tool({"dump", "theirs", "--out", out, "--timeout", "10", "--json", "--dir", dir.path});
+  EXPECT_EQ(d.rc, 4) << d.err;
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, 5s);
+  EXPECT_NE(d.err.find("untrusted-owner"), std::string::npos) << d.err;
+  EXPECT_FALSE(exists(out));
+  EXPECT_TRUE(temp_files(dir.path).empty());
+
+  // gc never removes it (mine, closed and trusted, goes); rm only with --force.
+  json g = tool({"gc", "--grace", "0", "--json", "--dir", dir.path}).j();
+  EXPECT_EQ(names_of(g.at("removed")), (std::set<std::string>{"mine"}));
+  EXPECT_EQ(names_of(g.at("kept")), (std::set<std::string>{"theirs"}));
+  EXPECT_TRUE(exists(dir.file("theirs")));
+  EXPECT_EQ(tool({"rm", "theirs", "--dir", dir.path}).rc, 5);
+  EXPECT_TRUE(exists(dir.file("theirs")));
+
+  // Its producer leaves (closed, nobody attached): still never collected.
+  EXPECT_EQ(theirs.finish(), 0);
+  json g2 = tool({"gc", "--grace", "0", "--json", "--dir", dir.path}).j();
+  EXPECT_EQ(names_of(g2.at("removed")), (std::set<std::string>{}));
+  EXPECT_TRUE(exists(dir.file("theirs")));
+  Result r = tool({"rm", "theirs", "--json", "--dir", dir.path});
+  EXPECT_EQ(r.rc, 5);
+  EXPECT_EQ(r.j().at("removed"), false);
+  Result f = tool({"rm", "theirs", "--force", "--json", "--dir", dir.path});
+  EXPECT_EQ(f.rc, 0) << f.err;
+  EXPECT_EQ(f.j().at("forced"), true);
+  EXPECT_FALSE(exists(dir.file("theirs")));
+}
+
+TEST(Tool, GroupOrOtherWritableRegionsAreUntrusted) {
+  TempDir dir;
+  for (const char* n : {"private", "readable", "group", "world", "world-nogroup"}) make_closed(n);
+  ASSERT_EQ(::chmod(dir.file("readable").c_str(), 0644), 0);
+  ASSERT_EQ(::chmod(dir.file("group").c_str(), 0660), 0);  // group_access, the caller's own group
+  ASSERT_EQ(::chmod(dir.file("world").c_str(), 0666), 0);
+  ASSERT_EQ(::chmod(dir.file("world-nogroup").c_str(), 0602), 0);
+  bool foreign_group = false;
+  if (::geteuid() == 0) {
+    // Group-writable by a group the caller is not in.
+    make_closed("other-group");
+    ASSERT_EQ(::chown(dir.file("other-group").c_str(), static_cast<uid_t>(-1), kNobody), 0);
+    ASSERT_EQ(::chmod(dir.file("other-group").c_str(), 0660), 0);
+    foreign_group = ::getegid() != kNobody;
+    std::vector<gid_t> groups(static_cast<std::size_t>(std::max(::getgroups(0, nullptr), 0)));
+    if (!groups.empty() && ::getgroups(static_cast<int>(groups.size()), groups.data()) > 0)
+      for (gid_t g : groups)
+        if (g == kNobody) foreign_group = false;
+  }
+  json lj = tool({"list", "--json", "--dir", dir.path}).j();
+  std::map<std::string, std::string> state;
+  for (const json& r : lj.at("regions")) state[r.at("name")] = r.at("state");
+  EXPECT_EQ(state["private"], "closed");
+  EXPECT_EQ(state["readable"], "closed");
+  EXPECT_EQ(state["group"], "closed");
+  EXPECT_EQ(state["world"], "untrusted-owner");
+  EXPECT_EQ(state["world-nogroup"], "untrusted-owner");
+  EXPECT_EQ(find_region(lj, "world")->at("owner").at("mode"), "0666");
+  EXPECT_NE(find_region(lj, "world")->at("reason").get<std::string>().find("writable by every user"),
+            std::string::npos);
+  if (foreign_group) {
+    EXPECT_EQ(state["other-group"], "untrusted-owner");
+    EXPECT_NE(find_region(lj, "other-group")->at("reason").get<std::string>().find("group 65534"),
+              std::string::npos);
+  }
+  json g = tool({"gc", "--grace", "0", "--json", "--dir", dir.path}).j();
+  EXPECT_EQ(names_of(g.at("removed")), (std::set<std::string>{"private", "readable", "group"}));
+  EXPECT_TRUE(exists(dir.file("world")));
+  EXPECT_TRUE(exists(dir.file("world-nogroup")));
+  if (foreign_group) {
+    EXPECT_TRUE(exists(dir.file("other-group")));
+  }
+}
+
+// ---------------------------------------------------------------- 2. non-regular files
+
+TEST(Tool, SymlinksFifosSocketsAndDirectoriesAreCleanStates) {
+  TempDir dir;
+  make_closed("real");
+  ASSERT_EQ(::symlink(dir.file("real").c_str(), dir.file("link").c_str()), 0);
+  ASSERT_EQ(::mkfifo(dir.file("fifo").c_str(), 0600), 0);
+  fs::create_directory(dir.file("adir"));
+  const int sock = ::socket(AF_UNIX, SOCK_STREAM, 0);
+  ASSERT_GE(sock, 0);
+  struct sockaddr_un addr {};
+  addr.sun_family = AF_UNIX;
+  const std::string sp = dir.file("sock");
+  ASSERT_LT(sp.size(), sizeof addr.sun_path);
+  std::memcpy(addr.sun_path, sp.c_str(), sp.size() + 1);
+  ASSERT_EQ(::bind(sock, reinterpret_cast<const sockaddr*>(&addr), sizeof addr), 0);
+
+  Result l = tool({"list", "--json", "--dir", dir.path}, 10s);
+  ASSERT_EQ(l.rc, 0) << l.err;
+  json lj = l.j();
+  const std::map<std::string, std::pair<std::string, std::string>> want = {
+      {"link", {"symlink", "symbolic link"}},
+      {"fifo", {"fifo", "FIFO"}},
+      {"adir", {"directory", "directory"}},
+      {"sock", {"socket", "socket"}}};
+  for (const auto& [n, w] : want) {
+    SCOPED_TRACE(n);
+    const json* r = find_region(lj, n);
+    ASSERT_NE(r, nullptr);
+    EXPECT_EQ(r->at("state"), "foreign");
+    EXPECT_EQ(r->at("file_type"), w.first);
+    EXPECT_NE(r->at("reason").get<std::string>().find(w.second), std::string::npos) << r->dump();
+    Result s = tool({"show", n, "--json", "--dir", dir.path}, 10s);
+    EXPECT_EQ(s.rc, 4) << s.err;
+  }
+  EXPECT_EQ(find_region(lj, "real")->at("state"), "closed");
+  // gc removes the real region but none of the others; the link's target
+  // was never touched through it.
+  json g = tool({"gc", "--grace", "0", "--json", "--dir", dir.path}, 10s).j();
+  EXPECT_EQ(names_of(g.at("removed")), (std::set<std::string>{"real"}));
+  for (const char* n : {"link", "fifo", "adir", "sock"}) EXPECT_TRUE(exists(dir.file(n))) << n;
+  ::close(sock);
+}
+
+TEST(Tool, FifoSwappedUnderTheNameNeverHangs) {
+  TempDir dir;
+  make_closed("image");
+  // A hard link keeps a region image whatever gc does to the swapped name.
+  const std::string image = dir.path + "/image.keep";
+  ASSERT_EQ(::link(dir.file("image").c_str(), image.c_str()), 0);
+  ASSERT_EQ(::unlink(dir.file("image").c_str()), 0);
+  const std::string target = dir.file("swap");
+  const std::string reg = dir.path + "/next.reg", fifo = dir.path + "/next.fifo";
+  std::atomic<bool> stop{false};
+  std::atomic<std::uint64_t> swaps{0};
+  std::thread swapper([&] {
+    while (!stop) {
+      ::unlink(reg.c_str());
+      if (::link(image.c_str(), reg.c_str()) == 0) ::rename(reg.c_str(), target.c_str());
+      ::unlink(fifo.c_str());
+      if (::mkfifo(fifo.c_str(), 0600) == 0) ::rename(fifo.c_str(), target.c_str());
+      swaps.fetch_add(1, std::memory_order_relaxed);
+    }
+  });
+  const auto t_end = std::chrono::steady_clock::now() + 25s;
+  int runs = 0;
+  std::string failure;
+  for (int i = 0; i < 150 && failure.empty() && std::chrono::steady_clock::now() < t_end; ++i) {
+    const char* verb = i % 3 == 0 ? "list" : i % 3 == 1 ? "show" : "gc";
+    std::vector<std::string> args = {verb, "--json", "--dir", dir.path};
+    if (i % 3 == 1) args.insert(args.begin() + 1, "swap");
+    Result r = tool(args, 5s);
+    ++runs;
+    if (r.rc == -1) failure = std::string(verb) + " hung (killed after 5 s)";
+    else if (r.rc >= 128) failure = std::string(verb) + " died of signal " + std::to_string(r.rc - 128);
+    else if (verb == std::string("list") && r.rc != 0) failure = "list exited " + std::to_string(r.rc) + ": " + r.err;
+    else if (verb == std::string("show") && r.rc != 0 && r.rc != 4 && r.rc != 3)  // 3: gc just removed it
+      failure = "show exited " + std::to_string(r.rc) + ": " + r.err;
+    else if (verb == std::string("gc") && r.rc != 0 && r.rc != 1)  // 1: the name was replaced before unlink
+      failure = "gc exited " + std::to_string(r.rc) + ": " + r.err;
+  }
+  stop = true;
+  swapper.join();
+  EXPECT_TRUE(failure.empty()) << failure << " (run " << runs << ", " << swaps.load() << " swaps)";
+  EXPECT_GT(swaps.load(), 100u);
+  EXPECT_GE(runs, 30);
+}
+
+// ---------------------------------------------------------------- 3. cut under dump
+
+TEST(Tool, DumpSurvivesTheRegionBeingCutUnderIt) {
+  constexpr std::uint64_t kBigSlot = 8ull << 20;
+  constexpr int kTensors = 32;  // 256 MiB through two 8 MiB slots
+  // Where the file is cut, as a fraction of its size or as an offset.
+  const std::vector<std::pair<const char*, std::function<std::uint64_t(const detail::HeaderFixed&)>>> cuts = {
+      {"to nothing", [](const detail::HeaderFixed&) { return 0ull; }},
+      {"inside the header", [](const detail::HeaderFixed&) { return 1000ull; }},
+      {"after the header", [](const detail::HeaderFixed& f) { return f.header_bytes; }},
+      {"at the data", [](const detail::HeaderFixed& f) { return f.data_offset; }},
+      {"inside slot 0", [](const detail::HeaderFixed& f) { return f.data_offset + kBigSlot / 2; }},
+      {"inside slot 1", [](const detail::HeaderFixed& f) { return f.total_bytes - kBigSlot / 2; }},
+  };
+  for (const auto& [label, cut_at] : cuts) {
+    SCOPED_TRACE(label);
+    TempDir dir;
+    Signal ready;
+    Child producer = Child::spawn([&] {
+      ProducerOptions o = small_opts();
+      o.slot_bytes = kBigSlot;
+      Producer p = Producer::create("big", o);
+      ready.post();
+      p.wait_for_consumers(1, 20s);
+      std::vector<std::uint8_t> buf(kBigSlot);
+      fill_pattern(buf.data(), buf.size(), 7);
+      std::vector<TensorSpec> specs;
+      std::vector<const void*> ptrs;
+      for (int i = 0; i < kTensors; ++i) {
+        specs.push_back({"t." + std::to_string(i), DType::kU8, {static_cast<std::int64_t>(kBigSlot)}});
+        ptrs.push_back(buf.data());
+      }
+      p.send(specs, ptrs);  // dies of SIGBUS once the file is cut: expected
+      park();
+      return 0;
+    });
+    ASSERT_TRUE(ready.wait(1));
+    const std::string out = dir.path + "/big.safetensors";
+    Proc dump = spawn_tool({"dump", "big", "--out", out, "--timeout", "30", "--json", "--dir", dir.path});
+    // Mid-dump: its temporary file exists once the sync was announced.
+    const auto until = std::chrono::steady_clock::now() + 20s;
+    while (temp_files(dir.path).empty() && std::chrono::steady_clock::now() < until) std::this_thread::yield();
+    ASSERT_FALSE(temp_files(dir.path).empty()) << "dump never started writing";
+    ASSERT_TRUE(stop_process(dump.pid));
+    detail::HeaderFixed f{};
+    const int fd = ::open(dir.file("big").c_str(), O_RDWR);
+    ASSERT_GE(fd, 0);
+    ASSERT_EQ(::pread(fd, &f, sizeof f, 0), static_cast<ssize_t>(sizeof f));
+    ASSERT_EQ(::ftruncate(fd, static_cast<off_t>(cut_at(f))), 0);
+    ::close(fd);
+    ::kill(dump.pid, SIGCONT);
+    Result r = finish(dump, 40s);
+    EXPECT_NE(r.rc, -1) << "dump hung";
+    EXPECT_LT(r.rc, 128) << "dump died of signal " << r.rc - 128 << "; stderr: " << r.err;
+    EXPECT_NE(r.rc, 0) << "dump cannot have received the whole sync";
+    EXPECT_NE(r.err.find("shmcast-inspect dump: "), std::string::npos) << r.err;
+    if (r.rc > 0 && r.rc < 128) {
+      EXPECT_EQ(r.j().at("ok"), false) << r.out;
+    }
+    EXPECT_EQ(r.err.find("Bad address"), std::string::npos) << r.err;
+    EXPECT_FALSE(exists(out));
+    EXPECT_TRUE(temp_files(dir.path).empty()) << "a temporary file was left behind";
+  }
+}
+
+// ---------------------------------------------------------------- 4. big manifests
+
+TEST(Tool, ShowLimitDecodesOnlyTheEntriesItPrints) {
+  TempDir dir;
+  constexpr int kCount = 1000000;  // about 115 MB of manifest
+  Signal ready;
+  Child producer = Child::spawn([&] {
+    ProducerOptions o = small_opts();
+    o.manifest_bytes = 128ull << 20;
+    Producer p = Producer::create("huge", o);
+    std::vector<TensorSpec> specs(kCount);
+    char name[64];
+    for (int i = 0; i < kCount; ++i) {
+      std::snprintf(name, sizeof name, "layer.%07d.weight", i);
+      specs[static_cast<std::size_t>(i)] = {name, DType::kF32, {0}};
+    }
+    const std::uint8_t dummy = 0;
+    std::vector<const void*> ptrs(kCount, &dummy);
+    p.send(specs, ptrs);
+    ready.post();
+    park();
+    return 0;
+  });
+  ASSERT_TRUE(ready.wait(1, 50s));
+  struct rusage ru {};
+  Result r = finish(spawn_tool({"show", "huge", "--limit", "5", "--json", "--dir", dir.path}), 40s, &ru);
+  ASSERT_EQ(r.rc, 0) << r.err;
+  json j = r.j();
+  const json& m = j.at("manifest");
+  ASSERT_EQ(m.at("status"), "ok") << m.dump();
+  EXPECT_EQ(m.at("tensor_count"), kCount);
+  EXPECT_EQ(m.at("shown"), 5);
+  EXPECT_EQ(m.at("truncated"), true);
+  ASSERT_EQ(m.at("tensors").size(), 5u);
+  EXPECT_EQ(m.at("tensors")[0].at("name"), "layer.0000000.weight");
+  EXPECT_EQ(m.at("tensors")[4].at("name"), "layer.0000004.weight");
+  EXPECT_EQ(m.at("tensors")[4].at("dtype"), "f32");
+  // Peak RSS of that show (KiB): far below the manifest's size.
+  EXPECT_LT(ru.ru_maxrss, 48 * 1024) << "show --limit 5 peaked at " << ru.ru_maxrss / 1024 << " MiB";
+}
+
+TEST(Tool, ShowValidatesEntriesItDoesNotPrint) {
+  TempDir dir;
+  Producer p = Producer::create("many", small_opts());
+  std::vector<TensorSpec> specs;
+  for (int i = 0; i < 9000; ++i) specs.push_back({"t." + std::to_string(i), DType::kF32, {0}});
+  const std::uint8_t dummy = 0;
+  std::vector<const void*> ptrs(specs.size(), &dummy);
+  p.send(specs, ptrs);
+  json ok = tool({"show", "many", "--limit", "3", "--json", "--dir", dir.path}).j();
+  ASSERT_EQ(ok.at("manifest").at("status"), "ok") << ok.at("manifest").dump();
+  EXPECT_EQ(ok.at("manifest").at("tensor_count"), 9000);
+  EXPECT_EQ(ok.at("manifest").at("tensors")[2].at("name"), "t.2");
+  json all = tool({"show", "many", "--limit", "0", "--json", "--dir", dir.path}).j();
+  ASSERT_EQ(all.at("manifest").at("tensors").size(), 9000u);
+  EXPECT_EQ(all.at("manifest").at("tensors")[8999].at("name"), "t.8999");
+  EXPECT_EQ(all.at("manifest").at("tensors")[4096].at("name"), "t.4096");
+  // A bad entry far past the limit (in the third window of entries) is still found.
+  rewrite_manifest(dir.file("many"), [](std::string& m) { manifest_entry(m, 8500)->dtype = 999; });
+  json bad = tool({"show", "many", "--limit", "3", "--json", "--dir", dir.path}).j();
+  EXPECT_EQ(bad.at("manifest").at("status"), "invalid");
+  EXPECT_NE(bad.at("manifest").at("reason").get<std::string>().find("tensor 8500:"), std::string::npos)
+      << bad.at("manifest").dump();
+  EXPECT_EQ(bad.at("manifest").at("tensors").size(), 0u);
+}
+
+// ---------------------------------------------------------------- 5. numbers
+
+TEST(Tool, NonFiniteNegativeAndAbsurdNumbersAreRejected) {
+  TempDir dir;
+  Producer p = Producer::create("n", small_opts());
+  const std::string out = dir.path + "/n.safetensors";
+  const std::vector<std::vector<std::string>> bad = {
+      {"watch", "n", "--interval", "nan"},        {"watch", "n", "--interval", "inf"},
+      {"watch", "n", "--interval", "-1"},         {"watch", "n", "--interval", "0"},
+      {"watch", "n", "--count", "-1"},            {"watch", "n", "--count", "1.5"},
+      {"watch", "n", "--count", "1e30"},          {"dump", "n", "--out", out, "--timeout", "nan"},
+      {"dump", "n", "--out", out, "--timeout", "-5"}, {"dump", "n", "--out", out, "--timeout", "inf"},
+      {"dump", "n", "--out", out, "--timeout", "1e12"}, {"gc", "--grace", "nan"},
+      {"gc", "--grace", "-1"},                    {"gc", "--grace", "1e300"},
+      {"show", "n", "--limit", "-1"},             {"show", "n", "--limit", "nan"},
+  };
+  for (std::vector<std::string> args : bad) {
+    args.push_back("--dir");
+    args.push_back(dir.path);
+    std::string line;
+    for (const auto& a : args) line += a + " ";
+    Result r = tool(args, 5s);
+    EXPECT_EQ(r.rc, 2) << line << "\nstderr: " << r.err;
+    EXPECT_FALSE(r.err.empty()) << line;
+  }
+  EXPECT_FALSE(exists(out));
+  // Sane values still work.
+  EXPECT_EQ(tool({"watch", "n", "--count", "1", "--interval", "0.01", "--dir", dir.path}).rc, 0);
+  EXPECT_EQ(tool({"gc", "--grace", "3600", "--dry-run", "--dir", dir.path}).rc, 0);
+}
+
+// ---------------------------------------------------------------- 5. dump bounds
+
+TEST(Tool, DumpTimeoutBoundsAStalledSync) {
+  TempDir dir;
+  Producer p = Producer::create("stall", small_opts());
+  const std::string out = dir.path + "/stall.safetensors";
+  const auto t0 = std::chrono::steady_clock::now();
+  Proc dump = spawn_tool({"dump", "stall", "--out", out, "--timeout", "2", "--json", "--dir", dir.path});
+  p.wait_for_consumers(1, 20s);
+  // Two slots' worth of tensors; the producer writes the first and stalls.
+  std::vector<std::uint8_t> a(kSlot);
+  ASSERT_EQ(p.begin_sync({{{"a", DType::kU8, {static_cast<std::int64_t>(kSlot)}},
+                           {"b", DType::kU8, {static_cast<std::int64_t>(kSlot)}},
+                           {"c", DType::kU8, {16}}}}),
+            1u);
+  p.write(0, a.data());
+  Result r = finish(dump, 20s);
+  const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_EQ(r.rc, 6) << r.err;
+  EXPECT_LT(took, 6.0) << "--timeout 2 must bound the whole dump";
+  EXPECT_FALSE(exists(out));
+  EXPECT_TRUE(temp_files(dir.path).empty());
+  p.abort_sync("test over");
+}
+
+TEST(Tool, DumpRefusesDuplicateTensorNames) {
+  TempDir dir;
+  Producer p = Producer::create("dup", small_opts());
+  const std::string out = dir.path + "/dup.safetensors";
+  Proc dump = spawn_tool({"dump", "dup", "--out", out, "--timeout", "30", "--json", "--dir", dir.path});
+  p.wait_for_consumers(1, 20s);
+  // Freeze dump, announce a sync and rename its second tensor after the
+  // first (same length, so offsets stay valid), re-hashing the manifest.
+  ASSERT_TRUE(stop_process(dump.pid));
+  SyncData d = make_sync(small_specs(), 1);  // "w.0", "w.1", "b"
+  ASSERT_EQ(p.send(d.specs, d.ptrs()), 1u);
+  rewrite_manifest(dir.file("dup"), [](std::string& m) {
+    const auto* h = reinterpret_cast<const detail::ManifestHeader*>(m.data());
+    const detail::ManifestEntry* e1 = manifest_entry(m, 1);
+    ASSERT_EQ(m.compare(h->names_offset + e1->name_offset, 3, "w.1"), 0);
+    m.replace(h->names_offset + e1->name_offset, 3, "w.0");
+  });
+  ::kill(dump.pid, SIGCONT);
+  Result r = finish(dump, 20s);
+  EXPECT_EQ(r.rc, 4) << r.err << r.out;
+  EXPECT_NE(r.err.find("twice"), std::string::npos) << r.err;
+  EXPECT_FALSE(exists(out));
+  EXPECT_TRUE(temp_files(dir.path).empty());
+}
+
+int main(int argc, char** argv) {
+  if (argc == 3 && std::string(argv[1]) == "--role=foreign-producer") return role_foreign_producer(argv[2]);
+  testing::InitGoogleTest(&argc, argv);
+  return RUN_ALL_TESTS();
 }

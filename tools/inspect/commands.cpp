@@ -22,14 +22,19 @@ namespace shmcast::inspect {
 
 using namespace shmcast::detail;
 
+std::string fail_json(const Common& c, const std::string& command, int code, const std::string& message) {
+  json j = doc(command, false);
+  j["dir"] = c.dir;
+  j["exit_code"] = code;
+  j["error"] = message;
+  return json_text(j);
+}
+
 int fail(const Common& c, const std::string& command, int code, const std::string& message) {
   std::cerr << "shmcast-inspect " << command << ": " << term_safe(message) << "\n";
   if (c.json) {
-    json j = doc(command, false);
-    j["dir"] = c.dir;
-    j["exit_code"] = code;
-    j["error"] = message;
-    print_json(j);
+    std::cout << fail_json(c, command, code, message) << "\n";
+    std::cout.flush();
   }
   return code;
 }
@@ -78,13 +83,18 @@ std::string producer_cell(const RegionReport& r) {
 // nobody holds a lock on it. Returns "" or why not.
 std::string remove_checked(const std::string& path, std::uint64_t inode, bool check_locks) {
   if (check_locks) {
-    const int fd = ::open(path.c_str(), O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC);
-    if (fd < 0) return std::string("open: ") + std::strerror(errno);
     struct stat st {};
-    const bool same = ::fstat(fd, &st) == 0 && static_cast<std::uint64_t>(st.st_ino) == inode;
+    int err = 0;
+    const int fd = open_region_file(path, &st, &err);
+    if (fd < 0)
+      return err != 0 ? std::string("open: ") + std::strerror(err)
+                      : std::string("the file was replaced while gc ran (now ") + file_type_name(st.st_mode) + ")";
+    const bool same = static_cast<std::uint64_t>(st.st_ino) == inode;
+    const std::string untrusted = untrusted_why(st);
     const Alive a = any_lock_held(fd);
     ::close(fd);
     if (!same) return "the file was replaced while gc ran (a new region took the name)";
+    if (!untrusted.empty()) return "the file changed owner or mode while gc ran: " + untrusted;
     if (a != Alive::kNo) return "a participant attached while gc ran";
   }
   struct stat st {};
@@ -196,6 +206,7 @@ int cmd_show(const Common& c, const std::string& name, std::size_t limit) {
   if (!check_name(c, "show", name, &rc)) return rc;
   ProbeOptions o;
   o.decode_manifest = true;
+  o.manifest_limit = limit;
   RegionReport r;
   try {
     r = probe(c.dir, name, o);
@@ -413,7 +424,9 @@ int cmd_gc(const Common& c, bool dry_run, double grace_s) {
     RegionReport r;
     if (!probe_listed(c.dir, n, o, &r)) continue;
     std::string keep_why;
-    if (r.state == kStateReady) {
+    if (r.state == kStateUntrusted) {
+      keep_why = "not trusted (" + r.reason + "): gc never removes it; check it, then `rm " + r.name + " --force`";
+    } else if (r.state == kStateReady) {
       keep_why = "the producer is alive";
     } else if (r.state == kStateCreating) {
       keep_why = "it is being created";
@@ -486,19 +499,21 @@ int cmd_rm(const Common& c, const std::string& name, bool force) {
     if (e.code() == Errc::kNotFound) return fail(c, "rm", kExitNotFound, e.what());
     return fail(c, "rm", kExitFailure, e.what());
   }
-  std::string alive_why;
-  if (r.any_lock == Alive::kYes) {
-    alive_why = r.producer_alive == Alive::kYes ? "its producer (pid " + std::to_string(r.producer_pid) + ") is alive"
+  std::string refuse_why;
+  if (r.state == kStateUntrusted) {
+    refuse_why = "it is not trusted: " + r.reason;
+  } else if (r.any_lock == Alive::kYes) {
+    refuse_why = r.producer_alive == Alive::kYes ? "its producer (pid " + std::to_string(r.producer_pid) + ") is alive"
                                                 : "a participant is alive";
     if (r.header_valid && r.consumers_alive > 0)
-      alive_why += ", " + std::to_string(r.consumers_alive) + " consumer(s) alive";
+      refuse_why += ", " + std::to_string(r.consumers_alive) + " consumer(s) alive";
   } else if (r.state == kStateCreating) {
-    alive_why = "it is being created";
+    refuse_why = "it is being created";
   } else if (r.any_lock == Alive::kUnknown && r.state != kStateForeign) {
-    alive_why = "its participants' liveness is unknown";
+    refuse_why = "its participants' liveness is unknown";
   }
-  if (!alive_why.empty() && !force) {
-    const std::string msg = "refusing to remove region '" + name + "': " + alive_why +
+  if (!refuse_why.empty() && !force) {
+    const std::string msg = "refusing to remove region '" + name + "': " + refuse_why +
                             "; pass --force to remove it anyway (attached processes keep their mapping)";
     std::cerr << "shmcast-inspect rm: " << term_safe(msg) << "\n";
     if (c.json) {
@@ -526,12 +541,12 @@ int cmd_rm(const Common& c, const std::string& name, bool force) {
     j["file"] = r.path;
     j["state"] = r.state;
     j["participants_alive"] = alive_json(r.any_lock);
-    j["forced"] = force && !alive_why.empty();
+    j["forced"] = force && !refuse_why.empty();
     j["removed"] = true;
     print_json(j);
   } else {
     std::cout << "removed " << term_safe(r.path) << " (" << r.state
-              << (force && !alive_why.empty() ? ", forced: " + alive_why : std::string()) << ")\n";
+              << (force && !refuse_why.empty() ? ", forced: " + refuse_why : std::string()) << ")\n";
   }
   return kExitOk;
 }

@@ -21,5 +21,7 @@ int cmd_rm(const Common& c, const std::string& name, bool force);
 // Reports a failure: a message on stderr, and with --json a document
 // {"ok": false, "exit_code": code, "error": message} on stdout. Returns code.
 int fail(const Common& c, const std::string& command, int code, const std::string& message);
+// That failure document, on one line without the newline.
+std::string fail_json(const Common& c, const std::string& command, int code, const std::string& message);
 
 }  // namespace shmcast::inspect

@@ -5,13 +5,21 @@
 //   N bytes     JSON header, padded with spaces so 8 + N is a multiple of 8
 //   the rest    tensor data, contiguous, in manifest (stream) order
 //
-// Memory stays bounded: the data is never staged. visit() hands out
-// zero-copy pieces of each slot and each piece is pwrite()n at its place in
-// the file while the slot is held.
+// Memory stays bounded: visit() hands out zero-copy pieces of each slot;
+// each piece is copied out of the mapping by guarded_copy (a region file
+// truncated under dump is an error, not SIGBUS, and the file engine never
+// reads the mapping) into one of a few fixed bounce buffers, which the file
+// engine writes at the piece's place in the file.
+//
+// Nothing ends dump by a signal: SIGINT/SIGTERM/SIGHUP, the --timeout
+// watchdog (SIGALRM) and a SIGBUS raised in library code all remove the
+// temporary file, print a message (and the --json failure document) and
+// _exit with a documented code.
 #include <fcntl.h>
 #include <signal.h>
 #include <sys/stat.h>
 #include <sys/statvfs.h>
+#include <sys/time.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -20,6 +28,9 @@
 #include <cstring>
 #include <filesystem>
 #include <iostream>
+#include <memory>
+#include <string_view>
+#include <unordered_map>
 
 #include "commands.hpp"
 #include "file_io.hpp"
@@ -30,13 +41,69 @@ namespace shmcast::inspect {
 
 namespace {
 
-// ---- the temporary file, removed on any failure and on SIGINT/SIGTERM.
+// ---- the temporary file, removed on any failure and by the last-words
+// handlers below.
 char g_tmp_path[4096];
 volatile sig_atomic_t g_tmp_set = 0;
 
-void on_dump_signal(int sig) {
-  if (g_tmp_set) ::unlink(g_tmp_path);  // async-signal-safe
-  ::_exit(sig == SIGINT || sig == SIGTERM || sig == SIGHUP ? kExitInterrupted : kExitFailure);
+// Last words: what a handler prints and the code it exits with, prepared
+// before the handlers are installed (a handler may only write(2) them).
+struct LastWords {
+  std::string err, out;  // stderr line; stdout JSON document (with --json)
+  int code = kExitFailure;
+};
+enum Why { kInterrupted, kTimedOut, kBus, kWhyCount };
+LastWords g_last[kWhyCount];
+
+[[noreturn]] void last_words(Why why) {
+  if (g_tmp_set) ::unlink(g_tmp_path);
+  const LastWords& w = g_last[why];
+  (void)!::write(STDERR_FILENO, w.err.data(), w.err.size());
+  if (!w.out.empty()) (void)!::write(STDOUT_FILENO, w.out.data(), w.out.size());
+  ::_exit(w.code);
+}
+
+void on_stop_signal(int) { last_words(kInterrupted); }
+void on_alarm(int) { last_words(kTimedOut); }
+void on_bus() { last_words(kBus); }
+
+void prepare_last_words(const Common& c, double timeout_s) {
+  auto set = [&](Why why, int code, const std::string& msg) {
+    g_last[why].code = code;
+    g_last[why].err = "shmcast-inspect dump: " + term_safe(msg) + "\n";
+    g_last[why].out = c.json ? fail_json(c, "dump", code, msg) + "\n" : std::string();
+  };
+  set(kInterrupted, kExitInterrupted, "interrupted; the temporary file was removed");
+  char t[64];
+  std::snprintf(t, sizeof t, "%g", timeout_s);
+  set(kTimedOut, kExitTimeout,
+      std::string("--timeout ") + t + " s passed before the dump finished; the temporary file was removed");
+  set(kBus, kExitDamaged,
+      "the region file was truncated while dump was attached (SIGBUS); the temporary file was removed");
+}
+
+// The --timeout watchdog: SIGALRM ends dump whatever it is doing, kWatchdogGrace
+// after the deadline. The library's own waits get the time left, so they
+// normally end it first, with a more precise message and exit code (3 when
+// the region never appeared); the watchdog catches anything that does not
+// honour them.
+constexpr double kWatchdogGrace = 1.0;
+void arm_watchdog(double seconds) {
+  struct sigaction sa {};
+  sa.sa_handler = on_alarm;
+  sigemptyset(&sa.sa_mask);
+  ::sigaction(SIGALRM, &sa, nullptr);
+  struct itimerval it {};
+  const double s = seconds > 1e-6 ? seconds : 1e-6;  // 0 would disarm
+  it.it_value.tv_sec = static_cast<time_t>(s);
+  it.it_value.tv_usec = static_cast<suseconds_t>((s - static_cast<double>(it.it_value.tv_sec)) * 1e6);
+  if (it.it_value.tv_sec == 0 && it.it_value.tv_usec == 0) it.it_value.tv_usec = 1;
+  ::setitimer(ITIMER_REAL, &it, nullptr);
+}
+
+void disarm_watchdog() {
+  struct itimerval it {};
+  ::setitimer(ITIMER_REAL, &it, nullptr);
 }
 
 struct TempFile {
@@ -125,40 +192,81 @@ int cmd_dump(const Common& c, const std::string& name, const std::string& out, d
       return fail(c, "dump", kExitRefused, out_path.string() + " exists: pass --overwrite to replace it");
   }
 
-  // A damaged region will never deliver a sync: say so now instead of
-  // timing out. A missing one may still appear (the producer may be
-  // restarting): the consumer waits for it.
+  // A damaged or untrusted region will never deliver a sync we may use: say
+  // so now instead of timing out. A missing one may still appear (the
+  // producer may be restarting): the consumer waits for it, and the region
+  // it opened is checked again below.
+  auto refuse_region = [&](const RegionReport& r) {
+    return fail(c, "dump", kExitDamaged, "region '" + name + "' is " + r.state + ": " + r.reason);
+  };
   try {
     const RegionReport r = probe(c.dir, name, ProbeOptions{});
-    if (state_is_damaged(r.state))
-      return fail(c, "dump", kExitDamaged, "region '" + name + "' is " + r.state + ": " + r.reason);
+    if (state_is_damaged(r.state)) return refuse_region(r);
   } catch (const Error& e) {
     if (e.code() != Errc::kNotFound) return fail(c, "dump", kExitFailure, e.what());
   }
 
   // The library finds regions through $SHMCAST_DIR.
   ::setenv("SHMCAST_DIR", c.dir.c_str(), 1);
+  prepare_last_words(c, timeout_s);
   struct sigaction sa {};
-  sa.sa_handler = on_dump_signal;
+  sa.sa_handler = on_stop_signal;
   sigemptyset(&sa.sa_mask);
   ::sigaction(SIGINT, &sa, nullptr);
   ::sigaction(SIGTERM, &sa, nullptr);
   ::sigaction(SIGHUP, &sa, nullptr);
+  set_bus_hook(on_bus);
 
+  // --timeout bounds the whole dump: the library's waits get the time left,
+  // and the watchdog ends anything that does not honour them.
   const auto t0 = std::chrono::steady_clock::now();
   const auto deadline = t0 + std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::duration<double>(timeout_s));
   auto left = [&] {
     const auto l = deadline - std::chrono::steady_clock::now();
     return l.count() > 0 ? std::chrono::duration_cast<Duration>(l) : Duration(0);
   };
+  arm_watchdog(timeout_s + kWatchdogGrace);
+  // Every exit from here on reports once: the watchdog is disarmed first.
+  auto bail = [&](int code, const std::string& message) {
+    disarm_watchdog();
+    return fail(c, "dump", code, message);
+  };
 
   try {
     ConsumerOptions co;
     co.pin = Pin::kNo;
     co.open_timeout = left();
+    co.chunk_timeout = left();
     Consumer consumer = Consumer::open(name, co);
+    // The region may have appeared only now, or been replaced since the
+    // probe above: check the file the name holds now.
+    try {
+      const RegionReport r = probe(c.dir, name, ProbeOptions{});
+      if (r.state == kStateUntrusted) {
+        disarm_watchdog();
+        return refuse_region(r);
+      }
+    } catch (const Error&) {
+    }
     const SyncInfo& info = consumer.wait_sync(left());
     const auto t_sync = std::chrono::steady_clock::now();
+
+    // safetensors names must be unique; no shmcast producer sends a name
+    // twice, so a manifest that does is corrupt.
+    {
+      std::unordered_map<std::string_view, std::size_t> seen;
+      seen.reserve(info.tensors.size());
+      for (std::size_t i = 0; i < info.tensors.size(); ++i) {
+        const auto [it, fresh] = seen.emplace(info.tensors[i].name, i);
+        if (!fresh) {
+          consumer.skip();
+          return bail(kExitDamaged, "sync " + std::to_string(info.version) + " names tensor '" +
+                                        info.tensors[i].name + "' twice (tensors " + std::to_string(it->second) +
+                                        " and " + std::to_string(i) +
+                                        "): the manifest is corrupt and a safetensors file cannot hold it");
+        }
+      }
+    }
 
     // ---- the safetensors header
     json header;
@@ -175,7 +283,7 @@ int cmd_dump(const Common& c, const std::string& name, const std::string& out, d
       const TensorInfo& t = info.tensors[i];
       if (t.name == "__metadata__") {
         consumer.skip();
-        return fail(c, "dump", kExitFailure, "the sync has a tensor named __metadata__, which safetensors reserves");
+        return bail(kExitFailure, "the sync has a tensor named __metadata__, which safetensors reserves");
       }
       std::string dt;
       std::vector<std::int64_t> shape = t.shape;
@@ -201,7 +309,7 @@ int cmd_dump(const Common& c, const std::string& name, const std::string& out, d
       htext = header.dump();  // strict: names must be valid UTF-8
     } catch (const json::exception&) {
       consumer.skip();
-      return fail(c, "dump", kExitFailure, "a tensor name is not valid UTF-8, which safetensors requires");
+      return bail(kExitFailure, "a tensor name is not valid UTF-8, which safetensors requires");
     }
     while ((8 + htext.size()) % 8 != 0) htext.push_back(' ');
     const std::uint64_t data_start = 8 + htext.size();
@@ -213,9 +321,8 @@ int cmd_dump(const Common& c, const std::string& name, const std::string& out, d
       const std::uint64_t avail = static_cast<std::uint64_t>(vfs.f_bavail) * vfs.f_frsize;
       if (avail < file_bytes) {
         consumer.skip();
-        return fail(c, "dump", kExitNoSpace,
-                    out_dir.string() + " has " + human_bytes(avail) + " free; the dump needs " +
-                        human_bytes(file_bytes) + " (" + std::to_string(file_bytes) + " bytes)");
+        return bail(kExitNoSpace, out_dir.string() + " has " + human_bytes(avail) + " free; the dump needs " +
+                                      human_bytes(file_bytes) + " (" + std::to_string(file_bytes) + " bytes)");
       }
     }
 
@@ -224,17 +331,24 @@ int cmd_dump(const Common& c, const std::string& name, const std::string& out, d
     std::string templ = (out_dir / ("." + out_path.filename().string() + ".tmp.XXXXXX")).string();
     std::vector<char> buf(templ.begin(), templ.end());
     buf.push_back('\0');
+    // No last-words handler between creating the file and recording its name.
+    sigset_t block, saved;
+    sigemptyset(&block);
+    for (int sig : {SIGINT, SIGTERM, SIGHUP, SIGALRM}) sigaddset(&block, sig);
+    ::sigprocmask(SIG_BLOCK, &block, &saved);
     tmp.fd = ::mkostemp(buf.data(), O_CLOEXEC);
+    if (tmp.fd >= 0) {
+      tmp.path = buf.data();
+      if (tmp.path.size() < sizeof g_tmp_path) {
+        std::memcpy(g_tmp_path, tmp.path.c_str(), tmp.path.size() + 1);
+        g_tmp_set = 1;
+      }
+    }
+    ::sigprocmask(SIG_SETMASK, &saved, nullptr);
     if (tmp.fd < 0) {
       const int e = errno;
       consumer.skip();
-      return fail(c, "dump", kExitFailure, "cannot create a temporary file in " + out_dir.string() + ": " +
-                                               std::strerror(e));
-    }
-    tmp.path = buf.data();
-    if (tmp.path.size() < sizeof g_tmp_path) {
-      std::memcpy(g_tmp_path, tmp.path.c_str(), tmp.path.size() + 1);
-      g_tmp_set = 1;
+      return bail(kExitFailure, "cannot create a temporary file in " + out_dir.string() + ": " + std::strerror(e));
     }
     const mode_t mask = ::umask(0);
     ::umask(mask);
@@ -242,8 +356,8 @@ int cmd_dump(const Common& c, const std::string& name, const std::string& out, d
     const int fa = ::posix_fallocate(tmp.fd, 0, static_cast<off_t>(file_bytes));
     if (fa == ENOSPC || fa == EFBIG) {
       consumer.skip();
-      return fail(c, "dump", kExitNoSpace, "not enough space for " + std::to_string(file_bytes) + " bytes in " +
-                                               out_dir.string());
+      return bail(kExitNoSpace,
+                  "not enough space for " + std::to_string(file_bytes) + " bytes in " + out_dir.string());
     }
 
     unsigned char len_le[8];
@@ -253,23 +367,41 @@ int cmd_dump(const Common& c, const std::string& name, const std::string& out, d
 
     std::vector<std::uint64_t> written(info.tensors.size(), 0);
     // Pieces go out through the file engine: io_uring where the kernel and
-    // seccomp allow it (Docker's default profile does not), else pwrite. Its
-    // writes read straight from the slot, so each slot's writes complete
-    // (flush) before visit() releases it.
+    // seccomp allow it (Docker's default profile does not), else pwrite. It
+    // writes from the bounce buffers, never from the mapping; a buffer is
+    // reused only after a flush() has completed every write queued from it.
     shmcast::detail::FileWriter writer;
     if (const int rc = writer.attach(tmp.fd); rc != 0)
-      return fail(c, "dump", kExitFailure, std::string("output file: ") + std::strerror(-rc));
+      return bail(kExitFailure, std::string("output file: ") + std::strerror(-rc));
     auto check = [&](int rc) {
       if (rc != 0) throw Error(Errc::kSystem, std::string("writing the dump: ") + std::strerror(-rc), -rc);
     };
+    constexpr std::size_t kBounceBytes = 4u << 20;
+    constexpr std::size_t kBounces = 4;
+    const std::unique_ptr<std::byte[]> bounce(new std::byte[kBounceBytes * kBounces]);
+    std::size_t next_bounce = 0;
     consumer.visit([&](const Piece& p) {
-      if (p.bytes > 0) {
-        if (p.tensor >= info.tensors.size() || p.offset + p.bytes > info.tensors[p.tensor].nbytes)
-          throw Error(Errc::kCorrupt, "a piece falls outside its tensor");
-        check(writer.write_at(p.data, p.bytes, data_start + file_off[p.tensor] + p.offset));
-        written[p.tensor] += p.bytes;
+      if (p.bytes == 0) return;
+      if (p.tensor >= info.tensors.size() || p.offset + p.bytes > info.tensors[p.tensor].nbytes)
+        throw Error(Errc::kCorrupt, "a piece falls outside its tensor");
+      const std::byte* src = p.data;
+      std::uint64_t off = data_start + file_off[p.tensor] + p.offset;
+      for (std::uint64_t n = p.bytes; n > 0;) {
+        const std::size_t take = static_cast<std::size_t>(std::min<std::uint64_t>(n, kBounceBytes));
+        if (next_bounce == kBounces) {
+          check(writer.flush());
+          next_bounce = 0;
+        }
+        std::byte* buf = bounce.get() + kBounceBytes * next_bounce++;
+        if (!guarded_copy(buf, src, take))
+          throw Error(Errc::kCorrupt, "the region file was truncated while dump read tensor '" +
+                                          info.tensors[p.tensor].name + "' from it");
+        check(writer.write_at(buf, take, off));
+        src += take;
+        off += take;
+        n -= take;
       }
-      if (p.chunk_end) check(writer.flush());
+      written[p.tensor] += p.bytes;
     });
     check(writer.flush());
     const std::string io_backend = writer.backend();
@@ -277,21 +409,25 @@ int cmd_dump(const Common& c, const std::string& name, const std::string& out, d
     writer.close();
     for (std::size_t i = 0; i < info.tensors.size(); ++i)
       if (written[i] != info.tensors[i].nbytes)
-        return fail(c, "dump", kExitFailure, "tensor '" + info.tensors[i].name + "' got " + std::to_string(written[i]) +
-                                                 " of " + std::to_string(info.tensors[i].nbytes) + " bytes");
+        return bail(kExitFailure, "tensor '" + info.tensors[i].name + "' got " + std::to_string(written[i]) + " of " +
+                                      std::to_string(info.tensors[i].nbytes) + " bytes");
     const std::uint64_t version = info.version;
     const std::size_t ntensors = info.tensors.size();
     const std::uint64_t payload = info.payload_bytes;
     consumer.close();  // leave the seat: the producer need not wait for us
 
     if (::ftruncate(tmp.fd, static_cast<off_t>(file_bytes)) != 0 || ::fsync(tmp.fd) != 0)
-      return fail(c, "dump", kExitFailure, std::string("flushing the output file: ") + std::strerror(errno));
+      return bail(kExitFailure, std::string("flushing the output file: ") + std::strerror(errno));
     ::close(tmp.fd);
     tmp.fd = -1;
+    // The last point the watchdog may remove the file: after the rename it
+    // is the user's.
+    disarm_watchdog();
+    set_bus_hook(nullptr);
     if (::rename(tmp.path.c_str(), out_path.c_str()) != 0)
-      return fail(c, "dump", kExitFailure, "rename to " + out_path.string() + ": " + std::strerror(errno));
-    tmp.committed = true;
+      return bail(kExitFailure, "rename to " + out_path.string() + ": " + std::strerror(errno));
     g_tmp_set = 0;
+    tmp.committed = true;
     const int dfd = ::open(out_dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
     if (dfd >= 0) {
       ::fsync(dfd);
@@ -328,7 +464,7 @@ int cmd_dump(const Common& c, const std::string& name, const std::string& out, d
     }
     return kExitOk;
   } catch (const Error& e) {
-    return fail(c, "dump", exit_for(e.code()), e.what());
+    return bail(exit_for(e.code()), e.what());
   }
 }
 

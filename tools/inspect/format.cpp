@@ -22,8 +22,10 @@ json doc(const std::string& command, bool ok) {
   return j;
 }
 
+std::string json_text(const json& j) { return j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace); }
+
 void print_json(const json& j) {
-  std::cout << j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace) << "\n";
+  std::cout << json_text(j) << "\n";
   std::cout.flush();
 }
 
@@ -181,12 +183,32 @@ json u64_or_null(bool have, std::uint64_t v) { return have ? json(v) : json(null
 
 }  // namespace
 
+std::string owner_text(const OwnerReport& o) {
+  if (!o.known) return "?";
+  return "uid " + std::to_string(o.uid) + (o.user.empty() ? "" : " (" + o.user + ")") + ", gid " +
+         std::to_string(o.gid) + (o.group.empty() ? "" : " (" + o.group + ")") + ", mode " + mode_text(o.mode) +
+         (o.trusted ? "" : ", NOT TRUSTED");
+}
+
 json region_summary_json(const RegionReport& r) {
   json j;
   j["name"] = r.name;
   j["file"] = r.path;
   j["state"] = r.state;
   j["reason"] = r.reason;
+  j["file_type"] = r.file_type.empty() ? json(nullptr) : json(r.file_type);
+  j["trusted"] = r.owner.known ? json(r.owner.trusted) : json(nullptr);
+  if (r.owner.known) {
+    json o;
+    o["uid"] = r.owner.uid;
+    o["user"] = r.owner.user.empty() ? json(nullptr) : json(r.owner.user);
+    o["gid"] = r.owner.gid;
+    o["group"] = r.owner.group.empty() ? json(nullptr) : json(r.owner.group);
+    o["mode"] = mode_text(r.owner.mode);
+    j["owner"] = o;
+  } else {
+    j["owner"] = nullptr;
+  }
   j["size_bytes"] = r.size;
   j["age_s"] = static_cast<double>(static_cast<std::int64_t>(r.age_s * 1000)) / 1000.0;
   j["layout_version"] = r.have_fixed && r.fixed.magic == kMagic ? json(r.fixed.layout_version) : json(nullptr);
@@ -320,9 +342,9 @@ void region_detail_json(const RegionReport& r, std::size_t limit, json* out) {
   m["status"] = r.header_valid ? r.manifest.status : std::string("none");
   m["reason"] = r.header_valid ? r.manifest.reason : std::string("the header is not valid");
   const bool ok = r.header_valid && r.manifest.status == "ok";
-  const SyncInfo& info = r.manifest.info;
+  const ManifestReport& info = r.manifest;
   m["version"] = u64_or_null(ok, info.version);
-  m["tensor_count"] = u64_or_null(ok, info.tensors.size());
+  m["tensor_count"] = u64_or_null(ok, info.tensor_count);
   m["payload_bytes"] = u64_or_null(ok, info.payload_bytes);
   m["stream_bytes"] = u64_or_null(ok, info.stream_bytes);
   m["limit"] = limit;
@@ -344,7 +366,7 @@ void region_detail_json(const RegionReport& r, std::size_t limit, json* out) {
     }
   }
   m["shown"] = shown;
-  m["truncated"] = ok && shown < info.tensors.size();
+  m["truncated"] = ok && shown < info.tensor_count;
   m["tensors"] = tensors;
   j["manifest"] = m;
 
@@ -423,6 +445,7 @@ void print_region_detail(std::ostream& os, const RegionReport& r, std::size_t li
   kv.row({"file", r.path});
   kv.row({"state", r.state + (r.reason.empty() ? "" : " (" + r.reason + ")")});
   kv.row({"size", human_bytes(r.size) + " (" + std::to_string(r.size) + " bytes)"});
+  if (r.owner.known) kv.row({"owner", owner_text(r.owner)});
   kv.row({"participants", r.any_lock == Alive::kYes ? "some alive" : r.any_lock == Alive::kNo ? "none alive" : "?"});
   if (r.have_fixed && r.fixed.magic == kMagic) {
     const HeaderFixed& f = r.fixed;
@@ -473,21 +496,20 @@ void print_region_detail(std::ostream& os, const RegionReport& r, std::size_t li
   if (r.header_valid) {
     const ManifestReport& m = r.manifest;
     if (m.status == "ok") {
-      const SyncInfo& info = m.info;
-      os << "\nMANIFEST  sync " << info.version << ": " << info.tensors.size() << " tensors, "
-         << human_bytes(info.payload_bytes) << " payload, " << human_bytes(info.stream_bytes) << " stream\n";
+      os << "\nMANIFEST  sync " << m.version << ": " << m.tensor_count << " tensors, "
+         << human_bytes(m.payload_bytes) << " payload, " << human_bytes(m.stream_bytes) << " stream\n";
       Table t({"#", "NAME", "DTYPE", "SHAPE", "BYTES", "OFFSET"}, {true, false, false, false, true, true});
       std::size_t shown = 0;
-      for (std::size_t i = 0; i < info.tensors.size(); ++i) {
+      for (std::size_t i = 0; i < m.tensors.size(); ++i) {
         if (limit != 0 && shown >= limit) break;
-        const TensorInfo& ti = info.tensors[i];
+        const TensorInfo& ti = m.tensors[i];
         t.row({std::to_string(i), ti.name, std::string(dtype_name(ti.dtype)), shape_text(ti.shape),
                human_bytes(ti.nbytes), std::to_string(ti.stream_offset)});
         ++shown;
       }
       t.print(os);
-      if (shown < info.tensors.size())
-        os << "... " << (info.tensors.size() - shown) << " more (use --limit 0 to show all)\n";
+      if (shown < m.tensor_count)
+        os << "... " << (m.tensor_count - shown) << " more (use --limit 0 to show all)\n";
     } else {
       os << "\nMANIFEST  " << m.status << (m.reason.empty() ? "" : ": " + term_safe(m.reason)) << "\n";
     }

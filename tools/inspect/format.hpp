@@ -22,8 +22,9 @@ enum Exit : int {
   kExitFailure = 1,    // runtime failure: I/O error, region error during dump, gc could not remove one
   kExitUsage = 2,      // bad arguments or region name
   kExitNotFound = 3,   // no such region
-  kExitDamaged = 4,    // show/dump: region is corrupt/foreign/truncated/newer-/older-version/unreadable
-  kExitRefused = 5,    // rm: a participant is alive (use --force); dump: output exists (use --overwrite)
+  kExitDamaged = 4,    // show/dump: region is corrupt/foreign/truncated/newer-/older-version/unreadable/untrusted-owner
+  kExitRefused = 5,    // rm: a participant is alive or the file is untrusted (use --force);
+                       // dump: output exists (use --overwrite)
   kExitTimeout = 6,    // dump: no sync arrived within --timeout
   kExitNoSpace = 7,    // dump: not enough free space for the file
   kExitInterrupted = 130,  // dump: interrupted by SIGINT/SIGTERM (temp file removed)
@@ -33,6 +34,8 @@ enum Exit : int {
 json doc(const std::string& command, bool ok = true);
 // Prints a JSON document on one line of stdout (invalid UTF-8 is replaced).
 void print_json(const json& j);
+// The same line as a string, without the newline.
+std::string json_text(const json& j);
 
 json alive_json(Alive a);
 const char* alive_word(Alive a);  // yes / no / ?
@@ -49,6 +52,7 @@ std::string hex64(std::uint64_t v);
 std::string human_bytes(std::uint64_t b);
 std::string human_rate(double bytes_per_s);
 std::string human_age(double seconds);
+std::string owner_text(const OwnerReport& o);  // "uid 0 (root), gid 0 (root), mode 0600"
 std::string unix_ns_text(std::uint64_t ns);  // ISO 8601 UTC, "-" for 0
 std::string shape_text(const std::vector<std::int64_t>& shape);
 

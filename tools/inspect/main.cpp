@@ -11,6 +11,8 @@
 // never takes a lock or writes a byte. docs/inspect.md documents the JSON
 // documents (--json) and the exit codes.
 #include <CLI/CLI.hpp>
+#include <cmath>
+#include <cstdlib>
 #include <string>
 
 #include "commands.hpp"
@@ -27,9 +29,13 @@ const char* kFooter = R"(Regions are the files shmcast.<name> in the region dire
 $SHMCAST_DIR, else /dev/shm.
 
 Region states: creating, ready, closed, dead, corrupt, foreign, newer-version,
-older-version, truncated, unreadable. Liveness comes from the OFD locks each
-participant holds on its byte of the region file, so it is right across PID
-namespaces and immune to pid reuse.
+older-version, truncated, unreadable, untrusted-owner. Liveness comes from the
+OFD locks each participant holds on its byte of the region file, so it is
+right across PID namespaces and immune to pid reuse. A file owned by another
+user, or writable by users outside the caller's groups, is untrusted-owner:
+its bytes are never read, dump refuses it, gc never removes it and rm only
+with --force. Symlinks are never followed; FIFOs, sockets, devices and
+directories are foreign.
 
 Read-only: list, show and watch open regions read-only and never lock or write.
 Acting:    dump attaches as a consumer; gc and rm remove region files.
@@ -42,13 +48,39 @@ Exit codes:
   1    failure (I/O error, region error during dump, gc could not remove one)
   2    usage error (bad option, bad region name)
   3    region not found
-  4    show/dump: the region is corrupt, foreign, truncated, unreadable or of
-       another layout version (show still prints its report)
-  5    refused: rm while a participant is alive (use --force);
-       dump when --out exists (use --overwrite)
-  6    dump: no sync arrived within --timeout
+  4    show/dump: the region is corrupt, foreign, truncated, unreadable,
+       untrusted-owner or of another layout version (show still prints its
+       report); dump: the region was truncated under it, or its manifest
+       names a tensor twice
+  5    refused: rm while a participant is alive or of an untrusted-owner
+       file (use --force); dump when --out exists (use --overwrite)
+  6    dump: not done within --timeout (which bounds the whole dump)
   7    dump: not enough free space for the output file
-  130  dump: interrupted (the temporary file is removed))";
+  130  dump: interrupted (the temporary file is removed)
+
+dump never ends by a signal and never leaves its temporary file behind.)";
+
+// Numbers on the command line: finite, within [lo, hi], whole when `whole`.
+// (CLI::Range alone lets "nan" through, and "-1" wraps into an unsigned.)
+CLI::Validator number(double lo, double hi, bool whole) {
+  auto text = [](double v) {
+    char buf[32];
+    std::snprintf(buf, sizeof buf, "%g", v);
+    return std::string(buf);
+  };
+  const std::string desc = (whole ? "INT in [" : "NUMBER in [") + text(lo) + " - " + text(hi) + "]";
+  return CLI::Validator(
+      [=](std::string& in) -> std::string {
+        char* end = nullptr;
+        const double v = std::strtod(in.c_str(), &end);
+        if (in.empty() || end != in.c_str() + in.size()) return "'" + in + "' is not a number";
+        if (!std::isfinite(v)) return "must be a finite number, not '" + in + "'";
+        if (v < lo || v > hi) return "must be between " + text(lo) + " and " + text(hi) + ", not " + in;
+        if (whole && v != std::floor(v)) return "must be a whole number, not " + in;
+        return {};
+      },
+      desc);
+}
 
 std::string resolve_dir(const std::string& opt) {
   std::string d = opt.empty() ? shmcast::region_dir() : opt;
@@ -87,7 +119,9 @@ int main(int argc, char** argv) {
   CLI::App* show = app.add_subcommand(
       "show", "Show one region: header, seats, slots, the current manifest and the last errors (read-only)");
   show->add_option("NAME", name, "Region name")->required();
-  show->add_option("--limit", limit, "Tensor rows of the manifest to show; 0 shows all")->capture_default_str();
+  show->add_option("--limit", limit, "Tensor rows of the manifest to show (only these are decoded); 0 shows all")
+      ->check(number(0, 1e9, true))
+      ->capture_default_str();
   add_json(show);
 
   double interval = 1.0;
@@ -96,9 +130,11 @@ int main(int argc, char** argv) {
       "watch", "Live view of one region: slot states, sync version, throughput; Ctrl-C quits (read-only)");
   watch->add_option("NAME", name, "Region name")->required();
   watch->add_option("--interval", interval, "Seconds between refreshes")
-      ->check(CLI::Range(0.01, 86400.0))
+      ->check(number(0.01, 86400, false))
       ->capture_default_str();
-  watch->add_option("--count", count, "Stop after this many refreshes; 0 runs until Ctrl-C")->capture_default_str();
+  watch->add_option("--count", count, "Stop after this many refreshes; 0 runs until Ctrl-C")
+      ->check(number(0, 1e9, true))
+      ->capture_default_str();
   add_json(watch);
 
   std::string out;
@@ -109,8 +145,10 @@ int main(int argc, char** argv) {
   dump->add_option("NAME", name, "Region name")->required();
   dump->add_option("--out,-o", out, "Output file (written to a temporary file in the same directory, then renamed)")
       ->required();
-  dump->add_option("--timeout", timeout, "Seconds to wait for the region and for the next sync")
-      ->check(CLI::Range(0.0, 1e7))
+  dump->add_option("--timeout", timeout,
+                    "Seconds the whole dump may take: waiting for the region and the next sync, receiving and "
+                    "writing it")
+      ->check(number(0, 604800, false))
       ->capture_default_str();
   dump->add_flag("--overwrite", overwrite, "Replace --out if it exists");
   add_json(dump);
@@ -122,7 +160,7 @@ int main(int argc, char** argv) {
   gc->add_flag("--dry-run,-n", dry_run, "Only report what would be removed");
   gc->add_option("--grace", grace,
                  "Seconds during which a region being created (or a damaged file) is left alone")
-      ->check(CLI::Range(0.0, 1e9))
+      ->check(number(0, 31536000, false))
       ->capture_default_str();
   add_json(gc);
 

@@ -2,8 +2,11 @@
 
 #include <dirent.h>
 #include <fcntl.h>
+#include <grp.h>
+#include <pwd.h>
 #include <setjmp.h>
 #include <signal.h>
+#include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 #include <xxhash.h>
@@ -21,7 +24,6 @@
 
 #include "doorbell.hpp"
 #include "manifest.hpp"
-#include "region.hpp"
 
 namespace shmcast::inspect {
 
@@ -36,30 +38,21 @@ namespace {
 // raises SIGBUS. Every read of the mapping goes through guarded_copy(), which
 // turns that SIGBUS into a failed copy instead of a crash. Between sigsetjmp
 // and the copy there are no C++ objects with destructors, so the long jump
-// skips nothing.
+// skips nothing. A SIGBUS anywhere else (library code that touches the
+// mapping, as dump's consumer does) goes to the hook, never to the default
+// action.
 
 thread_local sigjmp_buf* t_jump = nullptr;
+std::atomic<BusHook> g_bus_hook{nullptr};
 
-void on_sigbus(int sig, siginfo_t*, void*) {
+void on_sigbus(int, siginfo_t*, void*) {
   sigjmp_buf* j = t_jump;
   if (j != nullptr) siglongjmp(*j, 1);
-  // Not a guarded read: die the way SIGBUS would have killed us.
-  ::signal(sig, SIG_DFL);
-  ::raise(sig);
-}
-
-bool guarded_copy(void* dst, const std::byte* src, std::size_t n) {
-  sigjmp_buf jb;
-  if (sigsetjmp(jb, 1) != 0) {
-    t_jump = nullptr;
-    return false;
-  }
-  t_jump = &jb;
-  std::atomic_signal_fence(std::memory_order_seq_cst);
-  std::memcpy(dst, src, n);
-  std::atomic_signal_fence(std::memory_order_seq_cst);
-  t_jump = nullptr;
-  return true;
+  if (BusHook hook = g_bus_hook.load(std::memory_order_relaxed)) hook();
+  static const char msg[] =
+      "shmcast-inspect: a region file was truncated while it was mapped (SIGBUS); nothing was changed\n";
+  (void)!::write(STDERR_FILENO, msg, sizeof msg - 1);
+  ::_exit(1);
 }
 
 // read_record() on the live header, under the guard. Returns false when the
@@ -154,7 +147,211 @@ void set_times(RegionReport* r, const struct stat& st, const ProbeOptions& opts)
   r->inode = st.st_ino;
 }
 
-void decode_current_manifest(RegionReport* r, const std::byte* base, std::uint64_t size) {
+// ---------------------------------------------------------------- manifest
+//
+// The manifest is read with pread in bounded pieces, never through the
+// mapping and never whole: memory stays bounded however large it is (a
+// 256 MiB manifest of millions of tensors), and a file cut under us gives a
+// short read, not SIGBUS. Every byte is hashed and every entry validated (by
+// the library's decode_manifest, one window of entries at a time), but only
+// the first `limit` entries are kept and decoded.
+
+constexpr std::size_t kReadPiece = 1u << 20;  // bytes per pread of the manifest
+constexpr std::size_t kWindow = 4096;         // entries validated per decode_manifest call
+
+// Sequential, hashed reads of [off, off + len) of a file.
+class HashedReader {
+ public:
+  HashedReader(int fd, std::uint64_t off, std::uint64_t len) : fd_(fd), off_(off), len_(len) {
+    state_ = XXH3_createState();
+    if (state_ == nullptr) throw std::bad_alloc();
+    XXH3_64bits_reset(state_);
+  }
+  ~HashedReader() { XXH3_freeState(state_); }
+  HashedReader(const HashedReader&) = delete;
+  HashedReader& operator=(const HashedReader&) = delete;
+
+  std::uint64_t pos() const { return pos_; }
+  std::uint64_t left() const { return len_ - pos_; }
+  // Reads the next n bytes into dst (n <= left()). False on a short read:
+  // the file shrank.
+  bool read(void* dst, std::size_t n) {
+    char* p = static_cast<char*>(dst);
+    std::size_t got = 0;
+    while (got < n) {
+      const ssize_t k = ::pread(fd_, p + got, n - got, static_cast<off_t>(off_ + pos_ + got));
+      if (k < 0 && errno == EINTR) continue;
+      if (k <= 0) return false;
+      got += static_cast<std::size_t>(k);
+    }
+    XXH3_64bits_update(state_, p, n);
+    pos_ += n;
+    return true;
+  }
+  std::uint64_t digest() const { return XXH3_64bits_digest(state_); }
+
+ private:
+  int fd_;
+  std::uint64_t off_, len_, pos_ = 0;
+  XXH3_state_t* state_ = nullptr;
+};
+
+// "tensor K: why" from a window starting at entry `first` -> "tensor first+K: why".
+std::string shift_index(const std::string& why, std::uint64_t first) {
+  const std::string pre = "tensor ";
+  if (why.compare(0, pre.size(), pre) != 0) return why;
+  char* end = nullptr;
+  const unsigned long long k = std::strtoull(why.c_str() + pre.size(), &end, 10);
+  if (end == why.c_str() + pre.size()) return why;
+  return pre + std::to_string(first + k) + end;
+}
+
+struct NameWant {
+  std::uint64_t start, bytes;
+  std::size_t tensor;  // index into the kept tensors
+};
+
+// One pass over the manifest of `rec`: hashes all of it into *hash and
+// validates it. Returns "" when valid (m filled), else why not; *shrank is
+// set when the file ended early.
+std::string stream_manifest(int fd, std::uint64_t moff, const RecordSnapshot& rec, std::uint64_t slot_bytes,
+                            std::size_t limit, ManifestReport* m, std::uint64_t* hash, bool* shrank) {
+  HashedReader rd(fd, moff, rec.manifest_used);
+  std::string why;
+  auto done = [&](std::string w) {
+    // Hash the rest so the caller can tell "changing" from "invalid".
+    std::vector<char> buf(std::min<std::uint64_t>(kReadPiece, rd.left()));
+    while (rd.left() > 0) {
+      const std::size_t n = static_cast<std::size_t>(std::min<std::uint64_t>(buf.size(), rd.left()));
+      if (!rd.read(buf.data(), n)) {
+        *shrank = true;
+        return std::string("the file shrank while it was read");
+      }
+    }
+    *hash = rd.digest();
+    return w;
+  };
+  ManifestHeader h{};
+  if (!rd.read(&h, sizeof h)) {
+    *shrank = true;
+    return "the file shrank while it was read";
+  }
+  // The structure the windows below rely on (decode_manifest checks the same
+  // on a whole manifest).
+  const std::uint64_t used = rec.manifest_used;
+  if (h.magic != kManifestMagic) return done("bad manifest magic");
+  if (h.format != kManifestVersion) return done("unknown manifest format " + std::to_string(h.format));
+  if (h.entry_bytes != sizeof(ManifestEntry)) return done("bad manifest entry size");
+  if (h.tensor_count > (used - sizeof h) / sizeof(ManifestEntry)) return done("tensor count exceeds the manifest");
+  const std::uint64_t names_at = sizeof h + std::uint64_t{h.tensor_count} * sizeof(ManifestEntry);
+  if (h.names_offset != names_at) return done("names blob is not where the entries end");
+  if (h.names_bytes > used - names_at) return done("names blob runs past the manifest");
+
+  const std::size_t keep = limit == 0 ? h.tensor_count : std::min<std::uint64_t>(limit, h.tensor_count);
+  std::vector<TensorInfo> kept;
+  std::vector<NameWant> wants;
+  kept.reserve(keep);
+  wants.reserve(keep);
+  std::vector<ManifestEntry> win(std::min<std::uint64_t>(kWindow, h.tensor_count));
+  std::vector<std::byte> synth;
+  std::uint64_t end_prev = 0, payload = 0;
+  std::uint64_t first = 0;
+  do {
+    const std::size_t w = static_cast<std::size_t>(std::min<std::uint64_t>(kWindow, h.tensor_count - first));
+    if (w > 0 && !rd.read(win.data(), w * sizeof(ManifestEntry))) {
+      *shrank = true;
+      return "the file shrank while it was read";
+    }
+    if (!why.empty()) continue;  // only hashing now
+    // The window as a manifest of its own, names replaced by a blank blob as
+    // long as the longest name (decode_manifest checks only their lengths
+    // and bounds; their real bounds are checked here).
+    std::uint64_t blob = 0, win_payload = 0;
+    for (std::size_t k = 0; k < w; ++k) {
+      const ManifestEntry& e = win[k];
+      if (e.name_bytes <= kMaxNameBytes) blob = std::max<std::uint64_t>(blob, e.name_bytes);
+      win_payload += e.nbytes;
+    }
+    ManifestHeader wh = h;
+    wh.tensor_count = static_cast<std::uint32_t>(w);
+    wh.names_offset = sizeof wh + w * sizeof(ManifestEntry);
+    wh.names_bytes = blob;
+    wh.payload_bytes = win_payload;
+    synth.assign(wh.names_offset + blob, std::byte{0});
+    std::memcpy(synth.data(), &wh, sizeof wh);
+    for (std::size_t k = 0; k < w; ++k) {
+      ManifestEntry e = win[k];
+      e.name_offset = 0;
+      std::memcpy(synth.data() + sizeof wh + k * sizeof e, &e, sizeof e);
+    }
+    SyncInfo part;
+    why = decode_manifest(synth, rec.version, rec.stream_bytes, slot_bytes, &part, /*check_names=*/false);
+    if (!why.empty()) {
+      why = shift_index(why, first);
+      continue;
+    }
+    for (std::size_t k = 0; k < w && why.empty(); ++k) {
+      const ManifestEntry& e = win[k];
+      if (std::uint64_t{e.name_offset} + e.name_bytes > h.names_bytes)
+        why = "tensor " + std::to_string(first + k) + ": name runs past the names blob";
+    }
+    if (!why.empty()) continue;
+    if (w > 0 && win[0].stream_offset < end_prev) {
+      why = "tensor " + std::to_string(first) + ": overlaps the previous tensor";
+      continue;
+    }
+    if (w > 0) end_prev = win[w - 1].stream_offset + win[w - 1].nbytes;
+    payload += win_payload;
+    for (std::size_t k = 0; k < w && kept.size() < keep; ++k) {
+      part.tensors[k].name.clear();
+      wants.push_back({win[k].name_offset, win[k].name_bytes, kept.size()});
+      kept.push_back(std::move(part.tensors[k]));
+    }
+  } while ((first += kWindow) < h.tensor_count);
+  if (why.empty() && payload != h.payload_bytes) why = "payload size disagrees with the entries";
+
+  // The names blob, in pieces; the kept entries take their names as their
+  // bytes go by.
+  std::sort(wants.begin(), wants.end(), [](const NameWant& a, const NameWant& b) { return a.start < b.start; });
+  for (NameWant& nw : wants) kept[nw.tensor].name.resize(nw.bytes);
+  std::vector<char> piece(std::min<std::uint64_t>(kReadPiece, h.names_bytes));
+  std::vector<std::size_t> active;
+  std::size_t next = 0;
+  for (std::uint64_t at = 0; at < h.names_bytes;) {
+    const std::size_t n = static_cast<std::size_t>(std::min<std::uint64_t>(piece.size(), h.names_bytes - at));
+    if (!rd.read(piece.data(), n)) {
+      *shrank = true;
+      return "the file shrank while it was read";
+    }
+    const std::uint64_t end = at + n;
+    if (why.empty()) {
+      while (next < wants.size() && wants[next].start < end) active.push_back(next++);
+      std::size_t still = 0;
+      for (std::size_t i : active) {
+        const NameWant& nw = wants[i];
+        const std::uint64_t lo = std::max(nw.start, at), hi = std::min(nw.start + nw.bytes, end);
+        if (hi > lo) std::memcpy(kept[nw.tensor].name.data() + (lo - nw.start), piece.data() + (lo - at), hi - lo);
+        if (nw.start + nw.bytes > end) active[still++] = i;
+      }
+      active.resize(still);
+    }
+    at = end;
+  }
+  // The names it prints follow the library's rules (the others' structure
+  // was checked above; their bytes are never read).
+  for (std::size_t t = 0; t < kept.size() && why.empty(); ++t)
+    if (std::string bad = name_problem(kept[t].name); !bad.empty()) why = "tensor " + std::to_string(t) + ": " + bad;
+  why = done(why);
+  if (!why.empty()) return why;
+  m->version = h.sync_version;
+  m->tensor_count = h.tensor_count;
+  m->payload_bytes = payload;
+  m->stream_bytes = h.stream_bytes;
+  m->tensors = std::move(kept);
+  return {};
+}
+
+void decode_current_manifest(RegionReport* r, int fd, const std::byte* base, std::uint64_t size, std::size_t limit) {
   const Header* live = reinterpret_cast<const Header*>(base);
   const Geometry& g = r->geo;
   ManifestReport& m = r->manifest;
@@ -190,10 +387,13 @@ void decode_current_manifest(RegionReport* r, const std::byte* base, std::uint64
       m.reason = "manifest runs past the end of the file";
       return;
     }
-    std::vector<std::byte> bytes(rec.manifest_used);
-    if (!guarded_copy(bytes.data(), base + g.manifest_offset, bytes.size())) {
+    ManifestReport got;
+    std::uint64_t hash = 0;
+    bool shrank = false;
+    const std::string why = stream_manifest(fd, g.manifest_offset, rec, g.slot_bytes, limit, &got, &hash, &shrank);
+    if (shrank) {
       m.status = "invalid";
-      m.reason = "the file shrank while it was read";
+      m.reason = why;
       return;
     }
     RecordSnapshot again{};
@@ -208,23 +408,19 @@ void decode_current_manifest(RegionReport* r, const std::byte* base, std::uint64
       last_why = "a new sync was announced while the manifest was read";
       continue;
     }
-    if (XXH3_64bits(bytes.data(), bytes.size()) != rec.manifest_hash) {
+    if (hash != rec.manifest_hash) {
       // The producer writes the next manifest before it announces it, so
       // between syncs the bytes may belong to the next one.
       last_why = "the manifest bytes do not match the sync record's hash (the producer may be writing the next "
                  "manifest, or the area is corrupt)";
       continue;
     }
-    SyncInfo info;
-    const std::string why = decode_manifest(bytes, rec.version, rec.stream_bytes, g.slot_bytes, &info);
     if (!why.empty()) {
       m.status = "invalid";
       m.reason = why;
       return;
     }
-    info.first_seq = rec.first_seq;
-    info.chunks = rec.chunks;
-    m.info = std::move(info);
+    m = std::move(got);
     m.status = "ok";
     m.reason.clear();
     return;
@@ -239,7 +435,122 @@ bool state_is_valid(const std::string& s) { return s == kStateReady || s == kSta
 
 bool state_is_damaged(const std::string& s) {
   return s == kStateCorrupt || s == kStateForeign || s == kStateNewer || s == kStateOlder || s == kStateTruncated ||
-         s == kStateUnreadable;
+         s == kStateUnreadable || s == kStateUntrusted;
+}
+
+bool guarded_copy(void* dst, const std::byte* src, std::size_t n) {
+  sigjmp_buf jb;
+  if (sigsetjmp(jb, 1) != 0) {
+    t_jump = nullptr;
+    return false;
+  }
+  t_jump = &jb;
+  std::atomic_signal_fence(std::memory_order_seq_cst);
+  std::memcpy(dst, src, n);
+  std::atomic_signal_fence(std::memory_order_seq_cst);
+  t_jump = nullptr;
+  return true;
+}
+
+void set_bus_hook(BusHook hook) { g_bus_hook.store(hook, std::memory_order_relaxed); }
+
+int open_region_file(const std::string& path, struct stat* st, int* err) {
+  *err = 0;
+  int fd;
+  do {
+    fd = ::open(path.c_str(), O_RDONLY | O_NOFOLLOW | O_CLOEXEC | O_NONBLOCK | O_NOCTTY);
+  } while (fd < 0 && errno == EINTR);
+  if (fd < 0) {
+    *err = errno;
+    return -1;
+  }
+  if (::fstat(fd, st) != 0) {
+    *err = errno;
+    ::close(fd);
+    return -1;
+  }
+  if (!S_ISREG(st->st_mode)) {
+    ::close(fd);
+    return -1;
+  }
+  return fd;
+}
+
+const char* file_type_name(mode_t mode) {
+  if (S_ISREG(mode)) return "regular";
+  if (S_ISLNK(mode)) return "symlink";
+  if (S_ISFIFO(mode)) return "fifo";
+  if (S_ISDIR(mode)) return "directory";
+  if (S_ISSOCK(mode)) return "socket";
+  if (S_ISCHR(mode)) return "char-device";
+  if (S_ISBLK(mode)) return "block-device";
+  return "unknown";
+}
+
+namespace {
+
+std::string user_name(uid_t uid) {
+  struct passwd pw {}, *res = nullptr;
+  char buf[4096];
+  if (::getpwuid_r(uid, &pw, buf, sizeof buf, &res) != 0 || res == nullptr) return {};
+  return res->pw_name;
+}
+
+std::string group_name(gid_t gid) {
+  struct group gr {}, *res = nullptr;
+  char buf[4096];
+  if (::getgrgid_r(gid, &gr, buf, sizeof buf, &res) != 0 || res == nullptr) return {};
+  return res->gr_name;
+}
+
+const char* type_phrase(mode_t mode) {
+  if (S_ISLNK(mode)) return "a symbolic link (never followed)";
+  if (S_ISFIFO(mode)) return "a FIFO";
+  if (S_ISDIR(mode)) return "a directory";
+  if (S_ISSOCK(mode)) return "a socket";
+  if (S_ISCHR(mode)) return "a character device";
+  if (S_ISBLK(mode)) return "a block device";
+  return "not a regular file";
+}
+
+void fill_owner(RegionReport* r, const struct stat& st) {
+  OwnerReport& o = r->owner;
+  o.known = true;
+  o.uid = st.st_uid;
+  o.gid = st.st_gid;
+  o.user = user_name(st.st_uid);
+  o.group = group_name(st.st_gid);
+  o.mode = st.st_mode & 07777;
+  o.trusted = untrusted_why(st).empty();
+  r->file_type = file_type_name(st.st_mode);
+}
+
+// The read-only mapping of a region file and its descriptor.
+struct ReadOnlyMap {
+  int fd = -1;
+  const std::byte* base = nullptr;
+  std::size_t len = 0;
+  ReadOnlyMap() = default;
+  ReadOnlyMap(const ReadOnlyMap&) = delete;
+  ReadOnlyMap& operator=(const ReadOnlyMap&) = delete;
+  ~ReadOnlyMap() {
+    if (base != nullptr) ::munmap(const_cast<std::byte*>(base), len);
+    if (fd >= 0) ::close(fd);
+  }
+};
+
+}  // namespace
+
+std::string mode_text(std::uint32_t mode) {
+  char buf[8];
+  std::snprintf(buf, sizeof buf, "%04o", static_cast<unsigned>(mode & 07777));
+  return buf;
+}
+
+// The library's trust rule (region.hpp), for a reader that is in the
+// file's group if the group may write it.
+std::string untrusted_why(const struct stat& st) {
+  return detail::trust_problem("the file", st.st_uid, st.st_gid, st.st_mode, detail::TrustPolicy{true, {}});
 }
 
 void install_bus_guard() {
@@ -284,6 +595,8 @@ RegionReport probe(const std::string& dir, const std::string& name, const ProbeO
   r.name = name;
   r.path = dir + "/shmcast." + name;
 
+  // lstat first, so that a symlink, FIFO or device is reported without
+  // being opened at all; the descriptor's fstat below is what counts.
   struct stat lst {};
   if (::lstat(r.path.c_str(), &lst) != 0) {
     const int e = errno;
@@ -293,11 +606,14 @@ RegionReport probe(const std::string& dir, const std::string& name, const ProbeO
     return r;
   }
   set_times(&r, lst, opts);
-  if (!S_ISREG(lst.st_mode)) {
+  fill_owner(&r, lst);
+  auto not_regular = [&](const struct stat& st) {
+    fill_owner(&r, st);
     r.state = kStateForeign;
-    r.reason = "not a regular file";
+    r.reason = type_phrase(st.st_mode);
     return r;
-  }
+  };
+  if (!S_ISREG(lst.st_mode)) return not_regular(lst);
   const std::string bad = validate_name(name);
   if (!bad.empty()) {
     r.valid_name = false;
@@ -305,22 +621,44 @@ RegionReport probe(const std::string& dir, const std::string& name, const ProbeO
     r.reason = "file name is not a valid region name: " + bad;
     return r;
   }
+  auto untrusted = [&](const std::string& why) {
+    r.state = kStateUntrusted;
+    r.reason = why + "; its contents are not read";
+    return r;
+  };
+  if (const std::string why = untrusted_why(lst); !why.empty()) return untrusted(why);
 
-  MappedFile f;
-  try {
-    f = MappedFile::open(dir, name, false);
-  } catch (const Error& e) {
-    if (e.code() == Errc::kNotFound) throw;
+  ReadOnlyMap f;
+  struct stat st {};
+  int err = 0;
+  f.fd = open_region_file(r.path, &st, &err);
+  if (f.fd < 0) {
+    if (err == ENOENT) throw Error(Errc::kNotFound, "no region at " + r.path, err);
+    if (err == 0) return not_regular(st);  // swapped under the name since the lstat
+    struct stat again {};
+    if ((err == ELOOP || err == ENXIO) && ::lstat(r.path.c_str(), &again) == 0 && !S_ISREG(again.st_mode))
+      return not_regular(again);
     r.state = kStateUnreadable;
-    r.reason = e.what();
+    r.reason = "cannot open " + r.path + ": " + std::strerror(err);
     return r;
   }
-  struct stat st {};
-  if (::fstat(f.fd(), &st) == 0) set_times(&r, st, opts);
-  r.any_lock = any_lock_held(f.fd());
-  const std::byte* base = f.data();
-  const std::uint64_t size = base != nullptr ? f.size() : 0;
+  set_times(&r, st, opts);
+  fill_owner(&r, st);
+  if (const std::string why = untrusted_why(st); !why.empty()) return untrusted(why);
+  r.any_lock = any_lock_held(f.fd);
+  const std::uint64_t size = static_cast<std::uint64_t>(st.st_size);
   r.size = size;
+  if (size > 0) {
+    void* m = ::mmap(nullptr, static_cast<std::size_t>(size), PROT_READ, MAP_SHARED, f.fd, 0);
+    if (m == MAP_FAILED) {
+      r.state = kStateUnreadable;
+      r.reason = std::string("cannot map ") + r.path + ": " + std::strerror(errno);
+      return r;
+    }
+    f.base = static_cast<const std::byte*>(m);
+    f.len = static_cast<std::size_t>(size);
+  }
+  const std::byte* base = f.base;
 
   if (size == 0) {
     if (r.young || r.any_lock == Alive::kYes) {
@@ -386,7 +724,7 @@ RegionReport probe(const std::string& dir, const std::string& name, const ProbeO
     r.state = r.fixed.layout_version > kLayoutVersion ? kStateNewer : kStateOlder;
     r.reason = fmt("layout version %llu; this tool reads version %llu", r.fixed.layout_version, kLayoutVersion);
     // Byte 0 is the producer's lock byte in every layout so far; informative only.
-    r.producer_alive = lock_held(f.fd(), kProducerLockByte);
+    r.producer_alive = lock_held(f.fd, kProducerLockByte);
     return r;
   }
   if (size < kHeaderBytes) {
@@ -412,7 +750,7 @@ RegionReport probe(const std::string& dir, const std::string& name, const ProbeO
   r.bytes_done = h.bytes_done.load(std::memory_order_relaxed);
   r.last_sync_ns = h.last_sync_ns.load(std::memory_order_relaxed);
   r.last_end_unix_ns = h.last_end_unix_ns.load(std::memory_order_relaxed);
-  r.producer_alive = peer_alive(f.fd(), kProducerLockByte, h.producer);
+  r.producer_alive = peer_alive(f.fd, kProducerLockByte, h.producer);
 
   if (r.init_state == kInitCreating) {
     if (r.young || r.producer_alive == Alive::kYes) {
@@ -509,7 +847,7 @@ RegionReport probe(const std::string& dir, const std::string& name, const ProbeO
     sr.pid = s.consumer.pid.load(std::memory_order_relaxed);
     sr.start_time = s.consumer.start_time.load(std::memory_order_relaxed);
     sr.pidns = s.consumer.pidns.load(std::memory_order_relaxed);
-    sr.alive = lock_held(f.fd(), seat_lock_byte(i));
+    sr.alive = lock_held(f.fd, seat_lock_byte(i));
     sr.attach_unix_ns = s.attach_unix_ns.load(std::memory_order_relaxed);
     sr.released_seq = s.released_seq.load(std::memory_order_relaxed);
     sr.acked_version = s.acked_version.load(std::memory_order_relaxed);
@@ -553,7 +891,7 @@ RegionReport probe(const std::string& dir, const std::string& name, const ProbeO
   }
 
   if (opts.decode_manifest)
-    decode_current_manifest(&r, base, size);
+    decode_current_manifest(&r, f.fd, base, size, opts.manifest_limit);
   else
     r.manifest.status = "skipped";
   return r;

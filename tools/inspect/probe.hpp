@@ -1,13 +1,19 @@
 // shmcast-inspect: read-only probing of region files.
 //
-// Everything here treats the region file as hostile input. A region is opened
-// read-only (MappedFile::open(dir, name, false)); no lock is ever taken and no
-// byte is ever written. Every byte the tool looks at is first copied out of
-// the mapping into private memory by a copy that survives SIGBUS (a file
-// truncated under us), and every count, offset and size is checked against
-// the mapped size before it is used.
+// Everything here treats the region file as hostile input. A region path is
+// opened one way only (open_region_file: O_NOFOLLOW | O_NONBLOCK, then fstat
+// on the descriptor), read-only; no lock is ever taken and no byte is ever
+// written. A file owned by another user, or writable by users the caller
+// does not trust, is reported as untrusted and its bytes are never read.
+// Every byte the tool looks at is first copied out of the mapping into
+// private memory by a copy that survives SIGBUS (guarded_copy: a file
+// truncated under us), or read with pread; every count, offset and size is
+// checked against the mapped size before it is used.
 #pragma once
 
+#include <sys/stat.h>
+
+#include <cstddef>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -32,11 +38,13 @@ inline constexpr const char* kStateNewer = "newer-version";      // made by a ne
 inline constexpr const char* kStateOlder = "older-version";      // made by an older shmcast
 inline constexpr const char* kStateTruncated = "truncated";      // file size disagrees with the header
 inline constexpr const char* kStateUnreadable = "unreadable";    // the OS refused to open or map it
+inline constexpr const char* kStateUntrusted = "untrusted-owner";  // another user's file, or writable by others
 
 // True for the states in which the header was validated and every field of
 // RegionReport below `header_valid` is meaningful.
 bool state_is_valid(const std::string& state);
-// True for corrupt, foreign, newer/older-version, truncated, unreadable.
+// True for corrupt, foreign, newer/older-version, truncated, unreadable and
+// untrusted-owner: show exits 4 and dump refuses them.
 bool state_is_damaged(const std::string& state);
 
 struct SeatReport {
@@ -76,7 +84,22 @@ struct SlotReport {
 struct ManifestReport {
   std::string status = "none";  // none / ok / changing / invalid / skipped
   std::string reason;
-  SyncInfo info;  // valid when status == "ok"
+  // Valid when status == "ok". Every entry was validated, but only the first
+  // ProbeOptions::manifest_limit of them are decoded into `tensors`.
+  std::uint64_t version = 0;
+  std::uint64_t tensor_count = 0;
+  std::uint64_t payload_bytes = 0;
+  std::uint64_t stream_bytes = 0;
+  std::vector<TensorInfo> tensors;
+};
+
+// Who owns a region file and who may write it (from fstat, else lstat).
+struct OwnerReport {
+  bool known = false;
+  std::uint32_t uid = 0, gid = 0;
+  std::string user, group;  // empty when the id has no name
+  std::uint32_t mode = 0;   // permission bits (st_mode & 07777)
+  bool trusted = false;     // untrusted_why() was empty
 };
 
 struct RegionReport {
@@ -85,6 +108,8 @@ struct RegionReport {
   bool valid_name = true;
   std::string state;
   std::string reason;  // why the state is what it is, when not ready
+  std::string file_type;  // regular / symlink / fifo / directory / socket / char-device / block-device / unknown
+  OwnerReport owner;
 
   std::uint64_t size = 0;  // fstat (lstat when not opened)
   std::uint64_t inode = 0;
@@ -124,11 +149,45 @@ struct RegionReport {
 
 struct ProbeOptions {
   bool decode_manifest = false;
+  std::size_t manifest_limit = 0;  // manifest entries to decode (all are validated); 0: all
   double grace_s = 60;  // a file younger than this in state "creating" is left alone
 };
 
 // Installs the SIGBUS handler the guarded copies rely on. Call once.
 void install_bus_guard();
+
+// The one SIGBUS-safe copy: copies n bytes out of a mapping, false when a
+// page faulted (the file was truncated under us). Needs install_bus_guard().
+bool guarded_copy(void* dst, const std::byte* src, std::size_t n);
+
+// A SIGBUS outside guarded_copy (in library code that touches a mapping)
+// never kills the tool by the signal: the handler calls `hook` (which must be
+// async-signal-safe and end the process with _exit), or without one prints
+// a message and _exits 1.
+using BusHook = void (*)();
+void set_bus_hook(BusHook hook);
+
+// The one way a region path is opened: O_RDONLY | O_NOFOLLOW | O_CLOEXEC |
+// O_NONBLOCK | O_NOCTTY, then fstat on the descriptor. So a symlink is never
+// followed and a FIFO, socket or device swapped in under the name never
+// blocks. Returns the descriptor of a regular file; otherwise -1, with
+// *err the errno of the failed open (ELOOP for a symlink, ENXIO for a
+// socket, ...) or 0 when it opened something that is not a regular file
+// (the descriptor is closed). *st is filled whenever fstat ran.
+int open_region_file(const std::string& path, struct stat* st, int* err);
+
+// Permission bits as four octal digits: "0640".
+std::string mode_text(std::uint32_t mode);
+
+// "regular", "symlink", "fifo", "directory", "socket", "char-device", ...
+const char* file_type_name(mode_t mode);
+
+// Why the caller must not trust the bytes of a file with this owner and
+// mode, or "" when it may: the file must belong to the caller's effective
+// uid, must not be writable by others, and may be group-writable only when
+// its group is one of the caller's groups (a region created with
+// group_access is mode 0660).
+std::string untrusted_why(const struct stat& st);
 
 // Names of the regions in `dir` (the part after "shmcast."), sorted. Entries
 // that are not regular files or whose names are not valid region names are

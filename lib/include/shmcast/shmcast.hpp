@@ -7,7 +7,7 @@
 //   ----------------------                 --------------------------------
 //   auto p = shmcast::Producer::create(    auto c = shmcast::Consumer::open("actor-0");
 //       "actor-0", {.slot_bytes = 256<<20});
-//   p.begin_sync(specs);                   shmcast::Sync s = c.wait_sync(30s);
+//   p.begin_sync(specs);                   const shmcast::SyncInfo& s = c.wait_sync(30s);
 //   for (i...) p.write(i, host_ptr);       c.read_into(dst_ptrs);   // or c.visit(fn)
 //   p.end_sync();
 //
@@ -157,6 +157,14 @@ enum class Pin : std::uint8_t {
   kAuto,  // pin when built with CUDA and a GPU is present
 };
 
+// Which copy engine a producer uses, fixed when it is created.
+enum class CopyEngine : std::uint8_t {
+  kAuto,  // CUDA when the library has it and a GPU is present, else host
+  kHost,  // memcpy only: write_device() is refused; host writes use progressive fill
+  kCuda,  // async copies on a library stream (kCudaUnavailable at create without a GPU);
+          // host sources are copied with memcpy, then published in stream order
+};
+
 struct ProducerOptions {
   std::uint64_t slot_bytes = 256ull << 20;    // S, rounded up to 2 MiB
   std::uint32_t slots = 2;                    // K >= 2: double buffering
@@ -170,6 +178,7 @@ struct ProducerOptions {
   // How long a live consumer may hold back a slot or a manifest ack.
   Duration consumer_timeout = std::chrono::seconds(60);
   Pin pin = Pin::kAuto;
+  CopyEngine engine = CopyEngine::kAuto;
 };
 
 struct ConsumerOptions {
@@ -216,6 +225,9 @@ class Producer {
   // next sync. Returns the sync's version.
   std::uint64_t begin_sync(std::span<const TensorSpec> tensors);
   // Copies tensor `index` from host memory. Tensors are written in order.
+  // A write that throws (a wrong index, a bad layout, a copy error, a
+  // consumer that timed out) aborts the sync: consumers get kAborted with the
+  // reason, and the next begin_sync() starts a fresh one.
   void write(std::size_t index, const void* src);
   void write_strided(std::size_t index, const void* src, const Strided2D& layout);
   // Copies tensor `index` from device memory with async D2H copies on a
@@ -248,6 +260,7 @@ class Producer {
   std::uint32_t slots() const;
   std::uint64_t last_version() const;
   bool pinned() const;
+  CopyEngine engine() const;   // kHost or kCuda: the engine chosen at create
   double pin_seconds() const;  // time spent in cudaHostRegister
   double create_seconds() const;  // time to create and fallocate the region
 
