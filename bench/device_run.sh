@@ -11,7 +11,9 @@
 #   run: bash bench/device_run.sh            carry: [".deb"]   kind: nvidia-h200
 #
 # Packages the machine lacks are unpacked from .deb/ (apt-get download here,
-# see scripts/device-env.sh) into /tmp/pfx, never into /.
+# see scripts/device-env.sh; the GPU machine has no xxhash headers) into
+# /tmp/pfx, never into /. The device tool sends the checkout its session was
+# started in: .deb/ and this script's version must be there.
 #   STAGES     default "env build bench"; add "test" for ctest -L gpu and the
 #              multi-process tier (builds the tests too: minutes more; best in
 #              its own call, STAGES="env build test")
