@@ -1,4 +1,5 @@
-// shmcast-bench built without CUDA: --mode cuda reports that and exits 2.
+// shmcast-bench built without CUDA (or without nvcc for its kernels):
+// --mode cuda reports that and exits 2.
 #include <stdexcept>
 
 #include "bench.hpp"

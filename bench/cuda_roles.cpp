@@ -1,7 +1,9 @@
 // shmcast-bench, CUDA mode: the producer and consumer roles (each its own
 // process, CUDA initialised after exec) and the single-process copy ceilings.
+// The producer fills its device tensors with sync i's bytes before sync i and
+// the consumer checks every byte it received on the device after its timer
+// stopped (cuda_kernels.cu).
 #include <sys/mman.h>
-#include <xxhash.h>
 
 #include <cuda_runtime_api.h>
 
@@ -12,6 +14,8 @@
 #include <thread>
 
 #include "bench.hpp"
+#include "content.hpp"
+#include "cuda_kernels.hpp"
 
 namespace bench {
 
@@ -27,7 +31,6 @@ void ck(cudaError_t e, const char* what) {
 }
 
 constexpr std::uint64_t kAlign = 256;
-constexpr std::uint64_t kPool = 64ull << 20;
 
 std::uint64_t align_up(std::uint64_t x) { return (x + kAlign - 1) / kAlign * kAlign; }
 
@@ -42,63 +45,8 @@ std::uint64_t layout(const std::vector<shmcast::TensorSpec>& specs, std::vector<
   return at ? at : kAlign;
 }
 
-void xorshift_fill(std::uint8_t* p, std::size_t n, std::uint64_t seed) {
-  std::uint64_t x = seed * 0x9E3779B97F4A7C15ull + 1;
-  for (std::size_t i = 0; i + 8 <= n; i += 8) {
-    x ^= x << 13;
-    x ^= x >> 7;
-    x ^= x << 17;
-    std::memcpy(p + i, &x, 8);
-  }
-}
-
-// Fills [dst, dst + n) on the device with random bits: a 64 MiB random pool,
-// copied in tiles that start at a different place for every tensor.
-void fill_random(std::byte* dst, std::uint64_t n, const std::byte* pool, std::uint64_t seed) {
-  std::uint64_t k = (seed * 0x9E3779B97F4A7C15ull >> 20) % (kPool - 4096) & ~std::uint64_t{255};
-  std::uint64_t pos = 0;
-  while (pos < n) {
-    const std::uint64_t len = std::min(n - pos, kPool - k);
-    ck(cudaMemcpy(dst + pos, pool + k, len, cudaMemcpyDeviceToDevice), "cudaMemcpy (fill)");
-    pos += len;
-    k = (k + len + 4096 * ((seed % 7) + 1)) % (kPool - 4096) & ~std::uint64_t{255};
-  }
-}
-
-struct Bounce {
-  void* p = nullptr;
-  std::size_t n = 64ull << 20;
-  cudaStream_t s = nullptr;
-  Bounce() {
-    ck(cudaMallocHost(&p, n), "cudaMallocHost (bounce)");
-    ck(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "cudaStreamCreate");
-  }
-  ~Bounce() {
-    cudaFreeHost(p);
-    cudaStreamDestroy(s);
-  }
-  std::uint64_t hash(const std::byte* d, std::uint64_t n_) {
-    XXH3_state_t* st = XXH3_createState();
-    XXH3_64bits_reset(st);
-    for (std::uint64_t off = 0; off < n_; off += n) {
-      const std::uint64_t len = std::min<std::uint64_t>(n, n_ - off);
-      ck(cudaMemcpyAsync(p, d + off, len, cudaMemcpyDeviceToHost, s), "cudaMemcpyAsync (hash)");
-      ck(cudaStreamSynchronize(s), "cudaStreamSynchronize (hash)");
-      XXH3_64bits_update(st, p, len);
-    }
-    const std::uint64_t h = XXH3_64bits_digest(st);
-    XXH3_freeState(st);
-    return h;
-  }
-};
-
-std::byte* random_pool() {
-  std::vector<std::uint8_t> host(kPool);
-  xorshift_fill(host.data(), host.size(), 0x5eed);
-  void* d = nullptr;
-  ck(cudaMalloc(&d, kPool), "cudaMalloc (pool)");
-  ck(cudaMemcpy(d, host.data(), kPool, cudaMemcpyHostToDevice), "cudaMemcpy (pool)");
-  return static_cast<std::byte*>(d);
+void fill_key(std::byte* dst, std::uint64_t n, std::uint64_t key, cudaStream_t s) {
+  ck(kernels::fill(dst, n, key, s), "fill kernel");
 }
 
 void wait_all(Ctl* ctl, const char* what, int i, bool ready) {
@@ -153,28 +101,23 @@ int cuda_producer(Ctl* ctl) {
   void* slab = nullptr;
   ck(cudaMalloc(&slab, total), "cudaMalloc (source tensors)");
   std::byte* base = static_cast<std::byte*>(slab);
-  std::byte* pool = random_pool();
-  for (std::size_t i = 0; i < specs.size(); ++i) fill_random(base + offs[i], specs[i].nbytes(), pool, 17 + i);
-  ck(cudaDeviceSynchronize(), "cudaDeviceSynchronize (fill)");
-  cudaFree(pool);
-  if (c.verify) {
-    Bounce b;
-    for (std::size_t i = 0; i < specs.size(); ++i) ctl->src_hash[i] = b.hash(base + offs[i], specs[i].nbytes());
-  }
-  ctl->tensors = static_cast<std::uint32_t>(specs.size());
-  ctl->src_hashes_ready.store(1, std::memory_order_release);
+  cudaStream_t stream = nullptr, fill = nullptr;
+  ck(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreate");
+  ck(cudaStreamCreateWithFlags(&fill, cudaStreamNonBlocking), "cudaStreamCreate");
   r.setup_s = static_cast<double>(now_ns() - t0) * 1e-9;
 
-  shmcast::Producer p = shmcast::Producer::create(c.region, producer_options(c, shmcast::Pin::kYes));
+  shmcast::Producer p = shmcast::Producer::create(c.region, producer_options(c, shmcast::Pin::kYes, shmcast::CopyEngine::kCuda));
   r.create_s = p.create_seconds();
   r.pin_s = p.pin_seconds();
   r.pinned = p.pinned();
   r.region_bytes = p.region_bytes();
   ctl->region_ready.store(1, std::memory_order_release);
-  cudaStream_t stream = nullptr;
-  ck(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreate");
   p.wait_for_consumers(c.consumers, 60s);
   for (int i = 0; i < c.syncs(); ++i) {
+    // Fresh bytes for this sync, on the device, outside the timed region.
+    for (std::size_t t = 0; t < specs.size(); ++t)
+      fill_key(base + offs[t], specs[t].nbytes(), content::key(c.seed, static_cast<std::uint64_t>(i), t), fill);
+    ck(cudaStreamSynchronize(fill), "cudaStreamSynchronize (fill)");
     wait_all(ctl, "consumers ready", i, true);
     ctl->t_start[i].store(now_ns(), std::memory_order_release);
     p.begin_sync(specs);
@@ -186,6 +129,7 @@ int cuda_producer(Ctl* ctl) {
   p.wait_drained(60s);
   p.close();
   cudaStreamDestroy(stream);
+  cudaStreamDestroy(fill);
   cudaFree(slab);
   return 0;
 }
@@ -205,6 +149,10 @@ int cuda_consumer(Ctl* ctl, int index) {
     base = static_cast<std::byte*>(slab);
     for (std::size_t i = 0; i < specs.size(); ++i) dsts.push_back(base + offs[i]);
   }
+  // One mismatch counter per tensor, on the device.
+  unsigned long long* bad_d = nullptr;
+  ck(cudaMalloc(reinterpret_cast<void**>(&bad_d), specs.size() * sizeof(unsigned long long)), "cudaMalloc (counters)");
+  std::vector<unsigned long long> bad_h(specs.size());
   cudaStream_t stream = nullptr;
   ck(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreate");
   shmcast::ConsumerOptions o;
@@ -217,14 +165,8 @@ int cuda_consumer(Ctl* ctl, int index) {
   r.pinned = con.pinned();
   std::vector<void*> got;
   for (int i = 0; i < c.syncs(); ++i) {
-    const bool last_verify = c.verify && i == c.syncs() - 1;
-    if (last_verify) {  // poison what the last sync must overwrite
-      if (!c.staging)
-        ck(cudaMemsetAsync(base, 0xEE, total, stream), "cudaMemsetAsync (poison)");
-      else if (!got.empty())
-        ck(cudaMemsetAsync(got[0], 0xEE, con.sync().stream_bytes, stream), "cudaMemsetAsync (poison)");
-      ck(cudaStreamSynchronize(stream), "cudaStreamSynchronize (poison)");
-    }
+    ck(cudaMemsetAsync(bad_d, 0, specs.size() * sizeof(unsigned long long), stream), "cudaMemsetAsync (counters)");
+    ck(cudaStreamSynchronize(stream), "cudaStreamSynchronize (counters)");
     ctl->t_ready[index][i].store(now_ns(), std::memory_order_release);
     const shmcast::SyncInfo& info = con.wait_sync(120s);
     if (info.tensors.size() != specs.size()) throw std::runtime_error("manifest differs from the expected one");
@@ -234,20 +176,40 @@ int cuda_consumer(Ctl* ctl, int index) {
       con.read_into_device(dsts, stream);
     ck(cudaStreamSynchronize(stream), "cudaStreamSynchronize (after read)");
     ctl->t_done[index][i].store(now_ns(), std::memory_order_release);
-    if (last_verify) {
-      wait_for(ctl, "source hashes", 60, [&] { return ctl->src_hashes_ready.load(std::memory_order_acquire) != 0; });
-      const std::vector<void*>& ptrs = c.staging ? got : dsts;
-      Bounce b;
-      for (std::size_t t = 0; t < specs.size(); ++t) {
-        if (b.hash(static_cast<const std::byte*>(ptrs[t]), specs[t].nbytes()) != ctl->src_hash[t]) {
-          if (r.mismatches++ == 0) std::snprintf(r.first_bad, sizeof r.first_bad, "%s", specs[t].name.c_str());
-        }
-      }
-      r.verified = 1;
+    // Every byte of this sync, on the device, after the timer stopped.
+    const std::vector<void*>& ptrs = c.staging ? got : dsts;
+    if (ptrs.size() != specs.size()) throw std::runtime_error("read returned the wrong number of tensors");
+    if (index == 0 && i == corrupt_sync() && specs[0].nbytes() > 0) {  // self-test of the checker
+      std::uint8_t b = 0;
+      auto* at = static_cast<std::uint8_t*>(ptrs[0]) + specs[0].nbytes() / 3;
+      ck(cudaMemcpy(&b, at, 1, cudaMemcpyDeviceToHost), "cudaMemcpy (corrupt)");
+      b ^= 1;
+      ck(cudaMemcpy(at, &b, 1, cudaMemcpyHostToDevice), "cudaMemcpy (corrupt)");
     }
+    for (std::size_t t = 0; t < specs.size(); ++t)
+      ck(kernels::count_bad(ptrs[t], specs[t].nbytes(), content::key(c.seed, static_cast<std::uint64_t>(i), t), bad_d + t,
+                            stream),
+         "check kernel");
+    ck(cudaMemcpyAsync(bad_h.data(), bad_d, specs.size() * sizeof(unsigned long long), cudaMemcpyDeviceToHost, stream),
+       "cudaMemcpyAsync (counters)");
+    ck(cudaStreamSynchronize(stream), "cudaStreamSynchronize (check)");
+    std::int32_t bad = 0;
+    for (std::size_t t = 0; t < specs.size(); ++t) {
+      if (bad_h[t] != 0) {
+        if (r.mismatches == 0 && bad == 0)
+          std::snprintf(r.first_bad, sizeof r.first_bad, "sync %d, tensor %s (%llu words differ)", i,
+                        specs[t].name.c_str(), bad_h[t]);
+        ++bad;
+      }
+    }
+    ctl->sync_bad[index][i] = bad;
+    r.mismatches += bad;
+    ++r.checked;
+    if (bad == 0) ++r.verified;
   }
   con.close();
   cudaStreamDestroy(stream);
+  cudaFree(bad_d);
   if (base) cudaFree(base);
   return 0;
 }
@@ -284,9 +246,8 @@ Ceilings measure_ceilings(int pdev, int cdev, std::uint64_t bytes, int reps) {
     std::byte* hA = static_cast<std::byte*>(host);
     std::byte* hB = hA + bytes;
     ck(cudaMalloc(&dsrc, bytes), "cudaMalloc");
-    std::byte* pool = random_pool();
-    fill_random(static_cast<std::byte*>(dsrc), bytes, pool, 1);
-    cudaFree(pool);
+    fill_key(static_cast<std::byte*>(dsrc), bytes, content::key(1, 0, 0), nullptr);
+    ck(cudaDeviceSynchronize(), "cudaDeviceSynchronize (fill)");
     ck(cudaStreamCreateWithFlags(&s1, cudaStreamNonBlocking), "cudaStreamCreate");
     ck(cudaEventCreate(&e0), "cudaEventCreate");
     ck(cudaEventCreate(&e1), "cudaEventCreate");
@@ -298,10 +259,6 @@ Ceilings measure_ceilings(int pdev, int cdev, std::uint64_t bytes, int reps) {
     ck(cudaEventCreate(&e3), "cudaEventCreate");
     ck(cudaSetDevice(pdev), "cudaSetDevice");
     const double B = static_cast<double>(bytes);
-    auto med = [](std::vector<double> v) {
-      std::sort(v.begin(), v.end());
-      return v[v.size() / 2];
-    };
     auto gb = [&](double ms) { return B / (ms * 1e-3) * 1e-9; };
     std::vector<double> d2h, h2d, both, bd, bh;
     for (int i = 0; i <= reps; ++i) {
@@ -405,16 +362,16 @@ Ceilings measure_ceilings(int pdev, int cdev, std::uint64_t bytes, int reps) {
           b2.push_back(gb(std::max(m1, m2)));
         }
       }
-      out.h2d2_gbps = med(h2);
-      out.both2_gbps = med(b2);
-      out.both2_d2h_gbps = med(b2d);
-      out.both2_h2d_gbps = med(b2h);
+      out.h2d2 = stat_of(h2);
+      out.both2 = stat_of(b2);
+      out.both2_d2h = stat_of(b2d);
+      out.both2_h2d = stat_of(b2h);
     }
-    out.d2h_gbps = med(d2h);
-    out.h2d_gbps = med(h2d);
-    out.both_gbps = med(both);
-    out.both_d2h_gbps = med(bd);
-    out.both_h2d_gbps = med(bh);
+    out.d2h = stat_of(d2h);
+    out.h2d = stat_of(h2d);
+    out.both = stat_of(both);
+    out.both_d2h = stat_of(bd);
+    out.both_h2d = stat_of(bh);
     out.ok = true;
   } catch (const std::exception& e) {
     out.error = e.what();

@@ -54,13 +54,13 @@ fi
 if has bench; then
   J="$OUT/bench.jsonl"
   : >"$J"
-  log "bench: C++ shmcast-bench --mode cuda --iters 5"
-  timeout 90 $B/bench/shmcast-bench --mode cuda --iters 5 --json >"$OUT/run.json" 2>>"$OUT/bench.err"
+  log "bench: C++ shmcast-bench --mode cuda --reps 10"
+  timeout 120 $B/bench/shmcast-bench --mode cuda --reps 10 --json >"$OUT/run.json" 2>>"$OUT/bench.err"
   echo "rc=$?"; python3 -c 'import json,sys; d=json.load(open(sys.argv[1])); d["label"]="cxx"; print(json.dumps(d))' "$OUT/run.json" >>"$J"
   for mode in copy staging; do
-    log "bench: python bench_python.py --device cuda --mode $mode --iters 5"
-    PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout 80 "$PY" python/bench_python.py --device cuda:0 \
-      --mode $mode --iters 5 --json >"$OUT/run.json" 2>>"$OUT/bench.err"
+    log "bench: python bench_python.py --device cuda --mode $mode --reps 10"
+    PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout 120 "$PY" python/bench_python.py --device cuda:0 \
+      --mode $mode --reps 10 --json >"$OUT/run.json" 2>>"$OUT/bench.err"
     echo "rc=$?"; python3 -c 'import json,sys; d=json.load(open(sys.argv[1])); d["label"]="python-"+sys.argv[2]; print(json.dumps(d))' "$OUT/run.json" "$mode" >>"$J"
   done
   rm -f "$OUT/run.json"
@@ -75,7 +75,7 @@ cx = c.get("gbps")
 if cx:
     ce = c["ceilings"]
     print(f"C++ shmcast-bench: {cx:.2f} GB/s ({c.get('seconds', 0)*1e3:.1f} ms per sync), concurrent ceiling "
-          f"{ce['concurrent_gbps']:.2f} GB/s, bit_exact {c.get('bit_exact')}")
+          f"{ce['concurrent_gbps']:.2f} GB/s, verified {c.get('verified')}")
 for m in ("copy", "staging"):
     p = rows.get("python-" + m)
     if not p:
@@ -84,7 +84,7 @@ for m in ("copy", "staging"):
     print(f"Python ({m}): {p['gbps']:.2f} GB/s ({p['sync_ms']:.1f} ms per sync){ratio}; "
           f"send {p['send_ms']:.1f} ms (C++ {p['send_cxx_ms']:.1f}, Python overhead {p['send_python_overhead_ms']:.3f} ms); "
           f"receive {p['receive_ms']:.1f} ms (C++ {p['receive_cxx_ms']:.1f}, Python overhead "
-          f"{p['receive_python_overhead_ms']:.3f} ms); values checked {p['bit_check']}")
+          f"{p['receive_python_overhead_ms']:.3f} ms); verified {p.get('verified')}")
 EOF
 fi
 if has example; then

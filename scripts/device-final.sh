@@ -33,6 +33,6 @@ PYTHONPATH=$B/python timeout 240 $PY tests/seccomp/gpu_ipc_vs_shmcast.py --runne
 echo "container script rc=$?"; tail -1 "$OUT/gpu_container.log"
 
 log "bench (default: Qwen2.5-3B, 2 x 256 MiB)"
-timeout 120 $B/bench/shmcast-bench --mode cuda --iters 5 --json >"$OUT/bench.json" 2>"$OUT/bench.err"
+timeout 120 $B/bench/shmcast-bench --mode cuda --reps 10 --json >"$OUT/bench.json" 2>"$OUT/bench.err"
 echo "bench rc=$?"; $PY -c "import json,sys; d=json.load(open('$OUT/bench.json')); print({k: d.get(k) for k in ('gbps','seconds','ratio','concurrent_gbps','bit_exact')})" 2>&1 | tail -1
 log done

@@ -20,8 +20,14 @@ plus fan-out (one producer, consumers on two GPUs), a trainer-loop mode
 (sync inside real AdamW training steps of a small transformer), and every
 two-process path again under Docker's default seccomp profile through
 shmcast-seccomp-run. Processes are started with subprocess (never fork after
-CUDA init). Every sync is checked bit-exact with per-tensor checksums computed
-on the device on both sides.
+CUDA init). Every sync carries fresh random bytes (the trainer re-randomises
+its weights before each repetition, outside the timed region, and the receiver
+poisons its parameters) and is checked bit-exact after its timer stopped, with
+per-tensor checksums computed on the device on both sides; any mismatch makes
+the bench exit 1. Every figure is the median of --reps-fast (paths b, c,
+fan-out) or --reps (path a) timed syncs, with min and max; the shmcast rows
+are compared against the copy ceilings measured again in the trainer process
+right before them.
 
   python3 bench/e2e/weight_sync_bench.py --out OUT            # GPU, everything
   python3 bench/e2e/weight_sync_bench.py --device cpu --small # CPU smoke run
@@ -155,10 +161,26 @@ _W_CACHE = {}
 _CHUNK = 1 << 24
 
 
+def _weights(dev):
+    """Random odd int64 weights, the same in every process (CPU generator, fixed
+    seed), cached per device."""
+    torch = _torch()
+    w = _W_CACHE.get(dev)
+    if w is None:
+        g = torch.Generator()
+        g.manual_seed(0x5EED)
+        w = torch.randint(-(1 << 62), 1 << 62, (_CHUNK,), generator=g, dtype=torch.int64) * 2 + 1
+        w = _W_CACHE[dev] = w.to(dev)
+    return w
+
+
 def checksums(tensors):
-    """Per-tensor (sum, position-weighted sum) of the raw bits as int64 (wrapping
-    arithmetic, so the result does not depend on reduction order). Computed on the
-    tensors' device; one host transfer for the whole list."""
+    """Per-tensor (sum, weighted sum) of the raw bits as int64 (wrapping
+    arithmetic, so the result does not depend on reduction order). The weights
+    are random odd 64-bit words (times 2k + 1 for the k-th 16 Mi-element chunk),
+    so a change of any single word always changes the weighted sum, and any other
+    change does so but with probability about 2^-64. Computed on the tensors'
+    device; one host transfer for the whole list."""
     torch = _torch()
     out = []
     for t in tensors:
@@ -166,15 +188,13 @@ def checksums(tensors):
         nb = v.numel() * v.element_size()
         v = v.view(torch.int32) if nb % 4 == 0 else v.view(torch.int16) if nb % 2 == 0 else v.view(torch.uint8)
         dev = v.device
-        w = _W_CACHE.get(dev)
-        if w is None:
-            w = _W_CACHE[dev] = (torch.arange(_CHUNK, device=dev, dtype=torch.int64) % 65521) + 1
+        w = _weights(dev)
         s1 = torch.zeros((), dtype=torch.int64, device=dev)
         s2 = torch.zeros((), dtype=torch.int64, device=dev)
         for k, off in enumerate(range(0, v.numel(), _CHUNK)):
             c = v[off:off + _CHUNK].to(torch.int64)
             s1 += c.sum()
-            s2 += (c * w[: c.numel()]).sum() * (k + 1)
+            s2 += (c * w[: c.numel()]).sum() * (2 * k + 1)
         out.append(torch.stack([s1, s2]))
     if not out:
         return []
@@ -289,6 +309,10 @@ def peer_main(cfg):
     params = {}
     cons = None
     shm = None
+    # SHMCAST_BENCH_CORRUPT=i: flip a bit of the first parameter after this process's
+    # round i (0-based), after its timer stopped: a self-test of the check (exit 1)
+    corrupt = int(os.environ.get("SHMCAST_BENCH_CORRUPT", "-1") or -1)
+    rounds = 0
 
     def recv_buckets(path):
         err, nb = None, 0
@@ -360,6 +384,10 @@ def peer_main(cfg):
                 except Exception as e:  # noqa: BLE001
                     err = describe(e)
                 t_done = now()
+                if rounds == corrupt and params:
+                    b = next(iter(params.values())).view(-1).view(torch.uint8)
+                    b[b.numel() // 3] ^= 1
+                rounds += 1
                 ch.send_obj({"done": t_done, "error": err})
                 sums = None
                 if err is None and msg.get("verify", True):
@@ -560,6 +588,12 @@ class Trainer:
             self.ask(i, {"op": "alloc", "manifest": manifest}, timeout=300)
         prod = None
         try:
+            if task.get("ceiling_reps") and self.dev.type == "cuda":
+                # this configuration's ceiling, measured in this process right before it
+                try:
+                    rec["ceiling"] = copy_ceilings(self.dev, task["ceiling_mb"] * MiB, task["ceiling_reps"])
+                except Exception as e:  # noqa: BLE001
+                    rec["ceiling"] = {"errors": [describe(e)]}
             if path == "c":
                 prod, region, create_s = self.new_producer(task["slot_mb"], task["slots"])
                 rec.update(slot_mb=task["slot_mb"], slots=task["slots"], create_s=create_s,
@@ -637,8 +671,12 @@ class Trainer:
                     if ts:
                         med = statistics.median(ts)
                         ph[f"peer{i}_median_s"] = med
+                        ph[f"peer{i}_min_s"], ph[f"peer{i}_max_s"] = min(ts), max(ts)
                         ph[f"peer{i}_gbps"] = nbytes / med / 1e9
-                ph["bit_exact"] = bool(good) and all(all(v is True for v in r["bit_exact"].values()) for r in good)
+                timed = [r for r in runs if not r["warmup"]]
+                ph["verified"] = f"{sum(run_exact(r) for r in timed)}/{len(timed)}"
+                ph["mismatch"] = any(run_mismatch(r) for r in runs)
+                ph["bit_exact"] = bool(good) and all(run_exact(r) for r in good)
                 if phase in ("single0", "both"):
                     ph["d2h"] = self.profiled_d2h(prod, named, members)
                 ls = prod.last_sync
@@ -767,11 +805,16 @@ class Trainer:
                 # the sync, timed from here: bf16 copies of the weights, then the transfer
                 t1 = now()
                 named = [(n, p.detach().to(torch.bfloat16)) for n, p in model.named_parameters()]
+                sync_device(dev)
+                t_cast = now() - t1
                 r = self.round(path, named, peers, None, prod=prod)
-                t_sync = now() - t1
-                rec["steps"].append({"step_s": t_step, "sync_s": t_sync, "loss": float(loss.item()) * micro,
-                                     "bit_exact": all(v is True for v in r["bit_exact"].values()),
-                                     "warmup": step < task["warmup"], "errors": r["errors"]})
+                # casts + the transfer (round's own timer: trainer start to the receiver's stream
+                # synchronize), not the checksums that round computes after it
+                t_sync = t_cast + r["seconds"]
+                rec["steps"].append({"step_s": t_step, "sync_s": t_sync, "cast_s": t_cast,
+                                     "loss": float(loss.item()) * micro, "bit_exact": run_exact(r),
+                                     "mismatch": run_mismatch(r), "warmup": step < task["warmup"],
+                                     "errors": r["errors"]})
                 del named
                 if r["errors"]:
                     rec["errors"] += r["errors"]
@@ -789,8 +832,12 @@ class Trainer:
             st = statistics.median(s["step_s"] for s in good)
             sy = statistics.median(s["sync_s"] for s in good)
             rec.update(step_median_s=st, sync_median_s=sy, sync_share=sy / (st + sy),
+                       sync_min_s=min(s["sync_s"] for s in good), sync_max_s=max(s["sync_s"] for s in good),
                        bit_exact=all(s["bit_exact"] for s in good), measured_steps=len(good),
                        sync_gbps=rec["sync_bytes"] / sy / 1e9)
+        timed = [s for s in rec["steps"] if not s["warmup"]]
+        rec["verified"] = f"{sum(s['bit_exact'] for s in timed)}/{len(timed)}"
+        rec["mismatch"] = any(s.get("mismatch") for s in rec["steps"])
         return rec
 
     def run(self):
@@ -816,6 +863,15 @@ class Trainer:
         self.save()
 
 
+def run_exact(r):
+    return bool(r["bit_exact"]) and all(v is True for v in r["bit_exact"].values())
+
+
+def run_mismatch(r):
+    """A sync whose checksums were compared and differed (not a sync that failed)."""
+    return any(v is False for v in r["bit_exact"].values())
+
+
 def summarize(rec):
     good = [r for r in rec["runs"] if not r["warmup"] and not r["errors"]]
     rec["ok"] = bool(good) and not rec["errors"] and len(good) >= rec["reps"]
@@ -823,12 +879,82 @@ def summarize(rec):
         secs = [r["seconds"] for r in good]
         rec["seconds"] = secs
         rec["median_s"] = statistics.median(secs)
+        rec["min_s"], rec["max_s"] = min(secs), max(secs)
         rec["gbps"] = rec["bytes"] / rec["median_s"] / 1e9
-    rec["bit_exact"] = bool(good) and all(all(v is True for v in r["bit_exact"].values()) for r in rec["runs"]
-                                          if not r["errors"])
+        rec["gbps_min"], rec["gbps_max"] = rec["bytes"] / rec["max_s"] / 1e9, rec["bytes"] / rec["min_s"] / 1e9
+        cb = (rec.get("ceiling") or {}).get("both_gbps")
+        if cb:
+            rec["ratio"] = rec["gbps"] / cb
+    timed = [r for r in rec["runs"] if not r["warmup"]]
+    rec["verified"] = f"{sum(run_exact(r) for r in timed)}/{len(timed)}"
+    rec["mismatch"] = any(run_mismatch(r) for r in rec["runs"])
+    rec["bit_exact"] = bool(good) and all(run_exact(r) for r in rec["runs"] if not r["errors"])
 
 
 # --------------------------------------------------------------------------- ceilings process (d)
+
+def copy_ceilings(dev, n, reps):
+    """Pinned D2H alone, H2D alone and both at once on two streams (bytes each way
+    / time until both finish), n bytes per copy, `reps` copies after 1 warm-up,
+    CUDA events. GB/s: median under each name, with _min, _max and _all."""
+    torch = _torch()
+    out = {}
+    src = torch.empty(n, dtype=torch.uint8, device=dev)
+    src.random_(0, 256)
+    dst = torch.empty(n, dtype=torch.uint8, device=dev)
+    t = now()
+    ha = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+    hb = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+    out["pin_alloc_s_per_gib"] = (now() - t) / (2 * n / GiB)
+    ha.fill_(1)
+    hb.fill_(0x33)
+    torch.cuda.synchronize()  # src's random fill ran on the default stream
+    s1, s2 = torch.cuda.Stream(dev), torch.cuda.Stream(dev)
+    ev = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
+    gb = lambda ms: n / (ms * 1e-3) / 1e9  # noqa: E731
+    d2h, h2d, both, bd, bh = [], [], [], [], []
+    for i in range(reps + 1):
+        with torch.cuda.stream(s1):
+            ev[0].record(s1)
+            ha.copy_(src, non_blocking=True)
+            ev[1].record(s1)
+        ev[1].synchronize()
+        if i:
+            d2h.append(gb(ev[0].elapsed_time(ev[1])))
+    for i in range(reps + 1):
+        with torch.cuda.stream(s2):
+            ev[0].record(s2)
+            dst.copy_(hb, non_blocking=True)
+            ev[1].record(s2)
+        ev[1].synchronize()
+        if i:
+            h2d.append(gb(ev[0].elapsed_time(ev[1])))
+    for i in range(reps + 1):
+        ev[0].record(s1)
+        s2.wait_event(ev[0])
+        with torch.cuda.stream(s1):
+            ha.copy_(src, non_blocking=True)
+        with torch.cuda.stream(s2):
+            dst.copy_(hb, non_blocking=True)
+        ev[1].record(s1)
+        ev[2].record(s2)
+        ev[1].synchronize()
+        ev[2].synchronize()
+        m1, m2 = ev[0].elapsed_time(ev[1]), ev[0].elapsed_time(ev[2])
+        if i:
+            bd.append(gb(m1))
+            bh.append(gb(m2))
+            both.append(gb(max(m1, m2)))
+    out.update(bytes=n, reps=reps)
+    for k, xs in (("d2h", d2h), ("h2d", h2d), ("both", both), ("both_d2h", bd), ("both_h2d", bh)):
+        out[f"{k}_gbps"] = statistics.median(xs)
+        out[f"{k}_gbps_min"] = min(xs)
+        out[f"{k}_gbps_max"] = max(xs)
+        out[f"{k}_all"] = xs
+    del src, dst, ha, hb
+    torch.cuda.empty_cache()
+    return out
+
 
 def ceilings_main(cfg):
     torch = _torch()
@@ -840,57 +966,12 @@ def ceilings_main(cfg):
         out["device_count"] = torch.cuda.device_count()
         out["device_names"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
         n = cfg["ceiling_bytes"]
-        reps = cfg["ceiling_reps"]
-        src = torch.empty(n, dtype=torch.uint8, device=dev)
-        src.random_(0, 256)
-        dst = torch.empty(n, dtype=torch.uint8, device=dev)
-        t = now()
-        ha = torch.empty(n, dtype=torch.uint8, pin_memory=True)
-        hb = torch.empty(n, dtype=torch.uint8, pin_memory=True)
-        out["pin_alloc_s_per_gib"] = (now() - t) / (2 * n / GiB)
-        ha.fill_(1)
-        hb.fill_(0x33)
-        torch.cuda.synchronize()  # src's random fill ran on the default stream
-        s1, s2 = torch.cuda.Stream(dev), torch.cuda.Stream(dev)
-        ev = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
-        gb = lambda ms: n / (ms * 1e-3) / 1e9  # noqa: E731
-        d2h, h2d, both, bd, bh = [], [], [], [], []
-        for i in range(reps + 1):
-            with torch.cuda.stream(s1):
-                ev[0].record(s1)
-                ha.copy_(src, non_blocking=True)
-                ev[1].record(s1)
-            ev[1].synchronize()
-            if i:
-                d2h.append(gb(ev[0].elapsed_time(ev[1])))
-        for i in range(reps + 1):
-            with torch.cuda.stream(s2):
-                ev[0].record(s2)
-                dst.copy_(hb, non_blocking=True)
-                ev[1].record(s2)
-            ev[1].synchronize()
-            if i:
-                h2d.append(gb(ev[0].elapsed_time(ev[1])))
-        for i in range(reps + 1):
-            ev[0].record(s1)
-            s2.wait_event(ev[0])
-            with torch.cuda.stream(s1):
-                ha.copy_(src, non_blocking=True)
-            with torch.cuda.stream(s2):
-                dst.copy_(hb, non_blocking=True)
-            ev[1].record(s1)
-            ev[2].record(s2)
-            ev[1].synchronize()
-            ev[2].synchronize()
-            m1, m2 = ev[0].elapsed_time(ev[1]), ev[0].elapsed_time(ev[2])
-            if i:
-                bd.append(gb(m1))
-                bh.append(gb(m2))
-                both.append(gb(max(m1, m2)))
-        med = statistics.median
-        out.update(bytes=n, reps=reps, d2h_gbps=med(d2h), h2d_gbps=med(h2d), both_gbps=med(both),
-                   both_d2h_gbps=med(bd), both_h2d_gbps=med(bh), d2h_all=d2h, h2d_all=h2d, both_all=both)
+        out.update(copy_ceilings(dev, n, cfg["ceiling_reps"]))
         # pageable, for context: what path (a) copies through
+        med = statistics.median
+        src = torch.empty(n, dtype=torch.uint8, device=dev)
+        src.fill_(3)
+        dst = torch.empty_like(src)
         pg = torch.empty(n, dtype=torch.uint8)
         pg.fill_(7)
         pd, ph = [], []
@@ -1121,8 +1202,11 @@ class Orchestrator:
         pdev = "cpu" if self.cpu else "cuda:0"
 
         def t_sync(path, label, reps, **kw):
-            return dict(kind="sync", path=path, label=label, warmup=W, reps=reps, slot_mb=slot, slots=slots,
-                        bucket_bytes=a.bucket_mb * MiB, **kw)
+            t = dict(kind="sync", path=path, label=label, warmup=W, reps=reps, slot_mb=slot, slots=slots,
+                     bucket_bytes=a.bucket_mb * MiB, **kw)
+            if path == "c" and not self.cpu and a.ceiling_reps:
+                t.update(ceiling_mb=a.ceiling_mb, ceiling_reps=a.ceiling_reps)
+            return t
 
         big = not self.small
         est_a = (40 if big else 5) * (W + R) / 4
@@ -1200,7 +1284,49 @@ class Orchestrator:
         if not a.keep_logs_dir:
             shutil.rmtree(os.path.join(self.out, "logs"), ignore_errors=True)
         shutil.rmtree(self.tmp, ignore_errors=True)
+        bad = mismatches(self.res)
+        if bad:
+            print("weight_sync_bench: MISMATCH: a receiver got bytes that were not sent: " + ", ".join(bad),
+                  file=sys.stderr)
+            return 1
+        failed = shmcast_failures(self.res)
+        if failed:
+            print("weight_sync_bench: shmcast runs failed: " + "; ".join(failed), file=sys.stderr)
+            return 2
         return 0
+
+
+def _is_shmcast(label):
+    lab = str(label)
+    return lab == "c" or lab.startswith("c-") or lab in ("fanout", "loop-c")
+
+
+def shmcast_failures(res):
+    """The shmcast tasks (path c, fan-out, loop-c) that ended with an error."""
+    out = []
+    for g in res.get("groups", []):
+        for t in g.get("tasks", []):
+            lab = str(t.get("label"))
+            if _is_shmcast(lab) and t.get("errors"):
+                out.append(f"{g['name']}/{lab}: {t['errors'][0]}")
+    for nr in res.get("not_run", []):  # a group that died (not one skipped for the time budget)
+        labs = [str(x) for x in (nr.get("tasks") or []) if _is_shmcast(x)]
+        if labs and "budget" not in nr.get("why", ""):
+            out.append(f"{nr['group']}/{','.join(labs)}: {nr['why']}")
+    return out
+
+
+def mismatches(res):
+    """Labels of the tasks (or fan-out phases) with a sync whose checksums differed."""
+    out = []
+    for g in res.get("groups", []):
+        for t in g.get("tasks", []):
+            if t.get("mismatch"):
+                out.append(f"{g['name']}/{t.get('label')}")
+            for name, ph in (t.get("phases") or {}).items():
+                if ph.get("mismatch"):
+                    out.append(f"{g['name']}/{t.get('label')}/{name}")
+    return out
 
 
 def command_base(meta):
@@ -1235,7 +1361,10 @@ def one_line(t):
     if k == "sync":
         s = f"{t['label']:<10} "
         if t.get("median_s") is not None:
-            s += f"{t['median_s']:.4f} s  {t['gbps']:.2f} GB/s  bit-exact={t['bit_exact']}"
+            s += (f"{t['median_s']:.4f} s (min {t['min_s']:.4f}, max {t['max_s']:.4f})  {t['gbps']:.2f} GB/s  "
+                  f"verified {t.get('verified')}")
+            if t.get("ratio"):
+                s += f"  x ceiling {t['ratio']:.3f} (ceiling {t['ceiling']['both_gbps']:.2f} GB/s just before)"
         if t.get("errors"):
             s += f"  ERROR {t['errors'][0]}"
         return s
@@ -1350,9 +1479,15 @@ def render_markdown(res, cmd_prefix=None):
             notes.append("region NOT pinned")
         med = t.get("median_s")
         if med:
-            notes.insert(0, f"median of {len(t['seconds'])} after {t['warmup']} warm-up")
+            mm = f"; min {t['min_s']:.4f}, max {t['max_s']:.4f} s" if t.get("min_s") else ""
+            notes.insert(0, f"median of {len(t['seconds'])} after {t['warmup']} warm-up{mm}"
+                            + (f"; verified {t['verified']}" if t.get("verified") else ""))
+            tc = (t.get("ceiling") or {}).get("both_gbps")
+            if tc:
+                notes.append(f"ceiling measured just before: {tc:.2f} GB/s (min {t['ceiling']['both_gbps_min']:.2f}, "
+                             f"max {t['ceiling']['both_gbps_max']:.2f})")
             xa = f"{a_med / med:.0f}x" if (a_med and lab != "a") else ""
-            xc = f"{t['gbps'] / ceil:.2f}" if ceil and lab != "a" else ""
+            xc = f"{t['gbps'] / (tc or ceil):.2f}" if (tc or ceil) and lab != "a" else ""
             L.append(f"| {date} | {mach} | `{cmd}` | {name} | {yes} | {med:.4f} | {t['gbps']:.2f} | {xa} | {xc} | "
                      f"{'yes' if t['bit_exact'] else 'NO'} | {'; '.join(notes)} |")
         else:
@@ -1374,7 +1509,8 @@ def render_markdown(res, cmd_prefix=None):
             if s.get(f"peer{i}_median_s") and b.get(f"peer{i}_median_s"):
                 L.append(f"| {i} ({g['peer_devices'][i]}) | {s[f'peer{i}_median_s']:.4f} | {s[f'peer{i}_gbps']:.2f} | "
                          f"{b[f'peer{i}_median_s']:.4f} | {b[f'peer{i}_gbps']:.2f} | {t.get(f'peer{i}_ratio', 0):.2f} |"
-                         f" {'yes' if s.get('bit_exact') and b.get('bit_exact') else 'NO'} |")
+                         f" {'yes' if s.get('bit_exact') and b.get('bit_exact') else 'NO'}"
+                         + (f" ({s['verified']} alone, {b['verified']} together)" if s.get("verified") else "") + " |")
         d1, d2 = p.get("single0", {}).get("d2h", {}), p.get("both", {}).get("d2h", {})
         if d1.get("d2h_bytes") is not None and d2.get("d2h_bytes") is not None:
             L.append("")
@@ -1405,7 +1541,9 @@ def render_markdown(res, cmd_prefix=None):
             if t.get("sync_share") is not None:
                 L.append(f"| {PATH_NAMES.get(t['path'], t['path'])} | {t['step_median_s']:.3f} | "
                          f"{t['sync_median_s']:.3f} | {100 * t['sync_share']:.1f}% | "
-                         f"{'yes' if t['bit_exact'] else 'NO'} | {t['measured_steps']} steps after warm-up |")
+                         f"{'yes' if t['bit_exact'] else 'NO'} | {t['measured_steps']} steps after warm-up"
+                         + (f"; sync min {t['sync_min_s']:.3f}, max {t['sync_max_s']:.3f} s; verified {t['verified']}"
+                            if t.get("sync_min_s") is not None else "") + " |")
             else:
                 L.append(f"| {t['path']} | - | - | - | - | FAILED: {(t.get('errors') or ['?'])[0]} |")
         L.append("")
@@ -1586,15 +1724,16 @@ def main(argv=None):
     ap.add_argument("--small", action="store_true", help="a 4-layer, ~14 MB manifest instead of Qwen2.5-3B")
     ap.add_argument("--only", help=f"comma list of {','.join(ALL_SELECT)} (default all)")
     ap.add_argument("--warmup", type=int, default=1)
-    ap.add_argument("--reps", type=int, default=3, help="timed syncs of path (a)")
-    ap.add_argument("--reps-fast", type=int, default=5, help="timed syncs of paths (b), (c) and fan-out")
+    ap.add_argument("--reps", type=int, default=10, help="timed syncs of path (a) (about 19 s each on an H200)")
+    ap.add_argument("--reps-fast", type=int, default=10, help="timed syncs of paths (b), (c) and fan-out")
     ap.add_argument("--slot-mb", type=int, default=512)
     ap.add_argument("--slots", type=int, default=2)
     ap.add_argument("--slot-sweep", default="", help="extra (c) runs at these slot sizes in MiB, e.g. 256,1024")
     ap.add_argument("--bucket-mb", type=int, default=1024, help="bucket size of paths (a) and (b)")
     ap.add_argument("--loop-steps", type=int, default=5)
     ap.add_argument("--ceiling-mb", type=int, default=1024)
-    ap.add_argument("--ceiling-reps", type=int, default=5)
+    ap.add_argument("--ceiling-reps", type=int, default=10,
+                    help="copies per ceiling; measured for (d) and again before every shmcast configuration")
     ap.add_argument("--seccomp-run", help="shmcast-seccomp-run (default: found in build*/tests/seccomp)")
     ap.add_argument("--seccomp-profile", default=os.path.join(REPO, "tests", "seccomp", "docker-default.json"))
     ap.add_argument("--machine", help="machine label for the table")
