@@ -275,7 +275,12 @@ const SyncInfo& Consumer::wait_sync(Duration timeout) {
     // The manifest is covered by the record's seqlock: a producer that
     // aborted this sync and began the next may have rewritten it while we
     // copied. Then the copy is not corrupt, just stale: look again.
-    if (!m.ring->record_unchanged(rec)) continue;
+    if (!m.ring->record_unchanged(rec)) {
+      if (mono_ns() >= deadline)
+        throw Error(Errc::kTimeout, "the producer kept rewriting the manifest (syncs begun and aborted) until the "
+                                    "timeout: no sync could be read");
+      continue;
+    }
     if (XXH3_64bits(bytes.data(), bytes.size()) != rec.manifest_hash) {
       m.ring->check_seat();
       throw corrupt("manifest bytes do not match their hash");

@@ -75,15 +75,13 @@ struct FdRegistry {
 
 }  // namespace
 
-void track_fd(int fd) {
-  FdRegistry& r = FdRegistry::registry();
-  std::lock_guard<std::mutex> g(r.mu);
-  r.fds.push_back(fd);
-}
+ForkGuard::ForkGuard() { FdRegistry::registry().mu.lock(); }
+ForkGuard::~ForkGuard() { FdRegistry::registry().mu.unlock(); }
 
-void untrack_fd(int fd) {
+void track_fd(int fd, const ForkGuard&) { FdRegistry::registry().fds.push_back(fd); }
+
+void untrack_fd(int fd, const ForkGuard&) {
   FdRegistry& r = FdRegistry::registry();
-  std::lock_guard<std::mutex> g(r.mu);
   for (std::size_t i = 0; i < r.fds.size(); ++i)
     if (r.fds[i] == fd) {
       r.fds[i] = r.fds.back();

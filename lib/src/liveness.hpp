@@ -37,9 +37,20 @@ std::uint64_t process_start_time(std::uint32_t pid);
 int lock_byte(int fd, std::int64_t byte);
 int unlock_byte(int fd, std::int64_t byte);
 
-// Region descriptors to close in a forked child (see above).
-void track_fd(int fd);
-void untrack_fd(int fd);
+// Region descriptors to close in a forked child (see above). Hold a
+// ForkGuard from the open() of a region descriptor to its track_fd(), from
+// mmap() to madvise(MADV_DONTFORK), and from untrack_fd() to close(): the
+// guard holds the lock the atfork prepare handler takes, so a fork() from
+// another thread cannot fall between the two.
+class ForkGuard {
+ public:
+  ForkGuard();
+  ~ForkGuard();
+  ForkGuard(const ForkGuard&) = delete;
+  ForkGuard& operator=(const ForkGuard&) = delete;
+};
+void track_fd(int fd, const ForkGuard&);
+void untrack_fd(int fd, const ForkGuard&);
 
 enum class Alive { kYes, kNo, kUnknown };
 

@@ -208,12 +208,18 @@ SyncLayout stream_layout(std::span<const TensorSpec> tensors, std::uint64_t slot
     throw Error(Errc::kInvalidArgument, "slot_bytes must be 1.." + std::to_string(limits::kMaxSlotBytes));
   if (tensors.size() > limits::kMaxTensors)
     throw Error(Errc::kInvalidArgument, "more than " + std::to_string(limits::kMaxTensors) + " tensors");
-  for (std::size_t i = 0; i < tensors.size(); ++i)
+  std::uint64_t total = 0;
+  for (std::size_t i = 0; i < tensors.size(); ++i) {
     if (std::string why = detail::validate_spec(tensors[i]); !why.empty())
       throw Error(Errc::kInvalidArgument, "tensor " + std::to_string(i) + " ('" + tensors[i].name + "'): " + why);
+    if (__builtin_add_overflow(total, tensors[i].nbytes(), &total) || total > limits::kMaxStreamBytes)
+      throw Error(Errc::kInvalidArgument, "one sync may carry at most 64 TiB");
+  }
   const std::uint64_t S = detail::align_up(slot_bytes, detail::kDataAlign);
   SyncLayout l;
   l.stream_bytes = detail::pack(tensors, S, &l.offsets, &l.payload_bytes);
+  if (l.stream_bytes > limits::kMaxStreamBytes)
+    throw Error(Errc::kInvalidArgument, "the sync's stream (tensors and alignment) exceeds 64 TiB");
   l.chunks = (l.stream_bytes + S - 1) / S;
   return l;
 }

@@ -66,7 +66,7 @@ struct Producer::Impl {
     if (!in_sync) throw Error(Errc::kInvalidArgument, "write() outside a sync: call begin_sync() first");
     try {
       write_tensor_in_sync(index, src, stream);
-    } catch (const Error& e) {
+    } catch (const std::exception& e) {
       abort(e.what());
       throw;
     }
@@ -180,7 +180,7 @@ namespace {
 // dead (its lock byte is free and we now hold it, so no one can revive it),
 // by removing the name; throws kExists or kPermission when it is alive, not
 // ours, or its liveness cannot be told. Returns false when the name vanished.
-bool take_over_stale(const std::string& dir, std::string_view name, bool replace_stale) {
+bool take_over_stale(const std::string& dir, std::string_view name, bool replace_stale, bool group_access) {
   MappedFile old;
   try {
     old = MappedFile::open_unmapped(dir, name, true);  // read-write: the lock probe below takes the lock
@@ -189,7 +189,7 @@ bool take_over_stale(const std::string& dir, std::string_view name, bool replace
     throw Error(e.code() == Errc::kPermission ? Errc::kPermission : Errc::kExists,
                 "region '" + std::string(name) + "' exists but cannot be inspected, so it is left alone: " + e.what());
   }
-  const std::string why = trust_problem(old, TrustPolicy{});
+  const std::string why = trust_problem(old, TrustPolicy{group_access, {}});
   if (!why.empty()) throw Error(Errc::kPermission, why + "; pick another region name, or have its owner remove it");
   const int rc = lock_byte(old.fd(), kProducerLockByte);
   if (rc == -EAGAIN)
@@ -245,7 +245,7 @@ Producer Producer::create(std::string_view name, const ProducerOptions& o) {
       break;
     } catch (const Error& e) {
       if (e.code() != Errc::kExists || attempt >= 2) throw;
-      take_over_stale(dir, name, o.replace_stale);
+      take_over_stale(dir, name, o.replace_stale, o.group_access);
     }
   }
 
@@ -321,6 +321,8 @@ std::uint64_t Producer::begin_sync(std::span<const TensorSpec> tensors) {
       throw Error(Errc::kInvalidArgument, "one sync may carry at most 64 TiB");
   m.specs.assign(tensors.begin(), tensors.end());
   m.stream_bytes = pack(m.specs, m.view.geo().slot_bytes, &m.offsets, &m.payload_bytes);
+  if (m.stream_bytes > kMaxStreamBytes)  // with alignment padding: what consumers check
+    throw Error(Errc::kInvalidArgument, "the sync's stream (tensors and alignment) exceeds 64 TiB");
 
   // Nobody may still be reading the manifest area we are about to rewrite.
   if (m.last_completed > 0) m.ring->wait_acks(m.last_completed);

@@ -60,15 +60,10 @@ struct FdMappable {
 
 constexpr int kOpenFlags = O_NOFOLLOW | O_CLOEXEC | O_NONBLOCK;
 
-// After open(): refuse what is not a plain file. `fd` is closed on error.
+// After open(): refuse what is not a plain file.
 void check_regular(int fd, const std::string& path, struct stat* st) {
-  if (::fstat(fd, st) != 0) {
-    const int e = errno;
-    ::close(fd);
-    throw_errno(e, "fstat " + path);
-  }
+  if (::fstat(fd, st) != 0) throw_errno(errno, "fstat " + path);
   if (!S_ISREG(st->st_mode)) {
-    ::close(fd);
     throw Error(Errc::kCorrupt, path + " is not a regular file (a FIFO, socket, device or directory sits at the "
                                        "region's name): remove it, or pick another region name");
   }
@@ -179,7 +174,8 @@ bool MappedFile::unlink_if_same() const {
 
 void MappedFile::close_fd() {
   if (fd_ >= 0) {
-    untrack_fd(fd_);
+    ForkGuard g;
+    untrack_fd(fd_, g);
     ::close(fd_);
   }
   fd_ = -1;
@@ -203,6 +199,10 @@ void MappedFile::unmap() {
 void MappedFile::map(bool writable) {
   if (size_ == 0) return;
   if (!impl_) impl_ = std::make_unique<Impl>();
+  // A forked child must not inherit the mapping: it would keep the region's
+  // open file description, and with it this process's liveness locks, alive.
+  // The guard keeps a fork() from another thread out of mmap..madvise.
+  ForkGuard g;
   try {
     impl_->region = std::make_unique<bip::mapped_region>(FdMappable{fd_}, writable ? bip::read_write : bip::read_only,
                                                          0, static_cast<std::size_t>(size_));
@@ -210,8 +210,6 @@ void MappedFile::map(bool writable) {
     throw_errno(boost_errno(ex), "cannot map region " + path_);
   }
   base_ = static_cast<std::byte*>(impl_->region->get_address());
-  // A forked child must not inherit the mapping: it would keep the region's
-  // open file description, and with it this process's liveness locks, alive.
   ::madvise(base_, size_, MADV_DONTFORK);
 }
 
@@ -227,14 +225,18 @@ MappedFile MappedFile::create(const std::string& dir, std::string_view name, std
   if (avail >= 0 && static_cast<std::uint64_t>(avail) < bytes) throw_full(dir, avail, bytes);
 
   // The one open of the path: everything below works on this descriptor.
-  const int fd = ::open(mf.path_.c_str(), O_RDWR | O_CREAT | O_EXCL | kOpenFlags, mode);
+  int fd;
+  {
+    ForkGuard g;
+    fd = ::open(mf.path_.c_str(), O_RDWR | O_CREAT | O_EXCL | kOpenFlags, mode);
+    if (fd >= 0) track_fd(fd, g);
+  }
   if (fd < 0) {
     const int e = errno;
     if (e == EEXIST) throw Error(Errc::kExists, "region " + mf.path_ + " exists", e);
     throw_open_error(e, mf.path_, "cannot create region");
   }
   mf.fd_ = fd;
-  track_fd(fd);
   struct stat st {};
   if (::fstat(fd, &st) != 0) throw_errno(errno, "fstat " + mf.path_);
   mf.inode_ = st.st_ino;
@@ -254,6 +256,10 @@ MappedFile MappedFile::create(const std::string& dir, std::string_view name, std
       if (rc == -EAGAIN) throw Error(Errc::kExists, "another producer took region " + mf.path_ + " over as it was created", EAGAIN);
       fail([&] { throw_errno(-rc, "cannot lock new region " + mf.path_); });
     }
+    // Between the create and the lock, another producer may have found the
+    // name unlocked, taken it over and removed it: then the name is not ours.
+    if (!mf.still_at_path())
+      throw Error(Errc::kExists, "another producer replaced region " + mf.path_ + " as it was created", EEXIST);
   }
 
   // Allocate every page now: a full tmpfs fails here with ENOSPC instead of
@@ -282,12 +288,16 @@ MappedFile MappedFile::open_unmapped(const std::string& dir, std::string_view na
   MappedFile mf;
   mf.path_ = dir + "/" + file_name(name);
   mf.pid_ = ::getpid();
-  const int fd = ::open(mf.path_.c_str(), (writable ? O_RDWR : O_RDONLY) | kOpenFlags);
+  int fd;
+  {
+    ForkGuard g;
+    fd = ::open(mf.path_.c_str(), (writable ? O_RDWR : O_RDONLY) | kOpenFlags);
+    if (fd >= 0) track_fd(fd, g);
+  }
   if (fd < 0) throw_open_error(errno, mf.path_, "cannot open region");
+  mf.fd_ = fd;  // closed (and untracked) by mf on every path below
   struct stat st {};
   check_regular(fd, mf.path_, &st);
-  mf.fd_ = fd;
-  track_fd(fd);
   mf.inode_ = st.st_ino;
   mf.dev_ = st.st_dev;
   mf.uid_ = st.st_uid;

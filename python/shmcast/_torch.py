@@ -619,6 +619,8 @@ class Consumer(_Closing):
         pin: Union[str, bool] = "auto",
         verify_checksums: bool = True,
         mode: str = "copy",
+        group_access: bool = False,
+        trusted_uids=None,
     ):
         self._pid = os.getpid()
         self._c = None
@@ -632,10 +634,12 @@ class Consumer(_Closing):
         if self.device.type == "cuda":
             with torch.cuda.device(self.device):
                 self._c = _C.Consumer(name, open_timeout=open_timeout, chunk_timeout=chunk_timeout, pin=pin,
-                                      verify_checksums=verify_checksums)
+                                      verify_checksums=verify_checksums, group_access=group_access,
+                                      trusted_uids=trusted_uids)
         else:
             self._c = _C.Consumer(name, open_timeout=open_timeout, chunk_timeout=chunk_timeout, pin=pin,
-                                  verify_checksums=verify_checksums)
+                                  verify_checksums=verify_checksums, group_access=group_access,
+                                  trusted_uids=trusted_uids)
 
     # -------------------------------------------------------- receiving
 

@@ -699,9 +699,13 @@ class PyConsumer : Owned {
 
  public:
   PyConsumer(py::handle name, py::handle open_timeout, py::handle chunk_timeout, py::handle pin,
-             bool verify_checksums) {
+             bool verify_checksums, bool group_access, py::handle trusted_uids) {
     const std::string n = region_name_arg(name);
     ConsumerOptions o;
+    o.group_access = group_access;
+    if (!trusted_uids.is_none())
+      for (py::handle u : py::iterable(py::reinterpret_borrow<py::object>(trusted_uids)))
+        o.trusted_uids.push_back(int_arg<std::uint32_t>(u, "trusted_uids", 0, 0xfffffffeu));
     o.open_timeout = seconds_arg(open_timeout, "open_timeout", false);
     o.chunk_timeout = seconds_arg(chunk_timeout, "chunk_timeout", false);
     o.pin = parse_pin(pin);
@@ -943,9 +947,9 @@ PYBIND11_MODULE(_shmcast, m) {
       .def_property_readonly("create_seconds", &PyProducer::create_seconds);
 
   py::class_<PyConsumer>(m, "Consumer", "Low-level consumer (shmcast::Consumer). Pointers are ints.")
-      .def(py::init<py::handle, py::handle, py::handle, py::handle, bool>(), py::arg("name"), py::kw_only(),
-           py::arg("open_timeout") = 30.0, py::arg("chunk_timeout") = 60.0, py::arg("pin") = "auto",
-           py::arg("verify_checksums") = true)
+      .def(py::init<py::handle, py::handle, py::handle, py::handle, bool, bool, py::handle>(), py::arg("name"),
+           py::kw_only(), py::arg("open_timeout") = 30.0, py::arg("chunk_timeout") = 60.0, py::arg("pin") = "auto",
+           py::arg("verify_checksums") = true, py::arg("group_access") = false, py::arg("trusted_uids") = py::none())
       .def("wait_sync", &PyConsumer::wait_sync, py::arg("timeout") = 30.0,
            "Waits for the next sync (timeout in seconds, None = forever) and returns its SyncInfo.")
       .def("read_into", &PyConsumer::read_into, py::arg("ptrs"),

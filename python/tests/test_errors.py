@@ -55,6 +55,26 @@ def test_exists_and_no_seat(region):
                 shmcast.Consumer(region)
 
 
+def test_trust_options(region):
+    # A group_access region (0660) is refused unless the consumer asks for
+    # group access; then it is read like any other. A 0666 region never is.
+    with shmcast.Producer(region, slot_bytes=roles.SLOT, group_access=True) as prod:
+        with pytest.raises(shmcast.Permission) as ei:
+            shmcast.Consumer(region, open_timeout=1.0)
+        assert "group_access" in str(ei.value)
+        with shmcast.Consumer(region, group_access=True, trusted_uids=[os.geteuid()]) as cons:
+            t = torch.arange(1000, dtype=torch.int32)
+            prod.send({"t": t})
+            got = dict(cons.receive(timeout=10.0))
+            assert torch.equal(got["t"], t)
+        os.chmod(shmcast.region_path(region), 0o666)
+        with pytest.raises(shmcast.Permission) as ei:
+            shmcast.Consumer(region, open_timeout=1.0, group_access=True)
+        assert "0666" in str(ei.value)
+    with pytest.raises(shmcast.InvalidArgument):
+        shmcast.Consumer(region, open_timeout=0.1, trusted_uids=[-1])
+
+
 def test_timeout(region):
     with shmcast.Producer(region, slot_bytes=roles.SLOT), shmcast.Consumer(region) as cons:
         t0 = time.monotonic()
