@@ -268,15 +268,17 @@ TEST(Liveness, ConsumerReattachesAfterProducerRestart) {
 TEST(Liveness, OpeningARegionWhoseProducerIsDeadTimesOutWithPeerDied) {
   const std::string name = unique_name("stale");
   RegionGuard g{name};
+  SharedFlags* f = SharedFlags::make();
   Child dead = Child::spawn([&] {
     Producer p = Producer::create(name, opts());
+    f->v[0].store(1);  // create() returned: the region is initialised
     ::pause();
     return 0;
   });
   ConsumerOptions co = copts(20000ms);
-  // Wait for the region, then kill its producer without letting it unlink.
-  for (int i = 0; i < 2000 && ::access(region_path(name).c_str(), F_OK) != 0; ++i) ::usleep(1000);
-  ::usleep(50000);
+  // Wait until the producer has created the region (a file that exists may
+  // still be half made), then kill it without letting it unlink.
+  ASSERT_TRUE(f->wait(0, 1));
   dead.kill9();
   dead.wait();
   co.open_timeout = 200ms;
