@@ -1,19 +1,27 @@
 // Doorbell: futex waits with absolute deadlines, wake only when waited on.
 //
-// A lost wake-up could pass unnoticed unless the test pins it down, so it is
-// checked directly rather than by how long a test takes:
+// Two things here could pass on a broken doorbell unless the test pins them
+// down, so they are checked directly rather than by how long a test takes:
 //  * a ring() must wake a sleeper (a lost FUTEX_WAKE would otherwise only
 //    cost the sleeper its deadline, or the 50 ms liveness poll in the
 //    library): sleepers below wait with kCheckNever and a 20 s deadline, the
 //    ring comes only once the kernel reports the sleeper blocked in futex(),
-//    and the sleeper must return long before its deadline.
+//    and the sleeper must return long before its deadline;
+//  * a ring() without sleepers must make no system call: futex() is trapped
+//    with seccomp in a forked child and counted.
 #include <gtest/gtest.h>
+#include <linux/audit.h>
+#include <linux/filter.h>
+#include <linux/seccomp.h>
+#include <signal.h>
 #include <sys/mman.h>
+#include <sys/prctl.h>
 #include <sys/syscall.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstddef>
 #include <cstdio>
 #include <fstream>
 #include <string>
@@ -71,6 +79,63 @@ bool wait_until_asleep(const Bell& bell, pid_t pid, pid_t tid) {
   return false;
 }
 
+// ---- counting futex() calls: a forked child traps them with seccomp.
+
+volatile sig_atomic_t g_futex_calls = 0;
+
+void on_sigsys(int, siginfo_t* si, void*) {
+  if (si->si_syscall == SYS_futex) g_futex_calls = g_futex_calls + 1;
+}
+
+#if defined(__x86_64__)
+constexpr std::uint32_t kAuditArch = AUDIT_ARCH_X86_64;
+#elif defined(__aarch64__)
+constexpr std::uint32_t kAuditArch = AUDIT_ARCH_AARCH64;
+#else
+constexpr std::uint32_t kAuditArch = 0;
+#endif
+
+// Runs fn() in a forked child in which every futex() call traps (SIGSYS,
+// SECCOMP_RET_TRAP: the call is not made) and is counted. Returns the
+// count, or -1 - (exit status) when the child did not report one.
+int futex_calls_in_child(void (*fn)(Bell&), std::uint32_t waiters, std::uint32_t* word_after) {
+  void* mem = ::mmap(nullptr, 4096, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+  if (mem == MAP_FAILED) return -1000;
+  auto* b = new (mem) Bell{};
+  b->waiters.store(waiters);  // a registered sleeper, as far as ring() can tell
+  const pid_t pid = ::fork();
+  if (pid == 0) {
+    struct sigaction sa {};
+    sa.sa_sigaction = on_sigsys;
+    sa.sa_flags = SA_SIGINFO;
+    if (::sigaction(SIGSYS, &sa, nullptr) != 0) ::_exit(101);
+    sock_filter code[] = {
+        BPF_STMT(BPF_LD | BPF_W | BPF_ABS, offsetof(seccomp_data, arch)),
+        BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, kAuditArch, 0, 3),
+        BPF_STMT(BPF_LD | BPF_W | BPF_ABS, offsetof(seccomp_data, nr)),
+        BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, SYS_futex, 0, 1),
+        BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_TRAP),
+        BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ALLOW),
+    };
+    sock_fprog prog{static_cast<unsigned short>(sizeof code / sizeof code[0]), code};
+    if (::prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0) ::_exit(102);
+    if (::prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, &prog) != 0) ::_exit(103);
+    // The filter works: a futex call of our own is counted.
+    std::atomic<std::uint32_t> probe{0};
+    futex_wake(&probe, 1);
+    if (g_futex_calls != 1) ::_exit(104);
+    g_futex_calls = 0;
+    fn(*b);
+    ::_exit(static_cast<int>(g_futex_calls > 50 ? 50 : g_futex_calls));
+  }
+  int st = 0;
+  ::waitpid(pid, &st, 0);
+  if (word_after) *word_after = b->word.load();
+  ::munmap(mem, 4096);
+  if (WIFEXITED(st) && WEXITSTATUS(st) <= 50) return WEXITSTATUS(st);
+  return -1 - (WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st));
+}
+
 }  // namespace
 
 TEST(Doorbell, ReadyConditionReturnsAtOnce) {
@@ -90,11 +155,24 @@ TEST(Doorbell, ReportsCheckpointsBeforeTheDeadline) {
   EXPECT_EQ(wait_until(b, [] { return false; }, mono_ns() + 10'000'000'000, 20'000'000), WaitResult::kCheck);
 }
 
+// ring() makes the wake syscall only when a sleeper is registered, and then
+// exactly one: futex() is counted in a child where seccomp traps it.
 TEST(Doorbell, RingWithoutWaitersMakesNoSyscallButBumpsTheWord) {
-  Bell b{};
-  ring(b);
-  EXPECT_EQ(b.word.load(), 1u);
-  EXPECT_EQ(b.waiters.load(), 0u);
+  if (kAuditArch == 0) GTEST_SKIP() << "no seccomp audit arch for this CPU";
+  std::uint32_t word = 0;
+  EXPECT_EQ(futex_calls_in_child([](Bell& b) { ring(b); }, 0, &word), 0) << "ring() with no sleeper made a futex call";
+  EXPECT_EQ(word, 1u);
+  EXPECT_EQ(futex_calls_in_child([](Bell& b) { ring_keep_parity(b); }, 0, &word), 0);
+  EXPECT_EQ(word, 2u);
+}
+
+TEST(Doorbell, RingWithAWaiterMakesExactlyOneWakeCall) {
+  if (kAuditArch == 0) GTEST_SKIP() << "no seccomp audit arch for this CPU";
+  std::uint32_t word = 0;
+  EXPECT_EQ(futex_calls_in_child([](Bell& b) { ring(b); }, 1, &word), 1) << "ring() with a sleeper did not wake it";
+  EXPECT_EQ(word, 1u);
+  EXPECT_EQ(futex_calls_in_child([](Bell& b) { ring_keep_parity(b); }, 1, &word), 1);
+  EXPECT_EQ(word, 2u);
 }
 
 // A sleeper in another process (the library's case: the bell is in shared
