@@ -102,6 +102,23 @@ std::string slurp(const std::string& path) {
   return ss.str();
 }
 
+// Handshake with shmcast_peer: it appends "role=<role> ..." to its --report
+// file once Producer::create() (the region is ready) or Consumer::open()
+// (the consumer holds a seat) has returned. Waits for that complete line;
+// false when it did not come within `timeout` (a file that merely exists
+// says nothing about either).
+bool wait_report(const std::string& report, const std::string& role, std::chrono::seconds timeout = 60s) {
+  const auto end = std::chrono::steady_clock::now() + timeout;
+  const std::string key = "role=" + role + " ";
+  while (std::chrono::steady_clock::now() < end) {
+    const std::string r = slurp(report);
+    const auto at = r.find(key);
+    if (at != std::string::npos && r.find('\n', at) != std::string::npos) return true;
+    std::this_thread::sleep_for(2ms);
+  }
+  return false;
+}
+
 bool can_unshare_pid() {
   Proc p = Proc::start({"unshare", "--pid", "--fork", "--mount-proc", "true"}, tmp("unshare-probe"));
   return p.wait(20s) == 0;
@@ -148,9 +165,10 @@ TEST_P(UnderProfile, InspectListsShowsAndDumpsARegion) {
   const std::string name = unique("inspect");
   const std::string profile = kDir + "/" + GetParam();
   const std::string inspect = SHMCAST_INSPECT;
-  Proc prod = Proc::start({kPeer, "produce", name, "--syncs", "1", "--tensors", "4"}, tmp("ip"));
-  const std::string path = shmcast::region_path(name);
-  for (int i = 0; i < 5000 && ::access(path.c_str(), F_OK) != 0; ++i) std::this_thread::sleep_for(1ms);
+  const std::string ready = tmp("inspect-ready-" + GetParam());
+  ::unlink(ready.c_str());
+  Proc prod = Proc::start({kPeer, "produce", name, "--syncs", "1", "--tensors", "4", "--report", ready}, tmp("ip"));
+  ASSERT_TRUE(wait_report(ready, "produce")) << prod.output();  // the region is ready, not just a file
   Proc list = Proc::start(under(profile, {inspect, "list", "--json"}), tmp("il"));
   ASSERT_EQ(list.wait(), 0) << list.output();
   EXPECT_NE(list.output().find("\"" + name + "\""), std::string::npos) << list.output();
@@ -171,6 +189,7 @@ TEST_P(UnderProfile, InspectListsShowsAndDumpsARegion) {
   }
   EXPECT_EQ(::access(out.c_str(), F_OK), 0);
   ::unlink(out.c_str());
+  ::unlink(ready.c_str());
   shmcast::unlink_region(name);
 }
 #endif
@@ -218,14 +237,17 @@ TEST(PidNamespaces, SyncWorksAcrossSeparatePidNamespacesUnderDockerDefault) {
 TEST(PidNamespaces, ProducerDeathIsSeenAcrossNamespaces) {
   if (!can_unshare_pid()) GTEST_SKIP() << "unshare --pid needs root (CAP_SYS_ADMIN)";
   const std::string name = unique("pidns-death");
+  const std::string report = tmp("pidns-death-report");
+  ::unlink(report.c_str());
   // The producer waits for two consumers; only one comes, so it never sends.
-  Proc prod = Proc::start(in_pidns({kPeer, "produce", name, "--consumers", "2"}), tmp("dp"));
-  Proc cons = Proc::start(in_pidns({kPeer, "consume", name, "--syncs", "1"}), tmp("dc"));
-  const std::string path = shmcast::region_path(name);
-  for (int i = 0; i < 5000 && ::access(path.c_str(), F_OK) != 0; ++i) std::this_thread::sleep_for(1ms);
-  std::this_thread::sleep_for(200ms);  // the consumer attaches and waits
-  ::kill(prod.pid, SIGKILL);           // --kill-child takes the producer with it
+  Proc prod = Proc::start(in_pidns({kPeer, "produce", name, "--consumers", "2", "--report", report}), tmp("dp"));
+  Proc cons = Proc::start(in_pidns({kPeer, "consume", name, "--syncs", "1", "--report", report}), tmp("dc"));
+  // The consumer has opened the region (a seat, a live producer) before the
+  // producer dies, so it must learn of the death while attached.
+  ASSERT_TRUE(wait_report(report, "consume")) << cons.output();
+  ::kill(prod.pid, SIGKILL);  // --kill-child takes the producer with it
   prod.wait();
   EXPECT_EQ(cons.wait(), exit_for(shmcast::Errc::kPeerDied)) << cons.output();
+  ::unlink(report.c_str());
   shmcast::unlink_region(name);
 }

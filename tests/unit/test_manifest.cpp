@@ -127,17 +127,93 @@ TEST(Manifest, RejectsEntryFieldCorruption) {
   }
 }
 
+namespace {
+
+// Why an accepted manifest does not describe a consistent packing of a
+// stream of `stream` bytes in slots of `slot` bytes ("" when it does): the
+// contract of decode_manifest (the same checks as tests/fuzz/fuzz_manifest).
+std::string inconsistency(const SyncInfo& info, std::uint64_t version, std::uint64_t stream, std::uint64_t slot) {
+  if (info.version != version || info.stream_bytes != stream) return "sync fields disagree";
+  std::uint64_t end_prev = 0, payload = 0;
+  for (const TensorInfo& t : info.tensors) {
+    if (t.name.empty() || t.name.size() > kMaxNameBytes) return "bad name length";
+    if (t.shape.size() > static_cast<std::size_t>(kMaxDims)) return "too many dims";
+    std::uint64_t n = dtype_size(t.dtype);
+    if (n == 0) return "unknown dtype";
+    for (std::int64_t dim : t.shape)
+      if (dim < 0 || __builtin_mul_overflow(n, static_cast<std::uint64_t>(dim), &n)) return "bad shape";
+    if (n != t.nbytes) return "nbytes is not dtype x shape";
+    if (t.stream_offset % kTensorAlign) return "misaligned tensor";
+    if (t.stream_offset < end_prev) return "overlapping tensors";
+    if (t.nbytes > stream || t.stream_offset > stream - t.nbytes) return "tensor past the stream";
+    if (t.nbytes > 0 && t.nbytes <= slot && t.stream_offset / slot != (t.stream_offset + t.nbytes - 1) / slot)
+      return "tensor straddles a slot";
+    end_prev = t.stream_offset + t.nbytes;
+    payload += t.nbytes;
+  }
+  if (payload != info.payload_bytes) return "payload is not the sum of the tensors";
+  return "";
+}
+
+}  // namespace
+
+// 20,000 manifests with 1-8 random bytes overwritten. Every outcome must be
+// a rejection with a reason, a typed shmcast::Error, or an acceptance of a
+// manifest that still describes a consistent packing (a changed name, say);
+// nothing else may escape. Both outcomes must occur (the corpus reaches the
+// checks and the decoder does not refuse everything), and the decoder keeps
+// no state: the intact manifest decodes exactly as before afterwards, into
+// the same SyncInfo that held the rejected ones.
 TEST(Manifest, RandomBytesNeverCrash) {
   std::mt19937_64 rng(1);
-  const Encoded base = encode(sample());
+  const auto specs = sample();
+  const Encoded base = encode(specs);
+  int rejected = 0, accepted = 0, typed_errors = 0, other_exceptions = 0, inconsistent = 0;
+  SyncInfo info;
   for (int i = 0; i < 20000; ++i) {
     Encoded e = base;
     const int flips = 1 + static_cast<int>(rng() % 8);
     for (int f = 0; f < flips; ++f) e.bytes[rng() % e.bytes.size()] = static_cast<std::byte>(rng());
-    SyncInfo info;
-    (void)decode_manifest(e.bytes, 9, e.stream, S, &info);
+    std::string why;
+    try {
+      why = decode_manifest(e.bytes, 9, e.stream, S, &info);
+    } catch (const Error&) {
+      ++typed_errors;
+      continue;
+    } catch (const std::exception& ex) {
+      ++other_exceptions;
+      ADD_FAILURE() << "decode_manifest threw " << ex.what() << " (iteration " << i << ")";
+      continue;
+    }
+    if (!why.empty()) {
+      ++rejected;
+      continue;
+    }
+    ++accepted;
+    const std::string bad = inconsistency(info, 9, e.stream, S);
+    if (!bad.empty()) {
+      ++inconsistent;
+      ADD_FAILURE() << "accepted an inconsistent manifest: " << bad << " (iteration " << i << ")";
+    }
   }
-  SUCCEED();
+  std::printf("MANIFEST-RANDOM rejected=%d accepted=%d typed_errors=%d\n", rejected, accepted, typed_errors);
+  EXPECT_EQ(rejected + accepted + typed_errors, 20000);
+  EXPECT_EQ(other_exceptions, 0);
+  EXPECT_EQ(inconsistent, 0);
+  EXPECT_GT(rejected, 20000 / 2) << "most random corruption must be caught";
+  EXPECT_GT(accepted, 0) << "no corruption was ever accepted: does the decoder refuse valid manifests?";
+  // The intact manifest still decodes to the original sync.
+  ASSERT_EQ(decode_manifest(base.bytes, 9, base.stream, S, &info), "");
+  ASSERT_EQ(info.tensors.size(), specs.size());
+  for (std::size_t i = 0; i < specs.size(); ++i) {
+    EXPECT_EQ(info.tensors[i].name, specs[i].name);
+    EXPECT_EQ(info.tensors[i].dtype, specs[i].dtype);
+    EXPECT_EQ(info.tensors[i].shape, specs[i].shape);
+    EXPECT_EQ(info.tensors[i].nbytes, specs[i].nbytes());
+    EXPECT_EQ(info.tensors[i].stream_offset, base.offsets[i]);
+  }
+  EXPECT_EQ(info.payload_bytes, base.payload);
+  EXPECT_EQ(inconsistency(info, 9, base.stream, S), "");
 }
 
 TEST(Spec, ValidatesNamesDtypesAndShapes) {
