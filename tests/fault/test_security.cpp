@@ -212,7 +212,9 @@ TEST(Security, CreateNeverFollowsASymlinkPlantedInARace) {
   std::printf("symlink race: %d trials, %d created, %d refused, racer swapped: %d\n", trials, created, refused,
               f->v[2].load());
   ::unlink(target.c_str());
-  // A link planted before anyone came is refused, for both sides.
+  // A link planted before anyone came is refused, for both sides (the
+  // racer may have left one of its own on the name: replace it).
+  ::unlink(path.c_str());
   ASSERT_EQ(::symlink(target.c_str(), path.c_str()), 0);
   try {
     Producer p = Producer::create(name, popts(1));
