@@ -1399,8 +1399,15 @@ TEST(Tool, ShowLimitDecodesOnlyTheEntriesItPrints) {
   EXPECT_EQ(m.at("tensors")[0].at("name"), "layer.0000000.weight");
   EXPECT_EQ(m.at("tensors")[4].at("name"), "layer.0000004.weight");
   EXPECT_EQ(m.at("tensors")[4].at("dtype"), "f32");
-  // Peak RSS of that show (KiB): far below the manifest's size.
-  EXPECT_LT(ru.ru_maxrss, 48 * 1024) << "show --limit 5 peaked at " << ru.ru_maxrss / 1024 << " MiB";
+  // Peak RSS of that show (KiB): far below the manifest's size, and far
+  // below the 378 MiB of a show that decodes every entry. ASan's shadow
+  // memory and allocator quarantine add their own (161 MiB seen).
+#if defined(__SANITIZE_ADDRESS__)
+  constexpr long kBoundMiB = 320;
+#else
+  constexpr long kBoundMiB = 48;
+#endif
+  EXPECT_LT(ru.ru_maxrss, kBoundMiB * 1024) << "show --limit 5 peaked at " << ru.ru_maxrss / 1024 << " MiB";
 }
 
 TEST(Tool, ShowValidatesEntriesItDoesNotPrint) {
