@@ -20,8 +20,10 @@
 # TSan and shared memory: TSan sees one process. Peers in other processes
 # (most multi-process tests) are invisible to it; it checks what happens
 # inside each process: the library's own state, and the in-process
-# producer/consumer threads of tests/fault/test_threads.cpp. Suppressions,
-# if any, live in tests/fault/tsan.supp, each with its reason.
+# producer/consumer threads of tests/fault/test_threads.cpp (with checksums,
+# and without: progressive fill). The CUDA engine, and so its callback
+# thread, is not built here and not checked. Suppressions, if any, live in
+# tests/fault/tsan.supp, each with its reason.
 #
 # Environment:
 #   SANITIZERS     which builds to run (asan tsan)
