@@ -516,22 +516,6 @@ void copy_async(std::byte* slot, std::byte* tensor, const Strided2D& l, std::uin
   if (n > 0) one(slot, tensor + row * l.pitch_bytes, n, stream);  // tail: a partial row
 }
 
-// Host-side scatter of contiguous slot bytes into a (maybe strided) tensor.
-void scatter_host(std::byte* base, const Strided2D& l, std::uint64_t offset, const std::byte* src, std::uint64_t n) {
-  if (l.rows == 0) {
-    std::memcpy(base + offset, src, n);
-    return;
-  }
-  while (n > 0) {
-    const std::uint64_t row = offset / l.row_bytes, col = offset % l.row_bytes;
-    const std::uint64_t take = l.row_bytes - col < n ? l.row_bytes - col : n;
-    std::memcpy(base + row * l.pitch_bytes + col, src, take);
-    src += take;
-    offset += take;
-    n -= take;
-  }
-}
-
 class CudaProducerEngine final : public ProducerEngine {
  public:
   CudaProducerEngine() : lane_(stream_count("SHMCAST_CUDA_D2H_STREAMS", kD2HStreams)) {
