@@ -1,10 +1,8 @@
-// The CUDA copy engine (built with SHMCAST_WITH_CUDA; SHMCAST_CUDA_API=driver,
-// the default). Plain C++ against the CUDA driver API, which cuda_driver.cpp
-// loads at run time: libshmcast links no CUDA library, so one build works on
-// machines with and without a GPU and next to any CUDA runtime (torch's, the
-// application's). Only cuda.h is needed to build it; no nvcc. The same engine
-// against the runtime API (libcudart) is cuda_engine_runtime.cpp, kept for
-// comparison (-DSHMCAST_CUDA_API=runtime): both behave alike.
+// The CUDA copy engine (built with SHMCAST_WITH_CUDA). Plain C++ against the
+// CUDA driver API, which cuda_driver.cpp loads at run time: libshmcast links
+// no CUDA library, so one build works on machines with and without a GPU and
+// next to any CUDA runtime (torch's, the application's). Only cuda.h is needed
+// to build it; no nvcc.
 //
 // How a lane works (one per engine, on one device):
 //
