@@ -377,6 +377,30 @@ TEST(Corruption, ManifestBytesAreRejected) {
   EXPECT_NE(std::string(seat.error_text).find("hash"), std::string::npos) << seat.error_text;
 }
 
+// A manifest altered into another valid one (a tensor renamed) decodes
+// cleanly: only the sync record's hash tells, and the consumer refuses it.
+TEST(Corruption, ManifestAlteredIntoAnotherValidOneIsRejectedByItsHash) {
+  const std::string name = unique_name("mfh");
+  RegionGuard g{name};
+  Producer p = Producer::create(name, opts());
+  Consumer c = Consumer::open(name, copts());
+  PatternSync s(3, 100, 1);  // tensors "t0", "t1", "t2"
+  p.begin_sync(s.specs);
+  shmcast::detail::Geometry geo{};
+  shmcast::detail::compute_geometry(4, 2, kSlot, ProducerOptions{}.manifest_bytes, &geo);
+  const std::uint64_t names_at =
+      sizeof(shmcast::detail::ManifestHeader) + 3 * sizeof(shmcast::detail::ManifestEntry);
+  const char renamed = '9';  // "t0" becomes "t9": still a valid, unique name
+  corrupt_file(region_path(name), geo.manifest_offset + names_at + 1, &renamed, 1);
+  try {
+    const SyncInfo& info = c.wait_sync(5s);
+    FAIL() << "accepted a manifest that does not match its hash (first tensor '" << info.tensors.at(0).name << "')";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), Errc::kCorrupt) << e.what();
+    EXPECT_NE(std::string(e.what()).find("hash"), std::string::npos) << e.what();
+  }
+}
+
 TEST(Liveness, ProducerAbortIsVisibleToConsumersWithItsReason) {
   const std::string name = unique_name("abort");
   RegionGuard g{name};
