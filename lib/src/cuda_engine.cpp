@@ -588,6 +588,45 @@ class CudaConsumerEngine final : public ConsumerEngine {
     CtxScope scope(lane_.api(), lane_.context());
     copy_async(const_cast<std::byte*>(src), static_cast<std::byte*>(dst.ptr), dst.layout, offset, n, false, lane_);
   }
+  void copy2d(const Buffer& dst, std::uint64_t offset, std::uint64_t dst_pitch, const std::byte* src,
+              std::uint64_t src_pitch, std::uint64_t width, std::uint64_t rows) override {
+    if (!dst.device || dst.layout.rows != 0 || rows < 2) {
+      ConsumerEngine::copy2d(dst, offset, dst_pitch, src, src_pitch, width, rows);
+      return;
+    }
+    CtxScope scope(lane_.api(), lane_.context());
+    const cu::Api& d = lane_.api();
+    std::byte* t = static_cast<std::byte*>(dst.ptr) + offset;
+    const std::uint64_t max_pitch = lane_.max_pitch();
+    const bool fits = max_pitch == 0 || (src_pitch <= max_pitch && dst_pitch <= max_pitch);
+    CUresult e = CUDA_ERROR_INVALID_VALUE;
+    CUstream stream = lane_.next_stream();
+    if (fits) {
+      // One strided H2D straight out of the pinned slot: only the selected
+      // bytes cross PCIe.
+      CUDA_MEMCPY2D c{};
+      c.srcMemoryType = CU_MEMORYTYPE_HOST;
+      c.srcHost = src;
+      c.srcPitch = src_pitch;
+      c.dstMemoryType = CU_MEMORYTYPE_DEVICE;
+      c.dstDevice = dptr(t);
+      c.dstPitch = dst_pitch;
+      c.WidthInBytes = width;
+      c.Height = rows;
+      e = d.cuMemcpy2DAsync(&c, stream);
+    }
+    if (!fits || e == CUDA_ERROR_INVALID_VALUE) {
+      for (std::uint64_t r = 0; r < rows; ++r) {
+        const CUresult e1 = d.cuMemcpyHtoDAsync(dptr(t + r * dst_pitch), src + r * src_pitch, width, stream);
+        if (e1 != CUDA_SUCCESS)
+          throw_cuda(e1, "cuMemcpyHtoDAsync of " + std::to_string(width) + " bytes", kTodoArgs);
+      }
+    } else if (e != CUDA_SUCCESS) {
+      throw_cuda(e, "cuMemcpy2DAsync H2D of " + std::to_string(rows) + " rows of " + std::to_string(width) +
+                        " bytes (pitches " + std::to_string(src_pitch) + ", " + std::to_string(dst_pitch) + ")",
+                 kTodoArgs);
+    }
+  }
   void chunk_done(std::function<void()> release) override { lane_.when_done(std::move(release)); }
   void end(void* caller_stream) override { lane_.before(caller_stream); }
   void drain() override { lane_.drain(); }

@@ -90,6 +90,7 @@ struct ManifestReport {
   std::uint64_t tensor_count = 0;
   std::uint64_t payload_bytes = 0;
   std::uint64_t stream_bytes = 0;
+  std::uint32_t world_size = 1;  // producer ranks
   std::vector<TensorInfo> tensors;
 };
 
