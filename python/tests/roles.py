@@ -241,3 +241,101 @@ def run_with_inbox(role: str, kwargs: dict, q, inbox) -> None:
     global _inbox
     _inbox = inbox
     run(role, kwargs, q)
+
+
+# ---------------------------------------------------------------- sharded syncs
+
+
+def sharded_model(seed: int) -> list:
+    """(name, full tensor, how it is split): ('shard', dim) over the ranks
+    (torch.chunk's split: uneven, empty pieces when ranks outnumber rows),
+    ('own', rank) sent whole by one rank, ('shard_t', dim): a shard whose
+    local tensor is a non-contiguous view."""
+    g = torch.Generator().manual_seed(seed)
+    return [
+        ("embed", _rand(g, torch.bfloat16, (37, 24)), ("shard", 0)),
+        ("o_proj", _rand(g, torch.float32, (16, 50)), ("shard", 1)),
+        ("moe", _rand(g, torch.float16, (3, 10, 7)), ("shard", 1)),
+        ("norm", _rand(g, torch.float32, (24,)), ("own", 0)),
+        ("bias", _rand(g, torch.int32, (9,)), ("own", -1)),
+        ("big", _rand(g, torch.float32, (700, 1024)), ("shard", 0)),  # several slots per rank
+        ("tiny", _rand(g, torch.float32, (2, 3)), ("shard", 0)),
+        ("wt", _rand(g, torch.float32, (40, 30)), ("shard_t", 1)),
+    ]
+
+
+def sharded_items(seed: int, rank: int, world: int) -> list:
+    out = []
+    for name, t, (how, arg) in sharded_model(seed):
+        if how == "own":
+            if arg % world == rank:
+                out.append((name, t.clone()))
+            continue
+        pieces = torch.chunk(torch.arange(t.shape[arg]), world)
+        start = sum(len(p) for p in pieces[:rank]) if rank < len(pieces) else t.shape[arg]
+        length = len(pieces[rank]) if rank < len(pieces) else 0
+        local = t.narrow(arg, start, length).clone()
+        if how == "shard_t":  # the same values, held transposed
+            local = local.t().contiguous().t()
+            assert not local.is_contiguous() or local.numel() <= 1 or 1 in local.shape
+        out.append((name, shmcast.Shard(local, tuple(t.shape), arg, start)))
+    return out
+
+
+def tp_slice(t: torch.Tensor, how, part: int, parts: int = 2):
+    """The slice a TP worker reads: along the other dim than the shards."""
+    if t.dim() == 0:
+        return None
+    dim = 1 if (how[0] != "own" and how[1] == 0 and t.dim() > 1) else 0
+    n = t.shape[dim]
+    c = -(-n // parts)
+    start = min(n, c * part)
+    return (dim, start, min(n, start + c) - start)
+
+
+def role_sharded_rank(q, region, rank, world, seed, n_syncs=2, consumers=0, timeout=30.0, skip_send=False):
+    versions = []
+    with shmcast.Producer(region, rank=rank, world_size=world, slot_bytes=SLOT, slots=2 * world, max_consumers=4,
+                          pin=False, rank_timeout=timeout) as p:
+        q.put({"ready": True})
+        if rank == 0 and consumers:
+            p.wait_for_consumers(consumers, timeout)
+        if skip_send:
+            time.sleep(timeout)
+            return {"versions": versions}
+        for k in range(n_syncs):
+            versions.append(p.send(sharded_items(seed + k, rank, world)))
+        if rank == 0:
+            p.wait_drained(timeout)
+    return {"versions": versions}
+
+
+def role_sharded_consumer(q, region, seed, kind, part=0, n_syncs=2, timeout=30.0):
+    problems = []
+    with shmcast.Consumer(region, open_timeout=timeout) as c:
+        q.put({"ready": True})
+        for k in range(n_syncs):
+            model = sharded_model(seed + k)
+            full = {n: t for n, t, _ in model}
+            if kind == "full":
+                got = c.receive(timeout=timeout)
+                want = [(n, full[n]) for n, _ in got]
+                if sorted(n for n, _ in got) != sorted(full):
+                    problems.append(f"names {sorted(n for n, _ in got)}")
+            elif kind == "names":
+                pick = ["o_proj", "bias", "big"]
+                got = c.receive(timeout=timeout, names=pick)
+                want = [(n, full[n]) for n in pick]
+                got = sorted(got, key=lambda x: pick.index(x[0]))
+            else:
+                sl = {n: tp_slice(t, how, part) for n, t, how in model if tp_slice(t, how, part) is not None}
+                want = [(n, full[n].narrow(*sl[n]) if n in sl else full[n]) for n, _, _ in model]
+                if kind == "slice":
+                    got = dict(c.receive(timeout=timeout, slices=sl))
+                    got = [(n, got[n]) for n, _ in want]
+                else:  # into: preallocated destinations of the slices' shapes
+                    dst = {n: torch.full_like(w.contiguous(), 7) for n, w in want}
+                    c.receive_into(dst, timeout=timeout, slices=sl)
+                    got = [(n, dst[n]) for n, _ in want]
+            problems += compare(got, want)
+    return {"problems": problems}
