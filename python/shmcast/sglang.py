@@ -44,7 +44,7 @@ from __future__ import annotations
 import json
 import logging
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, Optional
+from typing import Callable
 
 import torch
 

@@ -22,13 +22,10 @@ from __future__ import annotations
 
 import os
 import queue as queue_mod
-import threading
 import time
 import traceback
 from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import Client, Listener
-
-import torch
 
 AUTHKEY = b"shmcast-tests"
 
@@ -138,21 +135,44 @@ def inbox_loop(q, inbox, handlers: dict, timeout: float = 120.0) -> None:
                    "trace": traceback.format_exc()})
 
 
-def bytes_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
-    a, b = a.detach().cpu().contiguous(), b.detach().cpu().contiguous()
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+class Deployment:
+    """A test's processes: servers on fixed addresses (self.servers) and one
+    trainer process driven by commands (start_trainer, cmd)."""
+
+    def __init__(self, procs, addresses):
+        self.procs, self.addresses = procs, list(addresses)
+        self.servers = [None] * len(self.addresses)
+        self.trainer, self.commands = None, None
+
+    def start_trainer(self, role, **kwargs):
+        self.commands = self.procs.queue()
+        self.trainer = self.procs.start(role, commands=self.commands, addresses=self.addresses, **kwargs)
+        self.procs.ready(self.trainer)
+
+    def cmd(self, name, **kw):
+        self.commands.put((name, kw))
+        msg = self.procs.get(self.trainer, timeout=180)
+        assert msg["cmd"] == name, msg
+        return msg
+
+    def stop(self):
+        stop_all(self.procs, self.trainer, self.commands, self.servers, self.addresses)
 
 
-def start_thread(fn, *args):
-    box = {}
-
-    def run():
-        try:
-            box["result"] = fn(*args)
-        except BaseException as e:  # noqa: BLE001
-            box["error"] = e
-
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    t.box = box
-    return t
+def stop_all(procs, trainer, commands, servers, addresses) -> None:
+    """Ends whatever still runs after a test (after a failure, say): the
+    trainer by its 'exit' command, each server by its shutdown route, then
+    SIGKILL for anything left."""
+    if trainer is not None and trainer.is_alive():
+        commands.put(("exit", {}))
+        trainer.join(10)
+    for p, a in zip(servers, addresses):
+        if p is not None and p.is_alive():
+            try:
+                RouteClient(a, timeout=5).call("shutdown")
+            except Exception:  # noqa: BLE001  (it is going to be killed)
+                pass
+            p.join(10)
+    for p in [trainer, *servers]:
+        if p is not None and p.is_alive():
+            procs.kill(p)

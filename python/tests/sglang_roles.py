@@ -18,16 +18,14 @@ LOADER = "shmcast.sglang.load_weights"
 
 
 def role_tp_rank(q, address, rank, tp_size, cfg, device="cpu", custom_weight_loader=(LOADER,)):
-    from sglang.srt.distributed import _set_tp as set_sglang_tp
+    from sglang.srt.distributed import _set_tp
     from sglang.srt.model_executor.model_runner import ModelRunner
     from sglang.srt.utils import MultiprocessingSerializer
-    from vllm.distributed import _set_tp
     from vllm.model_executor.models.qwen2 import Qwen2Config, Qwen2ForCausalLM
 
     import shmcast.sglang
 
     _set_tp(rank, tp_size)
-    set_sglang_tp(rank, tp_size)
     c = Qwen2Config(**cfg)
     model = Qwen2ForCausalLM(c, device)
     for p in model.parameters():

@@ -15,7 +15,7 @@ import os
 import pytest
 
 import shmcast
-from framework_roles import RouteClient
+from framework_roles import Deployment, RouteClient
 
 pytestmark = pytest.mark.usefixtures("deadline")
 
@@ -24,30 +24,25 @@ CFG = dict(vocab_size=250, hidden_size=64, intermediate_size=96, num_attention_h
 BUCKET = 80_000
 
 
-class Sgl:
+class Sgl(Deployment):
+    """SGLang TP-rank processes on fixed addresses plus one trainer process."""
+
     def __init__(self, procs, tmp_path, region, tp, load):
-        self.procs, self.region, self.tp, self.load = procs, region, tp, load
-        self.addresses = [str(tmp_path / f"tp{i}.sock") for i in range(tp)]
-        self.ranks = [None] * tp
-        self.trainer = None
+        super().__init__(procs, [str(tmp_path / f"tp{i}.sock") for i in range(tp)])
+        self.region, self.tp, self.load = region, tp, load
+
+    @property
+    def ranks(self):
+        return self.servers
 
     def start_rank(self, i):
-        self.ranks[i] = self.procs.start("sglang_roles:tp_rank", address=self.addresses[i], rank=i, tp_size=self.tp,
-                                         cfg=CFG)
-        self.procs.ready(self.ranks[i])
+        self.servers[i] = self.procs.start("sglang_roles:tp_rank", address=self.addresses[i], rank=i,
+                                           tp_size=self.tp, cfg=CFG)
+        self.procs.ready(self.servers[i])
 
     def start_trainer(self):
-        self.commands = self.procs.queue()
-        self.trainer = self.procs.start("sglang_roles:trainer", commands=self.commands, addresses=self.addresses,
-                                        region=self.region, consumers=self.tp, cfg=CFG, bucket_bytes=BUCKET,
-                                        load=self.load)
-        self.procs.ready(self.trainer)
-
-    def cmd(self, name, **kw):
-        self.commands.put((name, kw))
-        msg = self.procs.get(self.trainer, timeout=180)
-        assert msg["cmd"] == name, msg
-        return msg
+        super().start_trainer("sglang_roles:trainer", region=self.region, consumers=self.tp, cfg=CFG,
+                              bucket_bytes=BUCKET, load=self.load)
 
     def check(self, seed, path, flushes):
         for i, a in enumerate(self.addresses):
@@ -56,21 +51,6 @@ class Sgl:
             assert r["stats"]["path"] == path and r["flushes"] == flushes
             if path == "direct" and self.tp > 1:
                 assert r["stats"]["bytes_read"] < 0.6 * r["stats"]["bytes_total"]
-
-    def stop(self):
-        if self.trainer is not None and self.trainer.is_alive():
-            self.commands.put(("exit", {}))
-            self.trainer.join(10)
-        for i, p in enumerate(self.ranks):
-            if p is not None and p.is_alive():
-                try:
-                    RouteClient(self.addresses[i], timeout=5).call("shutdown")
-                except Exception:
-                    pass
-                p.join(10)
-        for p in [self.trainer, *self.ranks]:
-            if p is not None and p.is_alive():
-                self.procs.kill(p)
 
 
 @pytest.mark.parametrize("tp,load", [(1, "direct"), (2, "loader"), (2, "direct")],

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import shmcast
-from framework_roles import RouteClient
+from framework_roles import RouteClient, stop_all
 
 pytestmark = pytest.mark.usefixtures("deadline")
 
@@ -153,9 +153,7 @@ def test_contract(procs, tmp_path, region, placement, monkeypatch):
             assert procs.get(p)["stopped"]
         assert not os.path.exists(shmcast.region_path(region))
     finally:
-        for p in trainers + rollouts:
-            if p is not None and p.is_alive():
-                procs.kill(p)
+        stop_all(procs, None, None, trainers + rollouts, t_addr + r_addr)
 
 
 def test_topology_and_arguments():

@@ -23,7 +23,7 @@ import torch
 
 import fake_vllm
 import shmcast
-from framework_roles import RouteClient, RouteError, plugin_dir
+from framework_roles import Deployment, RouteClient, RouteError, plugin_dir
 
 pytestmark = pytest.mark.usefixtures("deadline")
 
@@ -33,57 +33,34 @@ CFG = dict(vocab_size=250, hidden_size=64, intermediate_size=96, num_attention_h
 BUCKET = 80_000
 
 
-class Cluster:
-    """Worker processes on fixed addresses plus one trainer process."""
+class Cluster(Deployment):
+    """vLLM worker processes on fixed addresses plus one trainer process."""
 
     def __init__(self, procs, tmp_path, region, *, tp_size=1, workers=2, load="auto", bucket_bytes=BUCKET):
-        self.procs, self.region, self.tp_size, self.load, self.bucket = procs, region, tp_size, load, bucket_bytes
-        self.addresses = [str(tmp_path / f"w{i}.sock") for i in range(workers)]
+        super().__init__(procs, [str(tmp_path / f"w{i}.sock") for i in range(workers)])
+        self.region, self.tp_size, self.load, self.bucket = region, tp_size, load, bucket_bytes
         self.plugin = plugin_dir(tmp_path)
-        self.workers = [None] * workers
-        self.trainer = None
+
+    @property
+    def workers(self):
+        return self.servers
 
     def start_worker(self, i):
         p = self.procs.start("vllm_roles:server", address=self.addresses[i], rank=i, tp_size=self.tp_size, cfg=CFG,
                              plugin=self.plugin)
         assert self.procs.ready(p)["engine"] == "ShmcastWeightTransferEngine"
-        self.workers[i] = p
+        self.servers[i] = p
         return p
 
     def start_trainer(self):
-        self.commands = self.procs.queue()
-        self.trainer = self.procs.start("vllm_roles:trainer", commands=self.commands, addresses=self.addresses,
-                                        region=self.region, consumers=len(self.addresses), cfg=CFG,
-                                        bucket_bytes=self.bucket, load=self.load)
-        self.procs.ready(self.trainer)
-
-    def cmd(self, name, **kw):
-        self.commands.put((name, kw))
-        msg = self.procs.get(self.trainer, timeout=180)
-        assert msg["cmd"] == name, msg
-        return msg
+        super().start_trainer("vllm_roles:trainer", region=self.region, consumers=len(self.addresses), cfg=CFG,
+                              bucket_bytes=self.bucket, load=self.load)
 
     def route(self, i, name, **body):
         return RouteClient(self.addresses[i]).call(name, body)
 
     def check(self, seed):
         return [self.route(i, "check", seed=seed) for i in range(len(self.addresses))]
-
-    def stop(self):
-        """Ends whatever still runs (after a failure): politely, then SIGKILL."""
-        if self.trainer is not None and self.trainer.is_alive():
-            self.commands.put(("exit", {}))
-            self.trainer.join(10)
-        for i, p in enumerate(self.workers):
-            if p is not None and p.is_alive():
-                try:
-                    RouteClient(self.addresses[i], timeout=5).call("shutdown")
-                except Exception:
-                    pass
-                p.join(10)
-        for p in [self.trainer, *self.workers]:
-            if p is not None and p.is_alive():
-                self.procs.kill(p)
 
 
 ROUND = ["start_weight_update", "update_weights", "update_weights", "update_weights", "finish_weight_update"]

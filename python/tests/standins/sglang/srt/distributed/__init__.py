@@ -1,15 +1,7 @@
 """STAND-IN: sglang.srt.distributed's tensor-parallel queries (parallel_state,
-ported from vLLM). The stand-in TP worker sets its rank (_set_tp)."""
-_tp = {"rank": 0, "size": 1}
+ported from vLLM; SGLang also patches vLLM's parallel state to its own,
+monkey_patch_vllm_parallel_state). The stand-in shares the vLLM stand-in's
+state, which the TP worker sets (_set_tp)."""
+from vllm.distributed import _set_tp, get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
 
-
-def _set_tp(rank: int, size: int) -> None:
-    _tp.update(rank=rank, size=size)
-
-
-def get_tensor_model_parallel_rank() -> int:
-    return _tp["rank"]
-
-
-def get_tensor_model_parallel_world_size() -> int:
-    return _tp["size"]
+__all__ = ["_set_tp", "get_tensor_model_parallel_rank", "get_tensor_model_parallel_world_size"]

@@ -124,17 +124,17 @@ class WeightTransferEngine(ABC, Generic[TInitInfo, TUpdateInfo]):
         self.model = self._default_model
         self.model_config = self._default_model_config
 
-    def parse_init_info(self, init_dict: dict) -> TInitInfo:
+    def _parse(self, cls, d: dict, what: str):
         try:
-            return self.init_info_cls(**init_dict)
+            return cls(**d)
         except TypeError as e:
-            raise ValueError(f"Invalid init_info for {type(self).__name__}: {e}") from e
+            raise ValueError(f"Invalid {what} for {type(self).__name__}: {e}") from e
+
+    def parse_init_info(self, init_dict: dict) -> TInitInfo:
+        return self._parse(self.init_info_cls, init_dict, "init_info")
 
     def parse_update_info(self, update_dict: dict) -> TUpdateInfo:
-        try:
-            return self.update_info_cls(**update_dict)
-        except TypeError as e:
-            raise ValueError(f"Invalid update_info for {type(self).__name__}: {e}") from e
+        return self._parse(self.update_info_cls, update_dict, "update_info")
 
     @abstractmethod
     def init_transfer_engine(self, init_info: TInitInfo) -> None:

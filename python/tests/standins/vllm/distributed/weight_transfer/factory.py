@@ -13,48 +13,44 @@ from __future__ import annotations
 import importlib
 
 
-def _loader(module_path_or_cls, class_name):
-    if isinstance(module_path_or_cls, str):
-        if class_name is None:
-            raise ValueError("class_name is required when registering with module path")
-        return lambda: getattr(importlib.import_module(module_path_or_cls), class_name)
-    return lambda: module_path_or_cls
-
-
-class WeightTransferEngineFactory:
+class _Registry:
     _registry: dict = {}
+    _what = "engine"
 
     @classmethod
     def register_engine(cls, name, module_path_or_cls, class_name=None) -> None:
         if name in cls._registry:
-            raise ValueError(f"Weight transfer engine '{name}' is already registered.")
-        cls._registry[name] = _loader(module_path_or_cls, class_name)
+            raise ValueError(f"Weight transfer {cls._what} '{name}' is already registered.")
+        if isinstance(module_path_or_cls, str):
+            if class_name is None:
+                raise ValueError("class_name is required when registering with module path")
+            cls._registry[name] = lambda: getattr(importlib.import_module(module_path_or_cls), class_name)
+        else:
+            cls._registry[name] = lambda: module_path_or_cls
+
+    @classmethod
+    def _lookup(cls, backend):
+        if backend not in cls._registry:
+            raise ValueError(f"Invalid weight transfer backend: {backend}. "
+                             f"Available {cls._what}s: {list(cls._registry)}")
+        return cls._registry[backend]()
+
+
+class WeightTransferEngineFactory(_Registry):
+    _registry: dict = {}
 
     @classmethod
     def create_engine(cls, config, vllm_config, device, model):
-        if config.backend not in cls._registry:
-            raise ValueError(f"Invalid weight transfer backend: {config.backend}. "
-                             f"Available engines: {list(cls._registry)}")
-        engine_cls = cls._registry[config.backend]()
-        return engine_cls(config, vllm_config, device, model)
+        return cls._lookup(config.backend)(config, vllm_config, device, model)
 
 
-class WeightTransferTrainerFactory:
+class WeightTransferTrainerFactory(_Registry):
     _registry: dict = {}
-
-    @classmethod
-    def register_engine(cls, name, module_path_or_cls, class_name=None) -> None:
-        if name in cls._registry:
-            raise ValueError(f"Weight transfer trainer engine '{name}' is already registered.")
-        cls._registry[name] = _loader(module_path_or_cls, class_name)
+    _what = "trainer engine"
 
     @classmethod
     def trainer_init(cls, backend, config, init_info, *, client, source):
-        if backend not in cls._registry:
-            raise ValueError(f"Invalid weight transfer backend: {backend}. "
-                             f"Available trainer engines: {list(cls._registry)}")
-        engine_cls = cls._registry[backend]()
-        return engine_cls.trainer_init(config=config, init_info=init_info, client=client, source=source)
+        return cls._lookup(backend).trainer_init(config=config, init_info=init_info, client=client, source=source)
 
 
 for _name, _cls in (("nccl", "NCCLWeightTransferEngine"), ("ipc", "IPCWeightTransferEngine"),

@@ -21,6 +21,16 @@ from torch.nn import Parameter
 from vllm.distributed import divide, get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
 
 
+def _narrow_copy(param, loaded_weight, dim, rank):
+    """Copies rank `rank`'s shard of `loaded_weight` along `dim` (None: all of it) into `param`."""
+    data = param.data
+    if dim is not None:
+        shard = data.shape[dim]
+        loaded_weight = loaded_weight.narrow(dim, rank * shard, shard)
+    assert data.shape == loaded_weight.shape
+    data.copy_(loaded_weight)
+
+
 def _param(*shape, dtype, **attrs) -> Parameter:
     p = Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
     for k, v in attrs.items():
@@ -76,13 +86,7 @@ class ColumnParallelLinear(LinearBase):
             self.register_parameter("bias", None)
 
     def weight_loader(self, param, loaded_weight):
-        output_dim = getattr(param, "output_dim", None)
-        data = param.data
-        if output_dim is not None:
-            shard = data.shape[output_dim]
-            loaded_weight = loaded_weight.narrow(output_dim, self.tp_rank * shard, shard)
-        assert data.shape == loaded_weight.shape
-        data.copy_(loaded_weight)
+        _narrow_copy(param, loaded_weight, getattr(param, "output_dim", None), self.tp_rank)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -153,10 +157,4 @@ class RowParallelLinear(LinearBase):
             self.register_parameter("bias", None)
 
     def weight_loader(self, param, loaded_weight):
-        input_dim = getattr(param, "input_dim", None)
-        data = param.data
-        if input_dim is not None:
-            shard = data.shape[input_dim]
-            loaded_weight = loaded_weight.narrow(input_dim, self.tp_rank * shard, shard)
-        assert data.shape == loaded_weight.shape
-        data.copy_(loaded_weight)
+        _narrow_copy(param, loaded_weight, getattr(param, "input_dim", None), self.tp_rank)
