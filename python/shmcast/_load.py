@@ -208,6 +208,12 @@ class DirectLoader:
             else:
                 self.dsts[name] = data.narrow(pl.dim, pl.offset, pl.length)
         self.slices = {n: s for n, s in self.plan.slices().items() if n in self.dsts}
+        self._watch = [(p, p.data.data_ptr()) for p in params.values()]
+
+    def stale(self) -> bool:
+        """True when a parameter's storage moved since the plan's views were
+        taken (a loader that re-created parameters): build a new DirectLoader."""
+        return any(p.data.data_ptr() != ptr for p, ptr in self._watch)
 
     @property
     def complete(self) -> bool:

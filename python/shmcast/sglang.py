@@ -114,7 +114,7 @@ def load_weights(model, named_tensors) -> None:
         if t.get("load", "loader") != "loader":
             key = id(model)
             d = _direct.get(key)
-            if d is None:
+            if d is None or d.stale():
                 d = _direct[key] = DirectLoader(model, *_tp())
             if not d.complete:
                 if t["load"] == "direct":

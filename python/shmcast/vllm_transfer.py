@@ -192,7 +192,7 @@ class ShmcastWeightTransferEngine(WeightTransferEngine[ShmcastWeightTransferInit
             return None
         key = id(self.model)
         d = self._direct.get(key)
-        if d is None:
+        if d is None or d.stale():
             rank, size = _tp_rank_size()
             d = self._direct[key] = DirectLoader(self.model, rank, size)
         quant = getattr(self.model_config, "quantization", None)
@@ -305,8 +305,17 @@ class ShmcastTrainerWeightTransferEngine(TrainerWeightTransferEngine[WeightTrans
         if self.producer.consumers < self.init_info.consumers:
             self._attach_workers()  # a restarted worker: attach it before the round
         self.client.start_weight_update()
-        for bucket in buckets(iter(self.source), self.init_info.bucket_bytes):
-            self._send_bucket(bucket)
+        try:
+            for bucket in buckets(iter(self.source), self.init_info.bucket_bytes):
+                self._send_bucket(bucket)
+        except BaseException:
+            # Close the round on the workers that are still in it, so that the
+            # next start_weight_update is accepted; the failed ones already left it.
+            try:
+                self.client.finish_weight_update()
+            except BaseException as e:  # noqa: BLE001  (the first error is the one to raise)
+                logger.warning("shmcast: closing the failed round: %s", e)
+            raise
         self.client.finish_weight_update()
 
     def _send_bucket(self, bucket) -> int:

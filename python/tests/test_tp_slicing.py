@@ -153,3 +153,11 @@ def test_bytes_per_rank(size):
     got, total = tp.read_fraction(tp.plan_for_model(model, 0, size, hf), hf, {})
     replicated = sum(s[0] for n, s in hf.items() if "norm" in n)
     assert got - replicated == (total - replicated) // size
+
+
+def test_direct_loader_notices_moved_parameters():
+    m = nn.Linear(4, 4)
+    d = DirectLoader(m)
+    assert not d.stale()
+    m.weight.data = torch.zeros(4, 4)  # a loader that re-creates storage
+    assert d.stale()

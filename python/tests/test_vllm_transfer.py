@@ -247,3 +247,39 @@ def test_route_errors_keep_their_type(tmp_path):
     with pytest.raises(TimeoutError):
         RouteClient(str(tmp_path / "nobody.sock"), timeout=0.3).call("check")
     assert issubclass(RouteError, RuntimeError)
+
+
+def test_trainer_closes_a_failed_round(region):
+    """A worker that fails an update leaves the round (vLLM's worker resets
+    its session); the trainer closes the round on the others and raises."""
+    import shmcast.vllm_plugin
+    from shmcast.vllm_transfer import ShmcastTrainerInitInfo
+    from vllm.config import WeightTransferConfig
+    from vllm.distributed.weight_transfer import ModuleSource, WeightTransferTrainerFactory
+
+    class Client:
+        calls = []
+
+        def init_weight_transfer_engine(self, init_info):
+            self.calls.append("init")
+
+        def start_weight_update(self):
+            self.calls.append("start")
+
+        def update_weights(self, update_info):
+            self.calls.append("update")
+            raise RuntimeError("worker 1: receive failed")
+
+        def finish_weight_update(self):
+            self.calls.append("finish")
+
+    shmcast.vllm_plugin.register()
+    eng = WeightTransferTrainerFactory.trainer_init(
+        "shmcast", WeightTransferConfig(backend="shmcast"),
+        ShmcastTrainerInitInfo(rank=0, region=region, consumers=0, slot_bytes=2 << 20),
+        client=Client(), source=ModuleSource(torch.nn.Linear(4, 4)))
+    with pytest.raises(RuntimeError, match="receive failed"):
+        eng.send_weights()
+    assert Client.calls == ["init", "start", "update", "finish"]
+    eng.shutdown()
+    assert not os.path.exists(shmcast.region_path(region))
