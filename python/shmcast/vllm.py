@@ -21,7 +21,7 @@ from typing import Optional
 
 import torch
 
-from ._torch import Consumer
+from ._load import ConsumerCache, default_device, load_whole
 
 __all__ = ["ShmcastWorkerExtension"]
 
@@ -37,20 +37,12 @@ class ShmcastWorkerExtension:
     shmcast_mode = "staging"
 
     def _shmcast_device(self) -> torch.device:
-        dev = getattr(self, "device", None)
-        if dev is not None:
-            dev = torch.device(dev)
-            if dev.type == "cuda" and dev.index is None:
-                dev = torch.device("cuda", torch.cuda.current_device())
-            return dev
-        if torch.cuda.is_available():
-            return torch.device("cuda", torch.cuda.current_device())
-        return torch.device("cpu")
+        return default_device(getattr(self, "device", None))
 
-    def _shmcast_consumers(self) -> dict:
+    def _shmcast_consumers(self) -> ConsumerCache:
         d = self.__dict__.get("_shmcast_consumers_")
         if d is None:
-            d = self.__dict__["_shmcast_consumers_"] = {}
+            d = self.__dict__["_shmcast_consumers_"] = ConsumerCache()
         return d
 
     def init_shmcast(self, region: str, timeout: float = 60.0, mode: Optional[str] = None) -> int:
@@ -58,31 +50,21 @@ class ShmcastWorkerExtension:
         producer to create it) and returns its consumer seat. Only consumers
         attached when a sync begins take part in it: call this on every
         worker (collective_rpc) before the trainer's first send."""
-        cons = self._shmcast_consumers().get(region)
-        if cons is None or cons.closed:
-            cons = Consumer(region, device=self._shmcast_device(), open_timeout=timeout,
-                            mode=mode or self.shmcast_mode)
-            self._shmcast_consumers()[region] = cons
+        cons = self._shmcast_consumers().get(region, self._shmcast_device(), open_timeout=timeout,
+                                             mode=mode or self.shmcast_mode)
         return cons.seat
 
     def update_weights_from_shmcast(self, region: str, timeout: float = 60.0) -> int:
         """Receives the next sync of `region` (opening a consumer on this
         worker's device if init_shmcast() was not called) and loads it with
-        self.model_runner.model.load_weights(weights=...). Returns the sync's
+        self.model_runner.model.load_weights(weights). Returns the sync's
         version."""
-        self.init_shmcast(region, timeout)
-        cons = self._shmcast_consumers()[region]
-        weights = cons.receive(timeout=timeout)
-        try:
-            self.model_runner.model.load_weights(weights=weights)
-        finally:
-            del weights  # staging views must not outlive this call
-        return cons.last_version
+        cons = self._shmcast_consumers().peek(region)
+        if cons is None:
+            self.init_shmcast(region, timeout)
+            cons = self._shmcast_consumers().peek(region)
+        return load_whole(cons, self.model_runner.model, timeout=timeout).version
 
     def close_shmcast(self, region: Optional[str] = None) -> None:
         """Leaves `region` (or every region) and frees the staging buffers."""
-        consumers = self._shmcast_consumers()
-        for name in [region] if region is not None else list(consumers):
-            cons = consumers.pop(name, None)
-            if cons is not None:
-                cons.close()
+        self._shmcast_consumers().close(region)

@@ -7,6 +7,7 @@ which puts a plain dict on the result queue.
 """
 from __future__ import annotations
 
+import importlib
 import os
 import time
 import traceback
@@ -132,7 +133,12 @@ def run(role: str, kwargs: dict, q) -> None:
     try:
         env = kwargs.pop("env", None) or {}
         os.environ.update(env)
-        res = globals()["role_" + role](q=q, **kwargs)
+        if ":" in role:  # "module:name": role_name of another module (framework_roles, vllm_roles, ...)
+            mod, _, role = role.partition(":")
+            fn = getattr(importlib.import_module(mod), "role_" + role)
+        else:
+            fn = globals()["role_" + role]
+        res = fn(q=q, **kwargs)
         q.put({"ok": True, **(res or {})})
     except BaseException as e:  # report everything, including shmcast errors by class name
         q.put({"ok": False, "error": type(e).__name__, "message": str(e), "trace": traceback.format_exc()})

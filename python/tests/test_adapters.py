@@ -40,7 +40,7 @@ def test_vllm_extension_in_process(region):
 def test_stand_in_model_rejects_bad_shapes():
     m = fake_vllm.FakeQwen2ForCausalLM()
     bad = [("model.layers.0.self_attn.k_proj.weight", torch.zeros(3, 3, dtype=torch.bfloat16))]
-    with pytest.raises(ValueError):
+    with pytest.raises((ValueError, RuntimeError, AssertionError)):  # vLLM's loaders assert or fail in narrow()
         m.load_weights(bad)
 
 
