@@ -42,8 +42,6 @@ import torch.multiprocessing as mp
 
 import shmcast
 
-SLOT = 256 << 20
-
 
 def stats(xs):
     return {"min": min(xs), "median": statistics.median(xs), "max": max(xs), "n": len(xs)}
@@ -136,12 +134,13 @@ def role_trainer(args, rank, mode, bar, q):
         if mode == "two_region":
             mine = [i for i in range(args.tensors) if i % 2 == rank]
             bufs = {i: torch.empty((D, D), dtype=torch.bfloat16, device=dev) for i in mine}
-            p = shmcast.Producer(f"{args.name}-base{rank}", slot_bytes=SLOT, slots=4, max_consumers=2,
+            p = shmcast.Producer(f"{args.name}-base{rank}", slot_bytes=args.slot_mb << 20, slots=args.slots // 2,
+                                 max_consumers=2,
                                  pin=not args.cpu, engine="host" if args.cpu else "cuda")
         else:
             bufs = [torch.empty((D // R, D), dtype=torch.bfloat16, device=dev) for _ in range(args.tensors)]
-            p = shmcast.Producer(f"{args.name}-{mode}", rank=rank, world_size=R, slot_bytes=SLOT, slots=8,
-                                 max_consumers=2, pin=not args.cpu, engine="host" if args.cpu else "cuda")
+            p = shmcast.Producer(f"{args.name}-{mode}", rank=rank, world_size=R, slot_bytes=args.slot_mb << 20,
+                                 slots=args.slots, max_consumers=2, pin=not args.cpu, engine="host" if args.cpu else "cuda")
         q.put({"ready": True})
         if rank == 0 or mode == "two_region":
             p.wait_for_consumers(2, 120.0)
@@ -254,9 +253,11 @@ def role_fsdp_trainer(args, rank, bar, q):
             fully_shard(lin)
         fully_shard(model)
         assert all(type(p).__name__ == "DTensor" for p in model.parameters())
-        sharded = shmcast.Producer(f"{args.name}-fsdp", rank=rank, world_size=2, slot_bytes=SLOT, slots=8,
-                                   max_consumers=2)
-        single = shmcast.Producer(f"{args.name}-fsdp1", slot_bytes=SLOT, slots=8, max_consumers=2) if rank == 0 else None
+        # Room for the whole sync: the trainer's send() returns once its bytes
+        # are in the region, while the workers still read.
+        big = dict(slot_bytes=512 << 20, slots=args.fsdp_slots, max_consumers=2)
+        sharded = shmcast.Producer(f"{args.name}-fsdp", rank=rank, world_size=2, **big)
+        single = shmcast.Producer(f"{args.name}-fsdp1", **big) if rank == 0 else None
         q.put({"ready": True})
         if rank == 0:
             sharded.wait_for_consumers(2, 120.0)
@@ -347,6 +348,9 @@ def main():
     ap.add_argument("--tensors", type=int, default=96)
     ap.add_argument("--dim", type=int, default=8192)
     ap.add_argument("--fsdp-layers", type=int, default=48)
+    ap.add_argument("--slot-mb", type=int, default=256, help="slot size of the sharded region (and the baseline's)")
+    ap.add_argument("--slots", type=int, default=8, help="slots of the sharded region; each baseline region gets half")
+    ap.add_argument("--fsdp-slots", type=int, default=16, help="512 MiB slots of the FSDP2 regions")
     ap.add_argument("--only", default="limits,two_region,tp,full,fsdp2")
     ap.add_argument("--cpu", action="store_true", help="smoke test without a GPU (host engine)")
     ap.add_argument("--out", default=None)
@@ -375,7 +379,7 @@ def main():
         tr = [m for m in msgs if m["role"] == "trainer"]
         wk = [m for m in msgs if m["role"] == "worker"]
         times = [max(w["ends"][k] for w in wk) - min(t["starts"][k] for t in tr) for k in range(1, args.reps + 1)]
-        emit({"experiment": mode, "model_bytes": model_bytes, "sync_s": stats(times),
+        emit({"experiment": mode, "model_bytes": model_bytes, "slot_mb": args.slot_mb, "slots": args.slots, "sync_s": stats(times),
               "trainer_send_s": stats([max(t["sends"][k] for t in tr) for k in range(1, args.reps + 1)]),
               "bytes_per_worker": [w["bytes"] for w in wk], "bad_tensors": sum(w["bad"] for w in wk),
               "worker_gbps_median": max(w["bytes"] for w in wk) / statistics.median(times) / 1e9})
