@@ -6,7 +6,10 @@ import base64
 import importlib
 import io
 
-from torch.multiprocessing.reductions import ForkingPickler
+from multiprocessing.reduction import ForkingPickler
+
+import torch.multiprocessing  # noqa: F401  (registers torch's tensor reducers with ForkingPickler; newer torch
+# no longer re-exports ForkingPickler from torch.multiprocessing.reductions)
 
 
 class MultiprocessingSerializer:
