@@ -33,6 +33,17 @@ __all__ = ["default_device", "names_digest", "ConsumerCache", "wait_for", "load_
            "region_token"]
 
 
+def tp_rank_size():
+    """This vLLM worker's tensor-parallel rank and size ((0, 1) outside vLLM
+    or without a model-parallel group)."""
+    try:
+        from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+
+        return get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
+    except (ImportError, AssertionError, AttributeError):  # no model-parallel group: a single worker
+        return 0, 1
+
+
 def default_device(device=None) -> torch.device:
     """`device` as a torch.device with an index; None: the current CUDA
     device when there is one, else the CPU."""

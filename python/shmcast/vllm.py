@@ -21,7 +21,7 @@ from typing import Optional
 
 import torch
 
-from ._load import ConsumerCache, default_device, load_whole
+from ._load import ConsumerCache, DirectLoader, default_device, load_whole, tp_rank_size
 
 __all__ = ["ShmcastWorkerExtension"]
 
@@ -35,6 +35,10 @@ class ShmcastWorkerExtension:
     # safe because load_weights() copies every tensor into the model before
     # the next update. Set 'copy' to get tensors that own their memory.
     shmcast_mode = "staging"
+    # 'auto': TP slices straight into the parameters when every layout is
+    # understood (else load_weights()); 'direct' insists; 'loader' always
+    # goes through load_weights() with whole tensors.
+    shmcast_load = "auto"
 
     def _shmcast_device(self) -> torch.device:
         return default_device(getattr(self, "device", None))
@@ -63,7 +67,37 @@ class ShmcastWorkerExtension:
         if cons is None:
             self.init_shmcast(region, timeout)
             cons = self._shmcast_consumers().peek(region)
-        return load_whole(cons, self.model_runner.model, timeout=timeout).version
+        model = self.model_runner.model
+        direct = self._shmcast_direct(model)
+        if direct is not None:
+            loaded = direct.load(cons, timeout=timeout)
+        else:
+            loaded = load_whole(cons, model, timeout=timeout)
+        self.__dict__["_shmcast_last_"] = loaded
+        return loaded.version
+
+    def _shmcast_direct(self, model):
+        if self.shmcast_load == "loader":
+            return None
+        d = self.__dict__.get("_shmcast_direct_")
+        if d is None or d.stale():
+            rank, size = tp_rank_size()
+            d = self.__dict__["_shmcast_direct_"] = DirectLoader(model, rank, size)
+        if d.complete:
+            return d
+        if self.shmcast_load == "direct":
+            raise ValueError(f"shmcast_load='direct' cannot load this model: {d.why}")
+        return None
+
+    def shmcast_stats(self) -> dict:
+        """What the last update moved: version, bytes this worker read
+        (its TP slices), the sync's payload, and the path ('direct' or
+        'loader')."""
+        last = self.__dict__.get("_shmcast_last_")
+        if last is None:
+            return {}
+        return {"version": last.version, "tensors": last.tensors, "bytes_read": last.bytes_read,
+                "payload_bytes": last.bytes_total, "path": last.mode}
 
     def close_shmcast(self, region: Optional[str] = None) -> None:
         """Leaves `region` (or every region) and frees the staging buffers."""

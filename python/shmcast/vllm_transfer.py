@@ -64,7 +64,7 @@ from typing import Any, Iterator, Optional
 
 import torch
 
-from ._load import ConsumerCache, DirectLoader, load_whole, names_digest, region_token
+from ._load import ConsumerCache, DirectLoader, load_whole, names_digest, region_token, tp_rank_size
 from ._send import buckets
 from ._torch import Producer
 from .vllm_plugin import BACKEND, register  # noqa: F401  (register: the plugin entry point)
@@ -147,15 +147,6 @@ class ShmcastTrainerInitInfo(TrainerInitInfo):
     """More shmcast.Producer keyword arguments (max_consumers, checksums, ...)."""
 
 
-def _tp_rank_size():
-    try:
-        from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
-
-        return get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
-    except (ImportError, AssertionError, AttributeError):  # no model-parallel group: a single worker
-        return 0, 1
-
-
 class ShmcastWeightTransferEngine(WeightTransferEngine[ShmcastWeightTransferInitInfo, ShmcastWeightTransferUpdateInfo]):
     """Worker side: created by WeightTransferEngineFactory.create_engine
     (config, vllm_config, device, model) once the model is loaded."""
@@ -193,7 +184,7 @@ class ShmcastWeightTransferEngine(WeightTransferEngine[ShmcastWeightTransferInit
         key = id(self.model)
         d = self._direct.get(key)
         if d is None or d.stale():
-            rank, size = _tp_rank_size()
+            rank, size = tp_rank_size()
             d = self._direct[key] = DirectLoader(self.model, rank, size)
         quant = getattr(self.model_config, "quantization", None)
         if d.complete and quant is None:

@@ -204,10 +204,13 @@ def role_producer_idle(q, region, seconds=60.0):
     p.close()
 
 
-def role_vllm_worker(q, region, device="cpu", n_updates=1, timeout=30.0, seed=0):
-    """A stand-in vLLM worker (see fake_vllm.py) receiving weight updates."""
+def role_vllm_worker(q, region, device="cpu", n_updates=1, timeout=30.0, seed=0, tp_rank=0, tp_size=1):
+    """A stand-in vLLM worker (see fake_vllm.py) receiving weight updates,
+    as TP rank tp_rank of tp_size."""
     import fake_vllm
+    from vllm.distributed import _set_tp
 
+    _set_tp(tp_rank, tp_size)  # this process is one TP worker
     worker = fake_vllm.FakeWorker(device=device)
     worker.init_shmcast(region, timeout)
     q.put({"ready": True})
@@ -215,7 +218,8 @@ def role_vllm_worker(q, region, device="cpu", n_updates=1, timeout=30.0, seed=0)
     for k in range(n_updates):
         version = worker.update_weights_from_shmcast(region, timeout=timeout)
         hf = fake_vllm.hf_state_dict(seed + k)
-        results.append({"version": version, "problems": fake_vllm.check_loaded(worker.model_runner.model, hf)})
+        results.append({"version": version, "stats": worker.shmcast_stats(),
+                        "problems": fake_vllm.check_loaded(worker.model_runner.model, hf, tp_rank, tp_size)})
     worker.close_shmcast()
     return {"updates": results}
 
