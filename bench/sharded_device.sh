@@ -26,8 +26,15 @@ gen=(); command -v ninja >/dev/null && gen=(-G Ninja)
     ${PB:+-Dpybind11_DIR=$PB} -DSHMCAST_BUILD_TESTS=OFF -DSHMCAST_BUILD_TOOLS=OFF \
   && cmake --build $B -j"$(nproc)" --target _shmcast; } >"$OUT/build.log" 2>&1 || { tail -30 "$OUT/build.log"; exit 1; }
 export PYTHONPATH=$B/python${PYTHONPATH:+:$PYTHONPATH}
-log "python sharded tests (CPU paths of the GPU build)"
-timeout 300 $PY -m pytest -q -x -p no:cacheprovider python/tests/test_sharded.py 2>&1 | tail -5
+if [ "${TESTS:-1}" = 1 ]; then
+  log "python sharded tests (CPU paths of the GPU build)"
+  timeout 300 $PY -m pytest -q -x -p no:cacheprovider python/tests/test_sharded.py 2>&1 | tail -5
+fi
 log bench
 timeout ${BENCH_TIMEOUT:-420} $PY bench/bench_sharded.py --reps ${REPS:-10} --out "$OUT/sharded.jsonl" ${BENCH_ARGS:-}
-log "done rc=$?"
+rc=$?
+if [ -n "${VARIANT_ARGS:-}" ]; then
+  log "variant: ${VARIANT_ENV:-} $VARIANT_ARGS"
+  env ${VARIANT_ENV:-} timeout 300 $PY bench/bench_sharded.py --reps ${REPS:-10} --out "$OUT/sharded-variant.jsonl" $VARIANT_ARGS
+fi
+log "done rc=$rc"
