@@ -349,3 +349,72 @@ def role_sharded_consumer(q, region, seed, kind, part=0, n_syncs=2, timeout=30.0
                     got = [(n, dst[n]) for n, _ in want]
             problems += compare(got, want)
     return {"problems": problems}
+
+
+# ---------------------------------------------------------------- FSDP2 (2 GPUs)
+
+
+def fsdp_model(dev):
+    """A small model with uneven FSDP2 shards (3 and 5 rows on 2 ranks), its
+    weights set from a seed (the same on every process)."""
+    torch.manual_seed(5)
+    m = torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.LayerNorm(96), torch.nn.Linear(96, 3),
+                            torch.nn.Linear(3, 5)).to(dev)
+    g = torch.Generator(device="cpu").manual_seed(11)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.copy_(torch.randn(p.shape, generator=g).to(dev))
+    return m
+
+
+def role_fsdp_rank(q, region, rank, store, n_syncs=2, timeout=60.0):
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    dev = torch.device("cuda", rank)
+    torch.cuda.set_device(dev)
+    dist.init_process_group("nccl", init_method=f"file://{store}", rank=rank, world_size=2)
+    try:
+        m = fsdp_model(dev)
+        for layer in m:
+            fully_shard(layer)
+        fully_shard(m)
+        kinds = sorted({type(p).__name__ for p in m.parameters()})
+        with shmcast.Producer(region, rank=rank, world_size=2, slot_bytes=SLOT, slots=4, max_consumers=2,
+                              rank_timeout=timeout) as p:
+            q.put({"ready": True})
+            if rank == 0:
+                p.wait_for_consumers(2, timeout)
+            versions = []
+            for k in range(n_syncs):
+                with torch.no_grad():
+                    for prm in m.parameters():
+                        prm.to_local().add_(1)  # a training step: each rank changes its own shard
+                versions.append(p.send(m.named_parameters()))
+            if rank == 0:
+                p.wait_drained(timeout)
+        return {"versions": versions, "kinds": kinds}
+    finally:
+        dist.destroy_process_group()
+
+
+def role_fsdp_consumer(q, region, gpu, n_syncs=2, timeout=60.0):
+    dev = torch.device("cuda", gpu)
+    want = dict(fsdp_model(dev).named_parameters())
+    problems = []
+    with shmcast.Consumer(region, device=str(dev), open_timeout=timeout) as c:
+        q.put({"ready": True})
+        for k in range(n_syncs):
+            if gpu == 0:
+                got = c.receive(timeout=timeout)
+                exp = [(n, want[n].detach() + (k + 1)) for n, _ in got]
+            else:  # a TP-style reader: half of each matrix along dim 1, vectors whole
+                info = c.wait_sync(timeout)
+                sl = {t[0]: (1, 0, t[2][1] // 2) for t in info.tensors if len(t[2]) == 2}
+                got = c.read(slices=sl)
+                exp = [(n, (want[n].detach() + (k + 1)).narrow(*sl[n]) if n in sl else want[n].detach() + (k + 1))
+                       for n, _ in got]
+            if len(got) != len(want):
+                problems.append(f"{len(got)} tensors, expected {len(want)}")
+            problems += compare(got, exp)
+    return {"problems": problems}
