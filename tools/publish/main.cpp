@@ -202,7 +202,7 @@ int main(int argc, char** argv) {
   app.add_option("--consumer-timeout", consumer_timeout, "Seconds a live consumer may hold back a slot")
       ->check(number(0.001, 604800, false))
       ->capture_default_str();
-  app.add_option("--repeat", repeat, "Syncs to publish (the checkpoint is read again for each); 0: until SIGINT/SIGTERM")
+  app.add_option("--repeat", repeat, "Syncs to publish (the checkpoint is read again for each); 0: until SIGINT/SIGTERM (with --wait-consumers, a new sync as soon as that many are attached; pace it with --interval)")
       ->check(number(0, 1e12, true))
       ->capture_default_str();
   app.add_option("--interval", interval, "Seconds between syncs")->check(number(0, 86400, false))->capture_default_str();
@@ -210,13 +210,13 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"auto", "direct", "buffered", "pread"}))
       ->capture_default_str();
   app.add_option("--queue-depth", queue_depth, "io_uring reads in flight")->check(number(1, 4096, true))->capture_default_str();
-  app.add_option("--request-kb", request_kb, "Bytes of one read, in KiB (a power of two, 4..65536)")
+  app.add_option("--request-kb", request_kb, "Size of one read in KiB (a power of two, 4..65536)")
       ->check(number(4, 65536, true))
       ->capture_default_str();
-  app.add_option("--window-mb", window_mb, "Staging window in MiB (a window holds at least the largest tensor)")
+  app.add_option("--window-mb", window_mb, "Staging window in MiB (a tensor larger than this is read into a buffer of its own)")
       ->check(number(1, 65536, false))
       ->capture_default_str();
-  app.add_option("--windows", windows, "Staging windows (reads run ahead by windows - 1)")
+  app.add_option("--windows", windows, "Staging windows (reads run ahead of the copies into the region by up to this many)")
       ->check(number(2, 64, true))
       ->capture_default_str();
   app.add_option("--pread-threads", pread_threads, "Threads for --io pread (and the fallback)")
