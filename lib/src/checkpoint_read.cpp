@@ -108,6 +108,18 @@ struct FileFds {
   const std::string* what = nullptr;
 };
 
+// The O_DIRECT descriptors of one call, closed however the call ends (also
+// when opening a later one throws).
+struct FileFdsList : std::vector<FileFds> {
+  FileFdsList() = default;
+  FileFdsList(const FileFdsList&) = delete;
+  FileFdsList& operator=(const FileFdsList&) = delete;
+  ~FileFdsList() {
+    for (FileFds& f : *this)
+      if (f.direct >= 0) ::close(f.direct);
+  }
+};
+
 // Anonymous memory for the staging windows: page-aligned (O_DIRECT). Not
 // prefaulted: its pages fault in as the first reads land in them, on the
 // threads doing the reads, while the caller copies earlier windows out
@@ -178,7 +190,7 @@ namespace {
 struct Session {
   const ReadOptions& opt;
   ReadEngine* engine;
-  std::vector<FileFds> files;
+  FileFdsList files;
   std::string path;  // "direct", "buffered", "direct+buffered", "pread"
   std::string why;   // fallbacks, joined with "; "
   std::chrono::steady_clock::time_point t0;
@@ -252,11 +264,6 @@ struct Session {
   }
   Session(const Session&) = delete;
   Session& operator=(const Session&) = delete;
-
-  ~Session() {
-    for (FileFds& f : files)
-      if (f.direct >= 0) ::close(f.direct);
-  }
 
   ReadStats stats(std::uint64_t staging) const {
     const detail::ReadEngineStats s = engine->stats();

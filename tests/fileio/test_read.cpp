@@ -323,3 +323,22 @@ TEST_F(ReadPaths, OneReaderServesManyCalls) {
   (void)check_read_tensors(a, ts_, o, true);
   (void)stream(a, ts_);
 }
+
+TEST_F(ReadPaths, AFileReplacedAfterValidationIsNeverRead) {
+  // Another file renamed over the checkpoint after open_checkpoint: the data
+  // comes from the descriptor that was validated (the old bytes), and an
+  // O_DIRECT reopen, which would find the new file, is refused.
+  const sf::Checkpoint c = sf::open_checkpoint(path_.string());
+  std::vector<Tensor> other = awkward_tensors(777);
+  write_file(d_ / "other.safetensors", file_bytes(other));
+  fs::rename(d_ / "other.safetensors", path_);
+  (void)check_stream(c, ts_, small(sf::IoPath::kPread));  // the validated bytes, not the new file's
+  if (!uring_available() || !supports_direct(d_.path)) GTEST_SKIP() << "no io_uring or no O_DIRECT here";
+  try {
+    (void)check_stream(c, ts_, small(sf::IoPath::kDirect));
+    ADD_FAILURE() << "an O_DIRECT reopen read a file other than the validated one";
+  } catch (const shmcast::Error& e) {
+    EXPECT_EQ(e.code(), Errc::kCorrupt) << e.what();
+    EXPECT_NE(std::string(e.what()).find("replaced"), std::string::npos) << e.what();
+  }
+}
