@@ -399,6 +399,8 @@ std::string merge_posts(std::span<const SyncInfo> posts, std::vector<TensorSpec>
 
 namespace shmcast {
 
+std::uint64_t manifest_bytes_needed(std::span<const TensorSpec> tensors) { return detail::manifest_size(tensors); }
+
 SyncLayout stream_layout(std::span<const TensorSpec> tensors, std::uint64_t slot_bytes) {
   if (slot_bytes == 0 || slot_bytes > limits::kMaxSlotBytes)
     throw Error(Errc::kInvalidArgument, "slot_bytes must be 1.." + std::to_string(limits::kMaxSlotBytes));

@@ -13,9 +13,8 @@
 namespace shmcast::safetensors {
 
 std::uint64_t manifest_bytes_for(const Checkpoint& ckpt) {
-  // docs/protocol.md section 6: a 64-byte header, 96 bytes per tensor, the names.
-  std::uint64_t n = 64;
-  for (const TensorEntry& t : ckpt.tensors()) n += 96 + t.name.size();
+  const std::vector<TensorSpec> specs = ckpt.specs();
+  std::uint64_t n = manifest_bytes_needed(specs);
   n = (n + 4095) / 4096 * 4096;
   return std::max<std::uint64_t>(n, 1ull << 20);
 }

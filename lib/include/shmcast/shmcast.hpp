@@ -186,6 +186,9 @@ struct SyncLayout {
 // create() does) gives a sync of `tensors` (version and first_seq left 0).
 // Throws kInvalidArgument for an invalid spec or slot size.
 SHMCAST_API SyncLayout stream_layout(std::span<const TensorSpec> tensors, std::uint64_t slot_bytes);
+// The manifest_bytes a one-producer region needs for a sync of `tensors`
+// (before rounding up to 4 KiB).
+SHMCAST_API std::uint64_t manifest_bytes_needed(std::span<const TensorSpec> tensors);
 
 struct Piece {
   std::size_t tensor;          // index into SyncInfo::tensors
