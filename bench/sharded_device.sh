@@ -27,12 +27,16 @@ gen=(); command -v ninja >/dev/null && gen=(-G Ninja)
   && cmake --build $B -j"$(nproc)" --target _shmcast; } >"$OUT/build.log" 2>&1 || { tail -30 "$OUT/build.log"; exit 1; }
 export PYTHONPATH=$B/python${PYTHONPATH:+:$PYTHONPATH}
 if [ "${TESTS:-1}" = 1 ]; then
-  log "python sharded tests (CPU paths of the GPU build)"
+  log "python sharded tests (CPU paths of the GPU build), and FSDP2 on the GPUs"
   timeout 300 $PY -m pytest -q -x -p no:cacheprovider python/tests/test_sharded.py 2>&1 | tail -5
+  timeout 300 $PY -m pytest -q -ra -p no:cacheprovider -m cuda python/tests/test_cuda.py -k "fsdp2 or sharded" 2>&1 | tail -8
 fi
-log bench
-timeout ${BENCH_TIMEOUT:-420} $PY bench/bench_sharded.py --reps ${REPS:-10} --out "$OUT/sharded.jsonl" ${BENCH_ARGS:-}
-rc=$?
+rc=0
+if [ "${BENCH:-1}" = 1 ]; then
+  log bench
+  timeout ${BENCH_TIMEOUT:-420} $PY bench/bench_sharded.py --reps ${REPS:-10} --out "$OUT/sharded.jsonl" ${BENCH_ARGS:-}
+  rc=$?
+fi
 if [ -n "${VARIANT_ARGS:-}" ]; then
   log "variant: ${VARIANT_ENV:-} $VARIANT_ARGS"
   env ${VARIANT_ENV:-} timeout 300 $PY bench/bench_sharded.py --reps ${REPS:-10} --out "$OUT/sharded-variant.jsonl" $VARIANT_ARGS
