@@ -389,7 +389,7 @@ def role_fsdp_rank(q, region, rank, store, n_syncs=2, timeout=60.0):
             for k in range(n_syncs):
                 with torch.no_grad():
                     for prm in m.parameters():
-                        prm.to_local().add_(1)  # a training step: each rank changes its own shard
+                        prm.add_(1)  # a training step: DTensor in-place op, each rank changes its own shard
                 versions.append(p.send(m.named_parameters()))
             if rank == 0:
                 p.wait_drained(timeout)
