@@ -28,7 +28,7 @@ gen=(); command -v ninja >/dev/null && gen=(-G Ninja)
 export PYTHONPATH=$B/python${PYTHONPATH:+:$PYTHONPATH}
 if [ "${TESTS:-1}" = 1 ]; then
   log "python sharded tests (CPU paths of the GPU build), and FSDP2 on the GPUs"
-  timeout 300 $PY -m pytest -q -x -p no:cacheprovider python/tests/test_sharded.py 2>&1 | tail -5
+  [ "${SKIP_CPU:-0}" = 1 ] || timeout 300 $PY -m pytest -q -x -p no:cacheprovider python/tests/test_sharded.py 2>&1 | tail -5
   timeout 300 $PY -m pytest -q -ra -p no:cacheprovider -m cuda python/tests/test_cuda.py -k "fsdp2 or sharded" 2>&1 | tail -8
 fi
 rc=0
