@@ -416,5 +416,14 @@ def role_fsdp_consumer(q, region, gpu, n_syncs=2, timeout=60.0):
                        for n, _ in got]
             if len(got) != len(want):
                 problems.append(f"{len(got)} tensors, expected {len(want)}")
-            problems += compare(got, exp)
+            bad = compare(got, exp)
+            if bad:  # say how they differ: from the initial weights, and from what was expected
+                e = dict(exp)
+                for n, t in got:
+                    base = want[n].detach()
+                    if n in e and not torch.equal(t, e[n]) and t.shape == e[n].shape:
+                        base = base.narrow(*sl[n]) if gpu != 0 and n in sl else base
+                        bad.append(f"{n} sync {k}: got - initial in [{float((t - base).min())}, "
+                                   f"{float((t - base).max())}], got - expected max {float((t - e[n]).abs().max())}")
+            problems += bad
     return {"problems": problems}
