@@ -231,4 +231,5 @@ def test_fsdp2_two_ranks_send_local_shards_bit_exact(region, procs, tmp_path):
     assert [r["versions"] for r in res] == [[1, 2], [1, 2]]
     assert res[0]["kinds"] == ["DTensor"], res[0]
     for c in cons:
-        assert procs.get(c, timeout=180)["problems"] == []
+        problems = procs.get(c, timeout=180)["problems"]
+        assert not problems, "\n".join(problems)
