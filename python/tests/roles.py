@@ -402,18 +402,20 @@ def role_fsdp_consumer(q, region, gpu, n_syncs=2, timeout=60.0):
     dev = torch.device("cuda", gpu)
     want = dict(fsdp_model(dev).named_parameters())
     problems = []
+    stepped = {n: p.detach().clone() for n, p in want.items()}
     with shmcast.Consumer(region, device=str(dev), open_timeout=timeout) as c:
         q.put({"ready": True})
         for k in range(n_syncs):
+            for t in stepped.values():
+                t.add_(1)  # the trainer's step, the same fp32 adds in the same order
             if gpu == 0:
                 got = c.receive(timeout=timeout)
-                exp = [(n, want[n].detach() + (k + 1)) for n, _ in got]
+                exp = [(n, stepped[n]) for n, _ in got]
             else:  # a TP-style reader: half of each matrix along dim 1, vectors whole
                 info = c.wait_sync(timeout)
                 sl = {t[0]: (1, 0, t[2][1] // 2) for t in info.tensors if len(t[2]) == 2}
                 got = c.read(slices=sl)
-                exp = [(n, (want[n].detach() + (k + 1)).narrow(*sl[n]) if n in sl else want[n].detach() + (k + 1))
-                       for n, _ in got]
+                exp = [(n, stepped[n].narrow(*sl[n]) if n in sl else stepped[n]) for n, _ in got]
             if len(got) != len(want):
                 problems.append(f"{len(got)} tensors, expected {len(want)}")
             bad = compare(got, exp)
