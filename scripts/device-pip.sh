@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The pip package and the driver-API CUDA engine on the lent GPU machine (the
+# The pip package and the CUDA engine (driver API) on the lent GPU machine (the
 # `device` tool), in one call of about 7 minutes (every stage has a timeout;
 # the whole stays under 9):
 #
@@ -9,15 +9,13 @@
 # says which and unpacks them into /tmp/pfx, never into /.)
 #
 #  env     GPU, driver, python3, torch, pip, scikit-build-core, pybind11, cmake, nvcc
-#  build   the tree twice, at once: -DSHMCAST_CUDA_API=runtime (links libcudart, the engine
-#          before this change) and -DSHMCAST_CUDA_API=driver (dlopen libcuda.so.1, the
-#          default): library, shmcast-bench, GPU tests
+#  build   the tree (the CUDA engine through the driver API, dlopen libcuda.so.1):
+#          library, shmcast-bench, GPU tests
 #  pip     (in the background while ctest runs) python3 -m venv --system-site-packages
 #          /tmp/venv, then /tmp/venv/bin/python -m pip install --no-build-isolation --no-index .
-#  ctest   ctest -L gpu in both builds
-#  bench   shmcast-bench --mode cuda, same GPU, Qwen2.5-3B manifest, 2 x 256 MiB slots, in
-#          the order runtime, driver, driver, runtime, --iters 6 each: 12 timed syncs per
-#          build (nothing else runs meanwhile)
+#  ctest   ctest -L gpu
+#  bench   shmcast-bench --mode cuda, Qwen2.5-3B manifest, 2 x 256 MiB slots, twice,
+#          --iters 6 each: 12 timed syncs (nothing else runs meanwhile)
 #  pytest  from /tmp, out of the source tree: python/tests -m cuda against the installed
 #          package, tests/gpu/python_no_gpu.py against it (driver library missing),
 #          shmcast-inspect from the venv, the installed module's NEEDED entries
@@ -49,7 +47,6 @@ set -x
 
 PY=$(command -v python3)
 VER=$(sed -n 's/^project(shmcast VERSION \([0-9.]*\).*/\1/p' CMakeLists.txt)
-RT=/tmp/shmcast-runtime
 DRV=/tmp/shmcast-driver
 VENV=/tmp/venv
 VPY=$VENV/bin/python
@@ -70,30 +67,18 @@ stage env env_stage
 source scripts/device-env.sh
 gen=(); command -v ninja >/dev/null && gen=(-G Ninja)
 
-build_one() {  # dir, api: the library, shmcast-bench and the GPU tests
-  local B=$1 api=$2 targets=(shmcast-bench test_gpu test_gpu_absent)
-  [ "$api" = driver ] && targets+=(test_cuda_driver)
-  timeout 300 cmake -S "$SRC" -B "$B" "${gen[@]}" -DCMAKE_BUILD_TYPE=Release -DSHMCAST_WITH_CUDA=ON \
-    -DSHMCAST_CUDA_API="$api" -DCUDAToolkit_ROOT=/usr/local/cuda -DSHMCAST_BUILD_PYTHON=OFF \
-    -DSHMCAST_BUILD_TOOLS=OFF -DSHMCAST_BUILD_BENCH=ON -DSHMCAST_BUILD_TESTS=ON &&
-    timeout 300 cmake --build "$B" -j8 --target "${targets[@]}"
-}
-build_stage() {
-  build_one $RT runtime >/tmp/build-runtime.log 2>&1 &
-  local p1=$!
-  build_one $DRV driver >/tmp/build-driver.log 2>&1 &
-  local p2=$!
-  wait $p1; local r1=$?
-  wait $p2; local r2=$?
-  { echo "#### runtime build rc=$r1"; cat /tmp/build-runtime.log; echo "#### driver build rc=$r2"; cat /tmp/build-driver.log; } >"$OUT/build.log"
-  echo "runtime build rc=$r1, driver build rc=$r2"
-  grep -E "shmcast:" /tmp/build-runtime.log /tmp/build-driver.log
-  [ $r1 -eq 0 ] || grep -E "error|Error" -A3 /tmp/build-runtime.log | head -30
-  [ $r2 -eq 0 ] || grep -E "error|Error" -A3 /tmp/build-driver.log | head -30
-  for b in $RT $DRV; do
-    echo "$b/lib/libshmcast.a undefined cu*/cuda* symbols:"; nm -u $b/lib/libshmcast.a 2>/dev/null | grep -E " (cu|cuda)[A-Z]" | sort -u | head -5
-  done
-  [ $r1 -eq 0 ] && [ $r2 -eq 0 ]
+build_stage() {  # the library, shmcast-bench and the GPU tests
+  local targets=(shmcast-bench test_gpu test_gpu_absent test_cuda_driver)
+  { timeout 300 cmake -S "$SRC" -B $DRV "${gen[@]}" -DCMAKE_BUILD_TYPE=Release -DSHMCAST_WITH_CUDA=ON \
+      -DCUDAToolkit_ROOT=/usr/local/cuda -DSHMCAST_BUILD_PYTHON=OFF \
+      -DSHMCAST_BUILD_TOOLS=OFF -DSHMCAST_BUILD_BENCH=ON -DSHMCAST_BUILD_TESTS=ON &&
+      timeout 300 cmake --build $DRV -j8 --target "${targets[@]}"; } >"$OUT/build.log" 2>&1
+  local r=$?
+  echo "build rc=$r"
+  grep -E "shmcast:" "$OUT/build.log"
+  [ $r -eq 0 ] || grep -E "error|Error" -A3 "$OUT/build.log" | head -30
+  echo "$DRV/lib/libshmcast.a undefined cu*/cuda* symbols:"; nm -u $DRV/lib/libshmcast.a 2>/dev/null | grep -E " (cu|cuda)[A-Z]" | sort -u | head -5
+  [ $r -eq 0 ]
 }
 stage build build_stage
 
@@ -133,8 +118,7 @@ ctest_stage() {  # dir, label
   sed -n "/######## ctest -L gpu: $2/,\$p" "$OUT/ctest.log" | grep -E "tests passed|tests failed|\*\*\*Failed|\*\*\*Skipped|Not Run|Timeout" | head -20
   return $rc
 }
-stage ctest-driver ctest_stage $DRV driver
-stage ctest-runtime ctest_stage $RT runtime
+stage ctest ctest_stage $DRV driver
 
 log "waiting for pip"
 wait $PIP_PID
@@ -165,10 +149,8 @@ EOF
 }
 bench_stage() {
   local rc=0
-  runb runtime $RT || rc=1
   runb driver $DRV || rc=1
   runb driver $DRV || rc=1
-  runb runtime $RT || rc=1
   return $rc
 }
 stage bench bench_stage
@@ -214,7 +196,7 @@ for l in open(sys.argv[1]):
     if l.strip():
         rows.append(json.loads(l))
 payload = None
-per = {"runtime": [], "driver": []}
+per = {"driver": []}
 for d in rows:
     if "raw" in d or d.get("rc") or not d.get("ok", False):
         print(f"bench {d['label']}: rc={d.get('rc')} ok={d.get('ok')} {d.get('error', '')} {d.get('parse_error', '')} "
@@ -234,9 +216,6 @@ for k, v in per.items():
         q = statistics.quantiles(v, n=4) if len(v) >= 4 else [min(v), med, max(v)]
         print(f"{k:8s}: {len(v)} timed syncs, median {med * 1e3:.1f} ms = {payload / med / 1e9:.2f} GB/s, "
               f"IQR {q[0] * 1e3:.1f}-{q[2] * 1e3:.1f} ms, range {min(v) * 1e3:.1f}-{max(v) * 1e3:.1f} ms")
-if per["runtime"] and per["driver"]:
-    r, d = statistics.median(per["runtime"]), statistics.median(per["driver"])
-    print(f"driver vs runtime: median sync time {100 * (d - r) / r:+.2f}% (driver {d * 1e3:.1f} ms, runtime {r * 1e3:.1f} ms)")
 text = open(sys.argv[2]).read() if sys.argv[2] else ""
 for part in text.split("######## ")[1:]:
     head = part.splitlines()[0]

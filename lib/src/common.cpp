@@ -5,7 +5,9 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "checks.hpp"
 #include "engine.hpp"
+#include "region.hpp"
 #include "shmcast/shmcast.hpp"
 
 namespace shmcast {
@@ -80,12 +82,10 @@ bool dtype_from_name(std::string_view name, DType* out) noexcept {
 }
 
 std::uint64_t TensorSpec::nbytes() const {
-  std::uint64_t n = dtype_size(dtype);
-  if (n == 0) throw Error(Errc::kInvalidArgument, "tensor '" + name + "' has an unknown dtype");
-  for (std::int64_t d : shape) {
-    if (d < 0 || __builtin_mul_overflow(n, static_cast<std::uint64_t>(d), &n))
-      throw Error(Errc::kInvalidArgument, "tensor '" + name + "' has a negative dimension or its size overflows");
-  }
+  if (dtype_size(dtype) == 0) throw Error(Errc::kInvalidArgument, "tensor '" + name + "' has an unknown dtype");
+  std::uint64_t n = 0;
+  if (!detail::shape_bytes(dtype, shape.data(), shape.size(), &n))
+    throw Error(Errc::kInvalidArgument, "tensor '" + name + "' has a negative dimension or its size overflows");
   return n;
 }
 
@@ -107,9 +107,7 @@ std::ptrdiff_t SyncInfo::find(std::string_view n) const {
 
 std::string region_dir() {
   const char* d = std::getenv("SHMCAST_DIR");
-  std::string dir = (d && *d) ? d : "/dev/shm";
-  while (dir.size() > 1 && dir.back() == '/') dir.pop_back();
-  return dir;
+  return detail::trim_dir((d && *d) ? d : "/dev/shm");
 }
 
 std::string validate_name(std::string_view name) {
@@ -124,16 +122,14 @@ std::string validate_name(std::string_view name) {
   return {};
 }
 
-std::string region_path(std::string_view name) { return region_dir() + "/shmcast." + std::string(name); }
+std::string region_path(std::string_view name) { return detail::region_file(region_dir(), name); }
 
 bool unlink_region(std::string_view name) {
-  std::string why = validate_name(name);
-  if (!why.empty()) throw Error(Errc::kBadName, why + ": '" + std::string(name) + "'");
+  detail::require_valid_name(name);
   const std::string p = region_path(name);
   if (::unlink(p.c_str()) == 0) return true;
   if (errno == ENOENT) return false;
-  throw Error(errno == EACCES || errno == EPERM ? Errc::kPermission : Errc::kSystem,
-              "cannot remove " + p + ": " + std::strerror(errno), errno);
+  detail::throw_errno(errno, "cannot remove " + p);
 }
 
 bool cuda_available() noexcept {

@@ -8,6 +8,7 @@
 #include <optional>
 #include <thread>
 
+#include "checks.hpp"
 #include "doorbell.hpp"
 #include "engine.hpp"
 #include "liveness.hpp"
@@ -328,11 +329,7 @@ const SyncInfo& Consumer::wait_sync(Duration timeout) {
       throw Error(Errc::kCorrupt, "region file " + m.view.file().path() + " is " + std::to_string(now) +
                                       " bytes, not " + std::to_string(g.total_bytes) +
                                       ": another process truncated or resized it; open the region again");
-    if (rec.manifest_used < sizeof(ManifestHeader) || rec.manifest_used > g.manifest_bytes)
-      throw corrupt("manifest size " + std::to_string(rec.manifest_used) + " is out of bounds");
-    if (rec.first_seq == 0 || rec.first_seq > (1ull << 62) || rec.chunks > (1ull << 46) ||
-        rec.stream_bytes > kMaxStreamBytes)
-      throw corrupt("sync record is inconsistent (first chunk, chunk count, stream size)");
+    if (std::string bad = record_problem(rec, g); !bad.empty()) throw corrupt(bad);
     bytes.resize(rec.manifest_used);
     std::memcpy(bytes.data(), m.view.manifest(), bytes.size());
     // The manifest is covered by the record's seqlock: a producer that
@@ -354,11 +351,8 @@ const SyncInfo& Consumer::wait_sync(Duration timeout) {
   std::string why = decode_manifest(bytes, rec.version, rec.stream_bytes, g.slot_bytes, &info);
   if (why.empty() && info.world_size != g.world_size)
     why = "manifest of " + std::to_string(info.world_size) + " ranks in a region of " + std::to_string(g.world_size);
-  if (why.empty()) {
-    std::uint64_t per_rank = 0;
-    for (std::uint64_t b : info.rank_bytes) per_rank = std::max(per_rank, chunk_count(b, g.slot_bytes));
-    if (rec.chunks != per_rank * info.world_size) why = "chunk count disagrees with the ranks' sub-streams";
-  }
+  if (why.empty() && rec.chunks != sync_chunks(info.rank_bytes, g.slot_bytes))
+    why = "chunk count disagrees with the ranks' sub-streams";
   if (!why.empty()) throw corrupt(why);
   info.first_seq = rec.first_seq;
   info.chunks = rec.chunks;

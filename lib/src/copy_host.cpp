@@ -4,19 +4,40 @@
 
 namespace shmcast::detail {
 
-void gather_host(std::byte* dst, const std::byte* base, const Strided2D& l, std::uint64_t offset, std::uint64_t n) {
+namespace {
+
+// Calls run(at, len) for each piece of bytes [offset, offset + n) of a
+// tensor laid out as `l` that is contiguous in the tensor's memory, in
+// order: `at` is where the piece starts there.
+template <class Run>
+void for_each_run(const Strided2D& l, std::uint64_t offset, std::uint64_t n, Run&& run) {
   if (l.rows == 0) {
-    std::memcpy(dst, base + offset, n);
+    run(offset, n);
     return;
   }
   while (n > 0) {
     const std::uint64_t row = offset / l.row_bytes, col = offset % l.row_bytes;
     const std::uint64_t take = l.row_bytes - col < n ? l.row_bytes - col : n;
-    std::memcpy(dst, base + row * l.pitch_bytes + col, take);
-    dst += take;
+    run(row * l.pitch_bytes + col, take);
     offset += take;
     n -= take;
   }
+}
+
+}  // namespace
+
+void gather_host(std::byte* dst, const std::byte* base, const Strided2D& l, std::uint64_t offset, std::uint64_t n) {
+  for_each_run(l, offset, n, [&](std::uint64_t at, std::uint64_t len) {
+    std::memcpy(dst, base + at, len);
+    dst += len;
+  });
+}
+
+void scatter_host(std::byte* base, const Strided2D& l, std::uint64_t offset, const std::byte* src, std::uint64_t n) {
+  for_each_run(l, offset, n, [&](std::uint64_t at, std::uint64_t len) {
+    std::memcpy(base + at, src, len);
+    src += len;
+  });
 }
 
 namespace {

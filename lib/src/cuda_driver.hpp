@@ -1,4 +1,4 @@
-// The CUDA driver API, loaded at run time (built with SHMCAST_CUDA_API=driver).
+// The CUDA driver API, loaded at run time (built with SHMCAST_WITH_CUDA).
 //
 // libshmcast links no CUDA library. The first CUDA call dlopen()s
 // libcuda.so.1 (the NVIDIA driver's library; $SHMCAST_LIBCUDA names another

@@ -1,10 +1,8 @@
-// The CUDA copy engine (built with SHMCAST_WITH_CUDA; SHMCAST_CUDA_API=driver,
-// the default). Plain C++ against the CUDA driver API, which cuda_driver.cpp
-// loads at run time: libshmcast links no CUDA library, so one build works on
-// machines with and without a GPU and next to any CUDA runtime (torch's, the
-// application's). Only cuda.h is needed to build it; no nvcc. The same engine
-// against the runtime API (libcudart) is cuda_engine_runtime.cpp, kept for
-// comparison (-DSHMCAST_CUDA_API=runtime): both behave alike.
+// The CUDA copy engine (built with SHMCAST_WITH_CUDA). Plain C++ against the
+// CUDA driver API, which cuda_driver.cpp loads at run time: libshmcast links
+// no CUDA library, so one build works on machines with and without a GPU and
+// next to any CUDA runtime (torch's, the application's). Only cuda.h is needed
+// to build it; no nvcc.
 //
 // How a lane works (one per engine, on one device):
 //
@@ -514,22 +512,6 @@ void copy_async(std::byte* slot, std::byte* tensor, const Strided2D& l, std::uin
   n -= full * l.row_bytes;
   row += full;
   if (n > 0) one(slot, tensor + row * l.pitch_bytes, n, stream);  // tail: a partial row
-}
-
-// Host-side scatter of contiguous slot bytes into a (maybe strided) tensor.
-void scatter_host(std::byte* base, const Strided2D& l, std::uint64_t offset, const std::byte* src, std::uint64_t n) {
-  if (l.rows == 0) {
-    std::memcpy(base + offset, src, n);
-    return;
-  }
-  while (n > 0) {
-    const std::uint64_t row = offset / l.row_bytes, col = offset % l.row_bytes;
-    const std::uint64_t take = l.row_bytes - col < n ? l.row_bytes - col : n;
-    std::memcpy(base + row * l.pitch_bytes + col, src, take);
-    src += take;
-    offset += take;
-    n -= take;
-  }
 }
 
 class CudaProducerEngine final : public ProducerEngine {

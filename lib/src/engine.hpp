@@ -25,6 +25,10 @@ struct Buffer {
 // `base` into the contiguous `dst` (host memory, row by row when strided).
 void gather_host(std::byte* dst, const std::byte* base, const Strided2D& layout, std::uint64_t offset,
                  std::uint64_t n);
+// The reverse: contiguous `src` into bytes [offset, offset + n) of a tensor
+// laid out as `layout` at `base`.
+void scatter_host(std::byte* base, const Strided2D& layout, std::uint64_t offset, const std::byte* src,
+                  std::uint64_t n);
 
 class ProducerEngine {
  public:

@@ -1,38 +1,24 @@
 #include "layout.hpp"
 
-#include <cstdio>
+#include "checks.hpp"
 
 namespace shmcast::detail {
-
-namespace {
-
-std::string fmt(const char* f, unsigned long long a, unsigned long long b = 0) {
-  char buf[200];
-  std::snprintf(buf, sizeof buf, f, a, b);
-  return buf;
-}
-
-bool mul_overflows(std::uint64_t a, std::uint64_t b, std::uint64_t* out) {
-  return __builtin_mul_overflow(a, b, out);
-}
-
-}  // namespace
 
 std::string compute_geometry(std::uint32_t max_consumers, std::uint32_t slots, std::uint64_t slot_bytes,
                              std::uint64_t manifest_bytes, Geometry* out, std::uint32_t world_size) {
   if (max_consumers < 1 || max_consumers > kMaxConsumers)
-    return fmt("max_consumers is %llu; it must be 1..%llu", max_consumers, kMaxConsumers);
-  if (slots < 2 || slots > kMaxSlots) return fmt("slots is %llu; it must be 2..%llu", slots, kMaxSlots);
+    return printf_u64("max_consumers is %llu; it must be 1..%llu", max_consumers, kMaxConsumers);
+  if (slots < 2 || slots > kMaxSlots) return printf_u64("slots is %llu; it must be 2..%llu", slots, kMaxSlots);
   if (slot_bytes == 0 || slot_bytes > kMaxSlotBytes)
-    return fmt("slot_bytes is %llu; it must be 1..%llu", slot_bytes, kMaxSlotBytes);
+    return printf_u64("slot_bytes is %llu; it must be 1..%llu", slot_bytes, kMaxSlotBytes);
   if (manifest_bytes < kMinManifestBytes || manifest_bytes > kMaxManifestBytes)
-    return fmt("manifest_bytes is %llu; it must be %llu..1 GiB", manifest_bytes, kMinManifestBytes);
+    return printf_u64("manifest_bytes is %llu; it must be %llu..1 GiB", manifest_bytes, kMinManifestBytes);
   if (world_size < 1 || world_size > kMaxRanks)
-    return fmt("world_size is %llu; it must be 1..%llu", world_size, kMaxRanks);
+    return printf_u64("world_size is %llu; it must be 1..%llu", world_size, kMaxRanks);
   // Every rank keeps two chunks in flight, or a rank's next chunk would wait
   // for the slot of its own chunk still being written (docs/protocol.md §5).
   if (world_size > 1 && slots < 2 * world_size)
-    return fmt("slots is %llu; a producer of %llu ranks needs at least 2 per rank", slots, world_size);
+    return printf_u64("slots is %llu; a producer of %llu ranks needs at least 2 per rank", slots, world_size);
   Geometry g{};
   g.world_size = world_size;
   g.max_consumers = max_consumers;
@@ -48,8 +34,8 @@ std::string compute_geometry(std::uint32_t max_consumers, std::uint32_t slots, s
   g.rank_lists_offset = align_up(g.rank_lists_offset, 4096);
   g.data_offset = align_up(g.rank_lists_offset + lists, kDataAlign);
   std::uint64_t data = 0;
-  if (mul_overflows(g.slot_bytes, slots, &data) || data > (1ull << 46))
-    return fmt("slots x slot_bytes = %llu x %llu is too large", slots, g.slot_bytes);
+  if (!checked_mul(g.slot_bytes, slots, &data) || data > (1ull << 46))
+    return printf_u64("slots x slot_bytes = %llu x %llu is too large", slots, g.slot_bytes);
   g.total_bytes = g.data_offset + data;
   *out = g;
   return {};
@@ -80,13 +66,14 @@ std::string validate_header(const HeaderFixed& h, std::uint64_t file_bytes, bool
   if (h.magic != kMagic) return "not a shmcast region (bad magic)";
   if (h.layout_version != kLayoutVersion) {
     *version_mismatch = true;
-    return fmt("region layout version is %llu, this shmcast speaks version %llu", h.layout_version,
-               kLayoutVersion);
+    return printf_u64("region layout version is %llu, this shmcast speaks version %llu", h.layout_version,
+                      kLayoutVersion);
   }
-  if (h.header_bytes != kHeaderBytes) return fmt("header_bytes is %llu, expected %llu", h.header_bytes, kHeaderBytes);
-  if (h.features & ~kKnownFeatures) return fmt("unknown feature bits 0x%llx", h.features & ~kKnownFeatures);
+  if (h.header_bytes != kHeaderBytes)
+    return printf_u64("header_bytes is %llu, expected %llu", h.header_bytes, kHeaderBytes);
+  if (h.features & ~kKnownFeatures) return printf_u64("unknown feature bits 0x%llx", h.features & ~kKnownFeatures);
   if (h.total_bytes != file_bytes)
-    return fmt("header says %llu bytes but the file has %llu (truncated or resized)", h.total_bytes, file_bytes);
+    return printf_u64("header says %llu bytes but the file has %llu (truncated or resized)", h.total_bytes, file_bytes);
   // Recompute the geometry from the creation parameters and demand an exact
   // match: every offset is then known-good and derived, not trusted.
   Geometry g{};
@@ -97,7 +84,8 @@ std::string validate_header(const HeaderFixed& h, std::uint64_t file_bytes, bool
   if (h.seats_offset != g.seats_offset || h.slots_offset != g.slots_offset ||
       h.manifest_offset != g.manifest_offset || h.data_offset != g.data_offset || h.ranks_offset != g.ranks_offset)
     return "section offsets do not match the geometry";
-  if (g.total_bytes != h.total_bytes) return fmt("total_bytes %llu, geometry needs %llu", h.total_bytes, g.total_bytes);
+  if (g.total_bytes != h.total_bytes)
+    return printf_u64("total_bytes %llu, geometry needs %llu", h.total_bytes, g.total_bytes);
   return {};
 }
 

@@ -37,12 +37,13 @@ std::uint64_t read_start_time(const char* stat_path) {
   return v;
 }
 
-int lock_op(int fd, int cmd, short type, std::int64_t byte, struct flock* out) {
+// fcntl(cmd) of an OFD lock on `len` bytes from `byte` (len 0: to the end).
+int lock_op(int fd, int cmd, short type, std::int64_t byte, struct flock* out, std::int64_t len = 1) {
   struct flock fl {};
   fl.l_type = type;
   fl.l_whence = SEEK_SET;
   fl.l_start = byte;
-  fl.l_len = 1;
+  fl.l_len = len;
   fl.l_pid = 0;  // required for OFD locks
   int rc;
   do {
@@ -124,6 +125,12 @@ Alive lock_held(int fd, std::int64_t byte) {
   // Probe with a read lock: it conflicts only with a write lock, and needs
   // only read access to the file (inspection tools open read-only).
   if (lock_op(fd, F_OFD_GETLK, F_RDLCK, byte, &fl) != 0) return Alive::kUnknown;
+  return fl.l_type == F_UNLCK ? Alive::kNo : Alive::kYes;
+}
+
+Alive any_lock_held(int fd) {
+  struct flock fl {};
+  if (lock_op(fd, F_OFD_GETLK, F_RDLCK, 0, &fl, 0) != 0) return Alive::kUnknown;
   return fl.l_type == F_UNLCK ? Alive::kNo : Alive::kYes;
 }
 

@@ -56,6 +56,8 @@ enum class Alive { kYes, kNo, kUnknown };
 
 // Is some other open file description holding the lock on `byte`?
 Alive lock_held(int fd, std::int64_t byte);
+// ... a write lock on any byte of the file (some participant is attached)?
+Alive any_lock_held(int fd);
 
 // Liveness of the process recorded in `id` whose lock byte is `byte`: the
 // lock answers when it can; else pid + start time when the recorded PID

@@ -17,6 +17,7 @@
 #include <utility>
 #include <vector>
 
+#include "checks.hpp"
 #include "liveness.hpp"
 #include "shmcast/shmcast.hpp"
 
@@ -25,27 +26,6 @@ namespace bip = boost::interprocess;
 namespace shmcast::detail {
 
 namespace {
-
-std::string file_name(std::string_view name) { return "shmcast." + std::string(name); }
-
-Errc errc_for_errno(int e) {
-  switch (e) {
-    case EEXIST: return Errc::kExists;
-    case ENOENT: return Errc::kNotFound;
-    case EACCES:
-    case EPERM: return Errc::kPermission;
-    case ENOSPC:
-    case ENOMEM: return Errc::kRegionFull;
-    default: return Errc::kSystem;
-  }
-}
-
-[[noreturn]] void throw_errno(int e, const std::string& what) {
-  std::string msg = what + ": " + std::strerror(e);
-  if (e == EACCES || e == EPERM)
-    msg += " (regions are created mode 0600: open it as the user that created it, or create it with group_access)";
-  throw Error(errc_for_errno(e), msg, e);
-}
 
 int boost_errno(const bip::interprocess_exception& ex) {
   int e = ex.get_native_error();
@@ -103,6 +83,19 @@ std::string shm_size_hint(std::uint64_t need) {
 }
 
 }  // namespace
+
+std::string trim_dir(std::string_view dir) {
+  while (dir.size() > 1 && dir.back() == '/') dir.remove_suffix(1);
+  return std::string(dir);
+}
+
+std::string region_file(std::string_view dir, std::string_view name) {
+  std::string p = trim_dir(dir);
+  p += '/';
+  p += kRegionFilePrefix;
+  p += name;
+  return p;
+}
 
 std::string human_bytes(std::uint64_t b) {
   char buf[64];
@@ -172,6 +165,14 @@ bool MappedFile::unlink_if_same() const {
   return still_at_path() && ::unlink(path_.c_str()) == 0;
 }
 
+void MappedFile::take_stat(const struct stat& st) {
+  inode_ = st.st_ino;
+  dev_ = st.st_dev;
+  uid_ = st.st_uid;
+  gid_ = st.st_gid;
+  mode_ = st.st_mode & 07777;
+}
+
 void MappedFile::close_fd() {
   if (fd_ >= 0) {
     ForkGuard g;
@@ -216,7 +217,7 @@ void MappedFile::map(bool writable) {
 MappedFile MappedFile::create(const std::string& dir, std::string_view name, std::uint64_t bytes,
                               bool group_access, std::int64_t lock_byte) {
   MappedFile mf;
-  mf.path_ = dir + "/" + file_name(name);
+  mf.path_ = region_file(dir, name);
   mf.pid_ = ::getpid();
   const mode_t mode = group_access ? 0660 : 0600;
 
@@ -239,16 +240,13 @@ MappedFile MappedFile::create(const std::string& dir, std::string_view name, std
   mf.fd_ = fd;
   struct stat st {};
   if (::fstat(fd, &st) != 0) throw_errno(errno, "fstat " + mf.path_);
-  mf.inode_ = st.st_ino;
-  mf.dev_ = st.st_dev;
-  mf.uid_ = st.st_uid;
-  mf.gid_ = st.st_gid;
+  mf.take_stat(st);
   // From here on, failures remove the file we made (and only that file).
   auto fail = [&](auto&& thrower) {
     mf.unlink_if_same();
     thrower();
   };
-  ::fchmod(fd, mode);  // exact mode whatever the umask
+  ::fchmod(fd, mode);  // exact mode whatever the umask (take_stat saw the umask's)
   mf.mode_ = mode;
   if (lock_byte >= 0) {
     if (const int rc = detail::lock_byte(fd, lock_byte); rc != 0) {
@@ -286,7 +284,7 @@ MappedFile MappedFile::create(const std::string& dir, std::string_view name, std
 
 MappedFile MappedFile::open_unmapped(const std::string& dir, std::string_view name, bool writable) {
   MappedFile mf;
-  mf.path_ = dir + "/" + file_name(name);
+  mf.path_ = region_file(dir, name);
   mf.pid_ = ::getpid();
   int fd;
   {
@@ -298,11 +296,7 @@ MappedFile MappedFile::open_unmapped(const std::string& dir, std::string_view na
   mf.fd_ = fd;  // closed (and untracked) by mf on every path below
   struct stat st {};
   check_regular(fd, mf.path_, &st);
-  mf.inode_ = st.st_ino;
-  mf.dev_ = st.st_dev;
-  mf.uid_ = st.st_uid;
-  mf.gid_ = st.st_gid;
-  mf.mode_ = st.st_mode & 07777;
+  mf.take_stat(st);
   mf.size_ = static_cast<std::uint64_t>(st.st_size);
   return mf;
 }

@@ -15,6 +15,7 @@
 // closes anything.
 #pragma once
 
+#include <sys/stat.h>
 #include <sys/types.h>
 
 #include <cstddef>
@@ -25,6 +26,12 @@
 #include <vector>
 
 namespace shmcast::detail {
+
+// Region `name` is the file <dir>/shmcast.<name>.
+inline constexpr std::string_view kRegionFilePrefix = "shmcast.";
+std::string region_file(std::string_view dir, std::string_view name);
+// `dir` without trailing slashes ("/" stays "/").
+std::string trim_dir(std::string_view dir);
 
 // Who may have made a region this process trusts: its owner must be our
 // effective uid or one of `trusted_uids`; no other-write bit; group write
@@ -81,6 +88,8 @@ class MappedFile {
  private:
   void map(bool writable);
   void close_fd();
+  // Identity, owner and permission bits from the descriptor's fstat.
+  void take_stat(const struct stat& st);
 
   struct Impl;
   std::unique_ptr<Impl> impl_;

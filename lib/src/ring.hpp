@@ -85,6 +85,17 @@ inline std::uint64_t chunk_len(std::uint64_t c, std::uint64_t stream_bytes, std:
   return stream_bytes - start < slot_bytes ? stream_bytes - start : slot_bytes;
 }
 
+// Chunks of a sync whose ranks' sub-streams are `rank_bytes`: R times the
+// longest one's (rank r's chunk j is seq first + j * R + r).
+inline std::uint64_t sync_chunks(const std::vector<std::uint64_t>& rank_bytes, std::uint64_t slot_bytes) {
+  std::uint64_t per_rank = 0;
+  for (std::uint64_t b : rank_bytes) {
+    const std::uint64_t c = chunk_count(b, slot_bytes);
+    if (c > per_rank) per_rank = c;
+  }
+  return per_rank * rank_bytes.size();
+}
+
 // A dead or stopped producer rank, in words, for errors.
 std::string rank_who(const RegionView& v, std::uint32_t rank);
 // Whether producer rank `rank` (>= 1) is known dead.

@@ -13,10 +13,9 @@ Adapters: shmcast.vllm (ShmcastWorkerExtension), shmcast.roll
 (serialize_named_weights / named_tensors_from_ticket). docs/python.md has
 the whole story.
 """
-# torch first. The default build reaches CUDA through the driver
-# (libcuda.so.1, loaded on first use) and shares the device's primary context
-# with torch's runtime; a build with SHMCAST_CUDA_API=runtime links libcudart,
-# which then is torch's when loaded after it.
+# torch first. The module reaches CUDA through the driver (libcuda.so.1,
+# loaded on first use) and shares the device's primary context with torch's
+# runtime.
 import torch as _torch  # noqa: F401
 
 try:

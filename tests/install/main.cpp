@@ -1,4 +1,6 @@
-// Built against an installed shmcast: one sync through the public header.
+// Built against an installed shmcast: one sync through the public header,
+// then the region seen through the read-only probe.
+#include <shmcast/probe.hpp>
 #include <shmcast/shmcast.hpp>
 
 #include <cstdio>
@@ -23,6 +25,14 @@ int main() {
   char out[sizeof msg] = {};
   void* dst[] = {out};
   c.read_into(dst);
+  namespace probe = shmcast::probe;
+  const probe::Region r = probe::probe_region(shmcast::region_dir(), name, {.decode_manifest = true});
+  if (r.state != probe::State::kReady || r.manifest.status != probe::ManifestStatus::kOk ||
+      r.manifest.tensors.size() != 1 || r.manifest.tensors[0].name != "msg" || r.seats.empty()) {
+    std::printf("probe: %s (%s), manifest %s\n", probe::state_name(r.state), r.reason.c_str(),
+                probe::state_name(r.manifest.status));
+    return 1;
+  }
   std::printf("%s\n", out);
   return std::strcmp(out, msg) == 0 ? 0 : 1;
 }

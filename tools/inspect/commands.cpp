@@ -16,11 +16,8 @@
 #include <thread>
 
 #include "format.hpp"
-#include "probe.hpp"
 
 namespace shmcast::inspect {
-
-using namespace shmcast::detail;
 
 std::string fail_json(const Common& c, const std::string& command, int code, const std::string& message) {
   json j = doc(command, false);
@@ -39,8 +36,6 @@ int fail(const Common& c, const std::string& command, int code, const std::strin
   return code;
 }
 
-namespace {
-
 bool check_name(const Common& c, const std::string& command, const std::string& name, int* rc) {
   const std::string why = validate_name(name);
   if (why.empty()) return true;
@@ -48,33 +43,47 @@ bool check_name(const Common& c, const std::string& command, const std::string& 
   return false;
 }
 
+namespace {
+
+// The region names in c.dir; false (with *rc the reported failure) when the
+// directory cannot be read.
+bool scan(const Common& c, const std::string& command, std::vector<std::string>* names, int* rc) {
+  try {
+    *names = probe::scan_dir(c.dir);
+    return true;
+  } catch (const std::exception& e) {
+    *rc = fail(c, command, kExitFailure, e.what());
+    return false;
+  }
+}
+
 // Probes one region of a directory listing: never throws. A file that
 // vanished between readdir and open gives false.
-bool probe_listed(const std::string& dir, const std::string& name, const ProbeOptions& o, RegionReport* out) {
+bool probe_listed(const std::string& dir, const std::string& name, const probe::Options& o, probe::Region* out) {
   try {
-    *out = probe(dir, name, o);
+    *out = probe::probe_region(dir, name, o);
     return true;
   } catch (const Error& e) {
     if (e.code() == Errc::kNotFound) return false;
-    *out = RegionReport{};
+    *out = probe::Region{};
     out->name = name;
-    out->path = dir + "/shmcast." + name;
-    out->state = kStateUnreadable;
+    out->path = probe::region_file(dir, name);
+    out->state = probe::State::kUnreadable;
     out->reason = e.what();
     return true;
   } catch (const std::exception& e) {
-    *out = RegionReport{};
+    *out = probe::Region{};
     out->name = name;
-    out->path = dir + "/shmcast." + name;
-    out->state = kStateUnreadable;
+    out->path = probe::region_file(dir, name);
+    out->state = probe::State::kUnreadable;
     out->reason = e.what();
     return true;
   }
 }
 
-std::string producer_cell(const RegionReport& r) {
+std::string producer_cell(const probe::Region& r) {
   if (!r.have_header) return "-";
-  return std::to_string(r.producer_pid);
+  return std::to_string(r.producer.pid);
 }
 
 // ---------------------------------------------------------------- removal
@@ -83,19 +92,12 @@ std::string producer_cell(const RegionReport& r) {
 // nobody holds a lock on it. Returns "" or why not.
 std::string remove_checked(const std::string& path, std::uint64_t inode, bool check_locks) {
   if (check_locks) {
-    struct stat st {};
-    int err = 0;
-    const int fd = open_region_file(path, &st, &err);
-    if (fd < 0)
-      return err != 0 ? std::string("open: ") + std::strerror(err)
-                      : std::string("the file was replaced while gc ran (now ") + file_type_name(st.st_mode) + ")";
-    const bool same = static_cast<std::uint64_t>(st.st_ino) == inode;
-    const std::string untrusted = untrusted_why(st);
-    const Alive a = any_lock_held(fd);
-    ::close(fd);
-    if (!same) return "the file was replaced while gc ran (a new region took the name)";
-    if (!untrusted.empty()) return "the file changed owner or mode while gc ran: " + untrusted;
-    if (a != Alive::kNo) return "a participant attached while gc ran";
+    const probe::FileCheck f = probe::check_file(path);
+    if (f.error != 0) return std::string("open: ") + std::strerror(f.error);
+    if (!f.regular) return "the file was replaced while gc ran (now " + f.file_type + ")";
+    if (f.inode != inode) return "the file was replaced while gc ran (a new region took the name)";
+    if (!f.owner.trusted) return "the file changed owner or mode while gc ran: " + f.owner.trust_problem;
+    if (f.any_lock != probe::Alive::kNo) return "a participant attached while gc ran";
   }
   struct stat st {};
   if (::lstat(path.c_str(), &st) != 0) return std::string("lstat: ") + std::strerror(errno);
@@ -159,22 +161,18 @@ std::int64_t wall_ns() {
 
 int cmd_list(const Common& c) {
   std::vector<std::string> names;
-  try {
-    names = scan_dir(c.dir);
-  } catch (const std::exception& e) {
-    return fail(c, "list", kExitFailure, e.what());
-  }
-  ProbeOptions o;
-  std::vector<RegionReport> reports;
+  if (int rc; !scan(c, "list", &names, &rc)) return rc;
+  probe::Options o;
+  std::vector<probe::Region> reports;
   for (const std::string& n : names) {
-    RegionReport r;
+    probe::Region r;
     if (probe_listed(c.dir, n, o, &r)) reports.push_back(std::move(r));
   }
   if (c.json) {
     json j = doc("list");
     j["dir"] = c.dir;
     json arr = json::array();
-    for (const RegionReport& r : reports) arr.push_back(region_summary_json(r));
+    for (const probe::Region& r : reports) arr.push_back(region_summary_json(r));
     j["regions"] = arr;
     print_json(j);
     return kExitOk;
@@ -185,14 +183,14 @@ int cmd_list(const Common& c) {
   }
   Table t({"NAME", "STATE", "SIZE", "LAYOUT", "PRODUCER", "ALIVE", "CONSUMERS", "LIVE", "SYNC", "NOTE"},
           {false, false, true, true, true, false, true, true, true, false});
-  for (const RegionReport& r : reports) {
-    const bool magic_ok = r.have_fixed && r.fixed.magic == kMagic;
-    t.row({r.name, r.state, human_bytes(r.size), magic_ok ? std::to_string(r.fixed.layout_version) : "-",
-           producer_cell(r), r.have_header ? alive_word(r.producer_alive) : "-",
-           r.header_valid ? std::to_string(r.consumers_attached) + "/" + std::to_string(r.geo.max_consumers) : "-",
+  for (const probe::Region& r : reports) {
+    const bool magic_ok = r.have_fixed && r.fixed.shmcast_magic;
+    t.row({r.name, probe::state_name(r.state), human_bytes(r.size),
+           magic_ok ? std::to_string(r.fixed.layout_version) : "-", producer_cell(r),
+           r.have_header ? alive_word(r.producer_alive) : "-",
+           r.header_valid ? std::to_string(r.consumers_attached) + "/" + std::to_string(r.fixed.max_consumers) : "-",
            r.header_valid ? std::to_string(r.consumers_alive) : "-",
-           r.header_valid && r.have_record ? std::to_string(r.record.version) : "-",
-           r.reason});
+           r.header_valid && r.have_record ? std::to_string(r.record.version) : "-", r.reason});
   }
   std::cout << "region directory " << term_safe(c.dir) << "\n";
   t.print(std::cout);
@@ -204,17 +202,17 @@ int cmd_list(const Common& c) {
 int cmd_show(const Common& c, const std::string& name, std::size_t limit) {
   int rc = 0;
   if (!check_name(c, "show", name, &rc)) return rc;
-  ProbeOptions o;
+  probe::Options o;
   o.decode_manifest = true;
   o.manifest_limit = limit;
-  RegionReport r;
+  probe::Region r;
   try {
-    r = probe(c.dir, name, o);
+    r = probe::probe_region(c.dir, name, o);
   } catch (const Error& e) {
     if (e.code() == Errc::kNotFound) return fail(c, "show", kExitNotFound, e.what());
     return fail(c, "show", kExitFailure, e.what());
   }
-  const int exit = state_is_damaged(r.state) ? kExitDamaged : kExitOk;
+  const int exit = probe::state_is_damaged(r.state) ? kExitDamaged : kExitOk;
   if (c.json) {
     json j = doc("show");
     j["dir"] = c.dir;
@@ -245,7 +243,7 @@ struct Rates {
   std::map<std::uint32_t, double> seat_bytes_per_s;
 };
 
-Rates update_rates(Baseline* b, const RegionReport& r, std::int64_t t_ns) {
+Rates update_rates(Baseline* b, const probe::Region& r, std::int64_t t_ns) {
   Rates out;
   if (!r.have_header) {
     b->have = false;
@@ -258,7 +256,7 @@ Rates update_rates(Baseline* b, const RegionReport& r, std::int64_t t_ns) {
     out.have = true;
     out.bytes_per_s = static_cast<double>(r.bytes_done - b->bytes_done) / dt;
     out.chunks_per_s = static_cast<double>(r.published_seq - b->published_seq) / dt;
-    for (const SeatReport& s : r.seats) {
+    for (const probe::Seat& s : r.seats) {
       auto it = b->seat_bytes.find(s.index);
       if (it != b->seat_bytes.end() && it->second.first == s.generation && s.bytes_done >= it->second.second)
         out.seat_bytes_per_s[s.index] = static_cast<double>(s.bytes_done - it->second.second) / dt;
@@ -271,11 +269,11 @@ Rates update_rates(Baseline* b, const RegionReport& r, std::int64_t t_ns) {
   b->bytes_done = r.bytes_done;
   b->published_seq = r.published_seq;
   b->seat_bytes.clear();
-  for (const SeatReport& s : r.seats) b->seat_bytes[s.index] = {s.generation, s.bytes_done};
+  for (const probe::Seat& s : r.seats) b->seat_bytes[s.index] = {s.generation, s.bytes_done};
   return out;
 }
 
-std::string render_watch(const Common& c, const std::string& name, const RegionReport* r, const Rates& rates,
+std::string render_watch(const Common& c, const std::string& name, const probe::Region* r, const Rates& rates,
                          double interval_s, std::uint64_t sample) {
   std::ostringstream os;
   char head[256];
@@ -288,15 +286,15 @@ std::string render_watch(const Common& c, const std::string& name, const RegionR
     return os.str();
   }
   Table kv({"FIELD", "VALUE"});
-  kv.row({"state", r->state + (r->reason.empty() ? "" : " (" + r->reason + ")")});
+  kv.row({"state", probe::state_name(r->state) + (r->reason.empty() ? "" : " (" + r->reason + ")")});
   if (r->have_header)
-    kv.row({"producer", "pid " + std::to_string(r->producer_pid) + ", alive " + alive_word(r->producer_alive) +
+    kv.row({"producer", "pid " + std::to_string(r->producer.pid) + ", alive " + alive_word(r->producer_alive) +
                             ", generation " + std::to_string(r->generation)});
   if (r->header_valid)
     kv.row({"consumers", std::to_string(r->consumers_attached) + " attached, " + std::to_string(r->consumers_alive) +
-                             " alive (max " + std::to_string(r->geo.max_consumers) + ")"});
+                             " alive (max " + std::to_string(r->fixed.max_consumers) + ")"});
   if (r->header_valid && r->have_record)
-    kv.row({"sync", "version " + std::to_string(r->record.version) + " (" + r->sync_status + ", " +
+    kv.row({"sync", "version " + std::to_string(r->record.version) + " (" + probe::state_name(r->sync_status) + ", " +
                         std::to_string(r->chunks_published) + "/" + std::to_string(r->record.chunks) +
                         " chunks), " + std::to_string(r->syncs_done) + " syncs done, " +
                         human_bytes(r->bytes_done) + " total"});
@@ -316,15 +314,15 @@ std::string render_watch(const Common& c, const std::string& name, const RegionR
     Table t({"IDX", "STATE", "PID", "ALIVE", "ACKED", "RELEASED", "LAG", "SYNCS", "BYTES", "RATE", "ERROR"},
             {true, false, true, false, true, true, true, true, true, true, false});
     std::size_t hidden = 0;
-    for (const SeatReport& s : r->seats) {
-      if (s.word == 0 && s.alive != Alive::kYes) {
+    for (const probe::Seat& s : r->seats) {
+      if (s.word == 0 && s.alive != probe::Alive::kYes) {
         ++hidden;
         continue;
       }
       auto it = rates.seat_bytes_per_s.find(s.index);
-      t.row({std::to_string(s.index), s.state, s.pid ? std::to_string(s.pid) : "-", alive_word(s.alive),
-             std::to_string(s.acked_version), std::to_string(s.released_seq), std::to_string(s.lag_chunks),
-             std::to_string(s.syncs_done), human_bytes(s.bytes_done),
+      t.row({std::to_string(s.index), seat_state_text(s), s.consumer.pid ? std::to_string(s.consumer.pid) : "-",
+             alive_word(s.alive), std::to_string(s.acked_version), std::to_string(s.released_seq),
+             std::to_string(s.lag_chunks), std::to_string(s.syncs_done), human_bytes(s.bytes_done),
              it != rates.seat_bytes_per_s.end() ? human_rate(it->second) : "-",
              s.error_code ? errc_text(s.error_code) : "-"});
     }
@@ -334,8 +332,8 @@ std::string render_watch(const Common& c, const std::string& name, const RegionR
     Table s({"IDX", "STATE", "SEQ", "VERSION", "BYTES", "HOLDERS"}, {true, false, true, true, true, true});
     const std::size_t max_rows = 64;
     for (std::size_t k = 0; k < r->slots.size() && k < max_rows; ++k) {
-      const SlotReport& sl = r->slots[k];
-      s.row({std::to_string(sl.index), sl.state, std::to_string(sl.seq), std::to_string(sl.version),
+      const probe::Slot& sl = r->slots[k];
+      s.row({std::to_string(sl.index), probe::state_name(sl.state), std::to_string(sl.seq), std::to_string(sl.version),
              human_bytes(sl.bytes), std::to_string(sl.holders)});
     }
     s.print(os);
@@ -353,13 +351,13 @@ int cmd_watch(const Common& c, const std::string& name, double interval_s, std::
   const bool tty = !c.json && ::isatty(STDOUT_FILENO) == 1;
   TerminalGuard term;
   Baseline base;
-  ProbeOptions o;
+  probe::Options o;
   for (std::uint64_t sample = 1; !g_stop; ++sample) {
     const std::int64_t t = wall_ns();
-    RegionReport r;
+    probe::Region r;
     bool found = true;
     try {
-      r = probe(c.dir, name, o);
+      r = probe::probe_region(c.dir, name, o);
     } catch (const Error& e) {
       if (e.code() != Errc::kNotFound) return fail(c, "watch", kExitFailure, e.what());
       found = false;
@@ -408,63 +406,59 @@ int cmd_watch(const Common& c, const std::string& name, double interval_s, std::
 
 int cmd_gc(const Common& c, bool dry_run, double grace_s) {
   std::vector<std::string> names;
-  try {
-    names = scan_dir(c.dir);
-  } catch (const std::exception& e) {
-    return fail(c, "gc", kExitFailure, e.what());
-  }
-  ProbeOptions o;
+  if (int rc; !scan(c, "gc", &names, &rc)) return rc;
+  probe::Options o;
   o.grace_s = grace_s;
   json removed = json::array(), kept = json::array(), failed = json::array();
   Table t({"ACTION", "NAME", "STATE", "WHY"});
-  auto entry = [](const RegionReport& r, const std::string& why) {
-    return json{{"name", r.name}, {"file", r.path}, {"state", r.state}, {"reason", why}};
+  auto entry = [](const probe::Region& r, const std::string& why) {
+    return json{{"name", r.name}, {"file", r.path}, {"state", probe::state_name(r.state)}, {"reason", why}};
   };
   for (const std::string& n : names) {
-    RegionReport r;
+    probe::Region r;
     if (!probe_listed(c.dir, n, o, &r)) continue;
     std::string keep_why;
-    if (r.state == kStateUntrusted) {
+    if (r.state == probe::State::kUntrustedOwner) {
       keep_why = "not trusted (" + r.reason + "): gc never removes it; check it, then `rm " + r.name + " --force`";
-    } else if (r.state == kStateReady) {
+    } else if (r.state == probe::State::kReady) {
       keep_why = "the producer is alive";
-    } else if (r.state == kStateCreating) {
+    } else if (r.state == probe::State::kCreating) {
       keep_why = "it is being created";
-    } else if (r.state == kStateDead || r.state == kStateClosed || r.state == kStateCorrupt ||
-               r.state == kStateTruncated) {
-      if (r.any_lock == Alive::kYes)
-        keep_why = r.producer_alive == Alive::kYes ? "the producer is alive" : "a consumer is still attached";
-      else if (r.any_lock == Alive::kUnknown)
+    } else if (r.state == probe::State::kDead || r.state == probe::State::kClosed ||
+               r.state == probe::State::kCorrupt || r.state == probe::State::kTruncated) {
+      if (r.any_lock == probe::Alive::kYes)
+        keep_why = r.producer_alive == probe::Alive::kYes ? "the producer is alive" : "a consumer is still attached";
+      else if (r.any_lock == probe::Alive::kUnknown)
         keep_why = "liveness unknown (lock probe failed)";
-      else if ((r.state == kStateCorrupt || r.state == kStateTruncated) && r.young)
+      else if ((r.state == probe::State::kCorrupt || r.state == probe::State::kTruncated) && r.young)
         keep_why = "damaged but changed less than --grace seconds ago";
-    } else if (r.state == kStateForeign) {
+    } else if (r.state == probe::State::kForeign) {
       keep_why = "not a shmcast region: remove it by hand if it is garbage";
-    } else if (r.state == kStateNewer || r.state == kStateOlder) {
+    } else if (r.state == probe::State::kNewerVersion || r.state == probe::State::kOlderVersion) {
       keep_why = "made by another shmcast layout version: use that version's shmcast-inspect";
     } else {
       keep_why = "cannot be inspected: " + r.reason;
     }
     if (!keep_why.empty()) {
       kept.push_back(entry(r, keep_why));
-      t.row({"keep", r.name, r.state, keep_why});
+      t.row({"keep", r.name, probe::state_name(r.state), keep_why});
       continue;
     }
     const std::string why = r.reason.empty() ? "nobody is attached" : r.reason + "; nobody is attached";
     if (dry_run) {
       removed.push_back(entry(r, why));
-      t.row({"would remove", r.name, r.state, why});
+      t.row({"would remove", r.name, probe::state_name(r.state), why});
       continue;
     }
     const std::string err = remove_checked(r.path, r.inode, true);
     if (err.empty()) {
       removed.push_back(entry(r, why));
-      t.row({"removed", r.name, r.state, why});
+      t.row({"removed", r.name, probe::state_name(r.state), why});
     } else {
       json e = entry(r, why);
       e["error"] = err;
       failed.push_back(e);
-      t.row({"failed", r.name, r.state, err});
+      t.row({"failed", r.name, probe::state_name(r.state), err});
     }
   }
   const int exit = failed.empty() ? kExitOk : kExitFailure;
@@ -491,25 +485,26 @@ int cmd_gc(const Common& c, bool dry_run, double grace_s) {
 int cmd_rm(const Common& c, const std::string& name, bool force) {
   int rc = 0;
   if (!check_name(c, "rm", name, &rc)) return rc;
-  ProbeOptions o;
-  RegionReport r;
+  probe::Options o;
+  probe::Region r;
   try {
-    r = probe(c.dir, name, o);
+    r = probe::probe_region(c.dir, name, o);
   } catch (const Error& e) {
     if (e.code() == Errc::kNotFound) return fail(c, "rm", kExitNotFound, e.what());
     return fail(c, "rm", kExitFailure, e.what());
   }
   std::string refuse_why;
-  if (r.state == kStateUntrusted) {
+  if (r.state == probe::State::kUntrustedOwner) {
     refuse_why = "it is not trusted: " + r.reason;
-  } else if (r.any_lock == Alive::kYes) {
-    refuse_why = r.producer_alive == Alive::kYes ? "its producer (pid " + std::to_string(r.producer_pid) + ") is alive"
-                                                : "a participant is alive";
+  } else if (r.any_lock == probe::Alive::kYes) {
+    refuse_why = r.producer_alive == probe::Alive::kYes
+                     ? "its producer (pid " + std::to_string(r.producer.pid) + ") is alive"
+                     : "a participant is alive";
     if (r.header_valid && r.consumers_alive > 0)
       refuse_why += ", " + std::to_string(r.consumers_alive) + " consumer(s) alive";
-  } else if (r.state == kStateCreating) {
+  } else if (r.state == probe::State::kCreating) {
     refuse_why = "it is being created";
-  } else if (r.any_lock == Alive::kUnknown && r.state != kStateForeign) {
+  } else if (r.any_lock == probe::Alive::kUnknown && r.state != probe::State::kForeign) {
     refuse_why = "its participants' liveness is unknown";
   }
   if (!refuse_why.empty() && !force) {
@@ -523,7 +518,7 @@ int cmd_rm(const Common& c, const std::string& name, bool force) {
       j["error"] = msg;
       j["name"] = name;
       j["file"] = r.path;
-      j["state"] = r.state;
+      j["state"] = probe::state_name(r.state);
       j["participants_alive"] = alive_json(r.any_lock);
       j["forced"] = false;
       j["removed"] = false;
@@ -539,13 +534,13 @@ int cmd_rm(const Common& c, const std::string& name, bool force) {
     j["exit_code"] = 0;
     j["name"] = name;
     j["file"] = r.path;
-    j["state"] = r.state;
+    j["state"] = probe::state_name(r.state);
     j["participants_alive"] = alive_json(r.any_lock);
     j["forced"] = force && !refuse_why.empty();
     j["removed"] = true;
     print_json(j);
   } else {
-    std::cout << "removed " << term_safe(r.path) << " (" << r.state
+    std::cout << "removed " << term_safe(r.path) << " (" << probe::state_name(r.state)
               << (force && !refuse_why.empty() ? ", forced: " + refuse_why : std::string()) << ")\n";
   }
   return kExitOk;

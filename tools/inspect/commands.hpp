@@ -18,6 +18,10 @@ int cmd_dump(const Common& c, const std::string& name, const std::string& out, d
 int cmd_gc(const Common& c, bool dry_run, double grace_s);
 int cmd_rm(const Common& c, const std::string& name, bool force);
 
+// True when `name` is a valid region name; else reports a usage error (exit
+// code in *rc).
+bool check_name(const Common& c, const std::string& command, const std::string& name, int* rc);
+
 // Reports a failure: a message on stderr, and with --json a document
 // {"ok": false, "exit_code": code, "error": message} on stdout. Returns code.
 int fail(const Common& c, const std::string& command, int code, const std::string& message);

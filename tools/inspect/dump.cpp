@@ -35,7 +35,6 @@
 #include "commands.hpp"
 #include "file_io.hpp"
 #include "format.hpp"
-#include "probe.hpp"
 
 namespace shmcast::inspect {
 
@@ -143,23 +142,6 @@ bool safetensors_dtype(DType d, std::string* out) {
   }
 }
 
-void pwrite_all(int fd, const void* data, std::uint64_t n, std::uint64_t off) {
-  const char* p = static_cast<const char*>(data);
-  while (n > 0) {
-    const std::size_t step = n > (1ull << 30) ? (1ull << 30) : static_cast<std::size_t>(n);
-    const ssize_t w = ::pwrite(fd, p, step, static_cast<off_t>(off));
-    if (w < 0) {
-      if (errno == EINTR) continue;
-      const int e = errno;
-      throw Error(e == ENOSPC ? Errc::kRegionFull : Errc::kSystem,
-                  std::string("writing the output file: ") + std::strerror(e), e);
-    }
-    p += w;
-    off += static_cast<std::uint64_t>(w);
-    n -= static_cast<std::uint64_t>(w);
-  }
-}
-
 int exit_for(Errc code) {
   switch (code) {
     case Errc::kNotFound: return kExitNotFound;
@@ -175,8 +157,7 @@ int exit_for(Errc code) {
 
 int cmd_dump(const Common& c, const std::string& name, const std::string& out, double timeout_s, bool overwrite) {
   namespace fs = std::filesystem;
-  const std::string why = validate_name(name);
-  if (!why.empty()) return fail(c, "dump", kExitUsage, why + ": '" + name + "'");
+  if (int rc; !check_name(c, "dump", name, &rc)) return rc;
   if (out.empty()) return fail(c, "dump", kExitUsage, "--out is empty");
 
   const fs::path out_path = fs::absolute(fs::path(out));
@@ -196,12 +177,12 @@ int cmd_dump(const Common& c, const std::string& name, const std::string& out, d
   // so now instead of timing out. A missing one may still appear (the
   // producer may be restarting): the consumer waits for it, and the region
   // it opened is checked again below.
-  auto refuse_region = [&](const RegionReport& r) {
-    return fail(c, "dump", kExitDamaged, "region '" + name + "' is " + r.state + ": " + r.reason);
+  auto refuse_region = [&](const probe::Region& r) {
+    return fail(c, "dump", kExitDamaged, "region '" + name + "' is " + probe::state_name(r.state) + ": " + r.reason);
   };
   try {
-    const RegionReport r = probe(c.dir, name, ProbeOptions{});
-    if (state_is_damaged(r.state)) return refuse_region(r);
+    const probe::Region r = probe::probe_region(c.dir, name, probe::Options{});
+    if (probe::state_is_damaged(r.state)) return refuse_region(r);
   } catch (const Error& e) {
     if (e.code() != Errc::kNotFound) return fail(c, "dump", kExitFailure, e.what());
   }
@@ -215,7 +196,7 @@ int cmd_dump(const Common& c, const std::string& name, const std::string& out, d
   ::sigaction(SIGINT, &sa, nullptr);
   ::sigaction(SIGTERM, &sa, nullptr);
   ::sigaction(SIGHUP, &sa, nullptr);
-  set_bus_hook(on_bus);
+  probe::set_bus_hook(on_bus);
 
   // --timeout bounds the whole dump: the library's waits get the time left,
   // and the watchdog ends anything that does not honour them.
@@ -241,8 +222,8 @@ int cmd_dump(const Common& c, const std::string& name, const std::string& out, d
     // The region may have appeared only now, or been replaced since the
     // probe above: check the file the name holds now.
     try {
-      const RegionReport r = probe(c.dir, name, ProbeOptions{});
-      if (r.state == kStateUntrusted) {
+      const probe::Region r = probe::probe_region(c.dir, name, probe::Options{});
+      if (r.state == probe::State::kUntrustedOwner) {
         disarm_watchdog();
         return refuse_region(r);
       }
@@ -360,22 +341,25 @@ int cmd_dump(const Common& c, const std::string& name, const std::string& out, d
                   "not enough space for " + std::to_string(file_bytes) + " bytes in " + out_dir.string());
     }
 
-    unsigned char len_le[8];
-    for (int b = 0; b < 8; ++b) len_le[b] = static_cast<unsigned char>(std::uint64_t{htext.size()} >> (8 * b));
-    pwrite_all(tmp.fd, len_le, 8, 0);
-    pwrite_all(tmp.fd, htext.data(), htext.size(), 8);
-
-    std::vector<std::uint64_t> written(info.tensors.size(), 0);
-    // Pieces go out through the file engine: io_uring where the kernel and
-    // seccomp allow it (Docker's default profile does not), else pwrite. It
-    // writes from the bounce buffers, never from the mapping; a buffer is
-    // reused only after a flush() has completed every write queued from it.
+    // Everything goes out through the file engine: io_uring where the kernel
+    // and seccomp allow it (Docker's default profile does not), else pwrite.
+    // It writes the header, then the tensors from the bounce buffers, never
+    // from the mapping; a buffer is reused only after a flush() has completed
+    // every write queued from it.
     shmcast::detail::FileWriter writer;
     if (const int rc = writer.attach(tmp.fd); rc != 0)
       return bail(kExitFailure, std::string("output file: ") + std::strerror(-rc));
     auto check = [&](int rc) {
-      if (rc != 0) throw Error(Errc::kSystem, std::string("writing the dump: ") + std::strerror(-rc), -rc);
+      if (rc != 0)
+        throw Error(rc == -ENOSPC ? Errc::kRegionFull : Errc::kSystem,
+                    std::string("writing the output file: ") + std::strerror(-rc), -rc);
     };
+    unsigned char len_le[8];
+    for (int b = 0; b < 8; ++b) len_le[b] = static_cast<unsigned char>(std::uint64_t{htext.size()} >> (8 * b));
+    check(writer.write_at(len_le, 8, 0));
+    check(writer.write_at(htext.data(), htext.size(), 8));
+
+    std::vector<std::uint64_t> written(info.tensors.size(), 0);
     constexpr std::size_t kBounceBytes = 4u << 20;
     constexpr std::size_t kBounces = 4;
     const std::unique_ptr<std::byte[]> bounce(new std::byte[kBounceBytes * kBounces]);
@@ -393,7 +377,7 @@ int cmd_dump(const Common& c, const std::string& name, const std::string& out, d
           next_bounce = 0;
         }
         std::byte* buf = bounce.get() + kBounceBytes * next_bounce++;
-        if (!guarded_copy(buf, src, take))
+        if (!probe::guarded_copy(buf, src, take))
           throw Error(Errc::kCorrupt, "the region file was truncated while dump read tensor '" +
                                           info.tensors[p.tensor].name + "' from it");
         check(writer.write_at(buf, take, off));
@@ -423,7 +407,7 @@ int cmd_dump(const Common& c, const std::string& name, const std::string& out, d
     // The last point the watchdog may remove the file: after the rename it
     // is the user's.
     disarm_watchdog();
-    set_bus_hook(nullptr);
+    probe::set_bus_hook(nullptr);
     if (::rename(tmp.path.c_str(), out_path.c_str()) != 0)
       return bail(kExitFailure, "rename to " + out_path.string() + ": " + std::strerror(errno));
     g_tmp_set = 0;

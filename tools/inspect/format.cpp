@@ -7,11 +7,7 @@
 #include <iostream>
 #include <sstream>
 
-#include "region.hpp"
-
 namespace shmcast::inspect {
-
-using namespace shmcast::detail;
 
 json doc(const std::string& command, bool ok) {
   json j;
@@ -29,18 +25,18 @@ void print_json(const json& j) {
   std::cout.flush();
 }
 
-json alive_json(Alive a) {
+json alive_json(probe::Alive a) {
   switch (a) {
-    case Alive::kYes: return true;
-    case Alive::kNo: return false;
+    case probe::Alive::kYes: return true;
+    case probe::Alive::kNo: return false;
     default: return nullptr;
   }
 }
 
-const char* alive_word(Alive a) {
+const char* alive_word(probe::Alive a) {
   switch (a) {
-    case Alive::kYes: return "yes";
-    case Alive::kNo: return "no";
+    case probe::Alive::kYes: return "yes";
+    case probe::Alive::kNo: return "no";
     default: return "?";
   }
 }
@@ -56,11 +52,20 @@ std::string hex64(std::uint64_t v) {
   return buf;
 }
 
-std::string human_bytes(std::uint64_t b) { return detail::human_bytes(b); }
+std::string mode_text(std::uint32_t mode) {
+  char buf[8];
+  std::snprintf(buf, sizeof buf, "%04o", static_cast<unsigned>(mode & 07777));
+  return buf;
+}
+
+std::string seat_state_text(const probe::Seat& s) {
+  if (s.state == probe::SeatState::kInvalid) return "invalid(" + std::to_string(s.state_raw) + ")";
+  return probe::state_name(s.state);
+}
 
 std::string human_rate(double bps) {
   if (bps <= 0) return "0 B/s";
-  return detail::human_bytes(static_cast<std::uint64_t>(bps)) + "/s";
+  return human_bytes(static_cast<std::uint64_t>(bps)) + "/s";
 }
 
 std::string human_age(double s) {
@@ -163,15 +168,6 @@ std::size_t display_width(const std::string& s) {
   return w;
 }
 
-const char* init_state_name(std::uint32_t s) {
-  switch (s) {
-    case kInitCreating: return "creating";
-    case kInitReady: return "ready";
-    case kInitClosed: return "closed";
-    default: return "invalid";
-  }
-}
-
 std::string ms_text(std::uint64_t ns) {
   if (ns == 0) return "-";
   char buf[64];
@@ -183,18 +179,18 @@ json u64_or_null(bool have, std::uint64_t v) { return have ? json(v) : json(null
 
 }  // namespace
 
-std::string owner_text(const OwnerReport& o) {
+std::string owner_text(const probe::Owner& o) {
   if (!o.known) return "?";
   return "uid " + std::to_string(o.uid) + (o.user.empty() ? "" : " (" + o.user + ")") + ", gid " +
          std::to_string(o.gid) + (o.group.empty() ? "" : " (" + o.group + ")") + ", mode " + mode_text(o.mode) +
          (o.trusted ? "" : ", NOT TRUSTED");
 }
 
-json region_summary_json(const RegionReport& r) {
+json region_summary_json(const probe::Region& r) {
   json j;
   j["name"] = r.name;
   j["file"] = r.path;
-  j["state"] = r.state;
+  j["state"] = probe::state_name(r.state);
   j["reason"] = r.reason;
   j["file_type"] = r.file_type.empty() ? json(nullptr) : json(r.file_type);
   j["trusted"] = r.owner.known ? json(r.owner.trusted) : json(nullptr);
@@ -211,31 +207,32 @@ json region_summary_json(const RegionReport& r) {
   }
   j["size_bytes"] = r.size;
   j["age_s"] = static_cast<double>(static_cast<std::int64_t>(r.age_s * 1000)) / 1000.0;
-  j["layout_version"] = r.have_fixed && r.fixed.magic == kMagic ? json(r.fixed.layout_version) : json(nullptr);
+  j["layout_version"] = r.have_fixed && r.fixed.shmcast_magic ? json(r.fixed.layout_version) : json(nullptr);
   j["participants_alive"] = alive_json(r.any_lock);
   json p;
-  p["pid"] = r.have_header ? json(r.producer_pid) : json(nullptr);
-  p["alive"] = (r.have_header || r.state == kStateNewer || r.state == kStateOlder) ? alive_json(r.producer_alive)
-                                                                                     : json(nullptr);
+  p["pid"] = r.have_header ? json(r.producer.pid) : json(nullptr);
+  p["alive"] = (r.have_header || r.state == probe::State::kNewerVersion || r.state == probe::State::kOlderVersion)
+                   ? alive_json(r.producer_alive)
+                   : json(nullptr);
   j["producer"] = p;
   json c;
   c["attached"] = r.header_valid ? json(r.consumers_attached) : json(nullptr);
   c["alive"] = r.header_valid ? json(r.consumers_alive) : json(nullptr);
-  c["max"] = r.header_valid ? json(r.geo.max_consumers) : json(nullptr);
+  c["max"] = r.header_valid ? json(r.fixed.max_consumers) : json(nullptr);
   j["consumers"] = c;
   j["sync_version"] = u64_or_null(r.header_valid && r.have_record, r.record.version);
-  j["sync_status"] = r.header_valid ? json(r.sync_status) : json(nullptr);
+  j["sync_status"] = r.header_valid ? json(probe::state_name(r.sync_status)) : json(nullptr);
   j["syncs_done"] = u64_or_null(r.have_header, r.syncs_done);
   j["bytes_done"] = u64_or_null(r.have_header, r.bytes_done);
   return j;
 }
 
-void region_detail_json(const RegionReport& r, std::size_t limit, json* out) {
+void region_detail_json(const probe::Region& r, std::size_t limit, json* out) {
   json& j = *out;
   j["region"] = region_summary_json(r);
 
-  if (r.have_fixed && r.fixed.magic == kMagic) {
-    const HeaderFixed& f = r.fixed;
+  if (r.have_fixed && r.fixed.shmcast_magic) {
+    const probe::FixedHeader& f = r.fixed;
     json h;
     h["magic"] = hex64(f.magic);
     h["layout_version"] = f.layout_version;
@@ -243,7 +240,7 @@ void region_detail_json(const RegionReport& r, std::size_t limit, json* out) {
     h["total_bytes"] = f.total_bytes;
     h["features"] = hex64(f.features);
     json names = json::array();
-    if (f.features & kFeatureChecksums) names.push_back("checksums");
+    if (f.checksums) names.push_back("checksums");
     h["feature_names"] = names;
     h["max_consumers"] = f.max_consumers;
     h["slot_count"] = f.slot_count;
@@ -255,8 +252,8 @@ void region_detail_json(const RegionReport& r, std::size_t limit, json* out) {
     h["data_offset"] = f.data_offset;
     h["created_unix_ns"] = f.created_unix_ns;
     h["valid"] = r.header_valid;
-    h["init_state"] = r.have_header ? json(init_state_name(r.init_state)) : json(nullptr);
-    h["init_state_raw"] = u64_or_null(r.have_header, r.init_state);
+    h["init_state"] = r.have_header ? json(probe::state_name(r.init_state)) : json(nullptr);
+    h["init_state_raw"] = u64_or_null(r.have_header, r.init_state_raw);
     h["generation"] = u64_or_null(r.have_header, r.generation);
     h["evictions"] = u64_or_null(r.have_header, r.evictions);
     h["published_seq"] = u64_or_null(r.have_header, r.published_seq);
@@ -270,21 +267,22 @@ void region_detail_json(const RegionReport& r, std::size_t limit, json* out) {
   }
 
   json p;
-  p["pid"] = u64_or_null(r.have_header, r.producer_pid);
-  p["start_time"] = u64_or_null(r.have_header, r.producer_start_time);
-  p["pidns"] = u64_or_null(r.have_header, r.producer_pidns);
-  p["alive"] = (r.have_header || r.state == kStateNewer || r.state == kStateOlder) ? alive_json(r.producer_alive)
-                                                                                     : json(nullptr);
+  p["pid"] = u64_or_null(r.have_header, r.producer.pid);
+  p["start_time"] = u64_or_null(r.have_header, r.producer.start_time);
+  p["pidns"] = u64_or_null(r.have_header, r.producer.pidns);
+  p["alive"] = (r.have_header || r.state == probe::State::kNewerVersion || r.state == probe::State::kOlderVersion)
+                   ? alive_json(r.producer_alive)
+                   : json(nullptr);
   p["error_code"] = u64_or_null(r.have_header, r.error_code);
   p["error_name"] = r.have_header ? json(errc_text(r.error_code)) : json(nullptr);
   p["error_text"] = r.have_header ? json(r.error_text) : json(nullptr);
   j["producer"] = p;
 
   if (r.header_valid && r.have_record) {
-    const RecordSnapshot& rec = r.record;
+    const probe::SyncRecord& rec = r.record;
     json s;
     s["version"] = rec.version;
-    s["status"] = r.sync_status;
+    s["status"] = probe::state_name(r.sync_status);
     s["first_seq"] = rec.first_seq;
     s["chunks"] = rec.chunks;
     s["chunks_published"] = r.chunks_published;
@@ -292,19 +290,19 @@ void region_detail_json(const RegionReport& r, std::size_t limit, json* out) {
     s["manifest_used"] = rec.manifest_used;
     s["manifest_hash"] = hex64(rec.manifest_hash);
     s["aborted"] = rec.aborted;
-    s["record_stable"] = r.record_stable;
+    s["record_stable"] = r.record.stable;
     j["sync"] = s;
   } else {
     j["sync"] = nullptr;
   }
 
   json seats = json::array();
-  for (const SeatReport& s : r.seats) {
+  for (const probe::Seat& s : r.seats) {
     json e;
     e["index"] = s.index;
-    e["state"] = s.state;
+    e["state"] = seat_state_text(s);
     e["generation"] = s.generation;
-    e["pid"] = s.pid;
+    e["pid"] = s.consumer.pid;
     e["alive"] = alive_json(s.alive);
     e["attach_unix_ns"] = s.attach_unix_ns;
     e["enrolled"] = s.enrolled;
@@ -325,10 +323,10 @@ void region_detail_json(const RegionReport& r, std::size_t limit, json* out) {
   j["seats"] = seats;
 
   json slots = json::array();
-  for (const SlotReport& s : r.slots) {
+  for (const probe::Slot& s : r.slots) {
     json e;
     e["index"] = s.index;
-    e["state"] = s.state;
+    e["state"] = probe::state_name(s.state);
     e["seq"] = s.seq;
     e["version"] = s.version;
     e["bytes"] = s.bytes;
@@ -339,10 +337,10 @@ void region_detail_json(const RegionReport& r, std::size_t limit, json* out) {
   j["slots"] = slots;
 
   json m;
-  m["status"] = r.header_valid ? r.manifest.status : std::string("none");
+  m["status"] = probe::state_name(r.header_valid ? r.manifest.status : probe::ManifestStatus::kNone);
   m["reason"] = r.header_valid ? r.manifest.reason : std::string("the header is not valid");
-  const bool ok = r.header_valid && r.manifest.status == "ok";
-  const ManifestReport& info = r.manifest;
+  const bool ok = r.header_valid && r.manifest.status == probe::ManifestStatus::kOk;
+  const probe::Manifest& info = r.manifest;
   m["version"] = u64_or_null(ok, info.version);
   m["tensor_count"] = u64_or_null(ok, info.tensor_count);
   m["payload_bytes"] = u64_or_null(ok, info.payload_bytes);
@@ -393,7 +391,7 @@ void region_detail_json(const RegionReport& r, std::size_t limit, json* out) {
     e["text"] = r.error_text;
     errors.push_back(std::move(e));
   }
-  for (const SeatReport& s : r.seats) {
+  for (const probe::Seat& s : r.seats) {
     if (s.error_code != 0) {
       json e;
       e["who"] = "consumer";
@@ -403,13 +401,13 @@ void region_detail_json(const RegionReport& r, std::size_t limit, json* out) {
       e["text"] = s.error_text;
       errors.push_back(std::move(e));
     }
-    if (s.state == "evicted") {
+    if (s.state == probe::SeatState::kEvicted) {
       json e;
       e["who"] = "eviction";
       e["seat"] = s.index;
       e["code"] = s.evict_reason;
       e["name"] = errc_text(s.evict_reason);
-      e["text"] = "the producer evicted consumer pid " + std::to_string(s.pid);
+      e["text"] = "the producer evicted consumer pid " + std::to_string(s.consumer.pid);
       errors.push_back(std::move(e));
     }
   }
@@ -418,7 +416,8 @@ void region_detail_json(const RegionReport& r, std::size_t limit, json* out) {
 
 // ---------------------------------------------------------------- tables
 
-Table::Table(std::vector<std::string> head, std::vector<bool> right) : head_(std::move(head)), right_(std::move(right)) {
+Table::Table(std::vector<std::string> head, std::vector<bool> right)
+    : head_(std::move(head)), right_(std::move(right)) {
   right_.resize(head_.size(), false);
 }
 
@@ -452,25 +451,27 @@ void Table::print(std::ostream& os, const std::string& indent) const {
 
 // ---------------------------------------------------------------- show
 
-void print_region_detail(std::ostream& os, const RegionReport& r, std::size_t limit) {
+void print_region_detail(std::ostream& os, const probe::Region& r, std::size_t limit) {
   Table kv({"FIELD", "VALUE"});
   kv.row({"region", r.name});
   kv.row({"file", r.path});
-  kv.row({"state", r.state + (r.reason.empty() ? "" : " (" + r.reason + ")")});
+  kv.row({"state", probe::state_name(r.state) + (r.reason.empty() ? "" : " (" + r.reason + ")")});
   kv.row({"size", human_bytes(r.size) + " (" + std::to_string(r.size) + " bytes)"});
   if (r.owner.known) kv.row({"owner", owner_text(r.owner)});
-  kv.row({"participants", r.any_lock == Alive::kYes ? "some alive" : r.any_lock == Alive::kNo ? "none alive" : "?"});
-  if (r.have_fixed && r.fixed.magic == kMagic) {
-    const HeaderFixed& f = r.fixed;
+  kv.row({"participants", r.any_lock == probe::Alive::kYes  ? "some alive"
+                          : r.any_lock == probe::Alive::kNo ? "none alive"
+                                                            : "?"});
+  if (r.have_fixed && r.fixed.shmcast_magic) {
+    const probe::FixedHeader& f = r.fixed;
     kv.row({"layout", "version " + std::to_string(f.layout_version) +
-                          ((f.features & kFeatureChecksums) ? ", checksums" : "")});
+                          (f.checksums ? ", checksums" : "")});
     kv.row({"geometry", std::to_string(f.max_consumers) + " seats, " + std::to_string(f.slot_count) + " slots x " +
                             human_bytes(f.slot_bytes) + ", manifest " + human_bytes(f.manifest_bytes)});
     kv.row({"created", unix_ns_text(f.created_unix_ns)});
   }
   if (r.have_header) {
-    kv.row({"init_state", init_state_name(r.init_state)});
-    kv.row({"producer", "pid " + std::to_string(r.producer_pid) + ", alive " + alive_word(r.producer_alive) +
+    kv.row({"init_state", probe::state_name(r.init_state)});
+    kv.row({"producer", "pid " + std::to_string(r.producer.pid) + ", alive " + alive_word(r.producer_alive) +
                             ", generation " + std::to_string(r.generation) + ", evictions " +
                             std::to_string(r.evictions)});
     kv.row({"totals", std::to_string(r.syncs_done) + " syncs, " + human_bytes(r.bytes_done) + ", last sync " +
@@ -479,8 +480,8 @@ void print_region_detail(std::ostream& os, const RegionReport& r, std::size_t li
     kv.row({"last error", r.error_code ? errc_text(r.error_code) + ": " + r.error_text : "none"});
   }
   if (r.header_valid && r.have_record) {
-    const RecordSnapshot& rec = r.record;
-    kv.row({"sync", "version " + std::to_string(rec.version) + " (" + r.sync_status + ", " +
+    const probe::SyncRecord& rec = r.record;
+    kv.row({"sync", "version " + std::to_string(rec.version) + " (" + probe::state_name(r.sync_status) + ", " +
                         std::to_string(r.chunks_published) + "/" + std::to_string(rec.chunks) + " chunks), stream " +
                         human_bytes(rec.stream_bytes) + ", first chunk " + std::to_string(rec.first_seq)});
   }
@@ -491,24 +492,25 @@ void print_region_detail(std::ostream& os, const RegionReport& r, std::size_t li
     Table t({"IDX", "STATE", "PID", "ALIVE", "ENROLLED", "ACKED", "RELEASED", "LAG", "SYNCS", "BYTES", "ERROR",
              "EVICT"},
             {true, false, true, false, false, true, true, true, true, true, false, false});
-    for (const SeatReport& s : r.seats)
-      t.row({std::to_string(s.index), s.state, s.pid ? std::to_string(s.pid) : "-", alive_word(s.alive),
-             s.enrolled ? "yes" : "no", std::to_string(s.acked_version), std::to_string(s.released_seq),
-             std::to_string(s.lag_chunks), std::to_string(s.syncs_done), human_bytes(s.bytes_done),
-             s.error_code ? errc_text(s.error_code) : "-", s.evict_reason ? errc_text(s.evict_reason) : "-"});
+    for (const probe::Seat& s : r.seats)
+      t.row({std::to_string(s.index), seat_state_text(s), s.consumer.pid ? std::to_string(s.consumer.pid) : "-",
+             alive_word(s.alive), s.enrolled ? "yes" : "no", std::to_string(s.acked_version),
+             std::to_string(s.released_seq), std::to_string(s.lag_chunks), std::to_string(s.syncs_done),
+             human_bytes(s.bytes_done), s.error_code ? errc_text(s.error_code) : "-",
+             s.evict_reason ? errc_text(s.evict_reason) : "-"});
     t.print(os);
   }
   if (!r.slots.empty()) {
     os << "\nSLOTS\n";
     Table t({"IDX", "STATE", "SEQ", "VERSION", "BYTES", "HOLDERS"}, {true, false, true, true, true, true});
-    for (const SlotReport& s : r.slots)
-      t.row({std::to_string(s.index), s.state, std::to_string(s.seq), std::to_string(s.version),
+    for (const probe::Slot& s : r.slots)
+      t.row({std::to_string(s.index), probe::state_name(s.state), std::to_string(s.seq), std::to_string(s.version),
              human_bytes(s.bytes), std::to_string(s.holders)});
     t.print(os);
   }
   if (r.header_valid) {
-    const ManifestReport& m = r.manifest;
-    if (m.status == "ok") {
+    const probe::Manifest& m = r.manifest;
+    if (m.status == probe::ManifestStatus::kOk) {
       os << "\nMANIFEST  sync " << m.version << ": " << m.tensor_count << " tensors, "
          << human_bytes(m.payload_bytes) << " payload, " << human_bytes(m.stream_bytes) << " stream"
          << (m.world_size > 1 ? ", " + std::to_string(m.world_size) + " producer ranks" : std::string()) << "\n";
@@ -525,16 +527,17 @@ void print_region_detail(std::ostream& os, const RegionReport& r, std::size_t li
       if (shown < m.tensor_count)
         os << "... " << (m.tensor_count - shown) << " more (use --limit 0 to show all)\n";
     } else {
-      os << "\nMANIFEST  " << m.status << (m.reason.empty() ? "" : ": " + term_safe(m.reason)) << "\n";
+      os << "\nMANIFEST  " << probe::state_name(m.status) << (m.reason.empty() ? "" : ": " + term_safe(m.reason))
+         << "\n";
     }
   }
   std::vector<std::string> errs;
-  for (const SeatReport& s : r.seats) {
+  for (const probe::Seat& s : r.seats) {
     if (s.error_code != 0)
-      errs.push_back("seat " + std::to_string(s.index) + " (pid " + std::to_string(s.pid) + "): " +
+      errs.push_back("seat " + std::to_string(s.index) + " (pid " + std::to_string(s.consumer.pid) + "): " +
                      errc_text(s.error_code) + ": " + s.error_text);
-    if (s.state == "evicted")
-      errs.push_back("seat " + std::to_string(s.index) + " (pid " + std::to_string(s.pid) + "): evicted (" +
+    if (s.state == probe::SeatState::kEvicted)
+      errs.push_back("seat " + std::to_string(s.index) + " (pid " + std::to_string(s.consumer.pid) + "): evicted (" +
                      errc_text(s.evict_reason) + ")");
   }
   if (r.have_header && r.error_code != 0)

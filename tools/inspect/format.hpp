@@ -8,7 +8,7 @@
 #include <string>
 #include <vector>
 
-#include "probe.hpp"
+#include "shmcast/probe.hpp"
 
 namespace shmcast::inspect {
 
@@ -37,22 +37,24 @@ void print_json(const json& j);
 // The same line as a string, without the newline.
 std::string json_text(const json& j);
 
-json alive_json(Alive a);
-const char* alive_word(Alive a);  // yes / no / ?
+json alive_json(probe::Alive a);
+const char* alive_word(probe::Alive a);  // yes / no / ?
 std::string errc_text(std::uint32_t code);  // "" for 0, else errc_name
+std::string mode_text(std::uint32_t mode);  // permission bits as four octal digits: "0640"
+std::string seat_state_text(const probe::Seat& s);  // free / active / evicted / invalid(N)
 
-json region_summary_json(const RegionReport& r);
+json region_summary_json(const probe::Region& r);
 // The full `show` document body (everything but the skeleton).
-void region_detail_json(const RegionReport& r, std::size_t limit, json* out);
+void region_detail_json(const probe::Region& r, std::size_t limit, json* out);
 
 // Makes untrusted text safe for a terminal: control characters, C1 codes and
 // invalid UTF-8 become \xNN escapes.
 std::string term_safe(const std::string& s);
 std::string hex64(std::uint64_t v);
-std::string human_bytes(std::uint64_t b);
+using probe::human_bytes;
 std::string human_rate(double bytes_per_s);
 std::string human_age(double seconds);
-std::string owner_text(const OwnerReport& o);  // "uid 0 (root), gid 0 (root), mode 0600"
+std::string owner_text(const probe::Owner& o);  // "uid 0 (root), gid 0 (root), mode 0600"
 std::string unix_ns_text(std::uint64_t ns);  // ISO 8601 UTC, "-" for 0
 std::string shape_text(const std::vector<std::int64_t>& shape);
 
@@ -71,6 +73,6 @@ class Table {
 };
 
 // Prints the human `show` view.
-void print_region_detail(std::ostream& os, const RegionReport& r, std::size_t limit);
+void print_region_detail(std::ostream& os, const probe::Region& r, std::size_t limit);
 
 }  // namespace shmcast::inspect

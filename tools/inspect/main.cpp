@@ -17,8 +17,7 @@
 
 #include "commands.hpp"
 #include "format.hpp"
-#include "layout.hpp"
-#include "probe.hpp"
+#include "shmcast/probe.hpp"
 #include "shmcast/shmcast.hpp"
 
 using namespace shmcast::inspect;
@@ -82,23 +81,17 @@ CLI::Validator number(double lo, double hi, bool whole) {
       desc);
 }
 
-std::string resolve_dir(const std::string& opt) {
-  std::string d = opt.empty() ? shmcast::region_dir() : opt;
-  while (d.size() > 1 && d.back() == '/') d.pop_back();
-  return d;
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
-  install_bus_guard();
+  shmcast::probe::install_bus_guard();
 
   CLI::App app{"shmcast-inspect: see, watch, dump and clean shmcast shared-memory regions", "shmcast-inspect"};
   app.footer(kFooter);
   app.require_subcommand(1);
   app.set_version_flag("--version", "shmcast-inspect " + std::to_string(shmcast::kVersionMajor) + "." +
                                         std::to_string(shmcast::kVersionMinor) + " (region layout " +
-                                        std::to_string(shmcast::detail::kLayoutVersion) + ", JSON schema " +
+                                        std::to_string(shmcast::probe::layout_version()) + ", JSON schema " +
                                         std::to_string(kSchemaVersion) + ")");
   std::string dir_opt;
   app.add_option("--dir", dir_opt, "Region directory (default: $SHMCAST_DIR, else /dev/shm)");
@@ -178,7 +171,7 @@ int main(int argc, char** argv) {
   }
 
   Common c;
-  c.dir = resolve_dir(dir_opt);
+  c.dir = shmcast::probe::resolve_dir(dir_opt);
   c.json = json;
   const char* command = list->parsed()    ? "list"
                         : show->parsed()  ? "show"
