@@ -37,7 +37,7 @@ State: a JSON file next to the region, <region dir>/shmcast-relay.REGION.json
 Exit codes:
   0    stopped by SIGINT or SIGTERM
   1    failure (see the message)
-  2    usage error
+  2    usage error (also: no key, a key shorter than 16 bytes, a key file others can read)
   3    the key was refused by the upstream, or the upstream did not prove it
   4    this node's region is held by another live producer)";
 
