@@ -391,6 +391,10 @@ struct Relay::Impl {
                                           "relays");
     if (o.key.size() < 16) throw Error(Errc::kInvalidArgument, "the relay key must have at least 16 bytes");
     if (!source) from_addr = parse_address(o.from);
+    if (!source && from_addr.host.find(':') != std::string::npos) {
+      socklen_t len = 0;
+      (void)ucx::resolve(from_addr, false, &len);  // a numeric IPv6 address: refused now if UCX cannot take it
+    }
     if (!o.listen.empty()) (void)parse_address(o.listen);
     if (o.buffers < 2) throw Error(Errc::kInvalidArgument, "buffers must be at least 2");
     status_path = o.status_path.empty() ? default_status_path(o.region) : o.status_path;

@@ -64,19 +64,31 @@ bool Worker::arm() {
 }
 
 sockaddr_storage resolve(const Address& a, bool passive, socklen_t* len) {
-  addrinfo hints{};
-  hints.ai_family = AF_UNSPEC;
-  hints.ai_socktype = SOCK_STREAM;
-  hints.ai_flags = passive ? AI_PASSIVE : 0;
+  // IPv4 first: a name with both kinds of address gets its IPv4 one.
   addrinfo* res = nullptr;
+  int rc = 0;
   const std::string port = std::to_string(a.port);
-  const int rc = ::getaddrinfo(a.host.empty() ? nullptr : a.host.c_str(), port.c_str(), &hints, &res);
+  for (int family : {AF_INET, AF_UNSPEC}) {
+    addrinfo hints{};
+    hints.ai_family = family;
+    hints.ai_socktype = SOCK_STREAM;
+    hints.ai_flags = passive ? AI_PASSIVE : 0;
+    rc = ::getaddrinfo(a.host.empty() ? nullptr : a.host.c_str(), port.c_str(), &hints, &res);
+    if (rc == 0 && res != nullptr) break;
+  }
   if (rc != 0 || res == nullptr)
     throw Error(Errc::kInvalidArgument, "cannot resolve '" + a.str() + "': " + ::gai_strerror(rc));
   sockaddr_storage ss{};
   std::memcpy(&ss, res->ai_addr, res->ai_addrlen);
   *len = res->ai_addrlen;
   ::freeaddrinfo(res);
+  unsigned major = 0, minor = 0, release = 0;
+  ucp_get_version(&major, &minor, &release);
+  if (ss.ss_family == AF_INET6 && (major < 1 || (major == 1 && minor <= 13)))
+    throw Error(Errc::kInvalidArgument,
+                "'" + a.str() + "' is an IPv6 address: UCX " + ucp_get_version_string() +
+                    " overruns a buffer in its TCP transport on IPv6 connections (uct_tcp_ep_set_dest_addr); "
+                    "use an IPv4 address");
   return ss;
 }
 
