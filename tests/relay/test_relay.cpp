@@ -143,11 +143,18 @@ class Cluster {
   std::string status_path(int node) const { return dir(node) + "/shmcast-relay." + region_ + ".json"; }
 
   std::map<std::string, std::string> env(int node, const std::string& key = kKey) const {
-    return {{"SHMCAST_DIR", dir(node)},
-            {"UCX_TLS", "tcp"},
-            {"UCX_NET_DEVICES", "lo"},
-            {"UCX_WARN_UNUSED_ENV_VARS", "n"},
-            {"SHMCAST_RELAY_KEY", key}};
+    std::map<std::string, std::string> e = {{"SHMCAST_DIR", dir(node)},
+                                            {"UCX_TLS", "tcp"},
+                                            {"UCX_NET_DEVICES", "lo"},
+                                            {"UCX_WARN_UNUSED_ENV_VARS", "n"},
+                                            {"SHMCAST_RELAY_KEY", key}};
+#if defined(__SANITIZE_THREAD__)
+    // UCX's memory-event hooks patch madvise in the process as libucm loads;
+    // under TSan that patch crashes every thread that exits (glibc madvises
+    // its stack). The relay registers its buffers itself and needs no events.
+    e["UCX_MEM_EVENTS"] = "no";
+#endif
+    return e;
   }
 
   Proc& start(const std::string& tag, std::vector<std::string> argv, int node, const std::string& key = kKey) {
