@@ -453,6 +453,7 @@ std::vector<void*> Consumer::read_to_staging(int device, void* stream) {
 
 const SyncInfo& Consumer::sync() const { return impl_->info; }
 std::uint64_t Consumer::last_version() const { return impl_->last_version; }
+std::uint64_t Consumer::slot_bytes() const { return impl_->view.geo().slot_bytes; }
 int Consumer::seat() const { return impl_->ring ? impl_->ring->seat() : -1; }
 const std::string& Consumer::name() const { return impl_->name; }
 bool Consumer::pinned() const { return impl_->pin.pinned; }

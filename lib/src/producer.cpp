@@ -52,6 +52,7 @@ struct Producer::Impl {
   std::uint64_t stream_bytes = 0, payload_bytes = 0;  // this rank's
   std::uint64_t sync_payload = 0;  // the whole sync's (rank 0)
   std::size_t next_tensor = 0;
+  std::uint64_t part_done = 0;  // bytes of specs[next_tensor] written by write_part()
   ChunkWriter writer;  // the sync's chunks
   SyncLayout layout;   // of the sync in progress or the last one begun
   std::int64_t sync_start_ns = 0;
@@ -71,18 +72,22 @@ struct Producer::Impl {
 
   // A write that fails leaves nothing half-announced: the sync is aborted
   // (consumers get kAborted with the reason) before the error propagates.
-  void write_tensor(std::size_t index, const Buffer& src, void* stream) {
+  // Bytes [from, from + len) of the tensor (len kWhole: all of it); src
+  // points at byte `from`.
+  static constexpr std::uint64_t kWhole = ~0ull;
+  void write_tensor(std::size_t index, const Buffer& src, void* stream, std::uint64_t from = 0,
+                    std::uint64_t len = kWhole) {
     require_open();
     if (!in_sync) throw Error(Errc::kInvalidArgument, "write() outside a sync: call begin_sync() first");
     try {
-      write_tensor_in_sync(index, src, stream);
+      write_tensor_in_sync(index, src, stream, from, len);
     } catch (const std::exception& e) {
       abort(e.what());
       throw;
     }
   }
 
-  void write_tensor_in_sync(std::size_t index, const Buffer& src, void* stream) {
+  void write_tensor_in_sync(std::size_t index, const Buffer& src, void* stream, std::uint64_t from, std::uint64_t len) {
     if (src.device && !engine->is_cuda())
       throw Error(Errc::kInvalidArgument, "write_device() on a producer with the host copy engine: create it with "
                                           "engine = CopyEngine::kCuda (or kAuto on a machine with a GPU), or copy "
@@ -97,6 +102,11 @@ struct Producer::Impl {
                                               std::to_string(index));
     }
     const std::uint64_t n = specs[index].local_nbytes();
+    if (from != part_done || (len != kWhole && len > n - from))
+      throw Error(Errc::kInvalidArgument, "write_part() of '" + specs[index].name + "': bytes [" + std::to_string(from) +
+                                              ", +" + std::to_string(len) + ") do not follow the " +
+                                              std::to_string(part_done) + " written of its " + std::to_string(n));
+    const std::uint64_t to = len == kWhole ? n : from + len;
     if (src.layout.rows != 0) {
       std::uint64_t total;
       if (__builtin_mul_overflow(src.layout.rows, src.layout.row_bytes, &total) || total != n ||
@@ -105,34 +115,37 @@ struct Producer::Impl {
                                                 "' does not match its size (rows x row_bytes must equal nbytes, "
                                                 "pitch_bytes >= row_bytes)");
     }
-    if (n > 0 && src.ptr == nullptr)
+    if (to > from && src.ptr == nullptr)
       throw Error(Errc::kInvalidArgument, "null source for tensor '" + specs[index].name + "'");
     const std::uint64_t off = offsets[index];
     if (src.device) engine->begin(stream);
     // Progressive fill only when every earlier byte of the chunk is final
     // once written: host copies, no async engine, no checksum to wait for.
     const bool follow = !src.device && !engine->is_cuda() && !checksums;
-    std::uint64_t done = 0;
-    while (done < n) {
+    std::uint64_t done = from;
+    while (done < to) {
       const std::uint64_t pos = off + done;
       complete_below(pos);
       std::uint64_t room;
       std::byte* dst = writer.claim(pos, &room);
-      const std::uint64_t len = (n - done) < room ? (n - done) : room;
+      const std::uint64_t len = (to - done) < room ? (to - done) : room;
       if (follow) {
         // Copy in cache-sized steps and mark each final, so consumers copy
         // the bytes out while they are still in the cache.
         for (std::uint64_t step = 0; step < len;) {
           const std::uint64_t n2 = len - step < kFillStep ? len - step : kFillStep;
-          engine->copy(dst + step, src, done + step, n2);
+          engine->copy(dst + step, src, done - from + step, n2);
           step += n2;
           writer.filled_to(pos + step);
         }
       } else {
-        engine->copy(dst, src, done, len);
+        engine->copy(dst, src, done - from, len);
       }
       done += len;
     }
+    part_done = to;
+    if (to < n) return;
+    part_done = 0;
     ++next_tensor;
     complete_below(next_tensor < specs.size() ? offsets[next_tensor] : stream_bytes);
   }
@@ -541,10 +554,15 @@ std::uint32_t Producer::consumers() const {
   return impl_->ring->live_consumers();
 }
 
-std::uint64_t Producer::begin_sync(std::span<const TensorSpec> tensors) {
+std::uint64_t Producer::begin_sync(std::span<const TensorSpec> tensors, std::uint64_t version) {
   Impl& m = *impl_;
   m.require_open();
   if (m.in_sync) throw Error(Errc::kInvalidArgument, "begin_sync() while a sync is in progress: end_sync() it first");
+  if (version != 0 && m.world > 1)
+    throw Error(Errc::kInvalidArgument, "begin_sync() with a version on a sharded producer: rank 0 numbers the syncs");
+  if (version != 0 && version <= m.version)
+    throw Error(Errc::kInvalidArgument, "begin_sync() version " + std::to_string(version) +
+                                            " is not greater than the last, " + std::to_string(m.version));
   // A region file cut by another process would SIGBUS us on its missing
   // pages: refuse cleanly when it happened between syncs (docs/reliability.md).
   if (const std::uint64_t now = m.view.file().size_now(); now != m.view.geo().total_bytes)
@@ -587,7 +605,7 @@ std::uint64_t Producer::begin_sync(std::span<const TensorSpec> tensors) {
   // Nobody may still be reading the manifest area we are about to rewrite.
   if (m.last_completed > 0) m.ring->wait_acks(m.last_completed);
   m.sync_start_ns = mono_ns();
-  m.version = m.version + 1;
+  m.version = version != 0 ? version : m.version + 1;
   m.writer = ChunkWriter(&*m.ring, &m.view, m.version, m.next_seq, m.stream_bytes, m.checksums);
   m.ring->begin_announce();  // consumers copying the old manifest will see it change
   const std::uint64_t used = encode_manifest(m.specs, m.offsets, m.version, m.stream_bytes, m.payload_bytes,
@@ -611,6 +629,7 @@ std::uint64_t Producer::begin_sync(std::span<const TensorSpec> tensors) {
   m.ring->announce(rec);
   m.in_sync = true;
   m.next_tensor = 0;
+  m.part_done = 0;
   return m.version;
 }
 
@@ -707,6 +726,7 @@ std::uint64_t Producer::Impl::begin_sharded() {
   layout.rank_chunks = chunks_per_rank;
   in_sync = true;
   next_tensor = 0;
+  part_done = 0;
   return version;
 }
 
@@ -716,6 +736,10 @@ void Producer::write(std::size_t index, const void* src) {
 
 void Producer::write_strided(std::size_t index, const void* src, const Strided2D& layout) {
   impl_->write_tensor(index, Buffer{const_cast<void*>(src), false, layout}, nullptr);
+}
+
+void Producer::write_part(std::size_t index, std::uint64_t offset, const void* src, std::uint64_t bytes) {
+  impl_->write_tensor(index, Buffer{const_cast<void*>(src), false, {}}, nullptr, offset, bytes);
 }
 
 void Producer::write_device(std::size_t index, const void* src, void* stream) {

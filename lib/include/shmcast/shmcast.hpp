@@ -308,18 +308,25 @@ class SHMCAST_API Producer {
 
   // Starts a sync: packs `tensors` (in order) into the stream and publishes the
   // manifest. Consumers attached now take part; later ones start with the
-  // next sync. Returns the sync's version.
+  // next sync. Returns the sync's version: `version` when given (it must be
+  // greater than last_version(); a relay publishes its upstream's), else
+  // last_version() + 1.
   // Sharded producers: every rank calls it for every sync with the pieces it
   // holds (whole tensors or shards, full shapes in `shape`); rank 0 waits for
   // all ranks, checks that the pieces tile each tensor exactly, publishes one
-  // manifest of whole tensors, and every rank returns the same version.
-  std::uint64_t begin_sync(std::span<const TensorSpec> tensors);
+  // manifest of whole tensors, and every rank returns the same version (rank 0
+  // numbers the syncs: `version` must be 0).
+  std::uint64_t begin_sync(std::span<const TensorSpec> tensors, std::uint64_t version = 0);
   // Copies tensor `index` from host memory. Tensors are written in order.
   // A write that throws (a wrong index, a bad layout, a copy error, a
   // consumer that timed out) aborts the sync: consumers get kAborted with the
   // reason, and the next begin_sync() starts a fresh one.
   void write(std::size_t index, const void* src);
   void write_strided(std::size_t index, const void* src, const Strided2D& layout);
+  // Copies bytes [offset, offset + bytes) of tensor `index` from host memory:
+  // a tensor written in parts, in order and without gaps (offset = the bytes
+  // of it written so far); it is complete with its last byte.
+  void write_part(std::size_t index, std::uint64_t offset, const void* src, std::uint64_t bytes);
   // Copies tensor `index` from device memory with async D2H copies on a
   // stream the library owns, ordered after `cuda_stream` (a cudaStream_t, or
   // nullptr for the legacy default stream). Slots are published as their
@@ -410,6 +417,7 @@ class SHMCAST_API Consumer {
 
   const SyncInfo& sync() const;     // the current (or last) sync
   std::uint64_t last_version() const;
+  std::uint64_t slot_bytes() const;  // of the region: chunk c of a sync is stream bytes [c*S, (c+1)*S)
   int seat() const;
   const std::string& name() const;
   bool pinned() const;
