@@ -60,7 +60,7 @@ bool shape_bytes(DType dt, const std::int64_t* shape, std::size_t ndim, std::uin
 bool payload_bytes(std::span<const TensorSpec> tensors, std::uint64_t* out) {
   std::uint64_t total = 0;
   for (const TensorSpec& t : tensors)
-    if (!checked_add(total, t.nbytes(), &total) || total > kMaxStreamBytes) return false;
+    if (!checked_add(total, t.local_nbytes(), &total) || total > kMaxStreamBytes) return false;
   *out = total;
   return true;
 }

@@ -26,12 +26,6 @@ namespace {
 
 enum class State { kIdle, kManifest, kReading };
 
-// A private copy of the immutable part of the header, taken once.
-HeaderFixed snapshot_header(const std::byte* base) {
-  HeaderFixed h;
-  std::memcpy(&h, base, sizeof h);
-  return h;
-}
 
 }  // namespace
 
@@ -251,15 +245,9 @@ Consumer Consumer::open(std::string_view name, const ConsumerOptions& o) {
           waiting_for = "the producer to finish creating the region";
           waiting_code = Errc::kNotFound;
         } else {
-          bool version_mismatch = false;
-          why = validate_header(snap, f.size(), &version_mismatch);
-          if (version_mismatch) throw Error(Errc::kVersionMismatch, f.path() + ": " + why + "; upgrade the older side");
-          if (!why.empty()) throw Error(Errc::kCorrupt, f.path() + ": " + why);
+          const Geometry g = checked_geometry(f, snap);
           const Alive a = peer_alive(f.fd(), kProducerLockByte, live.producer);
           if (init == kInitReady && a != Alive::kNo) {
-            Geometry g{};
-            compute_geometry(snap.max_consumers, snap.slot_count, snap.slot_bytes, snap.manifest_bytes, &g,
-                             snap.world_size);
             impl->checksums = (snap.features & kFeatureChecksums) != 0;
             impl->view = RegionView(std::move(f), g);
             break;

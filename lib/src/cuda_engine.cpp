@@ -428,6 +428,55 @@ class Lane {
   std::string host_error_;
 };
 
+// `rows` rows of `w` bytes between slot memory (host, pitch `sp`) and a
+// device buffer (pitch `tp`), in one cuMemcpy2DAsync, or one copy per row
+// when the pitch exceeds what a 2D copy takes (a bad pointer then fails in
+// the first row's copy, with its own error).
+void copy_rows(std::byte* slot, std::uint64_t sp, std::byte* t, std::uint64_t tp, std::uint64_t w,
+               std::uint64_t rows, bool to_slot, Lane& lane, CUstream stream) {
+  const cu::Api& d = lane.api();
+  const std::uint64_t max_pitch = lane.max_pitch();
+  const bool fits = max_pitch == 0 || (sp <= max_pitch && tp <= max_pitch);
+  CUresult e = CUDA_ERROR_INVALID_VALUE;
+  if (fits) {
+    CUDA_MEMCPY2D c{};
+    c.WidthInBytes = w;
+    c.Height = rows;
+    if (to_slot) {
+      c.srcMemoryType = CU_MEMORYTYPE_DEVICE;
+      c.srcDevice = dptr(t);
+      c.srcPitch = tp;
+      c.dstMemoryType = CU_MEMORYTYPE_HOST;
+      c.dstHost = slot;
+      c.dstPitch = sp;
+    } else {
+      c.srcMemoryType = CU_MEMORYTYPE_HOST;
+      c.srcHost = slot;
+      c.srcPitch = sp;
+      c.dstMemoryType = CU_MEMORYTYPE_DEVICE;
+      c.dstDevice = dptr(t);
+      c.dstPitch = tp;
+    }
+    e = d.cuMemcpy2DAsync(&c, stream);
+  }
+  if (fits && e != CUDA_ERROR_INVALID_VALUE) {
+    if (e != CUDA_SUCCESS)
+      throw_cuda(e, std::string("cuMemcpy2DAsync ") + (to_slot ? "D2H" : "H2D") + " of " + std::to_string(rows) +
+                        " rows of " + std::to_string(w) + " bytes (pitches " + std::to_string(sp) + ", " +
+                        std::to_string(tp) + ")",
+                 kTodoArgs);
+    return;
+  }
+  for (std::uint64_t r = 0; r < rows; ++r) {
+    const CUresult e1 = to_slot ? d.cuMemcpyDtoHAsync(slot + r * sp, dptr(t + r * tp), w, stream)
+                                : d.cuMemcpyHtoDAsync(dptr(t + r * tp), slot + r * sp, w, stream);
+    if (e1 != CUDA_SUCCESS)
+      throw_cuda(e1, std::string(to_slot ? "cuMemcpyDtoHAsync" : "cuMemcpyHtoDAsync") + " of " + std::to_string(w) +
+                         " bytes",
+                 kTodoArgs);
+  }
+}
+
 // Copies bytes [offset, offset + n) of a tensor laid out as `l` at `tensor`
 // to (to_slot) or from the contiguous slot memory `slot`, on the lane's
 // streams. The lane's context must be current.
@@ -472,41 +521,7 @@ void copy_async(std::byte* slot, std::byte* tensor, const Strided2D& l, std::uin
   if (full == 1) {
     one(slot, tensor + row * l.pitch_bytes, l.row_bytes, stream);
   } else if (full > 1) {
-    std::byte* t = tensor + row * l.pitch_bytes;
-    const std::uint64_t w = l.row_bytes, p = l.pitch_bytes;
-    const std::uint64_t max_pitch = lane.max_pitch();
-    const bool fits = max_pitch == 0 || p <= max_pitch;
-    CUresult e = CUDA_ERROR_INVALID_VALUE;
-    if (fits) {
-      CUDA_MEMCPY2D c{};
-      c.WidthInBytes = w;
-      c.Height = full;
-      if (to_slot) {
-        c.srcMemoryType = CU_MEMORYTYPE_DEVICE;
-        c.srcDevice = dptr(t);
-        c.srcPitch = p;
-        c.dstMemoryType = CU_MEMORYTYPE_HOST;
-        c.dstHost = slot;
-        c.dstPitch = w;
-      } else {
-        c.srcMemoryType = CU_MEMORYTYPE_HOST;
-        c.srcHost = slot;
-        c.srcPitch = w;
-        c.dstMemoryType = CU_MEMORYTYPE_DEVICE;
-        c.dstDevice = dptr(t);
-        c.dstPitch = p;
-      }
-      e = d.cuMemcpy2DAsync(&c, stream);
-    }
-    if (!fits || e == CUDA_ERROR_INVALID_VALUE) {
-      // Pitch beyond what the 2D copy takes: one copy per row (a bad
-      // pointer then fails in the first row's copy, with its own error).
-      for (std::uint64_t r = 0; r < full; ++r) one(slot + r * w, t + r * p, w, stream);
-    } else if (e != CUDA_SUCCESS) {
-      throw_cuda(e, std::string("cuMemcpy2DAsync ") + (to_slot ? "D2H" : "H2D") + " of " + std::to_string(full) +
-                        " rows of " + std::to_string(w) + " bytes (pitch " + std::to_string(p) + ")",
-                 kTodoArgs);
-    }
+    copy_rows(slot, l.row_bytes, tensor + row * l.pitch_bytes, l.pitch_bytes, l.row_bytes, full, to_slot, lane, stream);
   }
   slot += full * l.row_bytes;
   n -= full * l.row_bytes;
@@ -577,37 +592,10 @@ class CudaConsumerEngine final : public ConsumerEngine {
       return;
     }
     CtxScope scope(lane_.api(), lane_.context());
-    const cu::Api& d = lane_.api();
-    std::byte* t = static_cast<std::byte*>(dst.ptr) + offset;
-    const std::uint64_t max_pitch = lane_.max_pitch();
-    const bool fits = max_pitch == 0 || (src_pitch <= max_pitch && dst_pitch <= max_pitch);
-    CUresult e = CUDA_ERROR_INVALID_VALUE;
-    CUstream stream = lane_.next_stream();
-    if (fits) {
-      // One strided H2D straight out of the pinned slot: only the selected
-      // bytes cross PCIe.
-      CUDA_MEMCPY2D c{};
-      c.srcMemoryType = CU_MEMORYTYPE_HOST;
-      c.srcHost = src;
-      c.srcPitch = src_pitch;
-      c.dstMemoryType = CU_MEMORYTYPE_DEVICE;
-      c.dstDevice = dptr(t);
-      c.dstPitch = dst_pitch;
-      c.WidthInBytes = width;
-      c.Height = rows;
-      e = d.cuMemcpy2DAsync(&c, stream);
-    }
-    if (!fits || e == CUDA_ERROR_INVALID_VALUE) {
-      for (std::uint64_t r = 0; r < rows; ++r) {
-        const CUresult e1 = d.cuMemcpyHtoDAsync(dptr(t + r * dst_pitch), src + r * src_pitch, width, stream);
-        if (e1 != CUDA_SUCCESS)
-          throw_cuda(e1, "cuMemcpyHtoDAsync of " + std::to_string(width) + " bytes", kTodoArgs);
-      }
-    } else if (e != CUDA_SUCCESS) {
-      throw_cuda(e, "cuMemcpy2DAsync H2D of " + std::to_string(rows) + " rows of " + std::to_string(width) +
-                        " bytes (pitches " + std::to_string(src_pitch) + ", " + std::to_string(dst_pitch) + ")",
-                 kTodoArgs);
-    }
+    // One strided H2D straight out of the pinned slot: only the selected
+    // bytes cross PCIe.
+    copy_rows(const_cast<std::byte*>(src), src_pitch, static_cast<std::byte*>(dst.ptr) + offset, dst_pitch, width, rows,
+              false, lane_, lane_.next_stream());
   }
   void chunk_done(std::function<void()> release) override { lane_.when_done(std::move(release)); }
   void end(void* caller_stream) override { lane_.before(caller_stream); }

@@ -1,5 +1,7 @@
 #include "manifest.hpp"
 
+#include "checks.hpp"
+
 #include <cstring>
 #include <string_view>
 #include <algorithm>
@@ -9,17 +11,6 @@
 namespace shmcast::detail {
 
 namespace {
-
-bool shape_bytes(DType dt, const std::int64_t* shape, std::size_t ndim, std::uint64_t* out) {
-  std::uint64_t n = dtype_size(dt);
-  if (n == 0) return false;
-  for (std::size_t i = 0; i < ndim; ++i) {
-    if (shape[i] < 0) return false;
-    if (__builtin_mul_overflow(n, static_cast<std::uint64_t>(shape[i]), &n)) return false;
-  }
-  *out = n;
-  return true;
-}
 
 std::string at(std::size_t i, const std::string& what) { return "tensor " + std::to_string(i) + ": " + what; }
 

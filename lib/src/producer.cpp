@@ -8,6 +8,7 @@
 #include <thread>
 #include <unordered_set>
 
+#include "checks.hpp"
 #include "doorbell.hpp"
 #include "engine.hpp"
 #include "liveness.hpp"
@@ -152,10 +153,7 @@ struct Producer::Impl {
 
   void set_error_text(Errc code, const std::string& text) {
     Header& h = view.header();
-    const std::string t = world > 1 ? "rank " + std::to_string(rank) + ": " + text : text;
-    const std::size_t n = t.size() < kErrorTextBytes - 1 ? t.size() : kErrorTextBytes - 1;
-    std::memcpy(h.error_text, t.data(), n);
-    h.error_text[n] = 0;
+    write_error_text(h.error_text, world > 1 ? "rank " + std::to_string(rank) + ": " + text : text);
     h.error_code.store(static_cast<std::uint32_t>(code), std::memory_order_release);
   }
 
@@ -165,9 +163,7 @@ struct Producer::Impl {
   void fail_round(std::uint64_t r, Errc code, const std::string& why) {
     for (std::uint32_t k = 1; k < world; ++k) {
       RankSeat& rs = view.rank_seat(k);
-      const std::size_t n = why.size() < kErrorTextBytes - 1 ? why.size() : kErrorTextBytes - 1;
-      std::memcpy(rs.error_text, why.data(), n);
-      rs.error_text[n] = 0;
+      write_error_text(rs.error_text, why);
       rs.reply_status.store(static_cast<std::uint32_t>(code), std::memory_order_relaxed);
       rs.reply_round.store(r, std::memory_order_release);
     }
@@ -261,7 +257,7 @@ struct Producer::Impl {
     if (rs.reply_round.load(std::memory_order_acquire) != r)
       throw Error(Errc::kCorrupt, "rank 0 answered another round than this rank's: the ranks are out of step");
     if (const std::uint32_t st = rs.reply_status.load(std::memory_order_relaxed); st != 0)
-      throw Error(static_cast<Errc>(st), std::string(rs.error_text, strnlen(rs.error_text, kErrorTextBytes)));
+      throw Error(static_cast<Errc>(st), read_error_text(rs.error_text));
   }
 
   // Rank 0, at end_sync: waits until every rank published its last chunk.
@@ -429,21 +425,14 @@ Producer::Impl* attach_rank(Producer::Impl* m, std::string_view name, const Prod
       if (f.size() >= kHeaderBytes) {
         const Header& live = *reinterpret_cast<const Header*>(f.data());
         const std::uint32_t init = live.init_state.load(std::memory_order_acquire);
-        HeaderFixed snap;
-        std::memcpy(&snap, f.data(), sizeof snap);
+        const HeaderFixed snap = snapshot_header(f.data());
         if (init == kInitReady) {
-          bool mismatch = false;
-          const std::string why = validate_header(snap, f.size(), &mismatch);
-          if (mismatch) throw Error(Errc::kVersionMismatch, f.path() + ": " + why + "; upgrade the older side");
-          if (!why.empty()) throw Error(Errc::kCorrupt, f.path() + ": " + why);
+          const Geometry g = checked_geometry(f, snap);
           if (snap.world_size != o.world_size)
             throw Error(Errc::kInvalidArgument, "region '" + std::string(name) + "' was created by rank 0 for " +
                                                     std::to_string(snap.world_size) + " ranks, this rank says " +
                                                     std::to_string(o.world_size) + ": give every rank the same world_size");
           if (peer_alive(f.fd(), kProducerLockByte, live.producer) != Alive::kNo) {
-            Geometry g{};
-            compute_geometry(snap.max_consumers, snap.slot_count, snap.slot_bytes, snap.manifest_bytes, &g,
-                             snap.world_size);
             m->checksums = (snap.features & kFeatureChecksums) != 0;
             m->path = f.path();
             m->view = RegionView(std::move(f), g);
@@ -592,10 +581,8 @@ std::uint64_t Producer::begin_sync(std::span<const TensorSpec> tensors, std::uin
                                             human_bytes(need) + " but the region holds " +
                                             human_bytes(m.view.geo().manifest_bytes) +
                                             ": create the producer with a larger manifest_bytes");
-  std::uint64_t total = 0;
-  for (const TensorSpec& t : tensors)
-    if (__builtin_add_overflow(total, t.local_nbytes(), &total) || total > kMaxStreamBytes)
-      throw Error(Errc::kInvalidArgument, "one sync may carry at most 64 TiB");
+  if (std::uint64_t total; !payload_bytes(tensors, &total))
+    throw Error(Errc::kInvalidArgument, "one sync may carry at most 64 TiB");
   m.specs.assign(tensors.begin(), tensors.end());
   m.stream_bytes = pack(m.specs, m.view.geo().slot_bytes, &m.offsets, &m.payload_bytes);
   if (m.stream_bytes > kMaxStreamBytes)  // with alignment padding: what consumers check

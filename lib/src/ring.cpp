@@ -1,11 +1,29 @@
 #include "ring.hpp"
 
+#include "checks.hpp"
+
 #include <xxhash.h>
 
 #include <atomic>
 #include <cstring>
 
 namespace shmcast::detail {
+
+HeaderFixed snapshot_header(const std::byte* base) {
+  HeaderFixed h;
+  std::memcpy(&h, base, sizeof h);
+  return h;
+}
+
+Geometry checked_geometry(const MappedFile& f, const HeaderFixed& snap) {
+  bool version_mismatch = false;
+  const std::string why = validate_header(snap, f.size(), &version_mismatch);
+  if (version_mismatch) throw Error(Errc::kVersionMismatch, f.path() + ": " + why + "; upgrade the older side");
+  if (!why.empty()) throw Error(Errc::kCorrupt, f.path() + ": " + why);
+  Geometry g{};
+  compute_geometry(snap.max_consumers, snap.slot_count, snap.slot_bytes, snap.manifest_bytes, &g, snap.world_size);
+  return g;
+}
 
 std::uint32_t seat_state(std::uint64_t w) { return static_cast<std::uint32_t>(w & 0xffffffffu); }
 std::uint64_t seat_gen(std::uint64_t w) { return w >> 32; }
@@ -16,14 +34,8 @@ bool read_record(const Header& h, RecordSnapshot* out) {
   const std::uint32_t w1 = r.announce.word.load(std::memory_order_acquire);
   if (w1 & 1u) return false;
   RecordSnapshot s;
+  copy_record(r, &s);
   s.word = w1;
-  s.version = r.version.load(std::memory_order_relaxed);
-  s.first_seq = r.first_seq.load(std::memory_order_relaxed);
-  s.chunks = r.chunks.load(std::memory_order_relaxed);
-  s.stream_bytes = r.stream_bytes.load(std::memory_order_relaxed);
-  s.manifest_used = r.manifest_used.load(std::memory_order_relaxed);
-  s.manifest_hash = r.manifest_hash.load(std::memory_order_relaxed);
-  s.aborted = r.aborted.load(std::memory_order_relaxed) != 0;
   std::atomic_thread_fence(std::memory_order_acquire);
   if (r.announce.word.load(std::memory_order_relaxed) != w1) return false;
   *out = s;
@@ -35,12 +47,6 @@ namespace {
 std::string seat_who(std::uint32_t i, const Seat& s) {
   return "consumer seat " + std::to_string(i) + " (pid " +
          std::to_string(s.consumer.pid.load(std::memory_order_relaxed)) + ")";
-}
-
-void copy_text(char* dst, const std::string& text) {
-  const std::size_t n = text.size() < kErrorTextBytes - 1 ? text.size() : kErrorTextBytes - 1;
-  std::memcpy(dst, text.data(), n);
-  dst[n] = 0;
 }
 
 }  // namespace
@@ -174,7 +180,7 @@ void ProducerRing::check_aborted() const {
   if (opts_.world_size <= 1 || !aborted_now()) return;
   const Header& h = v_->header();
   throw Error(Errc::kAborted, "sync " + std::to_string(sync_version_) + " was aborted by another rank: " +
-                                  std::string(h.error_text, strnlen(h.error_text, kErrorTextBytes)));
+                                  read_error_text(h.error_text));
 }
 
 void ProducerRing::acquire(std::uint64_t seq) {
@@ -407,7 +413,7 @@ ConsumerRing::ChunkWait ConsumerRing::wait_chunk(std::uint64_t seq, std::uint64_
     if (published()) return;
     if (current > version || (current == version && h.sync.aborted.load(std::memory_order_acquire) != 0))
       throw Error(Errc::kAborted, std::string("the producer aborted sync ") + std::to_string(version) + ": " +
-                                      std::string(h.error_text, strnlen(h.error_text, kErrorTextBytes)));
+                                      read_error_text(h.error_text));
     if (current < version)
       throw Error(Errc::kCorrupt, "the sync record went back from version " + std::to_string(version) + " to " +
                                       std::to_string(current) + ": the region is corrupt");
@@ -480,7 +486,7 @@ void ConsumerRing::release(std::uint64_t seq) {
 void ConsumerRing::set_error(Errc code, const std::string& text) {
   if (seat_ < 0) return;
   Seat& s = v_->seat(static_cast<std::uint32_t>(seat_));
-  copy_text(s.error_text, text);
+  write_error_text(s.error_text, text);
   s.error_code.store(static_cast<std::uint32_t>(code), std::memory_order_release);
 }
 

@@ -60,6 +60,13 @@ class RegionView {
   Geometry geo_{};
 };
 
+// A private copy of a mapped region's immutable header (take it after
+// init_state read kInitReady, with acquire).
+HeaderFixed snapshot_header(const std::byte* base);
+// The geometry `snap` describes, validated against itself and the file:
+// throws kVersionMismatch (another layout version) or kCorrupt.
+Geometry checked_geometry(const MappedFile& f, const HeaderFixed& snap);
+
 std::uint32_t seat_state(std::uint64_t word);
 std::uint64_t seat_gen(std::uint64_t word);
 std::uint64_t make_seat_word(std::uint64_t gen, std::uint32_t state);

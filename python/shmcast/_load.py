@@ -186,6 +186,16 @@ def load_whole(cons: Consumer, model, *, timeout: Optional[float], version: Opti
     return Loaded(info.version, len(info.tensors), info.payload_bytes, info.payload_bytes, "loader")
 
 
+def cached_direct_loader(cache: dict, key, model) -> "DirectLoader":
+    """The DirectLoader of `model` for this worker's TP rank, from `cache`
+    (built anew when missing or when the model's parameters moved)."""
+    d = cache.get(key)
+    if d is None or d.stale():
+        rank, size = tp_rank_size()
+        d = cache[key] = DirectLoader(model, rank, size)
+    return d
+
+
 class DirectLoader:
     """Receives syncs straight into a model's parameters, each TP rank
     reading only its slices (shmcast.tp.plan). Built once per model; usable

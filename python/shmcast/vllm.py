@@ -21,7 +21,7 @@ from typing import Optional
 
 import torch
 
-from ._load import ConsumerCache, DirectLoader, default_device, load_whole, tp_rank_size
+from ._load import ConsumerCache, cached_direct_loader, default_device, load_whole
 
 __all__ = ["ShmcastWorkerExtension"]
 
@@ -79,10 +79,7 @@ class ShmcastWorkerExtension:
     def _shmcast_direct(self, model):
         if self.shmcast_load == "loader":
             return None
-        d = self.__dict__.get("_shmcast_direct_")
-        if d is None or d.stale():
-            rank, size = tp_rank_size()
-            d = self.__dict__["_shmcast_direct_"] = DirectLoader(model, rank, size)
+        d = cached_direct_loader(self.__dict__.setdefault("_shmcast_direct_", {}), id(model), model)
         if d.complete:
             return d
         if self.shmcast_load == "direct":

@@ -64,7 +64,7 @@ from typing import Any, Iterator, Optional
 
 import torch
 
-from ._load import ConsumerCache, DirectLoader, load_whole, names_digest, region_token, tp_rank_size
+from ._load import ConsumerCache, DirectLoader, cached_direct_loader, load_whole, names_digest, region_token
 from ._send import buckets
 from ._torch import Producer
 from .vllm_plugin import BACKEND, register  # noqa: F401  (register: the plugin entry point)
@@ -181,11 +181,7 @@ class ShmcastWeightTransferEngine(WeightTransferEngine[ShmcastWeightTransferInit
         load = self._init.load
         if load == "loader":
             return None
-        key = id(self.model)
-        d = self._direct.get(key)
-        if d is None or d.stale():
-            rank, size = tp_rank_size()
-            d = self._direct[key] = DirectLoader(self.model, rank, size)
+        d = cached_direct_loader(self._direct, id(self.model), self.model)
         quant = getattr(self.model_config, "quantization", None)
         if d.complete and quant is None:
             return d
