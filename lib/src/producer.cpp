@@ -171,6 +171,29 @@ struct Producer::Impl {
     detail::ring(view.header().rank_reply);
   }
 
+  // A sharded begin_sync() that fails on this rank before it posts its list
+  // (an invalid spec, a manifest too large) still takes its round and fails
+  // it for every rank: rank 0 answers the round with the error; a rank posts
+  // an empty list (posted_bytes 0) with the reason, which fails the round at
+  // rank 0 at once. Otherwise this rank's round count would fall behind the
+  // others' and every later round would wait for a round nobody posts.
+  void drop_round(const Error& e) noexcept {
+    const std::uint64_t r = ++round;
+    const std::string why = "producer rank " + std::to_string(rank) + " could not begin sync round " +
+                            std::to_string(r) + ": " + e.what();
+    if (leader()) {
+      fail_round(r, e.code(), why);
+      return;
+    }
+    RankSeat& rs = view.rank_seat(rank);
+    write_error_text(rs.error_text, why);
+    rs.error_code.store(static_cast<std::uint32_t>(e.code()), std::memory_order_relaxed);
+    rs.posted_bytes.store(0, std::memory_order_relaxed);
+    rs.posted_hash.store(0, std::memory_order_relaxed);
+    rs.posted_round.store(r, std::memory_order_release);
+    detail::ring(view.header().rank_post);
+  }
+
   // Writes this rank's list of pieces for round `r` into its list area.
   void post(std::uint64_t r, std::uint64_t used) {
     RankSeat& rs = view.rank_seat(rank);
@@ -215,6 +238,11 @@ struct Producer::Impl {
       RankSeat& rs = view.rank_seat(k);
       const std::uint64_t used = rs.posted_bytes.load(std::memory_order_relaxed);
       std::string why;
+      if (used == 0 && k != 0) {  // the rank's begin_sync() failed before it posted (drop_round)
+        why = read_error_text(rs.error_text);
+        fail_round(r, Errc::kInvalidArgument, why);
+        throw Error(Errc::kInvalidArgument, why);
+      }
       if (used < sizeof(ManifestHeader) || used > view.geo().manifest_bytes) {
         why = "posted a list of bad size";
       } else {
@@ -552,41 +580,47 @@ std::uint64_t Producer::begin_sync(std::span<const TensorSpec> tensors, std::uin
   if (version != 0 && version <= m.version)
     throw Error(Errc::kInvalidArgument, "begin_sync() version " + std::to_string(version) +
                                             " is not greater than the last, " + std::to_string(m.version));
-  // A region file cut by another process would SIGBUS us on its missing
-  // pages: refuse cleanly when it happened between syncs (docs/reliability.md).
-  if (const std::uint64_t now = m.view.file().size_now(); now != m.view.geo().total_bytes)
-    throw Error(Errc::kCorrupt, "region file " + m.path + " is " + std::to_string(now) + " bytes, not " +
-                                    std::to_string(m.view.geo().total_bytes) +
-                                    ": another process truncated or resized it; close this producer and create "
-                                    "the region again");
-  std::unordered_set<std::string_view> names;
-  names.reserve(tensors.size());
-  for (std::size_t i = 0; i < tensors.size(); ++i) {
-    const std::string why = validate_spec(tensors[i]);
-    if (!why.empty()) throw Error(Errc::kInvalidArgument, "tensor " + std::to_string(i) + " ('" + tensors[i].name + "'): " + why);
-    if (!names.insert(tensors[i].name).second)
-      throw Error(Errc::kInvalidArgument, "tensor name '" + tensors[i].name + "' appears twice in one sync");
+  // Sharded: a refusal here still takes the round (drop_round), so the ranks stay in step.
+  try {
+    // A region file cut by another process would SIGBUS us on its missing
+    // pages: refuse cleanly when it happened between syncs (docs/reliability.md).
+    if (const std::uint64_t now = m.view.file().size_now(); now != m.view.geo().total_bytes)
+      throw Error(Errc::kCorrupt, "region file " + m.path + " is " + std::to_string(now) + " bytes, not " +
+                                      std::to_string(m.view.geo().total_bytes) +
+                                      ": another process truncated or resized it; close this producer and create "
+                                      "the region again");
+    std::unordered_set<std::string_view> names;
+    names.reserve(tensors.size());
+    for (std::size_t i = 0; i < tensors.size(); ++i) {
+      const std::string why = validate_spec(tensors[i]);
+      if (!why.empty()) throw Error(Errc::kInvalidArgument, "tensor " + std::to_string(i) + " ('" + tensors[i].name + "'): " + why);
+      if (!names.insert(tensors[i].name).second)
+        throw Error(Errc::kInvalidArgument, "tensor name '" + tensors[i].name + "' appears twice in one sync");
+    }
+    if (tensors.size() > kMaxTensors)
+      throw Error(Errc::kInvalidArgument, "more than " + std::to_string(kMaxTensors) + " tensors in one sync");
+    if (m.world == 1) {
+      for (const TensorSpec& t : tensors)
+        if (t.shard_dim != -1)
+          throw Error(Errc::kInvalidArgument, "'" + t.name + "' is a shard, but this producer has one rank: create "
+                                              "every rank with rank/world_size, or send the whole tensor");
+    }
+    const std::uint64_t need = manifest_size(tensors);
+    if (need > m.view.geo().manifest_bytes)
+      throw Error(Errc::kInvalidArgument, "the manifest of " + std::to_string(tensors.size()) + " tensors needs " +
+                                              human_bytes(need) + " but the region holds " +
+                                              human_bytes(m.view.geo().manifest_bytes) +
+                                              ": create the producer with a larger manifest_bytes");
+    if (std::uint64_t total; !payload_bytes(tensors, &total))
+      throw Error(Errc::kInvalidArgument, "one sync may carry at most 64 TiB");
+    m.specs.assign(tensors.begin(), tensors.end());
+    m.stream_bytes = pack(m.specs, m.view.geo().slot_bytes, &m.offsets, &m.payload_bytes);
+    if (m.stream_bytes > kMaxStreamBytes)  // with alignment padding: what consumers check
+      throw Error(Errc::kInvalidArgument, "the sync's stream (tensors and alignment) exceeds 64 TiB");
+  } catch (const Error& e) {
+    if (m.world > 1) m.drop_round(e);
+    throw;
   }
-  if (tensors.size() > kMaxTensors)
-    throw Error(Errc::kInvalidArgument, "more than " + std::to_string(kMaxTensors) + " tensors in one sync");
-  if (m.world == 1) {
-    for (const TensorSpec& t : tensors)
-      if (t.shard_dim != -1)
-        throw Error(Errc::kInvalidArgument, "'" + t.name + "' is a shard, but this producer has one rank: create "
-                                            "every rank with rank/world_size, or send the whole tensor");
-  }
-  const std::uint64_t need = manifest_size(tensors);
-  if (need > m.view.geo().manifest_bytes)
-    throw Error(Errc::kInvalidArgument, "the manifest of " + std::to_string(tensors.size()) + " tensors needs " +
-                                            human_bytes(need) + " but the region holds " +
-                                            human_bytes(m.view.geo().manifest_bytes) +
-                                            ": create the producer with a larger manifest_bytes");
-  if (std::uint64_t total; !payload_bytes(tensors, &total))
-    throw Error(Errc::kInvalidArgument, "one sync may carry at most 64 TiB");
-  m.specs.assign(tensors.begin(), tensors.end());
-  m.stream_bytes = pack(m.specs, m.view.geo().slot_bytes, &m.offsets, &m.payload_bytes);
-  if (m.stream_bytes > kMaxStreamBytes)  // with alignment padding: what consumers check
-    throw Error(Errc::kInvalidArgument, "the sync's stream (tensors and alignment) exceeds 64 TiB");
   if (m.world > 1) return m.begin_sharded();
 
   // Nobody may still be reading the manifest area we are about to rewrite.
@@ -626,7 +660,11 @@ std::uint64_t Producer::Impl::begin_sharded() {
   // This rank's list of pieces, in the one-rank manifest format.
   const std::uint64_t used = encode_manifest(specs, offsets, r, stream_bytes, payload_bytes, view.rank_list(rank),
                                              view.geo().manifest_bytes);
-  if (used == 0) throw Error(Errc::kInvalidArgument, "this rank's list of pieces does not fit in manifest_bytes");
+  if (used == 0) {
+    const Error e(Errc::kInvalidArgument, "this rank's list of pieces does not fit in manifest_bytes");
+    drop_round(e);
+    throw e;
+  }
   round = r;
   post(r, used);
   std::uint64_t first = 0, chunks_per_rank = 0;

@@ -341,3 +341,63 @@ TEST(Sharded, OneRankProducerRefusesShards) {
   std::vector<TensorSpec> specs = {{"w", DType::kF32, {10, 4}, 0, 0, 5}};
   EXPECT_THROW(p.begin_sync(specs), Error);
 }
+
+// A begin_sync() that fails on one rank before it posts its list (an invalid
+// spec here) still fails that sync for every rank, at once, and the next
+// sync works: the ranks stay in step. Both directions: rank 0 fails, then
+// rank 1 fails. Each rank reports each sync's result (0 or 20 + Errc) in a
+// flag before going on, so the ranks go to the next sync only once both
+// have finished the last.
+TEST(Sharded, ALocalBeginSyncFailureKeepsTheRanksInStep) {
+  const std::string name = unique_name("shardstep");
+  RegionGuard g{name};
+  SharedFlags* f = SharedFlags::make();  // v[2 * s + r]: rank r's result of sync s, + 1
+  const std::vector<TensorSpec> good = {{"w", DType::kF32, {8, 4}, 0, 0, 4}};
+  const std::vector<TensorSpec> good1 = {{"w", DType::kF32, {8, 4}, 0, 4, 4}};
+  const std::vector<TensorSpec> bad = {{"", DType::kF32, {8, 4}, 0, 0, 4}};  // empty name: refused locally
+  auto rank = [&](int r) {
+    return Child::spawn([&, r] {
+      ProducerOptions o = rank_opts(r, 2);
+      o.rank_timeout = 10s;  // a rank left waiting for the other fails the test's timings below
+      Producer p = Producer::create(name, o);
+      // Both attached before the first round (a rank joins the next round
+      // rank 0 has not answered).
+      f->v[10 + r].store(1);
+      if (!f->wait(10 + (1 - r), 1, 30s)) return 92;
+      std::vector<float> buf(16, 1.0f);
+      for (int s = 0; s < 4; ++s) {
+        // Sync 0: rank 0's specs are invalid; sync 2: rank 1's.
+        const bool fail_here = (s == 0 && r == 0) || (s == 2 && r == 1);
+        int rc = 0;
+        const auto t0 = std::chrono::steady_clock::now();
+        try {
+          p.begin_sync(fail_here ? bad : r == 0 ? good : good1);
+          p.write(0, buf.data());
+          p.end_sync();
+        } catch (const Error& e) {
+          rc = errc_exit(e);
+        }
+        // The other rank's failure must end this rank's sync well before rank_timeout.
+        if (std::chrono::steady_clock::now() - t0 > 5s) rc = 90;
+        f->v[2 * s + r].store(rc + 1);
+        // Wait (bounded) for the other rank's result of this sync.
+        const auto end = std::chrono::steady_clock::now() + 30s;
+        while (f->v[2 * s + (1 - r)].load() == 0)
+          if (std::chrono::steady_clock::now() > end) return 91;
+      }
+      return 0;
+    });
+  };
+  Child r0 = rank(0), r1 = rank(1);
+  EXPECT_EQ(r0.wait(90s), 0);
+  EXPECT_EQ(r1.wait(90s), 0);
+  const int invalid = 20 + static_cast<int>(Errc::kInvalidArgument);
+  for (int s = 0; s < 4; ++s)
+    for (int r = 0; r < 2; ++r) {
+      const int rc = f->v[2 * s + r].load() - 1;
+      if (s == 1 || s == 3)
+        EXPECT_EQ(rc, 0) << "sync " << s << " rank " << r << ": the ranks fell out of step";
+      else
+        EXPECT_EQ(rc, invalid) << "sync " << s << " rank " << r;
+    }
+}
