@@ -9,7 +9,11 @@
 #
 # Packages the machine lacks are unpacked from .deb/ (apt-get download here)
 # into /tmp/pfx, never into /. STAGES (default "build test example bench")
-# picks stages.
+# picks stages. The extra stage "frameworks" (not in the default) runs
+# python/tests/gpu_vllm_contract.py (the vLLM weight-transfer backend with a
+# real transformers model: bit-identical logits, colocated and, with two GPUs,
+# disaggregated) and the framework contract tests with the GPUs present:
+#   run: STAGES="build frameworks" bash python/device_run.sh   carry: [".deb"]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/out}
@@ -98,6 +102,18 @@ if has test; then
   timeout 90 "$PY" -m pytest -q -ra -p no:cacheprovider -m "not cuda" -k "dtype or receive_into_preallocated" \
     python/tests >>"$OUT/tests.log" 2>&1
   echo "cpu tests rc=$?"; tail -3 "$OUT/tests.log"
+fi
+
+if has frameworks; then
+  log "frameworks: gpu_vllm_contract.py (transformers model, bit-identical logits)"
+  timeout 300 "$PY" python/tests/gpu_vllm_contract.py --out "$OUT/frameworks.json" >"$OUT/frameworks.log" 2>&1
+  echo "gpu_vllm_contract rc=$?"; tail -12 "$OUT/frameworks.log"
+  log "frameworks: contract tests (verl places its processes on the GPUs)"
+  timeout 240 "$PY" -m pytest -q -ra -p no:cacheprovider -m "not cuda" \
+    python/tests/test_vllm_transfer.py python/tests/test_verl.py python/tests/test_sglang.py \
+    python/tests/test_tp_slicing.py >>"$OUT/frameworks.log" 2>&1
+  echo "framework contract tests rc=$? (TP=2 'direct' cases need Consumer.receive_into(slices=...))"
+  tail -6 "$OUT/frameworks.log"
 fi
 
 log done

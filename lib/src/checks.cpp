@@ -60,7 +60,7 @@ bool shape_bytes(DType dt, const std::int64_t* shape, std::size_t ndim, std::uin
 bool payload_bytes(std::span<const TensorSpec> tensors, std::uint64_t* out) {
   std::uint64_t total = 0;
   for (const TensorSpec& t : tensors)
-    if (!checked_add(total, t.nbytes(), &total) || total > kMaxStreamBytes) return false;
+    if (!checked_add(total, t.local_nbytes(), &total) || total > kMaxStreamBytes) return false;
   *out = total;
   return true;
 }
@@ -80,8 +80,10 @@ std::string record_problem(const RecordSnapshot& rec, const Geometry& g) {
   if (rec.manifest_used < sizeof(ManifestHeader) || rec.manifest_used > g.manifest_bytes)
     return "the sync record's manifest size " + std::to_string(rec.manifest_used) +
            " is out of bounds (the manifest area holds " + std::to_string(g.manifest_bytes) + " bytes)";
+  // The chunk count is checked against the manifest's rank table once it is
+  // decoded (R * the longest sub-stream's chunks).
   if (rec.first_seq == 0 || rec.first_seq > (1ull << 62) || rec.stream_bytes > kMaxStreamBytes ||
-      rec.chunks != chunk_count(rec.stream_bytes, g.slot_bytes))
+      rec.chunks > (1ull << 46))
     return "sync record is inconsistent (first chunk, chunk count, stream size)";
   return {};
 }

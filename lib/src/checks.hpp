@@ -51,7 +51,8 @@ inline bool checked_add(std::uint64_t a, std::uint64_t b, std::uint64_t* out) no
 // dtype_size(dt) * every dimension: false for an unknown dtype, a negative
 // dimension or an overflow.
 bool shape_bytes(DType dt, const std::int64_t* shape, std::size_t ndim, std::uint64_t* out) noexcept;
-// The sum of the tensors' sizes: false when it overflows or exceeds
+// The sum of the bytes this producer holds of the tensors (local_nbytes():
+// a shard's, else the whole tensor's): false when it overflows or exceeds
 // kMaxStreamBytes (one sync's limit). Throws like TensorSpec::nbytes().
 bool payload_bytes(std::span<const TensorSpec> tensors, std::uint64_t* out);
 

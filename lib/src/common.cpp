@@ -89,6 +89,16 @@ std::uint64_t TensorSpec::nbytes() const {
   return n;
 }
 
+std::uint64_t TensorSpec::local_nbytes() const {
+  const std::uint64_t n = nbytes();
+  if (shard_dim < 0) return n;
+  if (static_cast<std::size_t>(shard_dim) >= shape.size() || shard_length < 0 ||
+      shard_length > shape[static_cast<std::size_t>(shard_dim)])
+    throw Error(Errc::kInvalidArgument, "tensor '" + name + "': shard_dim/shard_length do not fit its shape");
+  const auto extent = static_cast<std::uint64_t>(shape[static_cast<std::size_t>(shard_dim)]);
+  return extent == 0 ? 0 : n / extent * static_cast<std::uint64_t>(shard_length);
+}
+
 std::ptrdiff_t SyncInfo::find(std::string_view n) const {
   for (std::size_t i = 0; i < tensors.size(); ++i)
     if (tensors[i].name == n) return static_cast<std::ptrdiff_t>(i);

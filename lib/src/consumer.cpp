@@ -1,18 +1,21 @@
 // Layer 6: the public Consumer.
 #include <xxhash.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstring>
 #include <optional>
 #include <thread>
 
+#include "checks.hpp"
 #include "doorbell.hpp"
 #include "engine.hpp"
 #include "liveness.hpp"
 #include "manifest.hpp"
 #include "region.hpp"
 #include "ring.hpp"
+#include "selection.hpp"
 #include "shmcast/shmcast.hpp"
 
 namespace shmcast {
@@ -23,12 +26,6 @@ namespace {
 
 enum class State { kIdle, kManifest, kReading };
 
-// A private copy of the immutable part of the header, taken once.
-HeaderFixed snapshot_header(const std::byte* base) {
-  HeaderFixed h;
-  std::memcpy(&h, base, sizeof h);
-  return h;
-}
 
 }  // namespace
 
@@ -94,14 +91,14 @@ struct Consumer::Impl {
     require_open();
     if (state != State::kManifest) throw Error(Errc::kInvalidArgument, "no sync to read: call wait_sync() first");
     state = State::kReading;
-    ChunkReader reader(&*ring, &view, info.version, info.first_seq, info.chunks, info.stream_bytes, follow,
+    ChunkReader reader(&*ring, &view, info.version, info.first_seq, info.chunks, info.rank_bytes, follow,
                        checksums && opts.verify_checksums, opts.chunk_timeout.count());
     // Set from the engine's completion thread (CUDA callbacks).
     std::atomic<bool> broken{false};
     try {
       ChunkReader::Range r;
       while (reader.next(&r)) {
-        if (r.bytes > 0) per_range(r.data, r.start, r.bytes);
+        if (r.bytes > 0) per_range(r.data, r.rank, r.start, r.bytes);
         if (!r.last) continue;
         engine.chunk_done(reader.releaser(r, &broken));
         if (broken.load(std::memory_order_relaxed)) break;
@@ -127,22 +124,82 @@ struct Consumer::Impl {
     s.bytes_done.fetch_add(info.payload_bytes, std::memory_order_relaxed);
   }
 
-  // Calls fn(tensor index, offset in tensor, src, bytes) for the pieces of
-  // chunk [start, start + bytes).
-  template <class F>
-  void pieces(std::size_t* cursor, std::uint64_t start, std::uint64_t bytes, const std::byte* data, F&& fn) {
-    const auto& ts = info.tensors;
-    std::size_t& t = *cursor;
-    const std::uint64_t end = start + bytes;
-    while (t < ts.size() && ts[t].stream_offset + ts[t].nbytes <= start) ++t;
-    for (std::size_t j = t; j < ts.size() && ts[j].stream_offset < end; ++j) {
-      const TensorInfo& ti = ts[j];
-      if (ti.nbytes == 0) continue;
-      const std::uint64_t a = ti.stream_offset > start ? ti.stream_offset : start;
-      const std::uint64_t b = ti.stream_offset + ti.nbytes < end ? ti.stream_offset + ti.nbytes : end;
-      if (a >= b) continue;
-      fn(j, a - ti.stream_offset, data + (a - start), b - a);
+  // The sync's pieces by rank, in sub-stream order: (offset, tensor, shard).
+  struct PieceRef {
+    std::uint64_t offset, nbytes;
+    std::uint32_t tensor, shard;
+  };
+  std::vector<std::vector<PieceRef>> by_rank;
+  void index_pieces() {
+    by_rank.assign(info.world_size, {});
+    for (std::uint32_t t = 0; t < info.tensors.size(); ++t) {
+      const auto& sh = info.tensors[t].shards;
+      for (std::uint32_t k = 0; k < sh.size(); ++k)
+        by_rank[sh[k].rank].push_back(PieceRef{sh[k].stream_offset, sh[k].nbytes, t, k});
     }
+    for (auto& v : by_rank)
+      std::sort(v.begin(), v.end(), [](const PieceRef& a, const PieceRef& b) { return a.offset < b.offset; });
+  }
+
+  // Calls fn(piece, offset in piece, src, bytes) for the pieces of rank
+  // `rank`'s sub-stream bytes [start, start + bytes) (at `data`).
+  template <class F>
+  void pieces(std::vector<std::size_t>& cursor, std::uint32_t rank, std::uint64_t start, std::uint64_t bytes,
+              const std::byte* data, F&& fn) {
+    const auto& ps = by_rank[rank];
+    std::size_t& t = cursor[rank];
+    const std::uint64_t end = start + bytes;
+    while (t < ps.size() && ps[t].offset + ps[t].nbytes <= start) ++t;
+    for (std::size_t j = t; j < ps.size() && ps[j].offset < end; ++j) {
+      const PieceRef& p = ps[j];
+      if (p.nbytes == 0) continue;
+      const std::uint64_t a = p.offset > start ? p.offset : start;
+      const std::uint64_t b = p.offset + p.nbytes < end ? p.offset + p.nbytes : end;
+      if (a >= b) continue;
+      fn(p, a - p.offset, data + (a - start), b - a);
+    }
+  }
+
+  // Copies what `dsts` (with `sels`) want of the sync through `e`: for each
+  // piece, the blocks of its intersection with the selection, clipped to the
+  // bytes of each range as it arrives.
+  void read_planned(ConsumerEngine& e, std::span<void* const> dsts, std::span<const Selection> sels, bool device,
+                    bool follow) {
+    check_dsts(dsts.size());
+    if (!sels.empty() && sels.size() != info.tensors.size())
+      throw Error(Errc::kInvalidArgument, "got " + std::to_string(sels.size()) + " selections for a sync of " +
+                                              std::to_string(info.tensors.size()) + " tensors (or none)");
+    const Selection whole{};
+    std::vector<std::vector<std::vector<Block>>> plan(info.tensors.size());
+    for (std::size_t t = 0; t < info.tensors.size(); ++t) {
+      if (dsts[t] == nullptr) continue;
+      const TensorInfo& ti = info.tensors[t];
+      const Selection& sel = sels.empty() ? whole : sels[t];
+      if (std::string why = selection_problem(ti, sel); !why.empty())
+        throw Error(Errc::kInvalidArgument, "selection of '" + ti.name + "': " + why);
+      plan[t].resize(ti.shards.size());
+      for (std::size_t k = 0; k < ti.shards.size(); ++k) plan_piece(ti, ti.shards[k], sel, &plan[t][k]);
+    }
+    std::vector<std::size_t> cursor(info.world_size, 0);
+    for_each_chunk(
+        e,
+        [&](const std::byte* data, std::uint32_t rank, std::uint64_t start, std::uint64_t bytes) {
+          pieces(cursor, rank, start, bytes, data,
+                 [&](const PieceRef& p, std::uint64_t off, const std::byte* src, std::uint64_t n) {
+                   void* dst = dsts[p.tensor];
+                   if (dst == nullptr) return;
+                   const Buffer buf{dst, device, {}};
+                   const std::byte* base = src - off;  // the piece's first byte (maybe in an earlier slot)
+                   for (const Block& b : plan[p.tensor][p.shard])
+                     clip(b, off, off + n, [&](const Op& op) {
+                       if (op.rows == 1)
+                         e.copy(buf, op.dst, base + op.src, op.width);
+                       else
+                         e.copy2d(buf, op.dst, op.dst_pitch, base + op.src, op.src_pitch, op.width, op.rows);
+                     });
+                 });
+        },
+        follow);
   }
 
   void check_dsts(std::size_t n) const {
@@ -188,14 +245,9 @@ Consumer Consumer::open(std::string_view name, const ConsumerOptions& o) {
           waiting_for = "the producer to finish creating the region";
           waiting_code = Errc::kNotFound;
         } else {
-          bool version_mismatch = false;
-          why = validate_header(snap, f.size(), &version_mismatch);
-          if (version_mismatch) throw Error(Errc::kVersionMismatch, f.path() + ": " + why + "; upgrade the older side");
-          if (!why.empty()) throw Error(Errc::kCorrupt, f.path() + ": " + why);
+          const Geometry g = checked_geometry(f, snap);
           const Alive a = peer_alive(f.fd(), kProducerLockByte, live.producer);
           if (init == kInitReady && a != Alive::kNo) {
-            Geometry g{};
-            compute_geometry(snap.max_consumers, snap.slot_count, snap.slot_bytes, snap.manifest_bytes, &g);
             impl->checksums = (snap.features & kFeatureChecksums) != 0;
             impl->view = RegionView(std::move(f), g);
             break;
@@ -265,11 +317,7 @@ const SyncInfo& Consumer::wait_sync(Duration timeout) {
       throw Error(Errc::kCorrupt, "region file " + m.view.file().path() + " is " + std::to_string(now) +
                                       " bytes, not " + std::to_string(g.total_bytes) +
                                       ": another process truncated or resized it; open the region again");
-    if (rec.manifest_used < sizeof(ManifestHeader) || rec.manifest_used > g.manifest_bytes)
-      throw corrupt("manifest size " + std::to_string(rec.manifest_used) + " is out of bounds");
-    if (rec.first_seq == 0 || rec.first_seq > (1ull << 62) ||
-        rec.chunks != chunk_count(rec.stream_bytes, g.slot_bytes) || rec.stream_bytes > kMaxStreamBytes)
-      throw corrupt("sync record is inconsistent (first chunk, chunk count, stream size)");
+    if (std::string bad = record_problem(rec, g); !bad.empty()) throw corrupt(bad);
     bytes.resize(rec.manifest_used);
     std::memcpy(bytes.data(), m.view.manifest(), bytes.size());
     // The manifest is covered by the record's seqlock: a producer that
@@ -288,11 +336,16 @@ const SyncInfo& Consumer::wait_sync(Duration timeout) {
     break;
   }
   SyncInfo info;
-  const std::string why = decode_manifest(bytes, rec.version, rec.stream_bytes, g.slot_bytes, &info);
+  std::string why = decode_manifest(bytes, rec.version, rec.stream_bytes, g.slot_bytes, &info);
+  if (why.empty() && info.world_size != g.world_size)
+    why = "manifest of " + std::to_string(info.world_size) + " ranks in a region of " + std::to_string(g.world_size);
+  if (why.empty() && rec.chunks != sync_chunks(info.rank_bytes, g.slot_bytes))
+    why = "chunk count disagrees with the ranks' sub-streams";
   if (!why.empty()) throw corrupt(why);
   info.first_seq = rec.first_seq;
   info.chunks = rec.chunks;
   m.info = std::move(info);
+  m.index_pieces();
   m.ring->ack(rec.version);
   // Chunks before this sync are not ours to read (earlier or aborted syncs).
   if (rec.first_seq > 1) m.ring->release(rec.first_seq - 1);
@@ -301,22 +354,13 @@ const SyncInfo& Consumer::wait_sync(Duration timeout) {
   return m.info;
 }
 
-void Consumer::read_into(std::span<void* const> dsts) {
+void Consumer::read_into(std::span<void* const> dsts) { read_into(dsts, {}); }
+
+void Consumer::read_into(std::span<void* const> dsts, std::span<const Selection> selections) {
   Impl& m = *impl_;
   m.require_open();
-  m.check_dsts(dsts.size());
-  std::size_t cursor = 0;
-  ConsumerEngine& e = *m.host_engine;
   const bool follow = !(m.checksums && m.opts.verify_checksums);  // a checksum needs the whole chunk first
-  m.for_each_chunk(
-      e,
-      [&](const std::byte* data, std::uint64_t start, std::uint64_t bytes) {
-        m.pieces(&cursor, start, bytes, data,
-                 [&](std::size_t j, std::uint64_t off, const std::byte* src, std::uint64_t n) {
-                   if (dsts[j]) e.copy(Buffer{dsts[j], false, {}}, off, src, n);
-                 });
-      },
-      follow);
+  m.read_planned(*m.host_engine, dsts, selections, false, follow);
 }
 
 void Consumer::visit(const std::function<void(const Piece&)>& fn) {
@@ -326,13 +370,17 @@ void Consumer::visit(const std::function<void(const Piece&)>& fn) {
     for (std::size_t j = 0; j < m.info.tensors.size(); ++j)
       if (m.info.tensors[j].nbytes == 0) fn(Piece{j, 0, nullptr, 0, 0, false});
   }
-  std::size_t cursor = 0;
+  std::vector<std::size_t> cursor(m.info.world_size, 0);
   std::vector<Piece> chunk;
-  m.for_each_chunk(*m.host_engine, [&](const std::byte* data, std::uint64_t start, std::uint64_t bytes) {
+  m.for_each_chunk(*m.host_engine, [&](const std::byte* data, std::uint32_t rank, std::uint64_t start,
+                                       std::uint64_t bytes) {
     chunk.clear();
-    m.pieces(&cursor, start, bytes, data, [&](std::size_t j, std::uint64_t off, const std::byte* src, std::uint64_t n) {
-      chunk.push_back(Piece{j, off, src, n, m.info.tensors[j].nbytes});
-    });
+    m.pieces(cursor, rank, start, bytes, data,
+             [&](const Impl::PieceRef& p, std::uint64_t off, const std::byte* src, std::uint64_t n) {
+               Piece pc{p.tensor, off, src, n, m.info.tensors[p.tensor].nbytes};
+               pc.shard = p.shard;
+               chunk.push_back(pc);
+             });
     if (!chunk.empty()) chunk.back().chunk_end = true;
     for (const Piece& p : chunk) fn(p);
   });
@@ -343,19 +391,16 @@ void Consumer::skip() {
   impl_->release_rest();
 }
 
-void Consumer::read_into_device(std::span<void* const> dsts, void* stream) {
+void Consumer::read_into_device(std::span<void* const> dsts, void* stream) { read_into_device(dsts, stream, {}); }
+
+void Consumer::read_into_device(std::span<void* const> dsts, void* stream, std::span<const Selection> selections) {
   Impl& m = *impl_;
   m.require_open();
   m.check_dsts(dsts.size());
   if (!m.cuda_engine) m.cuda_engine = make_cuda_consumer_engine();
   ConsumerEngine& e = *m.cuda_engine;
   e.begin(stream);
-  std::size_t cursor = 0;
-  m.for_each_chunk(e, [&](const std::byte* data, std::uint64_t start, std::uint64_t bytes) {
-    m.pieces(&cursor, start, bytes, data, [&](std::size_t j, std::uint64_t off, const std::byte* src, std::uint64_t n) {
-      if (dsts[j]) e.copy(Buffer{dsts[j], true, {}}, off, src, n);
-    });
-  });
+  m.read_planned(e, dsts, selections, true, false);
   e.end(stream);
 }
 
@@ -365,21 +410,38 @@ std::vector<void*> Consumer::read_to_staging(int device, void* stream) {
   if (m.state != State::kManifest) throw Error(Errc::kInvalidArgument, "no sync to read: call wait_sync() first");
   if (!m.cuda_engine) m.cuda_engine = make_cuda_consumer_engine();
   ConsumerEngine& e = *m.cuda_engine;
-  std::byte* base = e.staging(device, m.info.stream_bytes);
-  e.begin(stream);
-  // One H2D per slot: the staging buffer mirrors the stream.
-  m.for_each_chunk(e, [&](const std::byte* data, std::uint64_t start, std::uint64_t bytes) {
-    e.copy(Buffer{base, true, {}}, start, data, bytes);
-  });
-  e.end(stream);
   std::vector<void*> out;
   out.reserve(m.info.tensors.size());
-  for (const TensorInfo& t : m.info.tensors) out.push_back(base + t.stream_offset);
+  if (m.info.world_size == 1) {
+    std::byte* base = e.staging(device, m.info.stream_bytes);
+    e.begin(stream);
+    // One H2D per slot: the staging buffer mirrors the stream.
+    m.for_each_chunk(e, [&](const std::byte* data, std::uint32_t, std::uint64_t start, std::uint64_t bytes) {
+      e.copy(Buffer{base, true, {}}, start, data, bytes);
+    });
+    e.end(stream);
+    for (const TensorInfo& t : m.info.tensors) out.push_back(base + t.stream_offset);
+    return out;
+  }
+  // Several ranks: each tensor assembled at its own place in the buffer.
+  std::vector<std::uint64_t> at;
+  std::uint64_t total = 0;
+  for (const TensorInfo& t : m.info.tensors) {
+    total = align_up(total, kTensorAlign);
+    at.push_back(total);
+    total += t.nbytes;
+  }
+  std::byte* base = e.staging(device, total);
+  for (std::uint64_t a : at) out.push_back(base + a);
+  e.begin(stream);
+  m.read_planned(e, out, {}, true, false);
+  e.end(stream);
   return out;
 }
 
 const SyncInfo& Consumer::sync() const { return impl_->info; }
 std::uint64_t Consumer::last_version() const { return impl_->last_version; }
+std::uint64_t Consumer::slot_bytes() const { return impl_->view.geo().slot_bytes; }
 int Consumer::seat() const { return impl_->ring ? impl_->ring->seat() : -1; }
 const std::string& Consumer::name() const { return impl_->name; }
 bool Consumer::pinned() const { return impl_->pin.pinned; }

@@ -428,6 +428,55 @@ class Lane {
   std::string host_error_;
 };
 
+// `rows` rows of `w` bytes between slot memory (host, pitch `sp`) and a
+// device buffer (pitch `tp`), in one cuMemcpy2DAsync, or one copy per row
+// when the pitch exceeds what a 2D copy takes (a bad pointer then fails in
+// the first row's copy, with its own error).
+void copy_rows(std::byte* slot, std::uint64_t sp, std::byte* t, std::uint64_t tp, std::uint64_t w,
+               std::uint64_t rows, bool to_slot, Lane& lane, CUstream stream) {
+  const cu::Api& d = lane.api();
+  const std::uint64_t max_pitch = lane.max_pitch();
+  const bool fits = max_pitch == 0 || (sp <= max_pitch && tp <= max_pitch);
+  CUresult e = CUDA_ERROR_INVALID_VALUE;
+  if (fits) {
+    CUDA_MEMCPY2D c{};
+    c.WidthInBytes = w;
+    c.Height = rows;
+    if (to_slot) {
+      c.srcMemoryType = CU_MEMORYTYPE_DEVICE;
+      c.srcDevice = dptr(t);
+      c.srcPitch = tp;
+      c.dstMemoryType = CU_MEMORYTYPE_HOST;
+      c.dstHost = slot;
+      c.dstPitch = sp;
+    } else {
+      c.srcMemoryType = CU_MEMORYTYPE_HOST;
+      c.srcHost = slot;
+      c.srcPitch = sp;
+      c.dstMemoryType = CU_MEMORYTYPE_DEVICE;
+      c.dstDevice = dptr(t);
+      c.dstPitch = tp;
+    }
+    e = d.cuMemcpy2DAsync(&c, stream);
+  }
+  if (fits && e != CUDA_ERROR_INVALID_VALUE) {
+    if (e != CUDA_SUCCESS)
+      throw_cuda(e, std::string("cuMemcpy2DAsync ") + (to_slot ? "D2H" : "H2D") + " of " + std::to_string(rows) +
+                        " rows of " + std::to_string(w) + " bytes (pitches " + std::to_string(sp) + ", " +
+                        std::to_string(tp) + ")",
+                 kTodoArgs);
+    return;
+  }
+  for (std::uint64_t r = 0; r < rows; ++r) {
+    const CUresult e1 = to_slot ? d.cuMemcpyDtoHAsync(slot + r * sp, dptr(t + r * tp), w, stream)
+                                : d.cuMemcpyHtoDAsync(dptr(t + r * tp), slot + r * sp, w, stream);
+    if (e1 != CUDA_SUCCESS)
+      throw_cuda(e1, std::string(to_slot ? "cuMemcpyDtoHAsync" : "cuMemcpyHtoDAsync") + " of " + std::to_string(w) +
+                         " bytes",
+                 kTodoArgs);
+  }
+}
+
 // Copies bytes [offset, offset + n) of a tensor laid out as `l` at `tensor`
 // to (to_slot) or from the contiguous slot memory `slot`, on the lane's
 // streams. The lane's context must be current.
@@ -472,41 +521,7 @@ void copy_async(std::byte* slot, std::byte* tensor, const Strided2D& l, std::uin
   if (full == 1) {
     one(slot, tensor + row * l.pitch_bytes, l.row_bytes, stream);
   } else if (full > 1) {
-    std::byte* t = tensor + row * l.pitch_bytes;
-    const std::uint64_t w = l.row_bytes, p = l.pitch_bytes;
-    const std::uint64_t max_pitch = lane.max_pitch();
-    const bool fits = max_pitch == 0 || p <= max_pitch;
-    CUresult e = CUDA_ERROR_INVALID_VALUE;
-    if (fits) {
-      CUDA_MEMCPY2D c{};
-      c.WidthInBytes = w;
-      c.Height = full;
-      if (to_slot) {
-        c.srcMemoryType = CU_MEMORYTYPE_DEVICE;
-        c.srcDevice = dptr(t);
-        c.srcPitch = p;
-        c.dstMemoryType = CU_MEMORYTYPE_HOST;
-        c.dstHost = slot;
-        c.dstPitch = w;
-      } else {
-        c.srcMemoryType = CU_MEMORYTYPE_HOST;
-        c.srcHost = slot;
-        c.srcPitch = w;
-        c.dstMemoryType = CU_MEMORYTYPE_DEVICE;
-        c.dstDevice = dptr(t);
-        c.dstPitch = p;
-      }
-      e = d.cuMemcpy2DAsync(&c, stream);
-    }
-    if (!fits || e == CUDA_ERROR_INVALID_VALUE) {
-      // Pitch beyond what the 2D copy takes: one copy per row (a bad
-      // pointer then fails in the first row's copy, with its own error).
-      for (std::uint64_t r = 0; r < full; ++r) one(slot + r * w, t + r * p, w, stream);
-    } else if (e != CUDA_SUCCESS) {
-      throw_cuda(e, std::string("cuMemcpy2DAsync ") + (to_slot ? "D2H" : "H2D") + " of " + std::to_string(full) +
-                        " rows of " + std::to_string(w) + " bytes (pitch " + std::to_string(p) + ")",
-                 kTodoArgs);
-    }
+    copy_rows(slot, l.row_bytes, tensor + row * l.pitch_bytes, l.pitch_bytes, l.row_bytes, full, to_slot, lane, stream);
   }
   slot += full * l.row_bytes;
   n -= full * l.row_bytes;
@@ -569,6 +584,18 @@ class CudaConsumerEngine final : public ConsumerEngine {
     }
     CtxScope scope(lane_.api(), lane_.context());
     copy_async(const_cast<std::byte*>(src), static_cast<std::byte*>(dst.ptr), dst.layout, offset, n, false, lane_);
+  }
+  void copy2d(const Buffer& dst, std::uint64_t offset, std::uint64_t dst_pitch, const std::byte* src,
+              std::uint64_t src_pitch, std::uint64_t width, std::uint64_t rows) override {
+    if (!dst.device || dst.layout.rows != 0 || rows < 2) {
+      ConsumerEngine::copy2d(dst, offset, dst_pitch, src, src_pitch, width, rows);
+      return;
+    }
+    CtxScope scope(lane_.api(), lane_.context());
+    // One strided H2D straight out of the pinned slot: only the selected
+    // bytes cross PCIe.
+    copy_rows(const_cast<std::byte*>(src), src_pitch, static_cast<std::byte*>(dst.ptr) + offset, dst_pitch, width, rows,
+              false, lane_, lane_.next_stream());
   }
   void chunk_done(std::function<void()> release) override { lane_.when_done(std::move(release)); }
   void end(void* caller_stream) override { lane_.before(caller_stream); }

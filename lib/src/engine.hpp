@@ -51,6 +51,13 @@ class ConsumerEngine {
   virtual void begin(void* caller_stream) { (void)caller_stream; }
   // Copies n bytes from slot memory `src` to `dst` + offset (device or host).
   virtual void copy(const Buffer& dst, std::uint64_t offset, const std::byte* src, std::uint64_t n) = 0;
+  // Copies `rows` rows of `width` bytes: row i from src + i * src_pitch to
+  // dst + offset + i * dst_pitch (a contiguous destination, or one whose
+  // Strided2D layout the engine follows byte by byte).
+  virtual void copy2d(const Buffer& dst, std::uint64_t offset, std::uint64_t dst_pitch, const std::byte* src,
+                      std::uint64_t src_pitch, std::uint64_t width, std::uint64_t rows) {
+    for (std::uint64_t i = 0; i < rows; ++i) copy(dst, offset + i * dst_pitch, src + i * src_pitch, width);
+  }
   // All copies out of a chunk are issued: run `release` once they complete.
   virtual void chunk_done(std::function<void()> release) = 0;
   // Makes `caller_stream` wait for the copies issued since begin().

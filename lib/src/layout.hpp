@@ -17,10 +17,11 @@
 namespace shmcast::detail {
 
 inline constexpr std::uint64_t kMagic = 0x0054534143'4d4853ull;  // "SHMCAST\0" (LE)
-inline constexpr std::uint32_t kLayoutVersion = 1;
+inline constexpr std::uint32_t kLayoutVersion = 2;  // 2: producer ranks (sharded syncs)
 inline constexpr std::uint64_t kHeaderBytes = 4096;
 inline constexpr std::uint64_t kSeatBytes = 512;
 inline constexpr std::uint64_t kSlotDescBytes = 64;
+inline constexpr std::uint64_t kRankSeatBytes = 512;
 inline constexpr std::uint64_t kDataAlign = 2ull << 20;  // huge-page / DMA friendly
 inline constexpr std::uint64_t kTensorAlign = 256;       // start of each tensor in the stream
 inline constexpr std::uint32_t kMaxConsumers = limits::kMaxConsumers;
@@ -31,6 +32,7 @@ inline constexpr std::uint64_t kMaxManifestBytes = limits::kMaxManifestBytes;
 inline constexpr std::size_t kErrorTextBytes = 256;
 inline constexpr std::uint64_t kMaxStreamBytes = limits::kMaxStreamBytes;
 inline constexpr std::uint32_t kMaxTensors = limits::kMaxTensors;
+inline constexpr std::uint32_t kMaxRanks = limits::kMaxRanks;
 
 // Feature bits (Header::features). A reader rejects bits it does not know.
 inline constexpr std::uint64_t kFeatureChecksums = 1ull << 0;  // SlotDesc::checksum valid
@@ -51,8 +53,12 @@ enum SeatState : std::uint32_t {
 // Lock bytes (fcntl OFD locks on the region file). A process holds a write
 // lock on its byte for as long as it is attached; the kernel drops it when
 // the process dies, whatever PID namespace it is in.
-inline constexpr std::int64_t kProducerLockByte = 0;
+inline constexpr std::int64_t kProducerLockByte = 0;  // the producer, or rank 0 of a sharded one
 inline constexpr std::int64_t seat_lock_byte(std::uint32_t seat) { return 1 + seat; }
+// Producer rank r >= 1 of a sharded producer (rank 0 holds kProducerLockByte).
+inline constexpr std::int64_t rank_lock_byte(std::uint32_t rank) {
+  return rank == 0 ? kProducerLockByte : 1 + std::int64_t{kMaxConsumers} + rank;
+}
 
 // A futex word and a count of its sleepers ("wake only when someone waits").
 struct alignas(8) Bell {
@@ -103,7 +109,10 @@ struct HeaderFixed {
   std::uint64_t manifest_bytes;   // 72
   std::uint64_t data_offset;      // 80 slot k's data at data_offset + k * S
   std::uint64_t created_unix_ns;  // 88
-  std::uint8_t reserved0[32];     // 96
+  std::uint32_t world_size;       // 96 producer ranks R (1: one producer)
+  std::uint32_t reserved0;        // 100
+  std::uint64_t ranks_offset;     // 104 rank seats, then rank lists (R > 1)
+  std::uint8_t reserved1[16];     // 112
 };
 static_assert(sizeof(HeaderFixed) == 128);
 
@@ -117,7 +126,8 @@ struct alignas(64) Header {
   Identity producer;                      // 136
   std::atomic<std::uint64_t> generation;  // 160 bumped by every producer that creates
   std::atomic<std::uint64_t> evictions;   // 168 seats the producer evicted
-  std::uint8_t reserved1[16];             // 176
+  std::atomic<std::uint64_t> round;       // 176 last sync round rank 0 answered (R > 1)
+  std::uint8_t reserved1[8];              // 184
 
   // ---- [192, 256) sync record (producer writes, consumers read)
   SyncRecord sync;                        // 192
@@ -133,7 +143,9 @@ struct alignas(64) Header {
 
   // ---- [320, 384) consumer -> producer (consumers ring it on release/ack/attach)
   Bell release;                              // 320
-  std::uint8_t reserved3[56];                // 328
+  Bell rank_post;                            // 328 ranks -> rank 0: a rank list was posted
+  Bell rank_reply;                           // 336 rank 0 -> ranks: a round was answered
+  std::uint8_t reserved3[40];                // 344
 
   // ---- [384, 640) producer error text, NUL-terminated
   char error_text[kErrorTextBytes];          // 384
@@ -183,10 +195,50 @@ struct alignas(64) SlotDesc {
   std::uint8_t reserved[16];            // 48
 };
 
+// One producer rank of a sharded producer (R > 1): ranks post their list of
+// pieces for a round, rank 0 merges them into the sync's manifest and
+// answers each rank with where its chunks go.
+struct alignas(64) RankSeat {
+  // ---- [0, 64) ownership, written by the rank
+  std::atomic<std::uint64_t> word;           // 0 generation << 32 | SeatState (free / active)
+  Identity who;                              // 8
+  std::atomic<std::uint64_t> attach_unix_ns; // 32
+  std::atomic<std::uint64_t> published_seq;  // 40 last chunk this rank published
+  std::atomic<std::uint64_t> syncs_done;     // 48
+  std::atomic<std::uint64_t> bytes_done;     // 56
+
+  // ---- [64, 128) the rank's post, written by the rank
+  std::atomic<std::uint64_t> posted_round;   // 64 round whose list is in the rank's list area (release)
+  std::atomic<std::uint64_t> posted_bytes;   // 72 bytes of that list
+  std::atomic<std::uint64_t> posted_hash;    // 80 XXH3-64 of them
+  std::atomic<std::uint32_t> error_code;     // 88 the rank's last error (Errc), 0 = none
+  std::uint32_t reserved0;                   // 92
+  std::uint8_t reserved1[32];                // 96
+
+  // ---- [128, 192) rank 0's answer, reply_round written last (release)
+  std::atomic<std::uint64_t> reply_round;    // 128
+  std::atomic<std::uint32_t> reply_status;   // 136 0 = go, else the Errc that failed the round
+  std::uint32_t reserved2;                   // 140
+  std::atomic<std::uint64_t> reply_version;  // 144 the sync's version
+  std::atomic<std::uint64_t> reply_first_seq;// 152 the sync's first chunk
+  std::atomic<std::uint64_t> reply_rank_chunks; // 160 chunks per rank (J): rank r's chunk j is seq first + j*R + r
+  std::uint8_t reserved3[24];                // 168
+
+  // ---- [192, 448) error text (rank 0's reason for a failed round, or the rank's own)
+  char error_text[kErrorTextBytes];          // 192
+  std::uint8_t reserved4[kRankSeatBytes - 448];
+};
+
 // ---- the layout is part of the protocol: pin it down.
 static_assert(sizeof(Header) == kHeaderBytes);
 static_assert(sizeof(Seat) == kSeatBytes);
 static_assert(sizeof(SlotDesc) == kSlotDescBytes);
+static_assert(sizeof(RankSeat) == kRankSeatBytes);
+static_assert(offsetof(RankSeat, posted_round) == 64 && offsetof(RankSeat, reply_round) == 128);
+static_assert(offsetof(RankSeat, error_text) == 192);
+static_assert(offsetof(HeaderFixed, world_size) == 96 && offsetof(HeaderFixed, ranks_offset) == 104);
+static_assert(offsetof(Header, round) == 176);
+static_assert(offsetof(Header, rank_post) == 328 && offsetof(Header, rank_reply) == 336);
 static_assert(offsetof(Header, init_state) == 128);
 static_assert(offsetof(Header, producer) == 136);
 static_assert(offsetof(Header, generation) == 160);
@@ -205,7 +257,8 @@ static_assert(sizeof(std::atomic<std::uint64_t>) == 8 && sizeof(std::atomic<std:
 
 // ---- the manifest area (written by the producer for each sync)
 inline constexpr std::uint32_t kManifestMagic = 0x464d4353;  // "SCMF"
-inline constexpr std::uint32_t kManifestVersion = 1;
+inline constexpr std::uint32_t kManifestVersion = 2;  // 2: pieces, producer ranks
+inline constexpr std::uint16_t kWholePiece = 0xffff;  // ManifestPiece::dim of a whole tensor
 
 struct ManifestHeader {
   std::uint32_t magic;          // 0
@@ -215,11 +268,14 @@ struct ManifestHeader {
   std::uint32_t entry_bytes;    // 20 sizeof(ManifestEntry)
   std::uint64_t names_offset;   // 24 from the manifest start
   std::uint64_t names_bytes;    // 32
-  std::uint64_t stream_bytes;   // 40
+  std::uint64_t stream_bytes;   // 40 sum of the ranks' sub-streams
   std::uint64_t payload_bytes;  // 48
-  std::uint64_t reserved;       // 56
+  std::uint32_t world_size;     // 56 producer ranks R
+  std::uint32_t piece_count;    // 60
 };
 static_assert(sizeof(ManifestHeader) == 64);
+// The manifest: header, entries[tensor_count], rank_bytes[world_size] (u64:
+// each rank's sub-stream length), pieces[piece_count], names blob.
 
 struct ManifestEntry {
   std::uint32_t name_offset;    // 0 into the names blob
@@ -233,6 +289,22 @@ struct ManifestEntry {
 };
 static_assert(sizeof(ManifestEntry) == 96);
 
+// A piece: the bytes of one tensor that one rank writes. Either the whole
+// tensor (dim == kWholePiece) or the rows [start, start + length) along
+// `dim`, stored contiguously (the shape of that slice, row-major). A
+// tensor's pieces are one whole piece, or shards along one dim that tile it.
+struct ManifestPiece {
+  std::uint32_t tensor;         // 0 index into the entries
+  std::uint16_t rank;           // 4 < world_size
+  std::uint16_t dim;            // 6 < ndim, or kWholePiece
+  std::int64_t start;           // 8
+  std::int64_t length;          // 16
+  std::uint64_t offset;         // 24 in the rank's sub-stream
+  std::uint64_t nbytes;         // 32
+  std::uint64_t reserved;       // 40
+};
+static_assert(sizeof(ManifestPiece) == 48);
+
 // Geometry computed from creation parameters.
 struct Geometry {
   std::uint32_t max_consumers;
@@ -244,13 +316,16 @@ struct Geometry {
   std::uint64_t manifest_offset;
   std::uint64_t data_offset;
   std::uint64_t total_bytes;
+  std::uint32_t world_size;
+  std::uint64_t ranks_offset;     // R > 1: R rank seats, then R lists of manifest_bytes
+  std::uint64_t rank_lists_offset;
 };
 
 constexpr std::uint64_t align_up(std::uint64_t v, std::uint64_t a) { return (v + a - 1) / a * a; }
 
 // Computes the geometry; returns an empty string or the reason it is invalid.
 std::string compute_geometry(std::uint32_t max_consumers, std::uint32_t slots, std::uint64_t slot_bytes,
-                             std::uint64_t manifest_bytes, Geometry* out);
+                             std::uint64_t manifest_bytes, Geometry* out, std::uint32_t world_size = 1);
 
 // The fixed header a region with geometry `g` carries (created_unix_ns left 0).
 HeaderFixed make_fixed_header(const Geometry& g, std::uint64_t features);

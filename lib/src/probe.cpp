@@ -140,6 +140,8 @@ P::FixedHeader pub(const HeaderFixed& f) {
   h.manifest_offset = f.manifest_offset;
   h.manifest_bytes = f.manifest_bytes;
   h.data_offset = f.data_offset;
+  h.world_size = f.world_size;
+  h.ranks_offset = f.ranks_offset;
   h.created_unix_ns = f.created_unix_ns;
   return h;
 }
@@ -399,8 +401,11 @@ std::string stream_manifest(int fd, std::uint64_t moff, const RecordSnapshot& re
   if (h.format != kManifestVersion) return done("unknown manifest format " + std::to_string(h.format));
   if (h.entry_bytes != sizeof(ManifestEntry)) return done("bad manifest entry size");
   if (h.tensor_count > (used - sizeof h) / sizeof(ManifestEntry)) return done("tensor count exceeds the manifest");
-  const std::uint64_t names_at = sizeof h + std::uint64_t{h.tensor_count} * sizeof(ManifestEntry);
-  if (h.names_offset != names_at) return done("names blob is not where the entries end");
+  if (h.world_size < 1 || h.world_size > kMaxRanks) return done("bad world size");
+  const std::uint64_t names_at = sizeof h + std::uint64_t{h.tensor_count} * sizeof(ManifestEntry) +
+                                 std::uint64_t{h.world_size} * 8 + std::uint64_t{h.piece_count} * sizeof(ManifestPiece);
+  if (names_at > used) return done("rank table and pieces run past the manifest");
+  if (h.names_offset != names_at) return done("names blob is not where the pieces end");
   if (h.names_bytes > used - names_at) return done("names blob runs past the manifest");
 
   const std::size_t keep = limit == 0 ? h.tensor_count : std::min<std::uint64_t>(limit, h.tensor_count);
@@ -422,17 +427,18 @@ std::string stream_manifest(int fd, std::uint64_t moff, const RecordSnapshot& re
     // The window as a manifest of its own, names replaced by a blank blob as
     // long as the longest name (decode_manifest checks only their lengths
     // and bounds; their real bounds are checked here).
-    std::uint64_t blob = 0, win_payload = 0;
+    std::uint64_t blob = 0;
     for (std::size_t k = 0; k < w; ++k) {
       const ManifestEntry& e = win[k];
       if (e.name_bytes <= kMaxNameBytes) blob = std::max<std::uint64_t>(blob, e.name_bytes);
-      win_payload += e.nbytes;
     }
+    // Entries only (the pieces are checked below, as they stream by).
     ManifestHeader wh = h;
     wh.tensor_count = static_cast<std::uint32_t>(w);
-    wh.names_offset = sizeof wh + w * sizeof(ManifestEntry);
+    wh.world_size = 1;
+    wh.piece_count = 0;
+    wh.names_offset = sizeof wh + w * sizeof(ManifestEntry) + 8;
     wh.names_bytes = blob;
-    wh.payload_bytes = win_payload;
     synth.assign(wh.names_offset + blob, std::byte{0});
     std::memcpy(synth.data(), &wh, sizeof wh);
     for (std::size_t k = 0; k < w; ++k) {
@@ -440,8 +446,10 @@ std::string stream_manifest(int fd, std::uint64_t moff, const RecordSnapshot& re
       e.name_offset = 0;
       std::memcpy(synth.data() + sizeof wh + k * sizeof e, &e, sizeof e);
     }
+    std::memcpy(synth.data() + sizeof wh + w * sizeof(ManifestEntry), &h.stream_bytes, 8);
     SyncInfo part;
-    why = decode_manifest(synth, rec.version, rec.stream_bytes, slot_bytes, &part, /*check_names=*/false);
+    why = decode_manifest(synth, rec.version, rec.stream_bytes, slot_bytes, &part, /*check_names=*/false,
+                          ManifestCheck::kEntries);
     if (!why.empty()) {
       why = shift_index(why, first);
       continue;
@@ -452,19 +460,55 @@ std::string stream_manifest(int fd, std::uint64_t moff, const RecordSnapshot& re
         why = "tensor " + std::to_string(first + k) + ": name runs past the names blob";
     }
     if (!why.empty()) continue;
-    if (w > 0 && win[0].stream_offset < end_prev) {
-      why = "tensor " + std::to_string(first) + ": overlaps the previous tensor";
-      continue;
-    }
-    if (w > 0) end_prev = win[w - 1].stream_offset + win[w - 1].nbytes;
-    payload += win_payload;
     for (std::size_t k = 0; k < w && kept.size() < keep; ++k) {
       part.tensors[k].name.clear();
       wants.push_back({win[k].name_offset, win[k].name_bytes, kept.size()});
       kept.push_back(std::move(part.tensors[k]));
     }
   } while ((first += kWindow) < h.tensor_count);
-  if (why.empty() && payload != h.payload_bytes) why = "payload size disagrees with the entries";
+  // The ranks' sub-streams, then the pieces (structure; the kept tensors
+  // take theirs).
+  std::vector<std::uint64_t> rank_bytes(h.world_size);
+  if (!rd.read(rank_bytes.data(), rank_bytes.size() * 8)) {
+    *shrank = true;
+    return "the file shrank while it was read";
+  }
+  std::uint64_t sum = 0;
+  for (std::uint64_t b : rank_bytes) {
+    if (b > kMaxStreamBytes) sum = ~0ull;
+    if (sum != ~0ull) sum += b;
+  }
+  if (why.empty() && sum != h.stream_bytes) why = "the ranks' sub-streams do not add up to the stream size";
+  if (why.empty() && rec.chunks != sync_chunks(rank_bytes, slot_bytes))
+    why = "sync record's chunk count disagrees with the ranks' sub-streams";
+  std::vector<ManifestPiece> pwin(std::min<std::uint64_t>(kWindow, h.piece_count));
+  std::uint32_t rank_prev = 0;
+  for (std::uint64_t at = 0; at < h.piece_count; at += kWindow) {
+    const std::size_t w = static_cast<std::size_t>(std::min<std::uint64_t>(kWindow, h.piece_count - at));
+    if (!rd.read(pwin.data(), w * sizeof(ManifestPiece))) {
+      *shrank = true;
+      return "the file shrank while it was read";
+    }
+    for (std::size_t k = 0; k < w && why.empty(); ++k) {
+      const ManifestPiece& p = pwin[k];
+      if (std::string bad = piece_problem(p, h.tensor_count, rank_bytes, slot_bytes, &rank_prev, &end_prev); !bad.empty()) {
+        why = "piece " + std::to_string(at + k) + ": " + bad;
+        break;
+      }
+      payload += p.nbytes;
+      if (p.tensor < kept.size()) {
+        ShardInfo sh;
+        sh.rank = p.rank;
+        sh.dim = p.dim == kWholePiece ? -1 : p.dim;
+        sh.start = p.start;
+        sh.length = p.length;
+        sh.stream_offset = p.offset;
+        sh.nbytes = p.nbytes;
+        kept[p.tensor].shards.push_back(sh);
+      }
+    }
+  }
+  if (why.empty() && payload != h.payload_bytes) why = "payload size disagrees with the pieces";
 
   // The names blob, in pieces; the kept entries take their names as their
   // bytes go by.
@@ -503,6 +547,7 @@ std::string stream_manifest(int fd, std::uint64_t moff, const RecordSnapshot& re
   m->tensor_count = h.tensor_count;
   m->payload_bytes = payload;
   m->stream_bytes = h.stream_bytes;
+  m->world_size = h.world_size;
   m->tensors = std::move(kept);
   return {};
 }
@@ -796,7 +841,8 @@ P::Region probe_region(const std::string& dir, std::string_view name, const P::O
   if (init_raw != kInitReady && init_raw != kInitClosed)
     return verdict(P::State::kCorrupt, printf_u64("init_state is %llu (expected 0, 1 or 2)", init_raw));
   Geometry g{};
-  if (!compute_geometry(fixed.max_consumers, fixed.slot_count, fixed.slot_bytes, fixed.manifest_bytes, &g).empty() ||
+  if (!compute_geometry(fixed.max_consumers, fixed.slot_count, fixed.slot_bytes, fixed.manifest_bytes, &g,
+                       fixed.world_size).empty() ||
       g.total_bytes != size)
     return verdict(P::State::kCorrupt, "geometry does not match the file");
   r.header_valid = true;

@@ -1,11 +1,29 @@
 #include "ring.hpp"
 
+#include "checks.hpp"
+
 #include <xxhash.h>
 
 #include <atomic>
 #include <cstring>
 
 namespace shmcast::detail {
+
+HeaderFixed snapshot_header(const std::byte* base) {
+  HeaderFixed h;
+  std::memcpy(&h, base, sizeof h);
+  return h;
+}
+
+Geometry checked_geometry(const MappedFile& f, const HeaderFixed& snap) {
+  bool version_mismatch = false;
+  const std::string why = validate_header(snap, f.size(), &version_mismatch);
+  if (version_mismatch) throw Error(Errc::kVersionMismatch, f.path() + ": " + why + "; upgrade the older side");
+  if (!why.empty()) throw Error(Errc::kCorrupt, f.path() + ": " + why);
+  Geometry g{};
+  compute_geometry(snap.max_consumers, snap.slot_count, snap.slot_bytes, snap.manifest_bytes, &g, snap.world_size);
+  return g;
+}
 
 std::uint32_t seat_state(std::uint64_t w) { return static_cast<std::uint32_t>(w & 0xffffffffu); }
 std::uint64_t seat_gen(std::uint64_t w) { return w >> 32; }
@@ -16,14 +34,8 @@ bool read_record(const Header& h, RecordSnapshot* out) {
   const std::uint32_t w1 = r.announce.word.load(std::memory_order_acquire);
   if (w1 & 1u) return false;
   RecordSnapshot s;
+  copy_record(r, &s);
   s.word = w1;
-  s.version = r.version.load(std::memory_order_relaxed);
-  s.first_seq = r.first_seq.load(std::memory_order_relaxed);
-  s.chunks = r.chunks.load(std::memory_order_relaxed);
-  s.stream_bytes = r.stream_bytes.load(std::memory_order_relaxed);
-  s.manifest_used = r.manifest_used.load(std::memory_order_relaxed);
-  s.manifest_hash = r.manifest_hash.load(std::memory_order_relaxed);
-  s.aborted = r.aborted.load(std::memory_order_relaxed) != 0;
   std::atomic_thread_fence(std::memory_order_acquire);
   if (r.announce.word.load(std::memory_order_relaxed) != w1) return false;
   *out = s;
@@ -37,13 +49,19 @@ std::string seat_who(std::uint32_t i, const Seat& s) {
          std::to_string(s.consumer.pid.load(std::memory_order_relaxed)) + ")";
 }
 
-void copy_text(char* dst, const std::string& text) {
-  const std::size_t n = text.size() < kErrorTextBytes - 1 ? text.size() : kErrorTextBytes - 1;
-  std::memcpy(dst, text.data(), n);
-  dst[n] = 0;
+}  // namespace
+
+std::string rank_who(const RegionView& v, std::uint32_t rank) {
+  if (rank == 0)
+    return "producer rank 0 (pid " + std::to_string(v.header().producer.pid.load(std::memory_order_relaxed)) + ")";
+  return "producer rank " + std::to_string(rank) + " (pid " +
+         std::to_string(v.rank_seat(rank).who.pid.load(std::memory_order_relaxed)) + ")";
 }
 
-}  // namespace
+bool rank_dead(const RegionView& v, std::uint32_t rank) {
+  if (rank == 0) return peer_alive(v.fd(), kProducerLockByte, v.header().producer) == Alive::kNo;
+  return peer_alive(v.fd(), rank_lock_byte(rank), v.rank_seat(rank).who) == Alive::kNo;
+}
 
 // ================================================================ producer
 
@@ -108,8 +126,9 @@ void ProducerRing::wait_for(const std::function<bool(const Seat&)>& done, const 
                             std::int64_t deadline_ns) {
   Header& h = v_->header();
   for (;;) {
-    auto ready = [&] { return blocker(done) < 0; };
+    auto ready = [&] { return blocker(done) < 0 || (opts_.world_size > 1 && aborted_now()); };
     const WaitResult r = wait_until(h.release, ready, deadline_ns, kLivenessPollNs);
+    check_aborted();
     if (r == WaitResult::kReady) return;
     // Some seat holds us up: dead ones are evicted, live ones get until the deadline.
     const int b = blocker(done);
@@ -151,10 +170,45 @@ void ProducerRing::wait_released(std::uint64_t seq, std::int64_t deadline_ns) {
   wait_for(done, "release its slots", deadline_ns);
 }
 
+bool ProducerRing::aborted_now() const {
+  const Header& h = v_->header();
+  return sync_version_ != 0 && h.sync.aborted.load(std::memory_order_acquire) != 0 &&
+         h.sync.version.load(std::memory_order_acquire) == sync_version_;
+}
+
+void ProducerRing::check_aborted() const {
+  if (opts_.world_size <= 1 || !aborted_now()) return;
+  const Header& h = v_->header();
+  throw Error(Errc::kAborted, "sync " + std::to_string(sync_version_) + " was aborted by another rank: " +
+                                  read_error_text(h.error_text));
+}
+
 void ProducerRing::acquire(std::uint64_t seq) {
   const std::uint64_t k = v_->geo().slot_count;
   if (seq <= k) return;
-  wait_released(seq - k, mono_ns() + opts_.consumer_timeout_ns);
+  const std::uint64_t prev = seq - k;
+  if (opts_.world_size > 1 && prev >= sync_first_seq_) {
+    // The slot's previous chunk belongs to this sync and to another rank
+    // (slots >= 2R): wait until that rank published it, so two ranks never
+    // write one slot at once, even with no consumer to hold it back.
+    const std::uint32_t writer = static_cast<std::uint32_t>((prev - sync_first_seq_) % opts_.world_size);
+    const SlotDesc& d = v_->slot(v_->slot_of(prev));
+    Header& h = v_->header();
+    const std::int64_t deadline = mono_ns() + opts_.consumer_timeout_ns;
+    for (;;) {
+      auto ready = [&] { return d.seq.load(std::memory_order_acquire) == prev || aborted_now(); };
+      const WaitResult r = wait_until(h.publish, ready, deadline, kLivenessPollNs);
+      check_aborted();
+      if (r == WaitResult::kReady) break;
+      if (rank_dead(*v_, writer))
+        throw Error(Errc::kPeerDied, rank_who(*v_, writer) + " died before publishing chunk " + std::to_string(prev) +
+                                         " of sync " + std::to_string(sync_version_));
+      if (r == WaitResult::kTimeout)
+        throw Error(Errc::kTimeout, rank_who(*v_, writer) + " did not publish chunk " + std::to_string(prev) +
+                                        " within consumer_timeout: is it stuck?");
+    }
+  }
+  wait_released(prev, mono_ns() + opts_.consumer_timeout_ns);
 }
 
 void ProducerRing::begin_fill(std::uint64_t seq) {
@@ -176,7 +230,15 @@ void ProducerRing::publish(std::uint64_t seq, std::uint64_t version, std::uint64
   d.checksum.store(checksum, std::memory_order_relaxed);
   d.seq.store(seq, std::memory_order_release);
   Header& h = v_->header();
-  h.published_seq.store(seq, std::memory_order_release);
+  if (opts_.world_size > 1) {
+    v_->rank_seat(opts_.rank).published_seq.store(seq, std::memory_order_release);
+    // Ranks publish out of order: published_seq is the highest (for tools).
+    std::uint64_t cur = h.published_seq.load(std::memory_order_relaxed);
+    while (cur < seq && !h.published_seq.compare_exchange_weak(cur, seq, std::memory_order_release)) {
+    }
+  } else {
+    h.published_seq.store(seq, std::memory_order_release);
+  }
   ring(h.publish);
 }
 
@@ -215,6 +277,7 @@ void ProducerRing::abort(std::uint64_t version) {
   h.sync.aborted.store(1, std::memory_order_release);
   ring_keep_parity(h.sync.announce);
   ring(h.publish);
+  ring(h.release);  // other ranks waiting for consumers notice it too
 }
 
 // ================================================================ consumer
@@ -327,9 +390,12 @@ void ConsumerRing::ack(std::uint64_t version) {
 }
 
 ConsumerRing::ChunkWait ConsumerRing::wait_chunk(std::uint64_t seq, std::uint64_t version, std::uint64_t expect_bytes,
-                                                 std::int64_t deadline_ns, bool follow, std::uint64_t have) {
+                                                 std::int64_t deadline_ns, bool follow, std::uint64_t have, int writer) {
   Header& h = v_->header();
   const SlotDesc& fill = v_->slot(v_->slot_of(seq));
+  // Published: the slot holds chunk seq (ranks publish out of order, so the
+  // slot, not published_seq, tells).
+  auto published = [&] { return fill.seq.load(std::memory_order_acquire) == seq; };
   // Final bytes of a chunk still being filled, beyond what the caller has.
   auto more_filled = [&]() -> std::uint64_t {
     if (!follow || fill.fill_seq.load(std::memory_order_acquire) != seq) return 0;
@@ -344,16 +410,16 @@ ConsumerRing::ChunkWait ConsumerRing::wait_chunk(std::uint64_t seq, std::uint64_
     // version is read first (acquire): a newer value makes every chunk the
     // producer published before announcing it visible to the re-check.
     const std::uint64_t current = h.sync.version.load(std::memory_order_acquire);
-    if (h.published_seq.load(std::memory_order_acquire) >= seq) return;
+    if (published()) return;
     if (current > version || (current == version && h.sync.aborted.load(std::memory_order_acquire) != 0))
       throw Error(Errc::kAborted, std::string("the producer aborted sync ") + std::to_string(version) + ": " +
-                                      std::string(h.error_text, strnlen(h.error_text, kErrorTextBytes)));
+                                      read_error_text(h.error_text));
     if (current < version)
       throw Error(Errc::kCorrupt, "the sync record went back from version " + std::to_string(version) + " to " +
                                       std::to_string(current) + ": the region is corrupt");
   };
   auto ready = [&] {
-    return h.published_seq.load(std::memory_order_acquire) >= seq || more_filled() != 0 ||
+    return published() || more_filled() != 0 ||
            h.sync.aborted.load(std::memory_order_acquire) != 0 ||
            h.sync.version.load(std::memory_order_acquire) != version ||
            seat_state(v_->seat(static_cast<std::uint32_t>(seat_)).word.load(std::memory_order_acquire)) != kSeatActive;
@@ -361,14 +427,18 @@ ConsumerRing::ChunkWait ConsumerRing::wait_chunk(std::uint64_t seq, std::uint64_
   for (;;) {
     const WaitResult r = wait_until(h.publish, ready, deadline_ns, kLivenessPollNs);
     check_seat();
-    if (h.published_seq.load(std::memory_order_acquire) >= seq) break;
+    if (published()) break;
     if (const std::uint64_t f = more_filled(); f != 0) return {v_->slot_of(seq), false, f};
     check_abandoned();
     try {
       check_producer(true);
+      if (writer > 0 && rank_dead(*v_, static_cast<std::uint32_t>(writer)))
+        throw Error(Errc::kPeerDied, rank_who(*v_, static_cast<std::uint32_t>(writer)) +
+                                         " died in the middle of sync " + std::to_string(version) +
+                                         ": the sync is lost; wait for the trainer to restart and open the region again");
     } catch (const Error&) {
       // Published, then the producer died, between the wait and the check.
-      if (h.published_seq.load(std::memory_order_acquire) >= seq) break;
+      if (published()) break;
       throw;
     }
     if (h.init_state.load(std::memory_order_acquire) == kInitClosed)
@@ -416,26 +486,29 @@ void ConsumerRing::release(std::uint64_t seq) {
 void ConsumerRing::set_error(Errc code, const std::string& text) {
   if (seat_ < 0) return;
   Seat& s = v_->seat(static_cast<std::uint32_t>(seat_));
-  copy_text(s.error_text, text);
+  write_error_text(s.error_text, text);
   s.error_code.store(static_cast<std::uint32_t>(code), std::memory_order_release);
 }
 
 // ================================================================ chunk streams
 
 ChunkWriter::ChunkWriter(ProducerRing* ring, RegionView* view, std::uint64_t version, std::uint64_t first_seq,
-                         std::uint64_t stream_bytes, bool checksums)
+                         std::uint64_t stream_bytes, bool checksums, std::uint32_t rank, std::uint32_t world_size,
+                         std::uint64_t rank_chunks)
     : ring_(ring),
       v_(view),
       version_(version),
       first_seq_(first_seq),
       stream_(stream_bytes),
       S_(view->geo().slot_bytes),
-      chunks_(chunk_count(stream_bytes, view->geo().slot_bytes)),
+      chunks_(rank_chunks != ~0ull ? rank_chunks : chunk_count(stream_bytes, view->geo().slot_bytes)),
+      rank_(rank),
+      R_(world_size),
       checksums_(checksums) {}
 
 void ChunkWriter::claim_chunk(std::uint64_t c) {
   while (acquired_ <= c) {
-    const std::uint64_t seq = first_seq_ + acquired_;
+    const std::uint64_t seq = seq_of(acquired_);
     ring_->acquire(seq);
     ring_->begin_fill(seq);
     ++acquired_;
@@ -447,17 +520,17 @@ std::byte* ChunkWriter::claim(std::uint64_t pos, std::uint64_t* room) {
   claim_chunk(c);
   const std::uint64_t in_chunk = pos - c * S_;
   *room = chunk_len(c, stream_, S_) - in_chunk;
-  return v_->slot_data(v_->slot_of(first_seq_ + c)) + in_chunk;
+  return v_->slot_data(v_->slot_of(seq_of(c))) + in_chunk;
 }
 
 void ChunkWriter::filled_to(std::uint64_t pos) {
   if (pos == 0) return;
   const std::uint64_t c = (pos - 1) / S_;
-  ring_->progress(first_seq_ + c, pos - c * S_);
+  ring_->progress(seq_of(c), pos - c * S_);
 }
 
 std::function<void()> ChunkWriter::publisher(std::uint64_t c) const {
-  const std::uint64_t seq = first_seq_ + c;
+  const std::uint64_t seq = seq_of(c);
   const std::uint64_t bytes = chunk_len(c, stream_, S_);
   const std::byte* data = v_->slot_data(v_->slot_of(seq));
   ProducerRing* r = ring_;
@@ -469,15 +542,15 @@ std::function<void()> ChunkWriter::publisher(std::uint64_t c) const {
 }
 
 ChunkReader::ChunkReader(ConsumerRing* ring, RegionView* view, std::uint64_t version, std::uint64_t first_seq,
-                         std::uint64_t chunks, std::uint64_t stream_bytes, bool follow, bool verify_checksums,
+                         std::uint64_t chunks, std::vector<std::uint64_t> rank_bytes, bool follow, bool verify_checksums,
                          std::int64_t chunk_timeout_ns)
     : ring_(ring),
       v_(view),
       version_(version),
       first_seq_(first_seq),
       chunks_(chunks),
-      stream_(stream_bytes),
       S_(view->geo().slot_bytes),
+      rank_bytes_(std::move(rank_bytes)),
       follow_(follow),
       verify_(verify_checksums),
       timeout_ns_(chunk_timeout_ns) {}
@@ -485,12 +558,16 @@ ChunkReader::ChunkReader(ConsumerRing* ring, RegionView* view, std::uint64_t ver
 bool ChunkReader::next(Range* out) {
   if (c_ >= chunks_) return false;
   const std::uint64_t seq = first_seq_ + c_;
-  const std::uint64_t bytes = chunk_len(c_, stream_, S_);
+  const auto R = static_cast<std::uint64_t>(rank_bytes_.size());
+  const auto rank = static_cast<std::uint32_t>(c_ % R);
+  const std::uint64_t j = c_ / R;  // the rank's chunk
+  const std::uint64_t bytes = chunk_len(j, rank_bytes_[rank], S_);
   if (have_ == 0) deadline_ = mono_ns() + timeout_ns_;
-  const ConsumerRing::ChunkWait w = ring_->wait_chunk(seq, version_, bytes, deadline_, follow_, have_);
+  const ConsumerRing::ChunkWait w =
+      ring_->wait_chunk(seq, version_, bytes, deadline_, follow_, have_, R > 1 ? static_cast<int>(rank) : -1);
   const std::byte* data = v_->slot_data(w.slot);
   if (!w.published) {
-    *out = Range{data + have_, c_ * S_ + have_, w.final_bytes - have_, false, seq, w.slot};
+    *out = Range{data + have_, j * S_ + have_, rank, w.final_bytes - have_, false, seq, w.slot};
     have_ = w.final_bytes;
     return true;
   }
@@ -502,7 +579,7 @@ bool ChunkReader::next(Range* out) {
                                        " fails its checksum: its bytes changed between producer and consumer");
     }
   }
-  *out = Range{data + have_, c_ * S_ + have_, bytes - have_, true, seq, w.slot};
+  *out = Range{data + have_, j * S_ + have_, rank, bytes - have_, true, seq, w.slot};
   ++c_;
   have_ = 0;
   return true;

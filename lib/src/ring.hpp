@@ -40,6 +40,13 @@ class RegionView {
   }
   std::byte* slot_data(std::uint32_t k) const { return file_.data() + geo_.data_offset + std::uint64_t{k} * geo_.slot_bytes; }
   std::byte* manifest() const { return file_.data() + geo_.manifest_offset; }
+  // Sharded producers (world_size > 1) only.
+  RankSeat& rank_seat(std::uint32_t r) const {
+    return *reinterpret_cast<RankSeat*>(file_.data() + geo_.ranks_offset + std::uint64_t{r} * kRankSeatBytes);
+  }
+  std::byte* rank_list(std::uint32_t r) const {
+    return file_.data() + geo_.rank_lists_offset + std::uint64_t{r} * geo_.manifest_bytes;
+  }
   std::uint32_t slot_of(std::uint64_t seq) const { return static_cast<std::uint32_t>((seq - 1) % geo_.slot_count); }
 
   const Geometry& geo() const { return geo_; }
@@ -52,6 +59,13 @@ class RegionView {
   MappedFile file_;
   Geometry geo_{};
 };
+
+// A private copy of a mapped region's immutable header (take it after
+// init_state read kInitReady, with acquire).
+HeaderFixed snapshot_header(const std::byte* base);
+// The geometry `snap` describes, validated against itself and the file:
+// throws kVersionMismatch (another layout version) or kCorrupt.
+Geometry checked_geometry(const MappedFile& f, const HeaderFixed& snap);
 
 std::uint32_t seat_state(std::uint64_t word);
 std::uint64_t seat_gen(std::uint64_t word);
@@ -70,16 +84,37 @@ bool read_record(const Header& h, RecordSnapshot* out);
 inline std::uint64_t chunk_count(std::uint64_t stream_bytes, std::uint64_t slot_bytes) {
   return (stream_bytes + slot_bytes - 1) / slot_bytes;
 }
+// 0 for a chunk past the end (a rank with a shorter sub-stream than another
+// publishes empty chunks to keep the ring's order).
 inline std::uint64_t chunk_len(std::uint64_t c, std::uint64_t stream_bytes, std::uint64_t slot_bytes) {
   const std::uint64_t start = c * slot_bytes;
+  if (start >= stream_bytes) return 0;
   return stream_bytes - start < slot_bytes ? stream_bytes - start : slot_bytes;
 }
+
+// Chunks of a sync whose ranks' sub-streams are `rank_bytes`: R times the
+// longest one's (rank r's chunk j is seq first + j * R + r).
+inline std::uint64_t sync_chunks(const std::vector<std::uint64_t>& rank_bytes, std::uint64_t slot_bytes) {
+  std::uint64_t per_rank = 0;
+  for (std::uint64_t b : rank_bytes) {
+    const std::uint64_t c = chunk_count(b, slot_bytes);
+    if (c > per_rank) per_rank = c;
+  }
+  return per_rank * rank_bytes.size();
+}
+
+// A dead or stopped producer rank, in words, for errors.
+std::string rank_who(const RegionView& v, std::uint32_t rank);
+// Whether producer rank `rank` (>= 1) is known dead.
+bool rank_dead(const RegionView& v, std::uint32_t rank);
 
 // ---------------------------------------------------------------- producer side
 
 struct ProducerRingOptions {
   StallPolicy stall_policy;
   std::int64_t consumer_timeout_ns;
+  std::uint32_t rank = 0;
+  std::uint32_t world_size = 1;
 };
 
 class ProducerRing {
@@ -91,8 +126,18 @@ class ProducerRing {
   std::uint32_t enroll(std::uint64_t version, std::uint64_t first_seq);
   // Waits until every consumer enrolled for `version` acked its manifest.
   void wait_acks(std::uint64_t version);
-  // Waits until the slot for `seq` may be refilled.
+  // The sync this producer (rank) writes now: waits check it for an abort.
+  void set_sync(std::uint64_t version, std::uint64_t first_seq) {
+    sync_version_ = version;
+    sync_first_seq_ = first_seq;
+  }
+  // Waits until the slot for `seq` may be refilled: every consumer released
+  // the chunk it held and, with several ranks, that chunk's writer (another
+  // rank) published it.
   void acquire(std::uint64_t seq);
+  // Throws kAborted when the sync set_sync() named was aborted (by any rank).
+  void check_aborted() const;
+  bool aborted_now() const;
   // Waits until every enrolled consumer released every chunk <= seq.
   void wait_released(std::uint64_t seq, std::int64_t deadline_ns);
   // Marks chunk `seq` as being rewritten (consumers that still read it see
@@ -123,6 +168,7 @@ class ProducerRing {
   RegionView* v_;
   ProducerRingOptions opts_;
   std::vector<std::string> events_;
+  std::uint64_t sync_version_ = 0, sync_first_seq_ = 0;
 };
 
 // Producer side of one sync's chunk stream: acquires slots in order
@@ -133,11 +179,15 @@ class ProducerRing {
 class ChunkWriter {
  public:
   ChunkWriter() = default;
+  // Rank `rank` of `world_size` writes its sub-stream of `stream_bytes` as
+  // `rank_chunks` chunks: its chunk c is seq first_seq + c * world_size + rank.
   ChunkWriter(ProducerRing* ring, RegionView* view, std::uint64_t version, std::uint64_t first_seq,
-              std::uint64_t stream_bytes, bool checksums);
+              std::uint64_t stream_bytes, bool checksums, std::uint32_t rank = 0, std::uint32_t world_size = 1,
+              std::uint64_t rank_chunks = ~0ull);
 
-  std::uint64_t chunks() const { return chunks_; }
-  std::uint64_t next_seq() const { return first_seq_ + chunks_; }
+  std::uint64_t chunks() const { return chunks_; }  // this rank's
+  std::uint64_t next_seq() const { return first_seq_ + chunks_ * R_; }  // after the whole sync
+  std::uint64_t seq_of(std::uint64_t c) const { return first_seq_ + c * R_ + rank_; }
   std::uint64_t slot_bytes() const { return S_; }
   // Slot memory for stream byte `pos` (< stream bytes) and, in *room, how
   // many bytes of its chunk follow it. Acquires that chunk and every one
@@ -165,6 +215,7 @@ class ChunkWriter {
   ProducerRing* ring_ = nullptr;
   RegionView* v_ = nullptr;
   std::uint64_t version_ = 0, first_seq_ = 0, stream_ = 0, S_ = 1, chunks_ = 0;
+  std::uint64_t rank_ = 0, R_ = 1;
   std::uint64_t acquired_ = 0, published_ = 0;
   bool checksums_ = false;
 };
@@ -197,8 +248,10 @@ class ConsumerRing {
     bool published;
     std::uint64_t final_bytes;  // == expect_bytes when published
   };
+  // `writer`: the producer rank that writes chunk `seq` (sharded producers),
+  // checked for death while waiting; -1 for a one-rank producer.
   ChunkWait wait_chunk(std::uint64_t seq, std::uint64_t version, std::uint64_t expect_bytes, std::int64_t deadline_ns,
-                       bool follow, std::uint64_t have);
+                       bool follow, std::uint64_t have, int writer = -1);
   // After reading a slot: true when it still holds `seq` and this consumer
   // still owns its seat (so what was read is what was published).
   bool still_valid(std::uint32_t slot, std::uint64_t seq) const;
@@ -226,15 +279,18 @@ class ConsumerRing {
 class ChunkReader {
  public:
   struct Range {
-    const std::byte* data;  // stream byte `start`, in slot memory
+    const std::byte* data;  // sub-stream byte `start` of rank `rank`, in slot memory
     std::uint64_t start;
+    std::uint32_t rank;
     std::uint64_t bytes;
     bool last;             // the chunk's last range: release it after copying
     std::uint64_t seq;
     std::uint32_t slot;
   };
+  // `rank_bytes`: each producer rank's sub-stream length (one entry: a
+  // one-rank producer whose stream is its sub-stream).
   ChunkReader(ConsumerRing* ring, RegionView* view, std::uint64_t version, std::uint64_t first_seq,
-              std::uint64_t chunks, std::uint64_t stream_bytes, bool follow, bool verify_checksums,
+              std::uint64_t chunks, std::vector<std::uint64_t> rank_bytes, bool follow, bool verify_checksums,
               std::int64_t chunk_timeout_ns);
   // The next range, or false when every chunk was handed out. Throws the
   // ring's errors (Aborted, PeerDied, Timeout, Corrupt, Checksum, ...).
@@ -244,7 +300,8 @@ class ChunkReader {
  private:
   ConsumerRing* ring_;
   RegionView* v_;
-  std::uint64_t version_, first_seq_, chunks_, stream_, S_;
+  std::uint64_t version_, first_seq_, chunks_, S_;
+  std::vector<std::uint64_t> rank_bytes_;
   bool follow_, verify_;
   std::int64_t timeout_ns_;
   std::uint64_t c_ = 0;      // chunk being handed out

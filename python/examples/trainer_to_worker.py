@@ -10,7 +10,7 @@ as RL frameworks do (CUDA IPC of such memory needs pidfd_getfd; shmcast does
 not).
 
 The worker is a STAND-IN for a vLLM worker (vLLM is not installed here): the
-model is python/tests/fake_vllm.py's FakeQwen2ForCausalLM, whose
+model is the Qwen2 of python/tests/standins/vllm (see fake_vllm.py), whose
 load_weights() maps HF names onto fused qkv_proj / gate_up_proj parameters
 like vLLM's Qwen2. With real vLLM the worker side is:
 
@@ -32,11 +32,20 @@ import time  # noqa: E402
 
 import torch  # noqa: E402
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))  # the stand-in
+_TESTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests")
+sys.path.insert(0, _TESTS)  # fake_vllm
+sys.path.insert(0, os.path.join(_TESTS, "standins"))  # the vLLM stand-in it builds on
 
 import shmcast  # noqa: E402
 
 STEPS = 3
+
+
+def config():
+    """The stand-in model's size: a vocabulary without padding, tied embeddings."""
+    import fake_vllm
+
+    return fake_vllm.Cfg(vocab_size=256, tie_word_embeddings=True)
 
 
 def fused_digest(named) -> str:
@@ -68,7 +77,7 @@ def worker_main(conn, region, device):
     """The inference worker: a vLLM-style worker with the shmcast extension."""
     import fake_vllm  # STAND-IN for vLLM (see its docstring)
 
-    worker = fake_vllm.FakeWorker(device=device)
+    worker = fake_vllm.FakeWorker(device=device, cfg=config())
     worker.init_shmcast(region, timeout=60)  # attach before the first sync
     conn.send("attached")
     while True:
@@ -87,7 +96,7 @@ def main():
     device = "cuda:0" if torch.cuda.is_available() and shmcast.cuda_available() else "cpu"
     print(f"trainer: weights on {device}; region '{region}' in {shmcast.region_dir()}")
     # The trainer's model, in HF naming (a real trainer: model.named_parameters()).
-    weights = [(n, t.to(device)) for n, t in fake_vllm.hf_state_dict(seed=0)]
+    weights = [(n, t.to(device)) for n, t in fake_vllm.hf_state_dict(seed=0, cfg=config())]
 
     ctx = mp.get_context("spawn")
     here, there = ctx.Pipe()

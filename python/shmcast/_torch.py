@@ -314,6 +314,77 @@ class _Closing:
 # ---------------------------------------------------------------- producer
 
 
+class Shard:
+    """A contiguous shard of a larger (logical) tensor, sent by one rank of a
+    sharded Producer: `local` holds the rows [offset, offset +
+    local.shape[dim]) along `dim` of a tensor of shape `global_shape`.
+    Consumers see the whole tensor (or the slice they ask for)."""
+
+    __slots__ = ("local", "global_shape", "dim", "offset")
+
+    def __init__(self, local: torch.Tensor, global_shape, dim: int, offset: int):
+        if not isinstance(local, torch.Tensor):
+            raise TypeError(f"Shard: local must be a torch.Tensor, got {type(local).__name__}")
+        shape = tuple(int(x) for x in global_shape)
+        if not (isinstance(dim, int) and 0 <= dim < len(shape)):
+            raise ValueError(f"Shard: dim {dim} is not a dimension of {list(shape)}")
+        want = shape[:dim] + (int(local.shape[dim]) if local.dim() == len(shape) else -1,) + shape[dim + 1:]
+        if local.dim() != len(shape) or tuple(local.shape) != want:
+            raise ValueError(f"Shard: local shape {list(local.shape)} is not {list(shape)} with dim {dim} cut")
+        if not (isinstance(offset, int) and 0 <= offset and offset + int(local.shape[dim]) <= shape[dim]):
+            raise ValueError(f"Shard: rows [{offset}, +{local.shape[dim]}) lie outside dim {dim} of {list(shape)}")
+        self.local, self.global_shape, self.dim, self.offset = local, shape, dim, offset
+
+    def __repr__(self):
+        return (f"shmcast.Shard({list(self.local.shape)} of {list(self.global_shape)}, dim={self.dim}, "
+                f"offset={self.offset})")
+
+
+def _dtensor_piece(name, t):
+    """This rank's piece of DTensor `t`, without any gather: None when another
+    rank sends it (a replicated tensor is sent by mesh coordinate 0), a plain
+    tensor when this rank sends it whole, or a Shard."""
+    mesh, placements = t.device_mesh, t.placements
+    coord = mesh.get_coordinate()
+    if coord is None:
+        return None  # this rank is not in the tensor's mesh
+    shard = None
+    for md, pl in enumerate(placements):
+        if pl.is_shard():
+            if shard is not None:
+                raise NotImplementedError(
+                    f"'{name}' is sharded over several mesh dims {placements}: send shmcast.Shard pieces "
+                    "or full_tensor() it")
+            shard = (md, pl.dim)
+        elif pl.is_replicate():
+            if coord[md] != 0:
+                return None  # a replica another rank sends
+        else:
+            raise NotImplementedError(f"'{name}' has placement {pl}: only Shard and Replicate are sent as they are")
+    local = t.to_local()
+    if shard is None:
+        return local
+    dim = shard[1]
+    if dim < 0:
+        dim += len(t.shape)
+    try:  # what DTensor itself computes (uneven shards included)
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+        _, goff = compute_local_shape_and_global_offset(t.shape, mesh, placements)
+        offset = int(goff[dim])
+    except ImportError:  # torch.chunk's split, as Shard places it
+        n, k = int(t.shape[dim]), mesh.size(shard[0])
+        offset = min(n, -(-n // k) * coord[shard[0]])
+    return Shard(local, tuple(t.shape), dim, offset)
+
+
+def _local_shape(spec):
+    if len(spec) == 3:
+        return spec[2]
+    shape = list(spec[2])
+    shape[spec[3]] = spec[5]
+    return tuple(shape)
+
+
 class Producer(_Closing):
     """Creates region `name` and sends syncs of named tensors into it.
 
@@ -325,6 +396,15 @@ class Producer(_Closing):
     staging_budget: bytes of temporary GPU copies (non-contiguous CUDA tensors
     that are not row-pitched, DTensor gathers) that may be alive at once
     during a send before the producer waits for their D2H copies.
+
+    Sharded trainers: every rank creates Producer(name, rank=r,
+    world_size=R, ...) (rank 0 creates the region, slots >= 2 * R; the
+    others attach to it) and calls send() for every sync with what it
+    holds: DTensors (its local shard, no gather; a replicated one is sent by
+    mesh coordinate 0), shmcast.Shard pieces, or plain tensors it owns
+    whole. Every rank's send() returns the same version; consumers see one
+    sync of whole tensors. rank_timeout: how long rank 0 waits for the
+    others (and they for it) before Timeout naming the missing rank.
     """
 
     def __init__(
@@ -344,6 +424,9 @@ class Producer(_Closing):
         pin: Union[str, bool] = "auto",
         staging_budget: int = 256 << 20,
         engine: str = "auto",
+        rank: int = 0,
+        world_size: int = 1,
+        rank_timeout: float = 120.0,
     ):
         self._pid = os.getpid()
         self._c = None
@@ -362,7 +445,11 @@ class Producer(_Closing):
             consumer_timeout=consumer_timeout,
             pin=pin,
             engine=engine,
+            rank=rank,
+            world_size=world_size,
+            rank_timeout=rank_timeout,
         )
+        self.rank, self.world_size = int(rank), int(world_size)
         self._staging_budget = budget
         # Fixed at create: 'cuda' copies device tensors with async D2H (and
         # host ones with memcpy); 'host' stages CUDA tensors to CPU first.
@@ -390,10 +477,24 @@ class Producer(_Closing):
         to_name = _TO_NAME
         row_pitch = _row_pitch
         Tensor, Parameter, strided = torch.Tensor, torch.nn.Parameter, torch.strided
+        sharded = self.world_size > 1
         for name, t in items:
             i = len(specs)
-            keep.append(t)
             tt = type(t)
+            shard = None
+            if tt is not Tensor and tt is not Parameter and sharded:
+                if hasattr(t, "placements") and hasattr(t, "to_local"):  # DTensor: this rank's piece, no gather
+                    t = _dtensor_piece(name, t)
+                    if t is None:
+                        continue
+                    tt = type(t)
+                if tt is Shard:
+                    shard, t = t, t.local
+                    tt = type(t)
+            elif tt is Shard:
+                raise ValueError(f"'{name}' is a shmcast.Shard but this producer has one rank: create every "
+                                 "rank's Producer with rank= and world_size=")
+            keep.append(t)
             if tt is not Tensor and tt is not Parameter:
                 if hasattr(t, "full_tensor"):  # FSDP2 DTensor (or alike): gathered when its turn comes
                     dt = to_name.get(t.dtype)
@@ -412,7 +513,10 @@ class Producer(_Closing):
                 raise TypeError(f"'{name}': shmcast cannot carry torch dtype {t.dtype}")
             if t.layout is not strided:
                 raise TypeError(f"'{name}': shmcast sends dense tensors, not {t.layout}")
-            specs.append((name, dt, tuple(t.shape)))
+            if shard is not None:
+                specs.append((name, dt, shard.global_shape, shard.dim, shard.offset, int(t.shape[shard.dim])))
+            else:
+                specs.append((name, dt, tuple(t.shape)))
             if t.is_cuda:
                 if cuda_dev is None:
                     cuda_dev = t.device
@@ -483,7 +587,7 @@ class Producer(_Closing):
                 if i == len(specs):
                     break
                 staged = self._stage(keep[i])
-                if tuple(staged.shape) != specs[i][2] or _TO_NAME.get(staged.dtype) != specs[i][1]:
+                if tuple(staged.shape) != _local_shape(specs[i]) or _TO_NAME.get(staged.dtype) != specs[i][1]:
                     raise ValueError(f"'{specs[i][0]}': full_tensor() gave {staged.dtype} {list(staged.shape)}, "
                                      f"expected {specs[i][1]} {list(specs[i][2])}")
                 if target is None:
@@ -643,16 +747,22 @@ class Consumer(_Closing):
 
     # -------------------------------------------------------- receiving
 
-    def receive(self, timeout: Optional[float] = 30.0, *, mode: Optional[str] = None) -> list:
+    def receive(self, timeout: Optional[float] = 30.0, *, mode: Optional[str] = None, names=None,
+                slices: Optional[Mapping] = None) -> list:
         """Waits for the next sync (timeout in seconds; None waits forever) and
         returns its tensors as a list of (name, tensor) on this consumer's
         device, in the producer's order: what model.load_weights() takes.
+
+        names: only these tensors (an iterable of names; absent ones are
+        skipped). slices: name -> (dim, start, length): that tensor arrives
+        as the slice [start, start + length) along dim (a tensor-parallel
+        worker's part); only the selected bytes are copied.
 
         CUDA: the copies are ordered before later work on
         torch.cuda.current_stream(device). See the class doc for `mode`."""
         with self._lock:
             self.wait_sync(timeout)
-            return self.read(mode=mode)
+            return self.read(mode=mode, names=names, slices=slices)
 
     def wait_sync(self, timeout: Optional[float] = 30.0):
         """Step 1 of receive(): waits for the next sync and returns its
@@ -665,13 +775,15 @@ class Consumer(_Closing):
             self._pending = info
             return info
 
-    def read(self, *, mode: Optional[str] = None) -> list:
+    def read(self, *, mode: Optional[str] = None, names=None, slices: Optional[Mapping] = None) -> list:
         """Step 2 of receive(): reads the sync wait_sync() returned into
         tensors on this consumer's device; returns [(name, tensor), ...]."""
         c = self._live()
         with self._lock:
             info = self._take_pending()
             try:
+                if names is not None or slices or info.world_size > 1:
+                    return self._read_selected(c, info, mode or self.mode, names, slices)
                 return self._read(c, info, mode or self.mode)
             except BaseException:
                 self._skip_quietly(c)
@@ -717,7 +829,48 @@ class Consumer(_Closing):
             c.read_into_device([base + t[4] if t[3] else None for t in tensors], stream)
             return _views(buf, tensors)
 
-    def receive_into(self, tensors: Mapping, timeout: Optional[float] = 30.0, *, strict: bool = True) -> int:
+    def _read_selected(self, c, info, mode, names, slices) -> list:
+        """The general read: some tensors (names), some of them sliced, from
+        one or several producer ranks. One buffer, each tensor (or slice)
+        packed at a 256-byte boundary."""
+        want = None if names is None else set(names)
+        slices = _check_slices(info, slices or {})
+        picked, ptrs, sels, total = [], [None] * len(info.tensors), [None] * len(info.tensors), 0
+        for j, (name, dt, shape, nbytes, _off) in enumerate(info.tensors):
+            if want is not None and name not in want:
+                continue
+            if dt not in _FROM_NAME:
+                torch_dtype(dt)  # raises the explanatory TypeError
+            sel = slices.get(name)
+            if sel is not None:
+                shape = shape[:sel[0]] + (sel[2],) + shape[sel[0] + 1:]
+                nbytes = _ELEM_SIZE[_FROM_NAME[dt]] * math.prod(shape)
+                sels[j] = sel
+            total = _round_up(total, 256)
+            picked.append((j, (name, dt, shape, nbytes, total)))
+            total += nbytes
+        dev = self.device
+        what = f"sync {info.version} of '{c.name}'"
+        if dev.type == "cpu" and mode == "staging":
+            buf = self._host_buf
+            if buf is None or buf.numel() < total:
+                self._host_buf = buf = None
+                buf = self._host_buf = _alloc(_round_up(max(total, 1), 1 << 21), torch.uint8, dev, what)
+        else:
+            buf = _alloc(_round_up(max(total, 1), 256), torch.uint8, dev, what)
+        base = buf.data_ptr()
+        for j, t in picked:
+            ptrs[j] = base + t[4] if t[3] else None
+        selections = sels if slices else None
+        if dev.type == "cpu":
+            c.read_into(ptrs, selections)
+        else:
+            with torch.cuda.device(dev):
+                c.read_into_device(ptrs, torch.cuda.current_stream(dev).cuda_stream, selections)
+        return _views(buf, [t for _, t in picked])
+
+    def receive_into(self, tensors: Mapping, timeout: Optional[float] = 30.0, *, strict: bool = True,
+                     slices: Optional[Mapping] = None) -> int:
         """Waits for the next sync and copies it straight into the given
         tensors (a mapping name -> preallocated tensor, CPU or CUDA, e.g. a
         model's parameters). Returns the sync's version.
@@ -735,23 +888,27 @@ class Consumer(_Closing):
         producer died, may leave destinations partly written.)"""
         with self._lock:
             self.wait_sync(timeout)
-            return self.read_into(tensors, strict=strict)
+            return self.read_into(tensors, strict=strict, slices=slices)
 
-    def read_into(self, tensors: Mapping, *, strict: bool = True) -> int:
+    def read_into(self, tensors: Mapping, *, strict: bool = True, slices: Optional[Mapping] = None) -> int:
         """Step 2 of receive_into(): copies the sync wait_sync() returned into
-        `tensors`."""
+        `tensors`. slices: name -> (dim, start, length); that destination
+        then has the shape of the slice [start, start + length) along dim of
+        the sync's tensor, and only those bytes are copied."""
         c = self._live()
         with self._lock:
             info = self._take_pending()
             try:
-                return self._read_into(c, info, tensors, strict)
+                return self._read_into(c, info, tensors, strict, slices or {})
             except BaseException:
                 self._skip_quietly(c)
                 raise
 
-    def _read_into(self, c, info, dsts: Mapping, strict: bool) -> int:
+    def _read_into(self, c, info, dsts: Mapping, strict: bool, slices: Mapping) -> int:
         # Every destination is checked before the first byte is read: on any
         # problem the sync is skipped and no destination is touched.
+        slices = _check_slices(info, slices)
+        sels = [None] * len(info.tensors)
         problems = []
         plan = []  # (sync index, destination, nbytes)
         cuda_dev = None
@@ -770,8 +927,14 @@ class Consumer(_Closing):
             want = _FROM_NAME.get(dt)
             if d.dtype != want:
                 problems.append(f"'{name}': the sync has dtype {want or dt}, the destination {d.dtype}")
+            sel = slices.get(name)
+            if sel is not None:
+                sels[j] = sel
+                shape = shape[:sel[0]] + (sel[2],) + shape[sel[0] + 1:]
+                nbytes = (_ELEM_SIZE[want] * math.prod(shape)) if want is not None else 0
             if tuple(d.shape) != shape:
-                problems.append(f"'{name}': the sync has shape {list(shape)}, the destination {list(d.shape)}")
+                what = "slice" if sel is not None else "shape"
+                problems.append(f"'{name}': the sync's {what} is {list(shape)}, the destination {list(d.shape)}")
             if d.is_cuda:
                 if cuda_dev is None:
                     cuda_dev = d.device
@@ -800,12 +963,13 @@ class Consumer(_Closing):
                              f"sync {info.version}: the temporary for '{info.tensors[j][0]}'")
                 after.append((d, tmp))
                 ptrs[j] = tmp.data_ptr()
+        selections = sels if slices else None
         if cuda_dev is None:
-            c.read_into(ptrs)
+            c.read_into(ptrs, selections)
             _copy_back(after)
         else:
             with torch.cuda.device(cuda_dev):
-                c.read_into_device(ptrs, torch.cuda.current_stream(cuda_dev).cuda_stream)
+                c.read_into_device(ptrs, torch.cuda.current_stream(cuda_dev).cuda_stream, selections)
                 _copy_back(after)  # on the current stream, after the read
         return info.version
 
@@ -861,6 +1025,29 @@ class Consumer(_Closing):
             return "<shmcast.Consumer (not open)>"
         state = "closed" if self._c.closed else f"seat {self._c.seat}"
         return f"<shmcast.Consumer '{self._c.name}' on {self.device} {state}>"
+
+
+def _check_slices(info, slices: Mapping) -> dict:
+    """name -> (dim, start, length), checked against the sync (Mismatch)."""
+    out = {}
+    if not slices:
+        return out
+    shapes = {t[0]: t[2] for t in info.tensors}
+    for name, sel in slices.items():
+        shape = shapes.get(name)
+        if shape is None:
+            continue  # not in this sync: nothing to slice
+        try:
+            dim, start, length = (int(x) for x in sel)
+        except (TypeError, ValueError):
+            raise Mismatch(f"slice of '{name}': expected (dim, start, length), got {sel!r}") from None
+        if dim < 0:
+            dim += len(shape)
+        if not (0 <= dim < len(shape)) or start < 0 or length < 0 or start + length > shape[dim]:
+            raise Mismatch(f"slice of '{name}': rows [{start}, +{length}) along dim {dim} do not fit its shape "
+                           f"{list(shape)}")
+        out[name] = (dim, start, length)
+    return out
 
 
 def _round_up(n: int, a: int) -> int:

@@ -22,7 +22,6 @@ whole bucket before the ticket exists, so nobody reads while it writes.
 """
 from __future__ import annotations
 
-import hashlib
 import io
 import os
 import pickle
@@ -33,6 +32,7 @@ from typing import Optional, Union
 import torch
 
 from . import _shmcast as _C
+from ._load import ConsumerCache, check_manifest, names_digest, wait_for
 from ._torch import Consumer, Producer, dtype_name
 
 __all__ = [
@@ -47,7 +47,7 @@ __all__ = [
 
 _lock = threading.Lock()
 _producers: dict = {}
-_consumers: dict = {}
+_consumers = ConsumerCache()
 
 
 def default_region() -> str:
@@ -77,14 +77,6 @@ class ShmcastTicket:
     payload_bytes: int
     names_digest: str    # blake2b-64 of the names in order: the receiver checks the manifest against it
     infer_strategy: str
-
-
-def _names_digest(names) -> str:
-    h = hashlib.blake2b(digest_size=8)
-    for n in names:
-        h.update(n.encode())
-        h.update(b"\0")
-    return h.hexdigest()
 
 
 def create_region(region: Optional[str] = None, **producer_options) -> Producer:
@@ -165,7 +157,7 @@ def serialize_named_weights(
         chunks=s.chunks,
         count=len(named),
         payload_bytes=s.payload_bytes,
-        names_digest=_names_digest(n for n, _ in named),
+        names_digest=names_digest(n for n, _ in named),
         infer_strategy=str(infer_strategy),
     )
     return pickle.dumps(ticket, protocol=4)
@@ -194,14 +186,7 @@ def attach(region: Optional[str] = None, device=None, timeout: float = 60.0) -> 
     (default: the current CUDA device, else CPU). Call it on every receiver
     before the sender writes its first bucket: only consumers attached when a
     sync begins take part in it."""
-    region = region or default_region()
-    if device is None:
-        device = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
-    with _lock:
-        c = _consumers.get(region)
-        if c is None or c.closed:
-            c = _consumers[region] = Consumer(region, device=device, open_timeout=timeout)
-        return c
+    return _consumers.get(region or default_region(), device, open_timeout=timeout)
 
 
 def named_tensors_from_ticket(ticket, *, device=None, timeout: float = 60.0, mode: str = "copy") -> list:
@@ -212,29 +197,14 @@ def named_tensors_from_ticket(ticket, *, device=None, timeout: float = 60.0, mod
     receiver missed the ticket's bucket (shmcast.InvalidArgument)."""
     t = load_ticket(ticket)
     cons = attach(t.region, device, timeout)
-    while True:
-        try:
-            info = cons.wait_sync(timeout)
-        except _C.Timeout as e:
-            raise _C.Timeout(
-                f"sync {t.version} of region '{t.region}' did not arrive: {e}. Was this receiver attached "
-                "(shmcast.roll.attach) before the sender wrote the bucket?") from None
-        if info.version < t.version:
-            cons.skip()  # an older bucket whose ticket never reached us
-            continue
-        if info.version > t.version:
-            cons.skip()
-            raise _C.InvalidArgument(
-                f"region '{t.region}' is at sync {info.version}, past the ticket's {t.version}: this receiver "
-                "missed that bucket (tickets must be consumed in order)")
-        break
-    names = [x[0] for x in info.tensors]
-    if (len(names) != t.count or _names_digest(names) != t.names_digest or info.first_seq != t.first_seq
-            or info.chunks != t.chunks):
+    info = wait_for(cons, t.version, timeout,
+                    what=" (was this receiver attached with shmcast.roll.attach before the sender wrote the bucket? "
+                         "tickets must be consumed in order)")
+    check_manifest(cons, info, t.count, t.names_digest)
+    if info.first_seq != t.first_seq or info.chunks != t.chunks:
         cons.skip()
         raise _C.Corrupt(f"sync {info.version} of region '{t.region}' does not match its ticket "
-                         f"({len(names)} tensors, chunks {info.first_seq}+{info.chunks}; ticket: {t.count} tensors, "
-                         f"chunks {t.first_seq}+{t.chunks})")
+                         f"(chunks {info.first_seq}+{info.chunks}; ticket: chunks {t.first_seq}+{t.chunks})")
     # The manifest is read: receive the data with the consumer's machinery.
     return cons.read(mode=mode)
 
@@ -242,8 +212,8 @@ def named_tensors_from_ticket(ticket, *, device=None, timeout: float = 60.0, mod
 def close(region: Optional[str] = None) -> None:
     """Closes the cached producers/consumers of `region` (or of all regions)."""
     with _lock:
-        for cache in (_producers, _consumers):
-            for name in [region] if region is not None else list(cache):
-                obj = cache.pop(name, None)
-                if obj is not None:
-                    obj.close()
+        for name in [region] if region is not None else list(_producers):
+            obj = _producers.pop(name, None)
+            if obj is not None:
+                obj.close()
+    _consumers.close(region)

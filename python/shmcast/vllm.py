@@ -21,7 +21,7 @@ from typing import Optional
 
 import torch
 
-from ._torch import Consumer
+from ._load import ConsumerCache, cached_direct_loader, default_device, load_whole
 
 __all__ = ["ShmcastWorkerExtension"]
 
@@ -35,22 +35,18 @@ class ShmcastWorkerExtension:
     # safe because load_weights() copies every tensor into the model before
     # the next update. Set 'copy' to get tensors that own their memory.
     shmcast_mode = "staging"
+    # 'auto': TP slices straight into the parameters when every layout is
+    # understood (else load_weights()); 'direct' insists; 'loader' always
+    # goes through load_weights() with whole tensors.
+    shmcast_load = "auto"
 
     def _shmcast_device(self) -> torch.device:
-        dev = getattr(self, "device", None)
-        if dev is not None:
-            dev = torch.device(dev)
-            if dev.type == "cuda" and dev.index is None:
-                dev = torch.device("cuda", torch.cuda.current_device())
-            return dev
-        if torch.cuda.is_available():
-            return torch.device("cuda", torch.cuda.current_device())
-        return torch.device("cpu")
+        return default_device(getattr(self, "device", None))
 
-    def _shmcast_consumers(self) -> dict:
+    def _shmcast_consumers(self) -> ConsumerCache:
         d = self.__dict__.get("_shmcast_consumers_")
         if d is None:
-            d = self.__dict__["_shmcast_consumers_"] = {}
+            d = self.__dict__["_shmcast_consumers_"] = ConsumerCache()
         return d
 
     def init_shmcast(self, region: str, timeout: float = 60.0, mode: Optional[str] = None) -> int:
@@ -58,31 +54,48 @@ class ShmcastWorkerExtension:
         producer to create it) and returns its consumer seat. Only consumers
         attached when a sync begins take part in it: call this on every
         worker (collective_rpc) before the trainer's first send."""
-        cons = self._shmcast_consumers().get(region)
-        if cons is None or cons.closed:
-            cons = Consumer(region, device=self._shmcast_device(), open_timeout=timeout,
-                            mode=mode or self.shmcast_mode)
-            self._shmcast_consumers()[region] = cons
+        cons = self._shmcast_consumers().get(region, self._shmcast_device(), open_timeout=timeout,
+                                             mode=mode or self.shmcast_mode)
         return cons.seat
 
     def update_weights_from_shmcast(self, region: str, timeout: float = 60.0) -> int:
         """Receives the next sync of `region` (opening a consumer on this
         worker's device if init_shmcast() was not called) and loads it with
-        self.model_runner.model.load_weights(weights=...). Returns the sync's
+        self.model_runner.model.load_weights(weights). Returns the sync's
         version."""
-        self.init_shmcast(region, timeout)
-        cons = self._shmcast_consumers()[region]
-        weights = cons.receive(timeout=timeout)
-        try:
-            self.model_runner.model.load_weights(weights=weights)
-        finally:
-            del weights  # staging views must not outlive this call
-        return cons.last_version
+        cons = self._shmcast_consumers().peek(region)
+        if cons is None:
+            self.init_shmcast(region, timeout)
+            cons = self._shmcast_consumers().peek(region)
+        model = self.model_runner.model
+        direct = self._shmcast_direct(model)
+        if direct is not None:
+            loaded = direct.load(cons, timeout=timeout)
+        else:
+            loaded = load_whole(cons, model, timeout=timeout)
+        self.__dict__["_shmcast_last_"] = loaded
+        return loaded.version
+
+    def _shmcast_direct(self, model):
+        if self.shmcast_load == "loader":
+            return None
+        d = cached_direct_loader(self.__dict__.setdefault("_shmcast_direct_", {}), id(model), model)
+        if d.complete:
+            return d
+        if self.shmcast_load == "direct":
+            raise ValueError(f"shmcast_load='direct' cannot load this model: {d.why}")
+        return None
+
+    def shmcast_stats(self) -> dict:
+        """What the last update moved: version, bytes this worker read
+        (its TP slices), the sync's payload, and the path ('direct' or
+        'loader')."""
+        last = self.__dict__.get("_shmcast_last_")
+        if last is None:
+            return {}
+        return {"version": last.version, "tensors": last.tensors, "bytes_read": last.bytes_read,
+                "payload_bytes": last.bytes_total, "path": last.mode}
 
     def close_shmcast(self, region: Optional[str] = None) -> None:
         """Leaves `region` (or every region) and frees the staging buffers."""
-        consumers = self._shmcast_consumers()
-        for name in [region] if region is not None else list(consumers):
-            cons = consumers.pop(name, None)
-            if cons is not None:
-                cons.close()
+        self._shmcast_consumers().close(region)

@@ -311,7 +311,9 @@ std::vector<TensorSpec> to_specs(py::handle specs) {
   out.reserve(seq.size());
   for (py::handle item : seq) {
     py::sequence t = py::reinterpret_borrow<py::sequence>(item);
-    if (t.size() != 3) throw Error(Errc::kInvalidArgument, "a tensor spec is (name, dtype, shape)");
+    if (t.size() != 3 && t.size() != 6)
+      throw Error(Errc::kInvalidArgument,
+                  "a tensor spec is (name, dtype, shape) or, for a shard, (name, dtype, full shape, dim, start, length)");
     TensorSpec s;
     s.name = utf8_arg(t[0], "tensor name", Errc::kInvalidArgument);
     s.dtype = parse_dtype(t[1]);
@@ -319,7 +321,33 @@ std::vector<TensorSpec> to_specs(py::handle specs) {
     s.shape.reserve(shape.size());
     for (py::handle d : shape)
       s.shape.push_back(int_arg<std::int64_t>(d, "shape dimension", 0, std::numeric_limits<std::int64_t>::max()));
+    if (t.size() == 6) {
+      s.shard_dim = int_arg<int>(t[3], "shard dim", 0, kMaxDims - 1);
+      s.shard_start = int_arg<std::int64_t>(t[4], "shard start", 0, std::numeric_limits<std::int64_t>::max());
+      s.shard_length = int_arg<std::int64_t>(t[5], "shard length", 0, std::numeric_limits<std::int64_t>::max());
+    }
     out.push_back(std::move(s));
+  }
+  return out;
+}
+
+// selections: None (whole tensors) or a sequence with None or (dim, start,
+// length) per tensor of the sync.
+std::vector<Selection> to_selections(py::handle h) {
+  std::vector<Selection> out;
+  if (h.is_none()) return out;
+  py::sequence seq = py::reinterpret_borrow<py::sequence>(h);
+  out.reserve(seq.size());
+  for (py::handle item : seq) {
+    Selection sel;
+    if (!item.is_none()) {
+      py::sequence t = py::reinterpret_borrow<py::sequence>(item);
+      if (t.size() != 3) throw Error(Errc::kInvalidArgument, "a selection is None or (dim, start, length)");
+      sel.dim = int_arg<int>(t[0], "selection dim", 0, kMaxDims - 1);
+      sel.start = int_arg<std::int64_t>(t[1], "selection start", 0, std::numeric_limits<std::int64_t>::max());
+      sel.length = int_arg<std::int64_t>(t[2], "selection length", 0, std::numeric_limits<std::int64_t>::max());
+    }
+    out.push_back(sel);
   }
   return out;
 }
@@ -393,7 +421,9 @@ py::tuple shape_tuple(const std::vector<std::int64_t>& shape) {
 // What Consumer.wait_sync returns: a snapshot, converted once.
 struct PySync {
   std::uint64_t version = 0, stream_bytes = 0, payload_bytes = 0, first_seq = 0, chunks = 0;
+  std::uint32_t world_size = 1;
   py::list tensors;  // (name, dtype, shape, nbytes, stream_offset)
+  py::list pieces;   // per tensor: [(rank, dim, start, length, nbytes)], dim -1 = whole
 
   static PySync from(const SyncInfo& s) {
     PySync p;
@@ -402,7 +432,9 @@ struct PySync {
     p.payload_bytes = s.payload_bytes;
     p.first_seq = s.first_seq;
     p.chunks = s.chunks;
+    p.world_size = s.world_size;
     p.tensors = py::list(s.tensors.size());
+    p.pieces = py::list(s.tensors.size());
     for (std::size_t i = 0; i < s.tensors.size(); ++i) {
       const TensorInfo& t = s.tensors[i];
       // Names reach Python only as valid UTF-8 (a producer rejects others;
@@ -416,6 +448,12 @@ struct PySync {
       }
       p.tensors[i] = py::make_tuple(py::reinterpret_steal<py::str>(name), py::str(std::string(dtype_name(t.dtype))),
                                     shape_tuple(t.shape), py::int_(t.nbytes), py::int_(t.stream_offset));
+      py::list ps(t.shards.size());
+      for (std::size_t k = 0; k < t.shards.size(); ++k) {
+        const ShardInfo& sh = t.shards[k];
+        ps[k] = py::make_tuple(sh.rank, sh.dim, sh.start, sh.length, sh.nbytes);
+      }
+      p.pieces[i] = ps;
     }
     return p;
   }
@@ -464,9 +502,13 @@ class PyProducer : Owned {
  public:
   PyProducer(py::handle name, py::handle slot_bytes, py::handle slots, py::handle max_consumers,
              py::handle manifest_bytes, bool group_access, bool replace_stale, bool unlink_on_close, bool checksums,
-             py::handle stall_policy, py::handle consumer_timeout, py::handle pin, py::handle engine) {
+             py::handle stall_policy, py::handle consumer_timeout, py::handle pin, py::handle engine, py::handle rank,
+             py::handle world_size, py::handle rank_timeout) {
     const std::string n = region_name_arg(name);
     ProducerOptions o;
+    o.world_size = int_arg<std::uint32_t>(world_size, "world_size", 1, limits::kMaxRanks);
+    o.rank = int_arg<std::uint32_t>(rank, "rank", 0, o.world_size - 1);
+    o.rank_timeout = seconds_arg(rank_timeout, "rank_timeout", false);
     o.slot_bytes = int_arg<std::uint64_t>(slot_bytes, "slot_bytes", 1, limits::kMaxSlotBytes);
     o.slots = int_arg<std::uint32_t>(slots, "slots", 2, limits::kMaxSlots);
     o.max_consumers = int_arg<std::uint32_t>(max_consumers, "max_consumers", 1, limits::kMaxConsumers);
@@ -650,7 +692,7 @@ class PyProducer : Owned {
     Producer& p = get();
     const std::uint64_t v = p.begin_sync(specs);
     nbytes_.resize(specs.size());
-    for (std::size_t i = 0; i < specs.size(); ++i) nbytes_[i] = specs[i].nbytes();
+    for (std::size_t i = 0; i < specs.size(); ++i) nbytes_[i] = specs[i].local_nbytes();
     return v;
   }
 
@@ -754,15 +796,17 @@ class PyConsumer : Owned {
     }
   }
 
-  void read_into(py::handle ptrs) {
+  void read_into(py::handle ptrs, py::handle selections) {
     std::vector<void*> d = to_ptrs(ptrs);
-    locked([&](Consumer& c) { c.read_into(d); });
+    std::vector<Selection> sel = to_selections(selections);
+    locked([&](Consumer& c) { c.read_into(d, sel); });
   }
 
-  void read_into_device(py::handle ptrs, py::handle stream) {
+  void read_into_device(py::handle ptrs, py::handle stream, py::handle selections) {
     std::vector<void*> d = to_ptrs(ptrs);
+    std::vector<Selection> sel = to_selections(selections);
     void* s = reinterpret_cast<void*>(as_ptr(stream, "stream"));
-    locked([&](Consumer& c) { c.read_into_device(d, s); });
+    locked([&](Consumer& c) { c.read_into_device(d, s, sel); });
   }
 
   std::vector<std::uintptr_t> read_to_staging(py::handle device, py::handle stream) {
@@ -887,6 +931,9 @@ PYBIND11_MODULE(_shmcast, m) {
       .def_readonly("first_seq", &PySync::first_seq)
       .def_readonly("chunks", &PySync::chunks)
       .def_readonly("tensors", &PySync::tensors, "list of (name, dtype, shape, nbytes, stream_offset)")
+      .def_readonly("world_size", &PySync::world_size, "producer ranks that wrote the sync")
+      .def_readonly("pieces", &PySync::pieces,
+                    "per tensor, its pieces: [(rank, dim, start, length, nbytes)] (dim -1: the whole tensor)")
       .def("__len__", [](const PySync& s) { return s.tensors.size(); })
       .def("__repr__", [](const PySync& s) {
         return "<shmcast.SyncInfo version=" + std::to_string(s.version) + " tensors=" +
@@ -900,18 +947,22 @@ PYBIND11_MODULE(_shmcast, m) {
       .def_readonly("stream_bytes", &SyncLayout::stream_bytes)
       .def_readonly("payload_bytes", &SyncLayout::payload_bytes)
       .def_property_readonly("tensors", [](const SyncLayout& l) { return l.offsets.size(); })
-      .def_readonly("offsets", &SyncLayout::offsets);
+      .def_readonly("offsets", &SyncLayout::offsets)
+      .def_readonly("rank", &SyncLayout::rank)
+      .def_readonly("world_size", &SyncLayout::world_size)
+      .def_readonly("rank_chunks", &SyncLayout::rank_chunks);
 
   py::class_<PyProducer>(m, "Producer", "Low-level producer (shmcast::Producer). Pointers are ints.")
       .def(py::init<py::handle, py::handle, py::handle, py::handle, py::handle, bool, bool, bool, bool, py::handle,
-                    py::handle, py::handle, py::handle>(),
+                    py::handle, py::handle, py::handle, py::handle, py::handle, py::handle>(),
            py::arg("name"), py::kw_only(), py::arg("slot_bytes") = 256ull << 20, py::arg("slots") = 2,
            py::arg("max_consumers") = 8, py::arg("manifest_bytes") = 1ull << 20, py::arg("group_access") = false,
            py::arg("replace_stale") = true, py::arg("unlink_on_close") = true, py::arg("checksums") = false,
            py::arg("stall_policy") = "fail", py::arg("consumer_timeout") = 60.0, py::arg("pin") = "auto",
-           py::arg("engine") = "auto")
+           py::arg("engine") = "auto", py::arg("rank") = 0, py::arg("world_size") = 1, py::arg("rank_timeout") = 120.0)
       .def("begin_sync", &PyProducer::begin_sync, py::arg("specs"),
-           "specs: sequence of (name, dtype, shape). Returns the sync's version.")
+           "specs: sequence of (name, dtype, shape), or (name, dtype, full shape, dim, start, length) for a shard "
+           "(sharded producers). Returns the sync's version.")
       .def("write", &PyProducer::write, py::arg("index"), py::arg("ptr"), py::arg("nbytes") = py::none())
       .def("write_strided", &PyProducer::write_strided, py::arg("index"), py::arg("ptr"), py::arg("rows"),
            py::arg("row_bytes"), py::arg("pitch_bytes"))
@@ -952,9 +1003,11 @@ PYBIND11_MODULE(_shmcast, m) {
            py::arg("verify_checksums") = true, py::arg("group_access") = false, py::arg("trusted_uids") = py::none())
       .def("wait_sync", &PyConsumer::wait_sync, py::arg("timeout") = 30.0,
            "Waits for the next sync (timeout in seconds, None = forever) and returns its SyncInfo.")
-      .def("read_into", &PyConsumer::read_into, py::arg("ptrs"),
-           "Host copy: ptrs[i] receives tensor i (None or 0 skips it).")
-      .def("read_into_device", &PyConsumer::read_into_device, py::arg("ptrs"), py::arg("stream") = 0)
+      .def("read_into", &PyConsumer::read_into, py::arg("ptrs"), py::arg("selections") = py::none(),
+           "Host copy: ptrs[i] receives tensor i (None or 0 skips it); selections: None, or per tensor None or "
+           "(dim, start, length): ptrs[i] then receives that slice, contiguous.")
+      .def("read_into_device", &PyConsumer::read_into_device, py::arg("ptrs"), py::arg("stream") = 0,
+           py::arg("selections") = py::none())
       .def("read_to_staging", &PyConsumer::read_to_staging, py::arg("device"), py::arg("stream") = 0,
            "Copies the sync into a library-owned device buffer; returns one device pointer per tensor, valid "
            "until the next wait_sync().")

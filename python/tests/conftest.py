@@ -2,11 +2,15 @@ import itertools
 import multiprocessing as mp
 import os
 import queue as queue_mod
+import signal
 import sys
 
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))  # roles, fake_vllm: importable here and in spawned children
+# The framework stand-ins (vllm, verl, sglang; standins/README.md) shadow any
+# installed package of the same name, here and in spawned children.
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "standins"))
 
 import shmcast  # noqa: E402
 
@@ -15,6 +19,7 @@ _counter = itertools.count()
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "cuda: needs a GPU and a shmcast built with CUDA")
+    config.addinivalue_line("markers", "deadline(seconds): the deadline fixture's limit for this test")
 
 
 def cuda_ready() -> bool:
@@ -103,12 +108,37 @@ class Procs:
         assert msg.get("ready"), msg
         return msg
 
+    def kill(self, p):
+        """SIGKILL (a crash: no cleanup in the process) and reap."""
+        p.kill()
+        p.join(30)
+
     def cleanup(self):
         for p in self.procs:
             p.join(timeout=30)
             if p.is_alive():
                 p.kill()
                 p.join()
+
+
+@pytest.fixture
+def deadline(request):
+    """Fails the test (TimeoutError in the test's own thread) after
+    `@pytest.mark.deadline(seconds)` (default 240 s), so that a contract test
+    that hangs does not hold the whole tier until ctest's timeout."""
+    m = request.node.get_closest_marker("deadline")
+    seconds = int(m.args[0]) if m else 240
+
+    def expired(*_):
+        raise TimeoutError(f"{request.node.name} ran past its {seconds} s deadline")
+
+    old = signal.signal(signal.SIGALRM, expired)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
 
 
 @pytest.fixture

@@ -24,11 +24,16 @@ _REC_CHUNKS = 216
 _REC_STREAM_BYTES = 224
 _REC_MANIFEST_USED = 232
 _REC_MANIFEST_HASH = 240
+_MH_TENSOR_COUNT = 16
 _MH_NAMES_OFFSET = 24
 _MH_STREAM_BYTES = 40
 _MH_PAYLOAD_BYTES = 48
+_MH_WORLD_SIZE = 56
+_MH_PIECE_COUNT = 60
 _MH_BYTES = 64
 _ENTRY_BYTES = 96
+_PIECE_BYTES = 48  # manifest format 2: tensor u32, rank u16, dim u16, start, length, offset, nbytes, reserved
+_P_NBYTES = 32
 _E_NAME_OFFSET = 0
 _E_NAME_BYTES = 4
 _E_NBYTES = 16
@@ -74,7 +79,18 @@ class Manifest:
             return struct.unpack_from("<Q", self.data, off)[0]
         struct.pack_into("<Q", self.data, off, value)
 
+    def _u32(self, off):
+        return struct.unpack_from("<I", self.data, off)[0]
+
+    def _ranks_at(self):  # format 2: u64 rank_bytes[world_size] after the entries, then the pieces
+        return _MH_BYTES + self._u32(_MH_TENSOR_COUNT) * _ENTRY_BYTES
+
+    def _pieces_at(self):
+        return self._ranks_at() + 8 * self._u32(_MH_WORLD_SIZE)
+
     def stream_bytes(self, value=None):
+        if value is not None and self._u32(_MH_WORLD_SIZE) == 1:
+            self._u64(self._ranks_at(), value)  # one rank: its sub-stream is the stream
         return self._u64(_MH_STREAM_BYTES, value)
 
     def payload_bytes(self, value=None):
@@ -87,6 +103,10 @@ class Manifest:
         e = self._entry(i)
         self._u64(e + _E_NBYTES, nbytes)
         struct.pack_into("<8q", self.data, e + _E_SHAPE, *(list(shape) + [0] * (8 - len(shape))))
+        for k in range(self._u32(_MH_PIECE_COUNT)):  # its (whole) piece says the same size
+            at = self._pieces_at() + k * _PIECE_BYTES
+            if self._u32(at) == i:
+                self._u64(at + _P_NBYTES, nbytes)
 
     def set_name(self, i, raw: bytes):
         """Replaces tensor i's name bytes (same length)."""

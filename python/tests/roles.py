@@ -7,6 +7,7 @@ which puts a plain dict on the result queue.
 """
 from __future__ import annotations
 
+import importlib
 import os
 import time
 import traceback
@@ -132,7 +133,12 @@ def run(role: str, kwargs: dict, q) -> None:
     try:
         env = kwargs.pop("env", None) or {}
         os.environ.update(env)
-        res = globals()["role_" + role](q=q, **kwargs)
+        if ":" in role:  # "module:name": role_name of another module (framework_roles, vllm_roles, ...)
+            mod, _, role = role.partition(":")
+            fn = getattr(importlib.import_module(mod), "role_" + role)
+        else:
+            fn = globals()["role_" + role]
+        res = fn(q=q, **kwargs)
         q.put({"ok": True, **(res or {})})
     except BaseException as e:  # report everything, including shmcast errors by class name
         q.put({"ok": False, "error": type(e).__name__, "message": str(e), "trace": traceback.format_exc()})
@@ -198,10 +204,13 @@ def role_producer_idle(q, region, seconds=60.0):
     p.close()
 
 
-def role_vllm_worker(q, region, device="cpu", n_updates=1, timeout=30.0, seed=0):
-    """A stand-in vLLM worker (see fake_vllm.py) receiving weight updates."""
+def role_vllm_worker(q, region, device="cpu", n_updates=1, timeout=30.0, seed=0, tp_rank=0, tp_size=1):
+    """A stand-in vLLM worker (see fake_vllm.py) receiving weight updates,
+    as TP rank tp_rank of tp_size."""
     import fake_vllm
+    from vllm.distributed import _set_tp
 
+    _set_tp(tp_rank, tp_size)  # this process is one TP worker
     worker = fake_vllm.FakeWorker(device=device)
     worker.init_shmcast(region, timeout)
     q.put({"ready": True})
@@ -209,7 +218,8 @@ def role_vllm_worker(q, region, device="cpu", n_updates=1, timeout=30.0, seed=0)
     for k in range(n_updates):
         version = worker.update_weights_from_shmcast(region, timeout=timeout)
         hf = fake_vllm.hf_state_dict(seed + k)
-        results.append({"version": version, "problems": fake_vllm.check_loaded(worker.model_runner.model, hf)})
+        results.append({"version": version, "stats": worker.shmcast_stats(),
+                        "problems": fake_vllm.check_loaded(worker.model_runner.model, hf, tp_rank, tp_size)})
     worker.close_shmcast()
     return {"updates": results}
 
@@ -241,3 +251,181 @@ def run_with_inbox(role: str, kwargs: dict, q, inbox) -> None:
     global _inbox
     _inbox = inbox
     run(role, kwargs, q)
+
+
+# ---------------------------------------------------------------- sharded syncs
+
+
+def sharded_model(seed: int) -> list:
+    """(name, full tensor, how it is split): ('shard', dim) over the ranks
+    (torch.chunk's split: uneven, empty pieces when ranks outnumber rows),
+    ('own', rank) sent whole by one rank, ('shard_t', dim): a shard whose
+    local tensor is a non-contiguous view."""
+    g = torch.Generator().manual_seed(seed)
+    return [
+        ("embed", _rand(g, torch.bfloat16, (37, 24)), ("shard", 0)),
+        ("o_proj", _rand(g, torch.float32, (16, 50)), ("shard", 1)),
+        ("moe", _rand(g, torch.float16, (3, 10, 7)), ("shard", 1)),
+        ("norm", _rand(g, torch.float32, (24,)), ("own", 0)),
+        ("bias", _rand(g, torch.int32, (9,)), ("own", -1)),
+        ("big", _rand(g, torch.float32, (700, 1024)), ("shard", 0)),  # several slots per rank
+        ("tiny", _rand(g, torch.float32, (2, 3)), ("shard", 0)),
+        ("wt", _rand(g, torch.float32, (40, 30)), ("shard_t", 1)),
+    ]
+
+
+def sharded_items(seed: int, rank: int, world: int) -> list:
+    out = []
+    for name, t, (how, arg) in sharded_model(seed):
+        if how == "own":
+            if arg % world == rank:
+                out.append((name, t.clone()))
+            continue
+        pieces = torch.chunk(torch.arange(t.shape[arg]), world)
+        start = sum(len(p) for p in pieces[:rank]) if rank < len(pieces) else t.shape[arg]
+        length = len(pieces[rank]) if rank < len(pieces) else 0
+        local = t.narrow(arg, start, length).clone()
+        if how == "shard_t":  # the same values, held transposed
+            local = local.t().contiguous().t()
+            assert not local.is_contiguous() or local.numel() <= 1 or 1 in local.shape
+        out.append((name, shmcast.Shard(local, tuple(t.shape), arg, start)))
+    return out
+
+
+def tp_slice(t: torch.Tensor, how, part: int, parts: int = 2):
+    """The slice a TP worker reads: along the other dim than the shards."""
+    if t.dim() == 0:
+        return None
+    dim = 1 if (how[0] != "own" and how[1] == 0 and t.dim() > 1) else 0
+    n = t.shape[dim]
+    c = -(-n // parts)
+    start = min(n, c * part)
+    return (dim, start, min(n, start + c) - start)
+
+
+def role_sharded_rank(q, region, rank, world, seed, n_syncs=2, consumers=0, timeout=30.0, skip_send=False):
+    versions = []
+    with shmcast.Producer(region, rank=rank, world_size=world, slot_bytes=SLOT, slots=2 * world, max_consumers=4,
+                          pin=False, rank_timeout=timeout) as p:
+        q.put({"ready": True})
+        if rank == 0 and consumers:
+            p.wait_for_consumers(consumers, timeout)
+        if skip_send:
+            time.sleep(timeout)
+            return {"versions": versions}
+        for k in range(n_syncs):
+            versions.append(p.send(sharded_items(seed + k, rank, world)))
+        if rank == 0:
+            p.wait_drained(timeout)
+    return {"versions": versions}
+
+
+def role_sharded_consumer(q, region, seed, kind, part=0, n_syncs=2, timeout=30.0):
+    problems = []
+    with shmcast.Consumer(region, open_timeout=timeout) as c:
+        q.put({"ready": True})
+        for k in range(n_syncs):
+            model = sharded_model(seed + k)
+            full = {n: t for n, t, _ in model}
+            if kind == "full":
+                got = c.receive(timeout=timeout)
+                want = [(n, full[n]) for n, _ in got]
+                if sorted(n for n, _ in got) != sorted(full):
+                    problems.append(f"names {sorted(n for n, _ in got)}")
+            elif kind == "names":
+                pick = ["o_proj", "bias", "big"]
+                got = c.receive(timeout=timeout, names=pick)
+                want = [(n, full[n]) for n in pick]
+                got = sorted(got, key=lambda x: pick.index(x[0]))
+            else:
+                sl = {n: tp_slice(t, how, part) for n, t, how in model if tp_slice(t, how, part) is not None}
+                want = [(n, full[n].narrow(*sl[n]) if n in sl else full[n]) for n, _, _ in model]
+                if kind == "slice":
+                    got = dict(c.receive(timeout=timeout, slices=sl))
+                    got = [(n, got[n]) for n, _ in want]
+                else:  # into: preallocated destinations of the slices' shapes
+                    dst = {n: torch.full_like(w.contiguous(), 7) for n, w in want}
+                    c.receive_into(dst, timeout=timeout, slices=sl)
+                    got = [(n, dst[n]) for n, _ in want]
+            problems += compare(got, want)
+    return {"problems": problems}
+
+
+# ---------------------------------------------------------------- FSDP2 (2 GPUs)
+
+
+def fsdp_model(dev):
+    """A small model with uneven FSDP2 shards (3 and 5 rows on 2 ranks), its
+    weights set from a seed (the same on every process)."""
+    torch.manual_seed(5)
+    m = torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.LayerNorm(96), torch.nn.Linear(96, 3),
+                            torch.nn.Linear(3, 5)).to(dev)
+    g = torch.Generator(device="cpu").manual_seed(11)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.copy_(torch.randn(p.shape, generator=g).to(dev))
+    return m
+
+
+def role_fsdp_rank(q, region, rank, store, n_syncs=2, timeout=60.0):
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    dev = torch.device("cuda", rank)
+    torch.cuda.set_device(dev)
+    dist.init_process_group("nccl", init_method=f"file://{store}", rank=rank, world_size=2)
+    try:
+        m = fsdp_model(dev)
+        for layer in m:
+            fully_shard(layer)
+        fully_shard(m)
+        kinds = sorted({type(p).__name__ for p in m.parameters()})
+        with shmcast.Producer(region, rank=rank, world_size=2, slot_bytes=SLOT, slots=4, max_consumers=2,
+                              rank_timeout=timeout) as p:
+            q.put({"ready": True})
+            if rank == 0:
+                p.wait_for_consumers(2, timeout)
+            versions = []
+            for k in range(n_syncs):
+                with torch.no_grad():
+                    for prm in m.parameters():
+                        prm.add_(1)  # a training step: DTensor in-place op, each rank changes its own shard
+                versions.append(p.send(m.named_parameters()))
+            if rank == 0:
+                p.wait_drained(timeout)
+        return {"versions": versions, "kinds": kinds}
+    finally:
+        dist.destroy_process_group()
+
+
+def role_fsdp_consumer(q, region, gpu, n_syncs=2, timeout=60.0):
+    dev = torch.device("cuda", gpu)
+    want = dict(fsdp_model(dev).named_parameters())
+    problems = []
+    stepped = {n: p.detach().clone() for n, p in want.items()}
+    with shmcast.Consumer(region, device=str(dev), open_timeout=timeout) as c:
+        q.put({"ready": True})
+        for k in range(n_syncs):
+            for t in stepped.values():
+                t.add_(1)  # the trainer's step, the same fp32 adds in the same order
+            if gpu == 0:
+                got = c.receive(timeout=timeout)
+                exp = [(n, stepped[n]) for n, _ in got]
+            else:  # a TP-style reader: half of each matrix along dim 1, vectors whole
+                info = c.wait_sync(timeout)
+                sl = {t[0]: (1, 0, t[2][1] // 2) for t in info.tensors if len(t[2]) == 2}
+                got = c.read(slices=sl)
+                exp = [(n, stepped[n].narrow(*sl[n]) if n in sl else stepped[n]) for n, _ in got]
+            if len(got) != len(want):
+                problems.append(f"{len(got)} tensors, expected {len(want)}")
+            bad = compare(got, exp)
+            if bad:  # say how they differ: from the initial weights, and from what was expected
+                e = dict(exp)
+                for n, t in got:
+                    base = want[n].detach()
+                    if n in e and not torch.equal(t, e[n]) and t.shape == e[n].shape:
+                        base = base.narrow(*sl[n]) if gpu != 0 and n in sl else base
+                        bad.append(f"{n} sync {k}: got - initial in [{float((t - base).min())}, "
+                                   f"{float((t - base).max())}], got - expected max {float((t - e[n]).abs().max())}")
+            problems += bad
+    return {"problems": problems}

@@ -22,10 +22,30 @@ def test_vllm_extension_loads_fused_weights(region, procs):
     assert all(u["problems"] == [] for u in res["updates"]), res
 
 
+def test_vllm_extension_tp2_reads_only_its_part(region, procs):
+    # Two TP workers of the stand-in model: each receives straight into its
+    # parameters and reads about half of the sync (plus replicated tensors).
+    workers = [procs.start("vllm_worker", region=region, n_updates=2, seed=60, tp_rank=r, tp_size=2) for r in range(2)]
+    with shmcast.Producer(region, slot_bytes=roles.SLOT, max_consumers=2) as prod:
+        for w in workers:
+            procs.ready(w)
+        prod.wait_for_consumers(2, 30)
+        versions = [prod.send(fake_vllm.hf_state_dict(60 + k)) for k in range(2)]
+        res = [procs.get(w) for w in workers]
+    for r in res:
+        assert [u["version"] for u in r["updates"]] == versions
+        assert all(u["problems"] == [] for u in r["updates"]), r
+        for u in r["updates"]:
+            st = u["stats"]
+            assert st["path"] == "direct", st
+            assert st["bytes_read"] < 0.6 * st["payload_bytes"], st  # about half, not the whole model
+
+
 def test_vllm_extension_in_process(region):
     # Same, in one process and in "copy" mode, and with a lazily opened consumer.
     worker = fake_vllm.FakeWorker("cpu")
     worker.shmcast_mode = "copy"
+    worker.shmcast_load = "loader"  # whole tensors through the model's load_weights()
     with shmcast.Producer(region, slot_bytes=roles.SLOT, slots=8) as prod:
         worker.init_shmcast(region)
         hf = fake_vllm.hf_state_dict(1)
@@ -40,7 +60,7 @@ def test_vllm_extension_in_process(region):
 def test_stand_in_model_rejects_bad_shapes():
     m = fake_vllm.FakeQwen2ForCausalLM()
     bad = [("model.layers.0.self_attn.k_proj.weight", torch.zeros(3, 3, dtype=torch.bfloat16))]
-    with pytest.raises(ValueError):
+    with pytest.raises((ValueError, RuntimeError, AssertionError)):  # vLLM's loaders assert or fail in narrow()
         m.load_weights(bad)
 
 

@@ -251,6 +251,76 @@ void region_corpus() {
   emit("region", "empty", "", 0);
 }
 
+// ---------------------------------------------------------------- safetensors
+//
+// Selector byte 0: a whole .safetensors file; 1: an index.json.
+
+void st_seed(const std::string& name, const std::string& header, std::size_t data_bytes) {
+  std::vector<std::uint8_t> v(1 + 8, 0);
+  const std::uint64_t n = header.size();
+  for (int i = 0; i < 8; ++i) v[1 + i] = static_cast<std::uint8_t>(n >> (8 * i));
+  v.insert(v.end(), header.begin(), header.end());
+  for (std::size_t i = 0; i < data_bytes; ++i) v.push_back(static_cast<std::uint8_t>(i * 7));
+  emit("safetensors", name, v.data(), v.size());
+}
+
+void index_seed(const std::string& name, const std::string& text) {
+  std::vector<std::uint8_t> v(1, 1);
+  v.insert(v.end(), text.begin(), text.end());
+  emit("safetensors", name, v.data(), v.size());
+}
+
+void safetensors_corpus() {
+  auto e = [](const std::string& n, const std::string& dt, const std::string& shape, std::uint64_t b,
+              std::uint64_t end) {
+    return "\"" + n + "\":{\"dtype\":\"" + dt + "\",\"shape\":" + shape + ",\"data_offsets\":[" +
+           std::to_string(b) + "," + std::to_string(end) + "]}";
+  };
+  st_seed("valid_one", "{" + e("w", "F32", "[2,2]", 0, 16) + "}", 16);
+  st_seed("valid_empty", "{}      ", 0);
+  st_seed("valid_meta_unsorted",
+          "{\"__metadata__\":{\"format\":\"pt\",\"k\":\"v\"}," + e("b", "BF16", "[3,2]", 4, 16) + "," +
+              e("a", "U8", "[4]", 0, 4) + "," + e("c", "F8_E4M3", "[2]", 16, 18) + "}",
+          18);
+  st_seed("valid_scalar_empty",
+          "{" + e("s", "F64", "[]", 0, 8) + "," + e("z", "I32", "[0,3]", 8, 8) + "," + e("f4", "F4", "[4]", 8, 10) + "}",
+          10);
+  st_seed("valid_every_dtype",
+          "{" + e("a", "BOOL", "[1]", 0, 1) + "," + e("b", "I8", "[1]", 1, 2) + "," + e("c", "I16", "[1]", 2, 4) + "," +
+              e("d", "U16", "[1]", 4, 6) + "," + e("e", "F16", "[1]", 6, 8) + "," + e("f", "I32", "[1]", 8, 12) + "," +
+              e("g", "U32", "[1]", 12, 16) + "," + e("h", "F32", "[1]", 16, 20) + "," + e("i", "I64", "[1]", 20, 28) +
+              "," + e("j", "U64", "[1]", 28, 36) + "," + e("k", "F64", "[1]", 36, 44) + "," +
+              e("l", "C64", "[1]", 44, 52) + "," + e("m", "F8_E5M2", "[1]", 52, 53) + "," +
+              e("n", "F8_E8M0", "[1]", 53, 54) + "," + e("o", "F6_E2M3", "[4]", 54, 57) + "}",
+          57);
+  // Near misses: one fault each.
+  st_seed("overlap", "{" + e("a", "U8", "[4]", 0, 4) + "," + e("b", "U8", "[4]", 2, 6) + "}", 6);
+  st_seed("gap", "{" + e("a", "U8", "[2]", 0, 2) + "," + e("b", "U8", "[2]", 3, 5) + "}", 5);
+  st_seed("trailing", "{" + e("a", "U8", "[2]", 0, 2) + "}", 3);
+  st_seed("size_mismatch", "{" + e("a", "F32", "[2]", 0, 4) + "}", 4);
+  st_seed("unknown_dtype", "{" + e("a", "F128", "[1]", 0, 16) + "}", 16);
+  st_seed("duplicate_name", "{" + e("a", "U8", "[1]", 0, 1) + "," + e("a", "U8", "[1]", 1, 2) + "}", 2);
+  st_seed("negative_dim", "{" + e("a", "U8", "[-1]", 0, 1) + "}", 1);
+  st_seed("overflow_dims", "{" + e("a", "U8", "[4294967296,4294967296]", 0, 1) + "}", 1);
+  st_seed("deep", "{\"a\":[[[[[1]]]]]}", 0);
+  st_seed("not_brace", " {}     ", 0);
+  st_seed("f4_odd", "{" + e("a", "F4", "[3]", 0, 2) + "}", 2);
+  st_seed("metadata_number", "{\"__metadata__\":{\"n\":1}}", 0);
+  st_seed("nul_hides_garbage", std::string("{}\0garbage", 10), 0);
+  st_seed("unknown_field", "{\"a\":{\"dtype\":\"U8\",\"shape\":[1],\"data_offsets\":[0,1],\"x\":0}}", 1);
+  {
+    // A length that points past the end of the file.
+    std::vector<std::uint8_t> v = {0, 0xff, 0xff, 0, 0, 0, 0, 0, 0, '{', '}'};
+    emit("safetensors", "length_past_end", v.data(), v.size());
+  }
+  index_seed("index_valid",
+             "{\"metadata\":{\"total_size\":16},\"weight_map\":{\"a\":\"model-00001-of-00002.safetensors\","
+             "\"b\":\"model-00002-of-00002.safetensors\"}}");
+  index_seed("index_traversal", "{\"weight_map\":{\"a\":\"../x.safetensors\"}}");
+  index_seed("index_not_string", "{\"weight_map\":{\"a\":1}}");
+  index_seed("index_no_map", "{\"metadata\":{}}");
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -262,6 +332,7 @@ int main(int argc, char** argv) {
   header_corpus();
   manifest_corpus();
   region_corpus();
+  safetensors_corpus();
   std::printf("wrote %d seeds, %llu bytes, under %s\n", g_files, static_cast<unsigned long long>(g_bytes), argv[1]);
   return 0;
 }

@@ -19,3 +19,7 @@ execute_process(COMMAND ${WORK}/build/install_check RESULT_VARIABLE rc OUTPUT_VA
 if(rc OR NOT out MATCHES "installed")
   message(FATAL_ERROR "install_check failed: ${out}")
 endif()
+execute_process(COMMAND ${WORK}/build/fileio_check RESULT_VARIABLE rc OUTPUT_VARIABLE out)
+if(rc OR NOT out MATCHES "fileio installed")
+  message(FATAL_ERROR "fileio_check (shmcast::fileio) failed: ${out}")
+endif()

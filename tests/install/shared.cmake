@@ -33,6 +33,11 @@ execute_process(COMMAND ${CMAKE_COMMAND} -E env LD_LIBRARY_PATH=${libdir} ${WORK
 if(rc OR NOT out MATCHES "installed")
   message(FATAL_ERROR "install_check against the shared library failed: ${out}")
 endif()
+execute_process(COMMAND ${CMAKE_COMMAND} -E env LD_LIBRARY_PATH=${libdir} ${WORK}/build/fileio_check
+                RESULT_VARIABLE rc OUTPUT_VARIABLE out)
+if(rc OR NOT out MATCHES "fileio installed")
+  message(FATAL_ERROR "fileio_check (static shmcast::fileio on the shared libshmcast) failed: ${out}")
+endif()
 execute_process(COMMAND nm -D -C --defined-only ${so} OUTPUT_VARIABLE syms RESULT_VARIABLE rc)
 if(rc)
   message(FATAL_ERROR "nm -D ${so} failed")

@@ -192,3 +192,73 @@ TEST(Fork, ChildCannotUseAnInheritedObject) {
   EXPECT_EQ(c.wait_sync(5s).version, 1u);
   c.skip();
 }
+
+// (e) Sharded producers: a child forked by rank 1 cannot act as rank 1
+// (InvalidArgument, nothing posted), its exit leaves rank 1 alive, and a
+// child that outlives a SIGKILLed rank 1 does not keep it "alive": rank 0
+// sees PeerDied, not a Timeout after rank_timeout.
+TEST(Fork, ForkedChildOfARankNeitherActsForItNorKeepsItAlive) {
+  const std::string name = unique_name("fork-rank");
+  RegionGuard guard{name};
+  ProducerOptions o = popts(20000ms);
+  o.slots = 4;
+  o.world_size = 2;
+  o.rank_timeout = 20s;
+  Producer p0 = Producer::create(name, o);
+  SharedFlags* f = SharedFlags::make();
+  const std::vector<TensorSpec> s0 = {{"w", DType::kF32, {8, 4}, 0, 0, 4}};
+  const std::vector<TensorSpec> s1 = {{"w", DType::kF32, {8, 4}, 0, 4, 4}};
+  Child r1 = Child::spawn([&] {
+    ProducerOptions o1 = o;
+    o1.rank = 1;
+    Producer p1 = Producer::create(name, o1);
+    std::vector<float> buf(16, 2.0f);
+    // A helper forked now tries to use the rank, then exits.
+    const int rc = Child::spawn([&] {
+                     int bad = 0;
+                     try {
+                       p1.begin_sync(s1);
+                       bad |= 1;
+                     } catch (const Error& e) {
+                       if (e.code() != Errc::kInvalidArgument) bad |= 2;
+                     }
+                     try {
+                       p1.abort_sync("child");
+                       bad |= 4;
+                     } catch (const Error& e) {
+                       if (e.code() != Errc::kInvalidArgument) bad |= 8;
+                     }
+                     return bad;  // the inherited p1 is destroyed here
+                   }).wait(10s);
+    if (rc != 0) return 40 + rc;
+    f->v[0].store(1);
+    try {
+      p1.begin_sync(s1);
+      p1.write(0, buf.data());
+      p1.end_sync();
+    } catch (const Error& e) {
+      return errc_exit(e);
+    }
+    fork_holder(f, 1);  // lingers with everything inherited
+    f->v[2].store(1);
+    ::pause();  // SIGKILLed here
+    return 0;
+  });
+  ASSERT_TRUE(f->wait(0, 1, 20s)) << "rank 1's forked helper: exit " << r1.wait(1s);
+  std::vector<float> buf(16, 1.0f);
+  p0.begin_sync(s0);  // rank 1 must still be seen, and post
+  p0.write(0, buf.data());
+  p0.end_sync();
+  ASSERT_TRUE(f->wait(2, 1, 20s));
+  r1.kill9();
+  EXPECT_EQ(r1.wait(10s), 128 + SIGKILL);
+  const auto t0 = std::chrono::steady_clock::now();
+  try {
+    p0.begin_sync(s0);
+    ADD_FAILURE() << "a sync began without rank 1";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), Errc::kPeerDied) << e.what();
+  }
+  EXPECT_LT(ms_since(t0), 5000.0) << "rank 0 waited for a dead rank its child kept 'alive'";
+  ::kill(f->v[1].load(), SIGKILL);
+}

@@ -336,7 +336,7 @@ TEST(Tool, LiveRegionShowsProducerConsumersAndManifest) {
   const json* r = find_region(lj, name);
   ASSERT_NE(r, nullptr);
   EXPECT_EQ(r->at("state"), "ready");
-  EXPECT_EQ(r->at("layout_version"), 1);
+  EXPECT_EQ(r->at("layout_version"), 2);
   EXPECT_EQ(r->at("size_bytes"), p.region_bytes());
   EXPECT_EQ(r->at("producer").at("pid"), ::getpid());
   EXPECT_EQ(r->at("producer").at("alive"), true);
@@ -520,7 +520,7 @@ TEST(Tool, CorruptForeignAndNewerVersionAreReportedNextToGoodOnes) {
   make_closed("older1");
   const char garbage[8] = {'G', 'A', 'R', 'B', 'A', 'G', 'E', '!'};
   patch(dir.file("foreign1"), 0, garbage, 8);
-  const std::uint32_t zero = 0, two = 2;
+  const std::uint32_t zero = 0, two = detail::kLayoutVersion + 1;
   patch(dir.file("corrupt1"), offsetof(detail::HeaderFixed, slot_count), &zero, 4);
   patch(dir.file("newer1"), offsetof(detail::HeaderFixed, layout_version), &two, 4);
   patch(dir.file("older1"), offsetof(detail::HeaderFixed, layout_version), &zero, 4);
@@ -546,7 +546,7 @@ TEST(Tool, CorruptForeignAndNewerVersionAreReportedNextToGoodOnes) {
   EXPECT_EQ(state["bad name!"], "foreign");
   EXPECT_EQ(state["adir"], "foreign");
   EXPECT_EQ(state.size(), 9u);
-  EXPECT_EQ(find_region(lj, "newer1")->at("layout_version"), 2);
+  EXPECT_EQ(find_region(lj, "newer1")->at("layout_version"), detail::kLayoutVersion + 1);
   EXPECT_EQ(find_region(lj, "good")->at("producer").at("pid"), ::getpid());
 
   // Human output lists every one of them too.
@@ -776,7 +776,7 @@ TEST(Tool, DumpTimesOutRefusesToClobberAndReportsMissing) {
   EXPECT_EQ(tool({"dump", "quiet", "--out", out, "--timeout", "0.2", "--dir", dir.path}).rc, 5);
   EXPECT_EQ(slurp(out), "keep me");
   make_closed("broken");
-  const std::uint32_t two = 2;
+  const std::uint32_t two = detail::kLayoutVersion + 1;
   patch(dir.file("broken"), offsetof(detail::HeaderFixed, layout_version), &two, 4);
   EXPECT_EQ(tool({"dump", "broken", "--out", dir.path + "/b.safetensors", "--timeout", "5", "--dir", dir.path}).rc,
             4);
@@ -1366,11 +1366,11 @@ TEST(Tool, DumpSurvivesTheRegionBeingCutUnderIt) {
 
 TEST(Tool, ShowLimitDecodesOnlyTheEntriesItPrints) {
   TempDir dir;
-  constexpr int kCount = 1000000;  // about 115 MB of manifest
+  constexpr int kCount = 1000000;  // about 163 MB of manifest (entries and pieces)
   Signal ready;
   Child producer = Child::spawn([&] {
     ProducerOptions o = small_opts();
-    o.manifest_bytes = 128ull << 20;
+    o.manifest_bytes = 192ull << 20;
     Producer p = Producer::create("huge", o);
     std::vector<TensorSpec> specs(kCount);
     char name[64];
@@ -1412,7 +1412,9 @@ TEST(Tool, ShowLimitDecodesOnlyTheEntriesItPrints) {
 
 TEST(Tool, ShowValidatesEntriesItDoesNotPrint) {
   TempDir dir;
-  Producer p = Producer::create("many", small_opts());
+  ProducerOptions o = small_opts();
+  o.manifest_bytes = 2ull << 20;
+  Producer p = Producer::create("many", o);
   std::vector<TensorSpec> specs;
   for (int i = 0; i < 9000; ++i) specs.push_back({"t." + std::to_string(i), DType::kF32, {0}});
   const std::uint8_t dummy = 0;

@@ -89,8 +89,10 @@ TEST(Checks, RecordProblemFindsInconsistentRecords) {
   bad.first_seq = 0;
   EXPECT_NE(record_problem(bad, g), "");
   bad = rec;
-  bad.chunks = 3;
+  bad.chunks = (1ull << 46) + 1;  // more chunks than any sync can have (the exact count is checked
+                                  // against the manifest's rank table: sync_chunks)
   EXPECT_NE(record_problem(bad, g), "");
+  EXPECT_EQ(sync_chunks({2 * g.slot_bytes + 1, g.slot_bytes}, g.slot_bytes), 6u);  // 2 ranks x 3
   bad = rec;
   bad.stream_bytes = ~0ull;  // would wrap the chunk count
   bad.chunks = 0;

@@ -83,7 +83,7 @@ void write_stream(ChunkWriter& w, const std::vector<std::uint8_t>& src, std::uin
 std::vector<std::uint8_t> read_stream(RingFixture& fx, std::uint64_t version, std::uint64_t first_seq,
                                       std::uint64_t stream, bool follow, int* ranges) {
   std::vector<std::uint8_t> out(stream);
-  ChunkReader r(&*fx.cons, &fx.cview, version, first_seq, chunk_count(stream, kS), stream, follow, false,
+  ChunkReader r(&*fx.cons, &fx.cview, version, first_seq, chunk_count(stream, kS), {stream}, follow, false,
                 5'000'000'000);
   std::atomic<bool> broken{false};
   ChunkReader::Range range;
@@ -148,7 +148,7 @@ TEST(Ring, ReaderChecksTheChecksum) {
   ChunkWriter w(&*fx.prod, &fx.pview, 1, 1, stream, true);
   write_stream(w, random_bytes(stream, 3), 64 << 10);
   fx.pview.slot_data(0)[7] ^= std::byte{1};  // flipped after publication
-  ChunkReader r(&*fx.cons, &fx.cview, 1, 1, 2, stream, false, true, 1'000'000'000);
+  ChunkReader r(&*fx.cons, &fx.cview, 1, 1, 2, {stream}, false, true, 1'000'000'000);
   ChunkReader::Range range;
   try {
     r.next(&range);
@@ -167,7 +167,7 @@ TEST(Ring, AbortReachesAWaitingReader) {
     std::this_thread::sleep_for(std::chrono::milliseconds(20));  // the reader is waiting by then, or not: both fine
     fx.prod->abort(1);
   });
-  ChunkReader r(&*fx.cons, &fx.cview, 1, 1, 2, stream, true, false, 5'000'000'000);
+  ChunkReader r(&*fx.cons, &fx.cview, 1, 1, 2, {stream}, true, false, 5'000'000'000);
   ChunkReader::Range range;
   try {
     r.next(&range);
@@ -186,7 +186,7 @@ TEST(Ring, OverwriteDuringTheCopyIsDetected) {
   fx.announce(1, 1, stream);
   ChunkWriter w(&*fx.prod, &fx.pview, 1, 1, stream, false);
   write_stream(w, random_bytes(stream, 4), kS);
-  ChunkReader r(&*fx.cons, &fx.cview, 1, 1, 1, stream, false, false, 1'000'000'000);
+  ChunkReader r(&*fx.cons, &fx.cview, 1, 1, 1, {stream}, false, false, 1'000'000'000);
   ChunkReader::Range range;
   ASSERT_TRUE(r.next(&range));
   ASSERT_TRUE(range.last);

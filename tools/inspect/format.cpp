@@ -345,6 +345,7 @@ void region_detail_json(const probe::Region& r, std::size_t limit, json* out) {
   m["tensor_count"] = u64_or_null(ok, info.tensor_count);
   m["payload_bytes"] = u64_or_null(ok, info.payload_bytes);
   m["stream_bytes"] = u64_or_null(ok, info.stream_bytes);
+  m["world_size"] = u64_or_null(ok, info.world_size);
   m["limit"] = limit;
   json tensors = json::array();
   std::size_t shown = 0;
@@ -359,6 +360,18 @@ void region_detail_json(const probe::Region& r, std::size_t limit, json* out) {
       e["shape"] = t.shape;
       e["nbytes"] = t.nbytes;
       e["stream_offset"] = t.stream_offset;
+      json pieces = json::array();
+      for (const ShardInfo& sh : t.shards) {
+        json p;
+        p["rank"] = sh.rank;
+        p["dim"] = sh.dim;
+        p["start"] = sh.start;
+        p["length"] = sh.length;
+        p["offset"] = sh.stream_offset;
+        p["nbytes"] = sh.nbytes;
+        pieces.push_back(std::move(p));
+      }
+      e["pieces"] = std::move(pieces);
       tensors.push_back(std::move(e));
       ++shown;
     }
@@ -499,7 +512,8 @@ void print_region_detail(std::ostream& os, const probe::Region& r, std::size_t l
     const probe::Manifest& m = r.manifest;
     if (m.status == probe::ManifestStatus::kOk) {
       os << "\nMANIFEST  sync " << m.version << ": " << m.tensor_count << " tensors, "
-         << human_bytes(m.payload_bytes) << " payload, " << human_bytes(m.stream_bytes) << " stream\n";
+         << human_bytes(m.payload_bytes) << " payload, " << human_bytes(m.stream_bytes) << " stream"
+         << (m.world_size > 1 ? ", " + std::to_string(m.world_size) + " producer ranks" : std::string()) << "\n";
       Table t({"#", "NAME", "DTYPE", "SHAPE", "BYTES", "OFFSET"}, {true, false, false, false, true, true});
       std::size_t shown = 0;
       for (std::size_t i = 0; i < m.tensors.size(); ++i) {

@@ -107,6 +107,8 @@ struct FixedHeader {
   std::uint64_t slot_bytes = 0;
   std::uint64_t seats_offset = 0, slots_offset = 0, manifest_offset = 0, manifest_bytes = 0, data_offset = 0;
   std::uint64_t created_unix_ns = 0;
+  std::uint32_t world_size = 0;  // producer ranks (layout 2)
+  std::uint64_t ranks_offset = 0;
 };
 
 // A process as the region records it.
@@ -155,7 +157,8 @@ struct Manifest {
   ManifestStatus status = ManifestStatus::kNone;
   std::string reason;
   std::uint64_t version = 0, tensor_count = 0, payload_bytes = 0, stream_bytes = 0;  // when kOk
-  std::vector<TensorInfo> tensors;
+  std::uint32_t world_size = 1;  // producer ranks that wrote the sync
+  std::vector<TensorInfo> tensors;  // each with its pieces (TensorInfo::shards)
 };
 
 struct Region {

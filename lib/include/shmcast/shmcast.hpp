@@ -102,6 +102,7 @@ inline constexpr std::uint64_t kMaxSlotBytes = 64ull << 30;
 inline constexpr std::uint64_t kMinManifestBytes = 4096;
 inline constexpr std::uint64_t kMaxManifestBytes = 1ull << 30;
 inline constexpr std::uint32_t kMaxTensors = 1u << 20;        // tensors in one sync
+inline constexpr std::uint32_t kMaxRanks = 64;                // producer ranks of one region
 inline constexpr std::uint64_t kMaxStreamBytes = 1ull << 46;  // 64 TiB: one sync's stream, and one tensor
 }  // namespace limits
 
@@ -111,8 +112,36 @@ inline constexpr std::size_t kMaxNameBytes = 1024;
 struct TensorSpec {
   std::string name;
   DType dtype = DType::kRaw;
-  std::vector<std::int64_t> shape;  // empty = scalar
-  SHMCAST_API std::uint64_t nbytes() const;  // dtype_size * prod(shape); throws on overflow
+  std::vector<std::int64_t> shape;  // the whole (logical) tensor's shape; empty = scalar
+  // A shard (sharded producers): this rank holds the rows
+  // [shard_start, shard_start + shard_length) along dimension shard_dim,
+  // stored contiguously. shard_dim = -1: the whole tensor.
+  int shard_dim = -1;
+  std::int64_t shard_start = 0;
+  std::int64_t shard_length = 0;
+  SHMCAST_API std::uint64_t nbytes() const;        // dtype_size * prod(shape); throws on overflow
+  SHMCAST_API std::uint64_t local_nbytes() const;  // bytes this rank holds: nbytes() of the shard
+};
+
+// Where one piece of a tensor sits: written by producer rank `rank` into its
+// sub-stream at `stream_offset`; the whole tensor (dim -1) or the rows
+// [start, start + length) along `dim`.
+struct ShardInfo {
+  std::uint32_t rank = 0;
+  int dim = -1;
+  std::int64_t start = 0;
+  std::int64_t length = 0;
+  std::uint64_t stream_offset = 0;
+  std::uint64_t nbytes = 0;
+};
+
+// Part of a tensor a consumer reads: the rows [start, start + length) along
+// `dim` (dim -1: the whole tensor). The destination is contiguous, with the
+// shape of that slice.
+struct Selection {
+  int dim = -1;
+  std::int64_t start = 0;
+  std::int64_t length = 0;
 };
 
 // What a consumer sees of one tensor of a sync.
@@ -121,15 +150,18 @@ struct TensorInfo {
   DType dtype;
   std::vector<std::int64_t> shape;
   std::uint64_t nbytes;
-  std::uint64_t stream_offset;  // where it starts in the sync's byte stream
+  std::uint64_t stream_offset;   // where its first piece starts in its rank's sub-stream
+  std::vector<ShardInfo> shards; // its pieces: one whole piece, or shards sorted by start
 };
 
 struct SyncInfo {
   std::uint64_t version = 0;          // producer-assigned, strictly increasing
-  std::uint64_t stream_bytes = 0;     // bytes including alignment padding
+  std::uint64_t stream_bytes = 0;     // bytes including alignment padding (all ranks)
   std::uint64_t payload_bytes = 0;    // sum of tensor sizes
   std::uint64_t first_seq = 0;        // first chunk sequence number
   std::uint64_t chunks = 0;           // chunks (one per slot fill)
+  std::uint32_t world_size = 1;       // producer ranks; rank r's chunk j is first_seq + j * R + r
+  std::vector<std::uint64_t> rank_bytes;  // each rank's sub-stream length
   std::vector<TensorInfo> tensors;
   // Index of a tensor by name, or -1.
   SHMCAST_API std::ptrdiff_t find(std::string_view name) const;
@@ -140,24 +172,32 @@ struct SyncInfo {
 struct SyncLayout {
   std::uint64_t version = 0;        // 0 before the first begin_sync
   std::uint64_t first_seq = 0;      // first chunk sequence number
-  std::uint64_t chunks = 0;
+  std::uint64_t chunks = 0;         // of the whole sync (all ranks)
   std::uint64_t stream_bytes = 0;   // with alignment padding
   std::uint64_t payload_bytes = 0;  // sum of tensor sizes
   std::vector<std::uint64_t> offsets;  // stream offset of each tensor, manifest order
+  // Sharded producers: this rank, the number of ranks, and chunks per rank;
+  // stream_bytes, payload_bytes and offsets are then this rank's.
+  std::uint32_t rank = 0, world_size = 1;
+  std::uint64_t rank_chunks = 0;
 };
 
 // The layout a producer with slots of `slot_bytes` (rounded up to 2 MiB, as
 // create() does) gives a sync of `tensors` (version and first_seq left 0).
 // Throws kInvalidArgument for an invalid spec or slot size.
 SHMCAST_API SyncLayout stream_layout(std::span<const TensorSpec> tensors, std::uint64_t slot_bytes);
+// The manifest_bytes a one-producer region needs for a sync of `tensors`
+// (before rounding up to 4 KiB).
+SHMCAST_API std::uint64_t manifest_bytes_needed(std::span<const TensorSpec> tensors);
 
 struct Piece {
   std::size_t tensor;          // index into SyncInfo::tensors
-  std::uint64_t offset;        // byte offset of this piece within the tensor
+  std::uint64_t offset;        // byte offset of this piece within its shard (the tensor when whole)
   const std::byte* data;       // in the shared region
   std::uint64_t bytes;
   std::uint64_t tensor_bytes;  // size of the whole tensor
   bool chunk_end = false;      // last piece of its slot: the slot is released after fn returns
+  std::size_t shard = 0;       // index into TensorInfo::shards
   bool whole() const noexcept { return offset == 0 && bytes == tensor_bytes; }
 };
 
@@ -212,6 +252,17 @@ struct ProducerOptions {
   Duration consumer_timeout = std::chrono::seconds(60);
   Pin pin = Pin::kAuto;
   CopyEngine engine = CopyEngine::kAuto;
+  // Sharded producers: `world_size` processes (ranks) write one sync
+  // together. Rank 0 creates the region (with the geometry above; slots >=
+  // 2 * world_size) and assembles each sync's manifest; ranks 1.. attach to
+  // it by name (their geometry options are ignored). Every rank calls
+  // begin_sync() with the pieces it holds and writes them itself.
+  std::uint32_t rank = 0;
+  std::uint32_t world_size = 1;
+  // How long a rank waits for the region (ranks 1..), for the other ranks to
+  // begin a sync (rank 0, kTimeout naming the missing rank) or for rank 0 to
+  // answer (ranks 1..).
+  Duration rank_timeout = std::chrono::seconds(120);
 };
 
 struct ConsumerOptions {
@@ -243,6 +294,8 @@ struct Strided2D {
 class SHMCAST_API Producer {
  public:
   // Creates region `name` (O_EXCL, mode 0600): header, seats, slots, manifest.
+  // A sharded producer's rank r >= 1 attaches to the region rank 0 creates
+  // instead (waiting up to rank_timeout for it).
   static Producer create(std::string_view name, const ProducerOptions& options = {});
 
   Producer(Producer&&) noexcept;
@@ -255,14 +308,25 @@ class SHMCAST_API Producer {
 
   // Starts a sync: packs `tensors` (in order) into the stream and publishes the
   // manifest. Consumers attached now take part; later ones start with the
-  // next sync. Returns the sync's version.
-  std::uint64_t begin_sync(std::span<const TensorSpec> tensors);
+  // next sync. Returns the sync's version: `version` when given (it must be
+  // greater than last_version(); a relay publishes its upstream's), else
+  // last_version() + 1.
+  // Sharded producers: every rank calls it for every sync with the pieces it
+  // holds (whole tensors or shards, full shapes in `shape`); rank 0 waits for
+  // all ranks, checks that the pieces tile each tensor exactly, publishes one
+  // manifest of whole tensors, and every rank returns the same version (rank 0
+  // numbers the syncs: `version` must be 0).
+  std::uint64_t begin_sync(std::span<const TensorSpec> tensors, std::uint64_t version = 0);
   // Copies tensor `index` from host memory. Tensors are written in order.
   // A write that throws (a wrong index, a bad layout, a copy error, a
   // consumer that timed out) aborts the sync: consumers get kAborted with the
   // reason, and the next begin_sync() starts a fresh one.
   void write(std::size_t index, const void* src);
   void write_strided(std::size_t index, const void* src, const Strided2D& layout);
+  // Copies bytes [offset, offset + bytes) of tensor `index` from host memory:
+  // a tensor written in parts, in order and without gaps (offset = the bytes
+  // of it written so far); it is complete with its last byte.
+  void write_part(std::size_t index, std::uint64_t offset, const void* src, std::uint64_t bytes);
   // Copies tensor `index` from device memory with async D2H copies on a
   // stream the library owns, ordered after `cuda_stream` (a cudaStream_t, or
   // nullptr for the legacy default stream). Slots are published as their
@@ -329,6 +393,10 @@ class SHMCAST_API Consumer {
   // Reads the sync into caller memory: dsts[i] receives tensor i (nullptr
   // skips it). Releases each slot as soon as it has been copied out.
   void read_into(std::span<void* const> dsts);
+  // The same, reading only a part of some tensors: selections[i] (empty span:
+  // whole tensors) picks rows along one dim; dsts[i] then holds that slice,
+  // contiguous. Only the selected bytes are copied.
+  void read_into(std::span<void* const> dsts, std::span<const Selection> selections);
   // Zero-copy: calls fn for every piece of every tensor, in stream order,
   // while its slot is held. A tensor no larger than a slot is one piece.
   void visit(const std::function<void(const Piece&)>& fn);
@@ -340,12 +408,16 @@ class SHMCAST_API Consumer {
   // them, so work queued on it afterwards sees the data. Slots are released
   // as their copies complete.
   void read_into_device(std::span<void* const> dsts, void* cuda_stream);
+  // With selections, as read_into: strided H2D copies straight out of the
+  // region move only the selected bytes.
+  void read_into_device(std::span<void* const> dsts, void* cuda_stream, std::span<const Selection> selections);
   // H2D into a device buffer the library owns on `device`; returns one device
   // pointer per tensor, valid until the next wait_sync() on this consumer.
   std::vector<void*> read_to_staging(int device, void* cuda_stream);
 
   const SyncInfo& sync() const;     // the current (or last) sync
   std::uint64_t last_version() const;
+  std::uint64_t slot_bytes() const;  // of the region: chunk c of a sync is stream bytes [c*S, (c+1)*S)
   int seat() const;
   const std::string& name() const;
   bool pinned() const;

@@ -1,0 +1,357 @@
+#!/usr/bin/env python3
+"""Relay throughput against ucx_perftest on the same transport, in the same run.
+
+    python3 bench/relay_bench.py [--build build] [--bytes 512M] [--chunk 32M] [--reps 10]
+                                 [--nodes 2,4] [--tls tcp] [--devices lo] [--json FILE]
+
+Simulated nodes on one machine (one SHMCAST_DIR each), relays over UCX with
+UCX_TLS/UCX_NET_DEVICES as given (default: TCP over loopback):
+
+1. Ceiling: ``ucx_perftest -t tag_bw`` on the same transport, one fresh
+   server/client pair per repetition, each moving --bytes: messages of one
+   chunk with busy polling (perftest's default) and waiting for events
+   (``-E sleep``, as the relay waits), and 1 MiB messages; the best median
+   is the ceiling.
+2. For each chain length N: a trainer (shmcast-relay-bench-peer produce) on
+   node 0, shmcast-relay on every node (source on node 0), one worker
+   (consume) on every other node. One warm-up sync, then --reps syncs of
+   --bytes, each of fresh random bytes, each started only once every worker
+   has checked every byte of the previous one. A node's time for a sync is
+   from the trainer's begin_sync to its worker's read_into returning
+   (CLOCK_MONOTONIC, one clock for all processes); its rate is bytes / time.
+3. Per-hop costs besides the network (memcpy into the region, XXH3 of a
+   chunk), from ``shmcast-relay-bench-peer costs``.
+
+Prints min/median/max of every figure and the ratios the issue asks for:
+2-node relay / perftest, and the last node of the N-node chain / 2-node.
+Exit 1 when a worker saw a wrong byte or a step did not finish in time.
+"""
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import re
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+KEY = "relay-bench-key-0123456789abcdef"
+
+
+def size(s):
+    m = re.fullmatch(r"(\d+)([KMG]?)", s)
+    if not m:
+        raise argparse.ArgumentTypeError(f"bad size {s!r}")
+    return int(m.group(1)) << {"": 0, "K": 10, "M": 20, "G": 30}[m.group(2)]
+
+
+def stats(xs):
+    return {"min": min(xs), "median": statistics.median(xs), "max": max(xs), "n": len(xs)}
+
+
+def fmt(s):
+    return f"{s['median']:.3f} GB/s (min {s['min']:.3f}, max {s['max']:.3f}, n={s['n']})"
+
+
+def wait_for(pred, timeout, what):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        v = pred()
+        if v:
+            return v
+        time.sleep(0.002)
+    raise TimeoutError(f"timed out waiting for {what}")
+
+
+def read_lines(path):
+    try:
+        with open(path) as f:
+            return f.read().splitlines()
+    except FileNotFoundError:
+        return []
+
+
+def status(path):
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def proc_cpu_s(pid):
+    """User + system CPU seconds of a process (0 when it is gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
+def machine_busy():
+    """(busy, total) jiffies of all CPUs, everyone's processes included."""
+    with open("/proc/stat") as f:
+        v = [int(x) for x in f.readline().split()[1:]]
+    idle = v[3] + v[4]
+    return sum(v) - idle, sum(v)
+
+
+def perftest(args, env, exe, msg, wait):
+    """One ucx_perftest tag_bw run per repetition; GB/s (10^9 bytes) each.
+    wait: "poll" (busy, perftest's default) or "sleep" (waits for events,
+    as the relay does)."""
+    iters = max(4, args.bytes // msg)
+    out = []
+    for _ in range(args.reps):
+        for attempt in range(20):
+            port = free_port()
+            server = subprocess.Popen([exe, "-p", str(port), "-E", wait], env=env, stdout=subprocess.DEVNULL,
+                                      stderr=subprocess.DEVNULL)
+            try:
+                time.sleep(0.2 * (attempt + 1))  # the server's bootstrap socket (no handshake to wait on)
+                r = subprocess.run([exe, "127.0.0.1", "-p", str(port), "-t", "tag_bw", "-s", str(msg),
+                                    "-n", str(iters), "-w", "2", "-E", wait], env=env, capture_output=True, text=True,
+                                   timeout=300)
+            finally:
+                try:
+                    server.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    server.kill()
+                    server.wait()
+            m = re.search(r"^Final:\s+(\S+)\s+(\S+)\s+(\S+)\s+(\S+)\s+(\S+)\s+(\S+)", r.stdout, re.M)
+            if r.returncode == 0 and m:
+                # ucx_perftest's MB/s are MiB/s; the overall bandwidth column.
+                out.append(float(m.group(6)) * (1 << 20) / 1e9)
+                break
+        else:
+            raise RuntimeError("ucx_perftest did not run: " + r.stdout[-2000:] + r.stderr[-2000:])
+    return out
+
+
+class Chain:
+    def __init__(self, args, n, env, tools):
+        self.args, self.n, self.env, self.tools = args, n, env, tools
+        self.root = tempfile.mkdtemp(prefix=f"shmcast-relay-bench-{n}-")
+        self.procs = []
+        self.region = "relay-bench"
+
+    def dir(self, i):
+        return os.path.join(self.root, f"node{i}")
+
+    def start(self, tag, argv, node):
+        env = dict(self.env, SHMCAST_DIR=self.dir(node), SHMCAST_RELAY_KEY=KEY)
+        log = open(os.path.join(self.root, tag + ".log"), "w")
+        p = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT)
+        self.procs.append(p)
+        return p
+
+    def status(self, i):
+        return status(os.path.join(self.dir(i), f"shmcast-relay.{self.region}.json"))
+
+    def wait_status(self, i, pred, what):
+        return wait_for(lambda: (lambda s: s if s and pred(s) else None)(self.status(i)), 120, f"node {i}: {what}")
+
+    def run(self):
+        a, n = self.args, self.n
+        for i in range(n):
+            os.makedirs(self.dir(i))
+        peer, relay = self.tools["peer"], self.tools["relay"]
+        syncs = a.reps + 1
+        seed = int.from_bytes(os.urandom(7), "little")
+        trainer = os.path.join(self.root, "trainer.txt")
+        go = os.path.join(self.root, "go")
+        self.start("trainer", [peer, "produce", self.region, "--bytes", str(a.bytes), "--tensors", str(a.tensors),
+                               "--slot-bytes", str(a.chunk), "--syncs", str(syncs), "--go", go, "--seed", str(seed),
+                               "--report", trainer], 0)
+        wait_for(lambda: "ready" in read_lines(trainer), 120, "the trainer")
+        ports = [0] * n
+        for i in range(n):
+            argv = [relay, self.region] + self.args.relay_args
+            if i > 0:
+                argv += ["--from", f"127.0.0.1:{ports[i - 1]}"]
+            if i + 1 < n:
+                argv += ["--listen", "127.0.0.1:0"]
+            self.start(f"relay{i}", argv, i)
+            if i + 1 < n:
+                s = self.wait_status(i, lambda s: s.get("listen"), "listening")
+                ports[i] = int(s["listen"].rsplit(":", 1)[1])
+            if i == 0:
+                self.wait_status(0, lambda s: s["region_state"]["ready"], "attached to the region")
+            else:
+                self.wait_status(i, lambda s: s["upstream"]["state"] == "connected" and s["region_state"]["ready"],
+                                 "connected")
+        for i in range(n - 1):
+            self.wait_status(i, lambda s: s["downstream_ready"] >= 1, "its downstream relay")
+        reports = []
+        for i in range(1, n):
+            rep = os.path.join(self.root, f"worker{i}.txt")
+            self.start(f"worker{i}", [peer, "consume", self.region, "--syncs", str(syncs), "--seed", str(seed),
+                                      "--report", rep], i)
+            wait_for(lambda: "attached" in read_lines(rep), 120, f"worker {i}")
+            reports.append(rep)
+        cpu0 = sum(proc_cpu_s(p.pid) for p in self.procs)
+        m0 = machine_busy()
+        t0 = time.monotonic()
+        for v in range(1, syncs + 1):
+            open(f"{go}.{v}", "w").close()
+            for rep in reports:
+                def done(rep=rep, v=v):
+                    lines = read_lines(rep)
+                    if any(l.startswith(f"bad {v}") for l in lines):
+                        raise RuntimeError(f"{rep}: sync {v} has wrong bytes")
+                    return f"ok {v}" in lines
+                wait_for(done, 600, f"sync {v} at {rep}")
+        # Cores kept busy while the syncs ran: by this chain's processes, and
+        # by everything on the machine (others' jobs included).
+        wall = time.monotonic() - t0
+        m1 = machine_busy()
+        self.cores = {"chain": (sum(proc_cpu_s(p.pid) for p in self.procs) - cpu0) / wall,
+                      "machine": (m1[0] - m0[0]) / max(1, m1[1] - m0[1]) * os.cpu_count()}
+        begin = {int(l.split()[1]): int(l.split()[2]) for l in read_lines(trainer) if l.startswith("begin ")}
+        rates = {}
+        for i, rep in enumerate(reports, start=1):
+            end = {int(l.split()[1]): int(l.split()[2]) for l in read_lines(rep) if l.startswith("end ")}
+            rates[i] = [a.payload / ((end[v] - begin[v]) * 1e-9) / 1e9 for v in range(2, syncs + 1)]
+        relays = [self.status(i) for i in range(n)]
+        return rates, relays
+
+    def close(self):
+        for p in self.procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in self.procs:
+            try:
+                p.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        if not self.args.keep:
+            shutil.rmtree(self.root, ignore_errors=True)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--build", default="build")
+    ap.add_argument("--bytes", type=size, default=size("512M"), help="payload of one sync")
+    ap.add_argument("--chunk", type=size, default=size("32M"), help="slot size of the source region = chunk")
+    ap.add_argument("--tensors", type=int, default=16)
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--nodes", default="2,4")
+    ap.add_argument("--perftest", default="chunk:poll,chunk:sleep,1M:sleep",
+                    help="ucx_perftest runs, SIZE:WAIT (SIZE: chunk or a size; WAIT: poll or sleep); "
+                         "the best median is the ceiling")
+    ap.add_argument("--tls", default="tcp")
+    ap.add_argument("--devices", default="lo")
+    ap.add_argument("--relay-arg", dest="relay_args", action="append", default=[],
+                    help="extra argument for every relay (repeat), e.g. --relay-arg=--no-checksums")
+    ap.add_argument("--json")
+    ap.add_argument("--keep", action="store_true", help="keep the node directories and logs")
+    args = ap.parse_args()
+    if args.reps < 10:
+        print("relay_bench: --reps below 10 is not a result (docs/benchmarks.md)", file=sys.stderr)
+    each = args.bytes // args.tensors // 2 * 2
+    args.payload = each * args.tensors
+    tools = {"relay": os.path.join(args.build, "tools", "shmcast-relay"),
+             "peer": os.path.join(args.build, "bench", "shmcast-relay-bench-peer")}
+    for t in tools.values():
+        if not os.access(t, os.X_OK):
+            sys.exit(f"relay_bench: {t} is missing: build it (cmake --build {args.build} --target "
+                     "shmcast-relay shmcast-relay-bench-peer)")
+    perf = shutil.which("ucx_perftest")
+    if not perf:
+        sys.exit("relay_bench: ucx_perftest is missing (apt install ucx-utils)")
+    env = dict(os.environ, UCX_TLS=args.tls, UCX_NET_DEVICES=args.devices, UCX_WARN_UNUSED_ENV_VARS="n")
+    ucx_version = subprocess.run(["ucx_info", "-v"], capture_output=True, text=True).stdout.splitlines()[:1]
+    result = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": " ".join([os.path.basename(sys.argv[0])] + sys.argv[1:]),
+        "machine": {"cpus": os.cpu_count(), "cpu": platform.processor() or platform.machine(),
+                    "kernel": platform.release(), "loadavg_before": os.getloadavg()},
+        "ucx": ucx_version, "transport": {"UCX_TLS": args.tls, "UCX_NET_DEVICES": args.devices},
+        "relay_args": args.relay_args, "payload_bytes": args.payload, "chunk_bytes": args.chunk, "tensors": args.tensors, "reps": args.reps,
+    }
+    try:
+        with open("/proc/cpuinfo") as f:
+            m = re.search(r"^model name\s*:\s*(.*)$", f.read(), re.M)
+            if m:
+                result["machine"]["cpu"] = m.group(1)
+    except OSError:
+        pass
+
+    costs = subprocess.run([tools["peer"], "costs", "--bytes", str(args.chunk), "--reps", "20"],
+                           capture_output=True, text=True, check=True)
+    result["hop_costs"] = json.loads(costs.stdout)
+    print(f"per-chunk costs ({args.chunk >> 20} MiB): memcpy {result['hop_costs']['memcpy_gbs']['median']:.2f} GB/s, "
+          f"XXH3 {result['hop_costs']['xxh3_gbs']['median']:.2f} GB/s")
+
+    result["perftest_runs"] = []
+    for spec in args.perftest.split(","):
+        sz, wait = spec.split(":")
+        msg = args.chunk if sz == "chunk" else size(sz)
+        pt = perftest(args, env, perf, msg, wait)
+        run = {"args": f"-t tag_bw -s {msg} -n {max(4, args.bytes // msg)} -w 2 -E {wait}", "gbs": stats(pt),
+               "all": pt}
+        result["perftest_runs"].append(run)
+        print(f"ucx_perftest {run['args']}: {fmt(run['gbs'])}")
+    result["perftest"] = max(result["perftest_runs"], key=lambda r: r["gbs"]["median"])
+
+    ok = True
+    result["chains"] = {}
+    for n in [int(x) for x in args.nodes.split(",")]:
+        chain = Chain(args, n, env, tools)
+        try:
+            rates, relays = chain.run()
+        except Exception as e:  # noqa: BLE001 (report, keep the logs, fail)
+            print(f"relay_bench: {n} nodes: {e} (logs in {chain.root})", file=sys.stderr)
+            args.keep = True
+            ok = False
+            chain.close()
+            continue
+        chain.close()
+        entry = {"nodes": {str(i): stats(r) for i, r in rates.items()}, "all": rates,
+                 "cores_busy": chain.cores, "relay_status": relays}
+        entry["last"] = entry["nodes"][str(n - 1)]
+        result["chains"][str(n)] = entry
+        for i in rates:
+            print(f"{n} nodes, node {i}: {fmt(entry['nodes'][str(i)])}")
+        print(f"{n} nodes: cores busy while syncing: {chain.cores['chain']:.2f} by the chain, "
+              f"{chain.cores['machine']:.2f} on the machine (of {os.cpu_count()})")
+    result["machine"]["loadavg_after"] = os.getloadavg()
+    if "2" in result["chains"]:
+        two = result["chains"]["2"]["last"]["median"]
+        result["ratio_2node_vs_perftest"] = two / result["perftest"]["gbs"]["median"]
+        print(f"2-node relay / ucx_perftest: {result['ratio_2node_vs_perftest']:.2f}")
+        for n, e in result["chains"].items():
+            if n != "2":
+                r = e["last"]["median"] / two
+                result[f"ratio_{n}node_last_vs_2node"] = r
+                print(f"{n}-node chain, last node / 2-node: {r:.2f}")
+    for n, e in result["chains"].items():
+        if n != "2":
+            # Within one chain: the last node against the first. Forwarding
+            # whole syncs (store and forward) would give 1 / (N - 1).
+            r = e["last"]["median"] / e["nodes"]["1"]["median"]
+            result[f"ratio_{n}node_last_vs_first"] = r
+            print(f"{n}-node chain, last node / first downstream node: {r:.2f} (store-and-forward: {1 / (int(n) - 1):.2f})")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

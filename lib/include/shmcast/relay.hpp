@@ -1,0 +1,107 @@
+// shmcast relay: carries a region's syncs to other nodes over UCX.
+//
+// Separate from the core library (target shmcast_relay, which links UCX and
+// OpenSSL; users of shmcast.hpp alone link neither). The tool shmcast-relay
+// is a thin command line around it; docs/relay.md has the design, the wire
+// protocol and a Kubernetes example.
+//
+//   source node    (region R has a producer, e.g. the trainer)
+//     Relay({.region = "R", .listen = "0.0.0.0:7000", .key = key}).run();
+//   other nodes    (the relay is the producer of this node's region R)
+//     Relay({.region = "R", .from = "trainer-0:7000", .listen = "0.0.0.0:7000", .key = key}).run();
+//
+// On the source node the relay is a consumer of R and sends each slot
+// straight from the region (no copy). Every other node receives each chunk
+// into a registered buffer, forwards it at once to its own downstream
+// relays (a pipelined chain, or a tree of chains), and writes it into its
+// region R with the upstream's version and manifest, so the same Consumer
+// code works on every node.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <string_view>
+
+#include "shmcast/shmcast.hpp"
+
+namespace shmcast::relay {
+
+struct Address {
+  std::string host;  // a name or a numeric IPv4/IPv6 address
+  std::uint16_t port = 0;
+  SHMCAST_API std::string str() const;  // "host:port" ("[v6]:port")
+};
+// Parses "HOST:PORT" or "[V6]:PORT". Throws Error(kInvalidArgument).
+SHMCAST_API Address parse_address(std::string_view host_port);
+
+// The pre-shared key: the bytes of `key_file` (one trailing newline
+// stripped) when it is not empty, else the value of $SHMCAST_RELAY_KEY.
+// Throws Error(kInvalidArgument) when neither is set or the key is shorter
+// than 16 bytes, and Error(kPermission) when the file can be read or written
+// by others (mode o+rw: use 0600, or 0440 with a group).
+SHMCAST_API std::string load_key(const std::string& key_file);
+
+struct RelayOptions {
+  std::string region;
+  // Upstream relay "HOST:PORT". Empty: this is the source node, where the
+  // region has its own producer and the relay attaches as a consumer.
+  std::string from;
+  // Where downstream relays connect, "HOST:PORT" (port 0: any free port,
+  // reported in the status file). Empty: no downstream (a leaf).
+  std::string listen;
+  // Pre-shared key (load_key). Peers prove it with HMAC-SHA256 over fresh
+  // nonces, both ways, before a region byte moves.
+  std::string key;
+  // XXH3-64 of every chunk sent along each hop, verified before a chunk is
+  // written into a region.
+  bool checksums = true;
+  // This node's region (nodes with `from`). slot_bytes 0: the source
+  // region's slot size, so tensors sit at the same stream offsets.
+  ProducerOptions region_options = {.slot_bytes = 0, .pin = Pin::kNo, .engine = CopyEngine::kHost};
+  // Receive buffers of one chunk (one source slot) each: chunks in flight
+  // per hop on nodes with `from`.
+  std::uint32_t buffers = 4;
+  Duration handshake_timeout = std::chrono::seconds(10);
+  // A downstream relay that takes no byte of a chunk for this long is
+  // dropped (it rejoins at a later sync), so it cannot hold the others, nor
+  // the source region's producer, past its consumer_timeout.
+  Duration peer_timeout = std::chrono::seconds(20);
+  // Reconnecting to the upstream: first delay, doubled up to the maximum.
+  Duration reconnect_min = std::chrono::milliseconds(100);
+  Duration reconnect_max = std::chrono::seconds(2);
+  // JSON state for operators and tools; "" = <region dir>/shmcast-relay.<region>.json,
+  // "-" = none. Rewritten (atomically) on every change and every second.
+  std::string status_path;
+  // One line per event (connections, syncs, faults); default: stderr.
+  std::function<void(const std::string&)> log;
+};
+
+// Where the relay of region `name` writes its state by default.
+SHMCAST_API std::string default_status_path(std::string_view name);
+
+class SHMCAST_API Relay {
+ public:
+  explicit Relay(RelayOptions options);
+  Relay(const Relay&) = delete;
+  Relay& operator=(const Relay&) = delete;
+  ~Relay();
+
+  // Forwards syncs until stop(): reconnects to the upstream after faults,
+  // reattaches to the source region when its producer restarts. Returns
+  // normally after stop(). Throws Error for what retrying cannot fix: the
+  // key refused by the upstream or the upstream failing to prove it
+  // (kPermission), bad options (kInvalidArgument), the local region held by
+  // another live producer (kExists).
+  void run();
+  // Makes run() return soon. Async-signal-safe: call it from a handler.
+  void stop() noexcept;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace shmcast::relay

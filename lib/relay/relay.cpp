@@ -1,0 +1,1958 @@
+// shmcast relay: the network thread (UCX: listener, connections, chunk
+// fan-out), the source reader (a Consumer of the source region, sending
+// slots in place) and the region writer (the Producer of a downstream
+// node's region). docs/relay.md describes the protocol and the faults.
+#include "shmcast/relay.hpp"
+
+#include <fcntl.h>
+#include <poll.h>
+#include <sys/eventfd.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+#include <xxhash.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <condition_variable>
+#include <cstdio>
+#include <cstring>
+#include <deque>
+#include <fstream>
+#include <map>
+#include <mutex>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <thread>
+#include <unordered_map>
+
+#include "auth.hpp"
+#include "ucx.hpp"
+#include "wire.hpp"
+
+namespace shmcast::relay {
+
+using namespace std::chrono_literals;
+using wire::SyncPlan;
+using wire::Type;
+using wire::Writer;
+
+namespace {
+
+std::int64_t mono_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+std::int64_t unix_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::system_clock::now().time_since_epoch())
+      .count();
+}
+std::string fmt_gbs(std::uint64_t bytes, double seconds) {
+  char b[64];
+  std::snprintf(b, sizeof b, "%.3f GB/s", seconds > 0 ? static_cast<double>(bytes) / seconds / 1e9 : 0.0);
+  return b;
+}
+std::string fmt_bytes(std::uint64_t n) {
+  char b[64];
+  if (n >= (1ull << 30)) std::snprintf(b, sizeof b, "%.2f GiB", static_cast<double>(n) / (1ull << 30));
+  else if (n >= (1ull << 20)) std::snprintf(b, sizeof b, "%.1f MiB", static_cast<double>(n) / (1ull << 20));
+  else std::snprintf(b, sizeof b, "%llu B", static_cast<unsigned long long>(n));
+  return b;
+}
+constexpr std::uint64_t kSlotAlign = 2ull << 20;
+std::uint64_t align_slot(std::uint64_t n) { return (n + kSlotAlign - 1) / kSlotAlign * kSlotAlign; }
+
+// One UCX request and what the network thread needs to finish it.
+struct Op {
+  enum Kind : std::uint8_t { kCtrlSend, kDataSend, kDataRecv, kCtrlRecv, kClose };
+  Kind kind = kCtrlSend;
+  std::vector<Op*>* completed = nullptr;  // where the callback files it
+  ucp_worker_h worker = nullptr;
+  void* req = nullptr;
+  ucs_status_t status = UCS_INPROGRESS;
+  bool done = false;
+  std::uint32_t conn = 0;  // downstream connection; 0: the upstream one
+  std::uint64_t gen = 0;   // upstream connection generation
+  int buf = -1;            // receive buffer
+  std::uint32_t chunk = 0;
+  std::size_t pos = 0;  // position in the plan's data_chunks
+  std::uint64_t version = 0, bytes = 0;
+  std::size_t length = 0;
+  std::uint64_t sender_tag = 0;
+  ucp_tag_recv_info_t info{};  // filled by UCX when a receive completes at once
+  std::vector<std::uint8_t> msg;
+};
+
+void op_send_cb(void*, ucs_status_t st, void* user) {
+  auto* op = static_cast<Op*>(user);
+  op->status = st;
+  op->done = true;
+  op->completed->push_back(op);
+}
+void op_recv_cb(void*, ucs_status_t st, const ucp_tag_recv_info_t* info, void* user) {
+  auto* op = static_cast<Op*>(user);
+  op->status = st;
+  if (info) {
+    op->length = info->length;
+    op->sender_tag = info->sender_tag;
+  }
+  op->done = true;
+  op->completed->push_back(op);
+}
+
+// An endpoint failure, as the error handler reports it.
+struct EpFailure {
+  std::uint32_t conn;  // 0: upstream
+  std::uint64_t gen;   // upstream connection generation
+  ucs_status_t status;
+};
+// Every endpoint's error handler argument; freed after the endpoint.
+struct EpArg {
+  std::vector<EpFailure>* failures;
+  std::uint32_t conn;
+  std::uint64_t gen;
+};
+void ep_error_cb(void* arg, ucp_ep_h, ucs_status_t st) {
+  auto* a = static_cast<EpArg*>(arg);
+  a->failures->push_back(EpFailure{a->conn, a->gen, st});
+}
+
+// A receive buffer of one chunk (middle and leaf nodes).
+struct Buffer {
+  std::byte* p = nullptr;
+  std::size_t cap = 0;
+  ucx::Registration reg;
+  int refs = 0;  // 0: free
+};
+
+// A downstream relay connected to our listener.
+struct Down {
+  enum State { kHandshake, kReady, kActive, kClosing };
+  std::uint32_t id = 0;
+  ucp_ep_h ep = nullptr;
+  std::unique_ptr<EpArg> arg;
+  std::string peer;
+  State state = kHandshake;
+  auth::Transcript tr;
+  std::string session;
+  std::uint64_t send_seq = 0;
+  std::int64_t deadline_ns = 0;
+  std::int64_t since_unix_ns = 0;
+  std::uint64_t version = 0;  // sync it takes part in (kActive)
+  std::uint32_t chunks_sent = 0;
+  int pending_data = 0;
+  std::int64_t progress_ns = 0;
+  std::uint64_t bytes_sent = 0, syncs = 0;
+};
+
+const char* state_name(Down::State s) {
+  switch (s) {
+    case Down::kHandshake: return "handshake";
+    case Down::kReady: return "ready";
+    case Down::kActive: return "active";
+    case Down::kClosing: return "closing";
+  }
+  return "?";
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------- addresses, keys
+
+std::string Address::str() const {
+  if (host.find(':') != std::string::npos) return "[" + host + "]:" + std::to_string(port);
+  return host + ":" + std::to_string(port);
+}
+
+Address parse_address(std::string_view s) {
+  Address a;
+  std::string_view host, port;
+  if (!s.empty() && s.front() == '[') {
+    const auto close = s.find(']');
+    if (close == std::string_view::npos || close + 1 >= s.size() || s[close + 1] != ':')
+      throw Error(Errc::kInvalidArgument, "bad address '" + std::string(s) + "': use [V6ADDR]:PORT");
+    host = s.substr(1, close - 1);
+    port = s.substr(close + 2);
+  } else {
+    const auto colon = s.rfind(':');
+    if (colon == std::string_view::npos || s.find(':') != colon)
+      throw Error(Errc::kInvalidArgument, "bad address '" + std::string(s) + "': use HOST:PORT");
+    host = s.substr(0, colon);
+    port = s.substr(colon + 1);
+  }
+  if (host.empty() || port.empty() || port.size() > 5 ||
+      !std::all_of(port.begin(), port.end(), [](char c) { return c >= '0' && c <= '9'; }) ||
+      std::stoul(std::string(port)) > 65535)
+    throw Error(Errc::kInvalidArgument, "bad address '" + std::string(s) + "': use HOST:PORT with a port of 0..65535");
+  a.host = std::string(host);
+  a.port = static_cast<std::uint16_t>(std::stoul(std::string(port)));
+  return a;
+}
+
+std::string load_key(const std::string& key_file) {
+  std::string key;
+  if (!key_file.empty()) {
+    const int fd = ::open(key_file.c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd < 0)
+      throw Error(errno == EACCES ? Errc::kPermission : Errc::kInvalidArgument,
+                  "cannot open key file " + key_file + ": " + std::strerror(errno), errno);
+    struct stat st {};
+    if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+      ::close(fd);
+      throw Error(Errc::kInvalidArgument, "key file " + key_file + " is not a regular file");
+    }
+    if ((st.st_mode & 0007) != 0) {
+      ::close(fd);
+      throw Error(Errc::kPermission, "key file " + key_file +
+                                         " can be read or written by others: chmod o-rwx it (0600, or 0440 with a "
+                                         "group; Kubernetes: defaultMode: 0440 and fsGroup)");
+    }
+    char buf[4096];
+    for (;;) {
+      const ssize_t n = ::read(fd, buf, sizeof buf);
+      if (n < 0 && errno == EINTR) continue;
+      if (n < 0) {
+        const int e = errno;
+        ::close(fd);
+        throw Error(Errc::kSystem, "cannot read key file " + key_file + ": " + std::strerror(e), e);
+      }
+      if (n == 0) break;
+      key.append(buf, static_cast<std::size_t>(n));
+      if (key.size() > (1u << 16)) {
+        ::close(fd);
+        throw Error(Errc::kInvalidArgument, "key file " + key_file + " is larger than 64 KiB");
+      }
+    }
+    ::close(fd);
+    if (!key.empty() && key.back() == '\n') key.pop_back();
+    if (!key.empty() && key.back() == '\r') key.pop_back();
+  } else if (const char* env = std::getenv("SHMCAST_RELAY_KEY"); env != nullptr) {
+    key = env;
+  } else {
+    throw Error(Errc::kInvalidArgument, "no key: give --key-file FILE or set SHMCAST_RELAY_KEY (the same secret, of "
+                                        "at least 16 bytes, on every node)");
+  }
+  if (key.size() < 16)
+    throw Error(Errc::kInvalidArgument, "the relay key has " + std::to_string(key.size()) +
+                                            " bytes; use at least 16 (e.g. `openssl rand -hex 32`)");
+  return key;
+}
+
+std::string default_status_path(std::string_view name) {
+  return region_dir() + "/shmcast-relay." + std::string(name) + ".json";
+}
+
+// ---------------------------------------------------------------- the relay
+
+struct Relay::Impl {
+  RelayOptions o;
+  bool source = false;
+  std::string status_path;
+  std::atomic<bool> stopping{false};
+  int wake_fd = -1;
+
+  // fatal error that ends run()
+  std::mutex fatal_mu;
+  std::optional<Error> fatal;
+
+  // ---- UCX (network thread only)
+  std::unique_ptr<ucx::Context> ctx;
+  std::unique_ptr<ucx::Worker> lw;  // listener worker: downstream connections
+  ucp_listener_h listener = nullptr;
+  std::string listen_str;
+  std::vector<Op*> completed;
+  std::unordered_map<Op*, std::unique_ptr<Op>> ops;
+  std::vector<EpFailure> ep_failures;
+  // Upstream workers of ended connections, kept until their requests finish.
+  struct Retired {
+    std::unique_ptr<ucx::Worker> w;
+    std::unique_ptr<EpArg> arg;
+    std::int64_t since_ns = 0;
+  };
+  std::vector<Retired> retired;
+  std::vector<ucp_conn_request_h> conn_requests;
+  std::map<std::uint32_t, std::unique_ptr<Down>> downs;
+  std::uint32_t next_conn = 1;
+  bool lw_ctrl_busy = false;  // a control receive from a downstream is in flight
+  std::uint64_t refused = 0;
+
+  // ---- outgoing sync (fan-out to the downstream relays)
+  struct Out {
+    std::shared_ptr<const SyncPlan> plan;  // null: none in progress
+    std::int64_t start_ns = 0;
+  } out;
+
+  // ---- upstream connection (nodes with `from`)
+  struct Up {
+    enum State { kIdle, kConnecting, kAwaitWelcome, kAuthed };
+    State state = kIdle;
+    std::unique_ptr<ucx::Worker> w;
+    ucp_ep_h ep = nullptr;
+    std::unique_ptr<EpArg> arg;
+    std::uint64_t gen = 0;
+    std::int64_t retry_at_ns = 0, backoff_ns = 0, deadline_ns = 0;
+    auth::Transcript tr;
+    std::string session;
+    std::uint64_t recv_seq = 0;
+    bool ctrl_busy = false;
+    std::deque<std::vector<std::uint8_t>> ctrl;  // verified, not yet acted on
+    std::uint64_t chunk_bytes = 0;               // the source's slot size, once known
+    std::int64_t since_unix_ns = 0;
+    std::uint64_t connects = 0;
+    std::string last_error;
+  } up;
+  Address from_addr;
+
+  // ---- incoming sync (nodes with `from`)
+  struct In {
+    std::shared_ptr<const SyncPlan> plan;
+    struct Chunk {
+      int buf = -1;
+      Op* op = nullptr;  // the receive while in flight
+      bool received = false, have_sum = false, ok = true;
+      std::uint64_t len = 0, sum = 0;
+    };
+    std::vector<Chunk> chunks;  // per data_chunks position
+    std::size_t posted = 0, processed = 0, limit = 0;
+    bool ended = false, aborted = false, discard = false;
+    std::int64_t start_ns = 0;
+  } in;
+  std::vector<Buffer> bufs;
+  std::uint64_t buf_bytes = 0;
+
+  // ---- source reader <-> network thread
+  struct SrcCmd {
+    enum T { kOpened, kBegin, kChunk, kSum, kEnd, kAbort, kClosed } t;
+    std::shared_ptr<const SyncPlan> plan;
+    std::uint32_t chunk = 0;
+    const std::byte* base = nullptr;
+    std::uint64_t len = 0, sum = 0, ticket = 0;
+    std::string why;
+  };
+  std::mutex cmd_mu;
+  std::condition_variable cmd_cv;
+  std::deque<SrcCmd> cmds;
+  std::uint64_t next_ticket = 1, replied_ticket = 0;
+  std::int64_t reply_value = 0;
+  bool net_done = false;
+  // network thread's view of the source
+  std::uint64_t src_slot_bytes = 0;
+  struct SrcChunk {
+    std::uint64_t ticket = 0;
+    int pending = 0;
+    bool sum_sent = false;
+    std::uint32_t chunk = 0;
+    std::uint64_t len = 0, version = 0;
+  } src_chunk;
+  std::map<const std::byte*, ucx::Registration> slot_regs;
+  std::thread reader;
+
+  // ---- region writer (nodes with `from`)
+  struct WCmd {
+    enum T { kOpen, kBegin, kChunk, kEnd, kAbort } t;
+    std::shared_ptr<const SyncPlan> plan;
+    int buf = -1;
+    std::uint32_t chunk = 0;
+    const std::byte* data = nullptr;
+    std::uint64_t len = 0, sum = 0, chunk_bytes = 0;
+    std::string why;
+  };
+  std::mutex wmu;
+  std::condition_variable wcv;
+  std::deque<WCmd> wq;
+  std::vector<int> wdone;  // buffers the writer is finished with
+  bool writer_exit = false;
+  std::thread writer;
+
+  // ---- status (any thread, under smu)
+  std::mutex smu;
+  struct Stats {
+    std::string state = "starting";
+    std::uint64_t syncs = 0, aborted = 0, skipped = 0, bytes_in = 0, bytes_out = 0;
+    std::uint64_t last_version = 0, last_bytes = 0;
+    double last_seconds = 0;
+    std::string last_error;
+    // local region (writer) or source region (reader)
+    bool region_ready = false;
+    std::uint64_t region_slot_bytes = 0, region_version = 0, region_syncs = 0, region_failed = 0;
+    std::uint32_t region_consumers = 0;
+    std::string region_error;
+  } st;
+  std::int64_t next_status_ns = 0;
+  std::atomic<bool> status_dirty{true};
+
+  explicit Impl(RelayOptions opts) : o(std::move(opts)) {
+    if (std::string why = validate_name(o.region); !why.empty())
+      throw Error(Errc::kBadName, why + ": '" + o.region + "'");
+    source = o.from.empty();
+    if (source && o.listen.empty())
+      throw Error(Errc::kInvalidArgument, "a source relay (no --from) needs --listen HOST:PORT for its downstream "
+                                          "relays");
+    if (o.key.size() < 16) throw Error(Errc::kInvalidArgument, "the relay key must have at least 16 bytes");
+    if (!source) from_addr = parse_address(o.from);
+    if (!source && from_addr.host.find(':') != std::string::npos) {
+      socklen_t len = 0;
+      (void)ucx::resolve(from_addr, false, &len);  // a numeric IPv6 address: refused now if UCX cannot take it
+    }
+    if (!o.listen.empty()) (void)parse_address(o.listen);
+    if (o.buffers < 2) throw Error(Errc::kInvalidArgument, "buffers must be at least 2");
+    status_path = o.status_path.empty() ? default_status_path(o.region) : o.status_path;
+    if (status_path == "-") status_path.clear();
+    wake_fd = ::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+    if (wake_fd < 0) throw Error(Errc::kSystem, std::string("eventfd: ") + std::strerror(errno), errno);
+  }
+
+  ~Impl() {
+    if (wake_fd >= 0) ::close(wake_fd);
+  }
+
+  // ------------------------------------------------------------ helpers
+
+  void log(const std::string& line) {
+    if (o.log) {
+      o.log(line);
+      return;
+    }
+    const std::int64_t now = unix_ns();
+    const std::time_t secs = static_cast<std::time_t>(now / 1000000000);
+    std::tm tm{};
+    ::gmtime_r(&secs, &tm);
+    char ts[32];
+    std::strftime(ts, sizeof ts, "%H:%M:%S", &tm);
+    std::fprintf(stderr, "shmcast-relay %s %s.%03dZ %s\n", o.region.c_str(), ts,
+                 static_cast<int>((now / 1000000) % 1000), line.c_str());
+  }
+
+  void wake() noexcept {
+    const std::uint64_t one = 1;
+    [[maybe_unused]] ssize_t r = ::write(wake_fd, &one, sizeof one);
+  }
+
+  void set_fatal(const Error& e) {
+    {
+      std::lock_guard<std::mutex> g(fatal_mu);
+      if (!fatal) fatal = e;
+    }
+    stopping = true;
+    wake();
+    wcv.notify_all();
+    cmd_cv.notify_all();
+  }
+
+  void set_state(const std::string& s) {
+    std::lock_guard<std::mutex> g(smu);
+    if (st.state != s) {
+      st.state = s;
+      status_dirty = true;
+    }
+  }
+  void note_error(const std::string& e) {
+    std::lock_guard<std::mutex> g(smu);
+    st.last_error = e;
+    status_dirty = true;
+  }
+
+  Op* new_op(Op::Kind k, ucp_worker_h w) {
+    auto op = std::make_unique<Op>();
+    op->kind = k;
+    op->completed = &completed;
+    op->worker = w;
+    Op* p = op.get();
+    ops.emplace(p, std::move(op));
+    return p;
+  }
+  // Files the result of an *_nbx call.
+  void track(Op* op, ucs_status_ptr_t r) {
+    if (UCS_PTR_IS_ERR(r) || r == nullptr) {
+      if (!op->done) {
+        op->status = r == nullptr ? UCS_OK : UCS_PTR_STATUS(r);
+        op->done = true;
+        completed.push_back(op);
+      }
+    } else {
+      op->req = r;
+    }
+    if (r == nullptr && (op->kind == Op::kDataRecv || op->kind == Op::kCtrlRecv)) {
+      op->length = op->info.length;
+      op->sender_tag = op->info.sender_tag;
+    }
+  }
+  ucp_request_param_t send_param(Op* op, ucp_mem_h memh = nullptr) {
+    ucp_request_param_t p{};
+    p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+    p.cb.send = op_send_cb;
+    p.user_data = op;
+    if (memh) {
+      p.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMH;
+      p.memh = memh;
+    }
+    return p;
+  }
+  ucp_request_param_t recv_param(Op* op, ucp_mem_h memh = nullptr) {
+    ucp_request_param_t p{};
+    p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+    p.cb.recv = op_recv_cb;
+    p.user_data = op;
+    p.op_attr_mask |= UCP_OP_ATTR_FIELD_RECV_INFO;
+    p.recv_info.tag_info = &op->info;
+    if (memh) {
+      p.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMH;
+      p.memh = memh;
+    }
+    return p;
+  }
+
+  // Sends a control message; `session` empty: unauthenticated (handshake).
+  void send_ctrl(ucp_worker_h w, ucp_ep_h ep, std::uint64_t tag, Writer& msg, const std::string& session,
+                 std::uint64_t* seq, std::string_view dir, std::uint32_t conn) {
+    auto& b = msg.buffer();
+    if (!session.empty()) {
+      msg.set_seq((*seq)++);
+      const wire::Mac m = auth::message_mac(session, dir, b);
+      b.insert(b.end(), m.begin(), m.end());
+    }
+    Op* op = new_op(Op::kCtrlSend, w);
+    op->conn = conn;
+    op->gen = up.gen;
+    op->msg = std::move(b);
+    ucp_request_param_t p = send_param(op);
+    track(op, ucp_tag_send_nbx(ep, op->msg.data(), op->msg.size(), tag, &p));
+  }
+  void send_down(Down& d, Writer& msg, bool authenticated = true) {
+    send_ctrl(lw->get(), d.ep, wire::tag(wire::kCtrlDown, 0, 0), msg, authenticated ? d.session : std::string(),
+              &d.send_seq, "down", d.id);
+  }
+
+  void close_ep(ucp_worker_h w, ucp_ep_h ep, bool force, std::uint32_t conn) {
+    Op* op = new_op(Op::kClose, w);
+    op->conn = conn;
+    op->gen = up.gen;
+    ucp_request_param_t p = send_param(op);
+    p.op_attr_mask |= UCP_OP_ATTR_FIELD_FLAGS;
+    p.flags = force ? UCP_EP_CLOSE_FLAG_FORCE : 0;
+    track(op, ucp_ep_close_nbx(ep, &p));
+  }
+
+  // ------------------------------------------------------------ listener side
+
+  static void on_conn_request(ucp_conn_request_h req, void* arg) {
+    static_cast<Impl*>(arg)->conn_requests.push_back(req);
+  }
+
+  void start_listener() {
+    if (o.listen.empty()) return;
+    const Address a = parse_address(o.listen);
+    socklen_t len = 0;
+    sockaddr_storage ss = ucx::resolve(a, true, &len);
+    ucp_listener_params_t p{};
+    p.field_mask = UCP_LISTENER_PARAM_FIELD_SOCK_ADDR | UCP_LISTENER_PARAM_FIELD_CONN_HANDLER;
+    p.sockaddr.addr = reinterpret_cast<const sockaddr*>(&ss);
+    p.sockaddr.addrlen = len;
+    p.conn_handler.cb = &Impl::on_conn_request;
+    p.conn_handler.arg = this;
+    const ucs_status_t s = ucp_listener_create(lw->get(), &p, &listener);
+    if (s != UCS_OK)
+      throw Error(Errc::kSystem,
+                  "cannot listen on " + a.str() + ": " + ucx::status_str(s) +
+                      (s == UCS_ERR_BUSY ? " (the port is in use)" : ""));
+    ucp_listener_attr_t attr{};
+    attr.field_mask = UCP_LISTENER_ATTR_FIELD_SOCKADDR;
+    ucx::check(ucp_listener_query(listener, &attr), "ucp_listener_query");
+    listen_str = a.host + ":" + std::to_string(ucx::sockaddr_port(attr.sockaddr));
+    if (a.host.find(':') != std::string::npos)
+      listen_str = "[" + a.host + "]:" + std::to_string(ucx::sockaddr_port(attr.sockaddr));
+    log("listening on " + listen_str + " for downstream relays");
+    status_dirty = true;
+  }
+
+  void accept_conns() {
+    auto reqs = std::move(conn_requests);
+    conn_requests.clear();
+    for (ucp_conn_request_h req : reqs) {
+      auto d = std::make_unique<Down>();
+      d->id = next_conn++;
+      if (next_conn > 0xffffff) next_conn = 1;
+      ucp_conn_request_attr_t attr{};
+      attr.field_mask = UCP_CONN_REQUEST_ATTR_FIELD_CLIENT_ADDR;
+      d->peer = ucp_conn_request_query(req, &attr) == UCS_OK ? ucx::sockaddr_str(attr.client_address) : "?";
+      if (stopping) {
+        ucp_listener_reject(listener, req);
+        continue;
+      }
+      d->arg = std::make_unique<EpArg>(EpArg{&ep_failures, d->id, 0});
+      ucp_ep_params_t ep{};
+      ep.field_mask = UCP_EP_PARAM_FIELD_CONN_REQUEST | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
+                      UCP_EP_PARAM_FIELD_ERR_HANDLER;
+      ep.conn_request = req;
+      ep.err_mode = UCP_ERR_HANDLING_MODE_PEER;
+      ep.err_handler.cb = ep_error_cb;
+      ep.err_handler.arg = d->arg.get();
+      const ucs_status_t s = ucp_ep_create(lw->get(), &ep, &d->ep);
+      if (s != UCS_OK) {
+        log("cannot accept a connection from " + d->peer + ": " + ucx::status_str(s));
+        continue;
+      }
+      d->tr.region = o.region;
+      d->tr.conn = d->id;
+      d->tr.server_nonce = auth::nonce();
+      d->deadline_ns = mono_ns() + o.handshake_timeout.count();
+      d->since_unix_ns = unix_ns();
+      Writer w(Type::kChallenge);
+      w.u32(wire::kProto).u32(d->id).bytes(d->tr.server_nonce).str(o.region);
+      send_down(*d, w, false);
+      log("connection " + std::to_string(d->id) + " from " + d->peer + ": challenge sent");
+      downs.emplace(d->id, std::move(d));
+      status_dirty = true;
+    }
+  }
+
+  void drop_down(Down& d, const std::string& why, bool force = true) {
+    if (d.state == Down::kClosing) return;
+    log("downstream " + std::to_string(d.id) + " (" + d.peer + ") dropped: " + why);
+    if (d.state == Down::kActive) {
+      std::lock_guard<std::mutex> g(smu);
+      st.last_error = "downstream " + d.peer + ": " + why;
+    }
+    d.state = Down::kClosing;
+    close_ep(lw->get(), d.ep, force, d.id);
+    status_dirty = true;
+  }
+
+  void refuse(Down& d, const std::string& why) {
+    ++refused;
+    Writer w(Type::kRefused);
+    w.str(why);
+    send_down(d, w, false);
+    note_error("refused " + d.peer + ": " + why);
+    drop_down(d, "refused: " + why, false);
+  }
+
+  // A control message from a downstream relay (only the handshake response).
+  void on_up_message(std::uint32_t conn, std::vector<std::uint8_t>& msg) {
+    auto it = downs.find(conn);
+    if (it == downs.end() || it->second->state == Down::kClosing) return;
+    Down& d = *it->second;
+    if (d.state != Down::kHandshake) {
+      drop_down(d, "unexpected control message after the handshake");
+      return;
+    }
+    try {
+      wire::Reader r(msg, false);
+      if (r.type() != Type::kResponse) throw wire::ProtocolError("expected a response to the challenge");
+      r.bytes(&d.tr.client_nonce);
+      wire::Mac proof{};
+      r.bytes(&proof);
+      const std::string region = r.str(256);
+      r.expect_done();
+      if (region != o.region) {
+        refuse(d, "this relay serves region '" + o.region + "', not '" + region + "'");
+        return;
+      }
+      if (!auth::equal(proof, auth::client_proof(o.key, d.tr))) {
+        log("downstream " + d.peer + " did not prove the key: refused");
+        refuse(d, "wrong key (the downstream's SHMCAST_RELAY_KEY / --key-file differs from this relay's)");
+        return;
+      }
+      d.session = auth::session_key(o.key, d.tr);
+      Writer w(Type::kWelcome);
+      w.bytes(auth::server_proof(o.key, d.tr)).u64(source ? src_slot_bytes : up.chunk_bytes);
+      w.u32(o.checksums ? wire::kFlagChecksums : 0);
+      send_down(d, w);
+      d.state = Down::kReady;
+      log("downstream " + std::to_string(d.id) + " (" + d.peer + ") authenticated; it joins at the next sync");
+      status_dirty = true;
+    } catch (const wire::ProtocolError& e) {
+      drop_down(d, e.what());
+    }
+  }
+
+  void probe_down_ctrl() {
+    if (!lw || lw_ctrl_busy) return;
+    ucp_tag_recv_info_t info{};
+    ucp_tag_message_h m = ucp_tag_probe_nb(lw->get(), wire::tag(wire::kCtrlUp, 0, 0), wire::kKindMask, 1, &info);
+    if (m == nullptr) return;
+    Op* op = new_op(Op::kCtrlRecv, lw->get());
+    op->conn = wire::tag_middle(info.sender_tag);
+    // Only a handshake response comes this way: small. Anything larger is
+    // received truncated (an error) and the connection dropped.
+    op->msg.resize(std::min<std::size_t>(info.length, 4096));
+    op->sender_tag = info.sender_tag;
+    op->info = info;
+    ucp_request_param_t p = recv_param(op);
+    lw_ctrl_busy = true;
+    track(op, ucp_tag_msg_recv_nbx(lw->get(), op->msg.data(), op->msg.size(), m, &p));
+  }
+
+  // ------------------------------------------------------------ fan-out
+
+  // Starts `plan` on every downstream that is ready; returns how many.
+  int forward_begin(const std::shared_ptr<const SyncPlan>& plan) {
+    out.plan = plan;
+    out.start_ns = mono_ns();
+    int n = 0;
+    for (auto& [id, d] : downs) {
+      if (d->state != Down::kReady) continue;
+      Writer w(Type::kSync);
+      wire::encode_sync(w, *plan);
+      send_down(*d, w);
+      d->state = Down::kActive;
+      d->version = plan->version;
+      d->chunks_sent = 0;
+      ++n;
+    }
+    status_dirty = true;
+    return n;
+  }
+  // Posts chunk `c`'s bytes to every active downstream; returns the sends.
+  int forward_data(std::uint32_t c, const std::byte* p, std::uint64_t len, ucp_mem_h memh, int buf) {
+    int n = 0;
+    if (!out.plan) return 0;
+    for (auto& [id, d] : downs) {
+      if (d->state != Down::kActive) continue;
+      Op* op = new_op(Op::kDataSend, lw->get());
+      op->conn = d->id;
+      op->buf = buf;
+      op->chunk = c;
+      op->version = out.plan->version;
+      op->bytes = len;
+      if (d->pending_data++ == 0) d->progress_ns = mono_ns();
+      ++d->chunks_sent;
+      ucp_request_param_t prm = send_param(op, memh);
+      if (buf >= 0) ++bufs[static_cast<std::size_t>(buf)].refs;
+      track(op, ucp_tag_send_nbx(d->ep, p, len, wire::tag(wire::kData, out.plan->version, c), &prm));
+      ++n;
+    }
+    return n;
+  }
+  void forward_sum(std::uint32_t c, std::uint64_t len, std::uint64_t sum) {
+    if (!out.plan) return;
+    for (auto& [id, d] : downs) {
+      if (d->state != Down::kActive) continue;
+      Writer w(Type::kChunk);
+      w.u64(out.plan->version).u32(c).u64(len).u64(sum);
+      send_down(*d, w);
+    }
+  }
+  void forward_end() {
+    if (!out.plan) return;
+    int n = 0;
+    for (auto& [id, d] : downs) {
+      if (d->state != Down::kActive) continue;
+      Writer w(Type::kEnd);
+      w.u64(out.plan->version).u32(d->chunks_sent);
+      send_down(*d, w);
+      d->state = Down::kReady;
+      ++d->syncs;
+      ++n;
+    }
+    if (source) {
+      const double s = static_cast<double>(mono_ns() - out.start_ns) * 1e-9;
+      log("sync " + std::to_string(out.plan->version) + " sent to " + std::to_string(n) + " downstream: " +
+          fmt_bytes(out.plan->payload_bytes) + " in " + std::to_string(s) + " s (" +
+          fmt_gbs(out.plan->payload_bytes, s) + ")");
+      std::lock_guard<std::mutex> g(smu);
+      ++st.syncs;
+      st.last_version = out.plan->version;
+      st.last_bytes = out.plan->payload_bytes;
+      st.last_seconds = s;
+    }
+    out.plan.reset();
+    status_dirty = true;
+  }
+  void forward_abort(const std::string& why) {
+    if (!out.plan) return;
+    for (auto& [id, d] : downs) {
+      if (d->state != Down::kActive) continue;
+      Writer w(Type::kAbort);
+      w.u64(out.plan->version).u32(d->chunks_sent).str(why.substr(0, 1000));
+      send_down(*d, w);
+      d->state = Down::kReady;
+    }
+    if (source) {
+      std::lock_guard<std::mutex> g(smu);
+      ++st.aborted;
+    }
+    out.plan.reset();
+    status_dirty = true;
+  }
+
+  // ------------------------------------------------------------ buffers
+
+  void release_buf(int b) {
+    if (b < 0) return;
+    Buffer& buf = bufs[static_cast<std::size_t>(b)];
+    if (--buf.refs < 0) buf.refs = 0;
+  }
+  int free_buf() const {
+    for (std::size_t i = 0; i < bufs.size(); ++i)
+      if (bufs[i].refs == 0) return static_cast<int>(i);
+    return -1;
+  }
+  bool all_bufs_free() const {
+    return std::all_of(bufs.begin(), bufs.end(), [](const Buffer& b) { return b.refs == 0; });
+  }
+  void free_bufs() {
+    for (Buffer& b : bufs) {
+      ucx::unregister_memory(ctx->get(), &b.reg);
+      if (b.p) ::munmap(b.p, b.cap);
+    }
+    bufs.clear();
+    buf_bytes = 0;
+  }
+  // (Re)allocates the receive buffers for chunks of `bytes`; false while
+  // some are still in use.
+  bool ensure_bufs(std::uint64_t bytes) {
+    if (buf_bytes == bytes && !bufs.empty()) return true;
+    if (!all_bufs_free()) return false;
+    free_bufs();
+    for (std::uint32_t i = 0; i < o.buffers; ++i) {
+      Buffer b;
+      b.cap = bytes;
+      void* p = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+      if (p == MAP_FAILED)
+        throw Error(Errc::kSystem, "cannot allocate " + std::to_string(o.buffers) + " receive buffers of " +
+                                       fmt_bytes(bytes) + ": " + std::strerror(errno) + " (lower --buffers)",
+                    errno);
+      b.p = static_cast<std::byte*>(p);
+      b.reg = ucx::register_memory(ctx->get(), p, bytes);
+      bufs.push_back(b);
+    }
+    buf_bytes = bytes;
+    log("receive buffers: " + std::to_string(o.buffers) + " x " + fmt_bytes(bytes) + ", registered with UCX");
+    return true;
+  }
+
+  // ------------------------------------------------------------ upstream side
+
+  void connect_upstream() {
+    ++up.gen;
+    socklen_t len = 0;
+    sockaddr_storage ss{};
+    try {
+      ss = ucx::resolve(from_addr, false, &len);
+    } catch (const Error& e) {
+      fail_upstream(e.what());  // a name that does not resolve yet (a Service being created): retry
+      return;
+    }
+    up.w = std::make_unique<ucx::Worker>(*ctx);
+    up.arg = std::make_unique<EpArg>(EpArg{&ep_failures, 0, up.gen});
+    ucp_ep_params_t ep{};
+    ep.field_mask = UCP_EP_PARAM_FIELD_FLAGS | UCP_EP_PARAM_FIELD_SOCK_ADDR | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
+                    UCP_EP_PARAM_FIELD_ERR_HANDLER;
+    ep.flags = UCP_EP_PARAMS_FLAGS_CLIENT_SERVER;
+    ep.sockaddr.addr = reinterpret_cast<const sockaddr*>(&ss);
+    ep.sockaddr.addrlen = len;
+    ep.err_mode = UCP_ERR_HANDLING_MODE_PEER;
+    ep.err_handler.cb = ep_error_cb;
+    ep.err_handler.arg = up.arg.get();
+    const ucs_status_t s = ucp_ep_create(up.w->get(), &ep, &up.ep);
+    if (s != UCS_OK) {
+      up.ep = nullptr;
+      fail_upstream("cannot connect to " + from_addr.str() + ": " + ucx::status_str(s));
+      return;
+    }
+    up.state = Up::kConnecting;
+    up.deadline_ns = mono_ns() + o.handshake_timeout.count();
+    up.recv_seq = 0;
+    up.ctrl.clear();
+    up.ctrl_busy = false;
+    ++up.connects;
+    set_state("connecting");
+  }
+
+  // Ends the upstream connection: aborts the sync in progress here and
+  // downstream, cancels the receives, tears the worker down, and schedules a
+  // reconnection.
+  void fail_upstream(const std::string& why) {
+    log("upstream " + from_addr.str() + ": " + why);
+    up.last_error = why;
+    note_error("upstream: " + why);
+    if (in.plan) {
+      const std::string reason = "upstream relay lost mid-sync: " + why;
+      if (!in.discard) {
+        push_writer(WCmd{WCmd::kAbort, in.plan, -1, 0, nullptr, 0, 0, 0, reason});
+        forward_abort(reason);
+        std::lock_guard<std::mutex> g(smu);
+        ++st.aborted;
+      }
+    }
+    drop_in();
+    teardown_upstream();
+    up.state = Up::kIdle;
+    up.backoff_ns = std::clamp<std::int64_t>(up.backoff_ns * 2, o.reconnect_min.count(), o.reconnect_max.count());
+    up.retry_at_ns = mono_ns() + up.backoff_ns;
+    set_state("reconnecting");
+  }
+
+  // Forgets the sync being received; buffers of chunks received but not
+  // handed on return now, those of receives in flight when they finish.
+  void drop_in() {
+    for (std::size_t i = in.processed; i < in.posted; ++i)
+      if (in.chunks[i].received && in.chunks[i].buf >= 0) release_buf(in.chunks[i].buf);
+    in = In{};
+  }
+
+  // Cancels the upstream worker's receives, force-closes its endpoint and
+  // retires it: its requests finish through the usual completions (stale
+  // generation), then reap_retired() destroys it.
+  void teardown_upstream() {
+    if (!up.w) return;
+    ucp_worker_h w = up.w->get();
+    for (auto& [p, op] : ops)
+      if (op->worker == w && op->req && !op->done && (op->kind == Op::kDataRecv || op->kind == Op::kCtrlRecv))
+        ucp_request_cancel(w, op->req);
+    if (up.ep) close_ep(w, up.ep, true, 0);
+    up.ep = nullptr;
+    ++up.gen;
+    retired.push_back(Retired{std::move(up.w), std::move(up.arg), mono_ns()});
+    up.ctrl.clear();
+    up.ctrl_busy = false;
+  }
+
+  void reap_retired() {
+    for (auto it = retired.begin(); it != retired.end();) {
+      ucp_worker_h w = it->w->get();
+      it->w->progress();
+      const bool busy = std::any_of(ops.begin(), ops.end(), [&](const auto& kv) { return kv.second->worker == w; });
+      if (busy && mono_ns() - it->since_ns < 10'000'000'000) {
+        ++it;
+        continue;
+      }
+      if (busy) {
+        log("an ended upstream connection still has requests after 10 s: leaving its UCX worker behind");
+        (void)it->w.release();
+        (void)it->arg.release();
+        for (auto& [p, op] : ops)
+          if (op->worker == w) op->worker = nullptr;
+      }
+      it = retired.erase(it);
+    }
+  }
+
+  void send_up(Writer& msg) {
+    std::uint64_t dummy = 0;
+    send_ctrl(up.w->get(), up.ep, wire::tag(wire::kCtrlUp, up.tr.conn, 0), msg, std::string(), &dummy, "up", 0);
+  }
+
+  void probe_up_ctrl() {
+    if (!up.w || up.state == Up::kIdle || up.ctrl_busy) return;
+    ucp_tag_recv_info_t info{};
+    ucp_tag_message_h m = ucp_tag_probe_nb(up.w->get(), wire::tag(wire::kCtrlDown, 0, 0), wire::kFullMask, 1, &info);
+    if (m == nullptr) return;
+    Op* op = new_op(Op::kCtrlRecv, up.w->get());
+    op->gen = up.gen;
+    // Before the key is proven, only small handshake messages are taken.
+    const std::size_t cap = up.state == Up::kAuthed ? wire::kMaxControlBytes : 4096;
+    op->msg.resize(std::min<std::size_t>(info.length, cap));
+    op->info = info;
+    ucp_request_param_t p = recv_param(op);
+    up.ctrl_busy = true;
+    track(op, ucp_tag_msg_recv_nbx(up.w->get(), op->msg.data(), op->msg.size(), m, &p));
+  }
+
+  [[noreturn]] void refused_by_upstream(const std::string& why) {
+    throw Error(Errc::kPermission, why);
+  }
+
+  // A control message from the upstream, received whole.
+  void on_down_message(std::vector<std::uint8_t>& msg) {
+    switch (up.state) {
+      case Up::kConnecting: {
+        wire::Reader r(msg, false);
+        if (r.type() == Type::kRefused) refused_by_upstream("upstream " + from_addr.str() + " refused: " + r.str());
+        if (r.type() != Type::kChallenge) throw wire::ProtocolError("expected a challenge");
+        const std::uint32_t proto = r.u32();
+        up.tr.conn = r.u32();
+        r.bytes(&up.tr.server_nonce);
+        const std::string region = r.str(256);
+        r.expect_done();
+        if (proto != wire::kProto)
+          refused_by_upstream("upstream " + from_addr.str() + " speaks relay protocol " + std::to_string(proto) +
+                              ", this relay " + std::to_string(wire::kProto) + ": run the same shmcast version");
+        if (region != o.region)
+          refused_by_upstream("upstream " + from_addr.str() + " serves region '" + region + "', not '" + o.region + "'");
+        up.tr.region = o.region;
+        up.tr.client_nonce = auth::nonce();
+        Writer w(Type::kResponse);
+        w.bytes(up.tr.client_nonce).bytes(auth::client_proof(o.key, up.tr)).str(o.region);
+        send_up(w);
+        up.state = Up::kAwaitWelcome;
+        set_state("authenticating");
+        return;
+      }
+      case Up::kAwaitWelcome: {
+        wire::Reader r0(msg, false);
+        if (r0.type() == Type::kRefused)
+          refused_by_upstream("upstream " + from_addr.str() + " refused this relay: " + r0.str());
+        if (r0.type() != Type::kWelcome) throw wire::ProtocolError("expected a welcome");
+        up.session = auth::session_key(o.key, up.tr);
+        wire::Reader r = verified(msg);
+        wire::Mac proof{};
+        r.bytes(&proof);
+        const std::uint64_t chunk_bytes = r.u64();
+        (void)r.u32();  // flags: the upstream's checksum setting (each hop checks what it receives)
+        r.expect_done();
+        if (!auth::equal(proof, auth::server_proof(o.key, up.tr)))
+          refused_by_upstream("upstream " + from_addr.str() + " did not prove the key: not accepting its data");
+        up.state = Up::kAuthed;
+        up.backoff_ns = 0;
+        up.since_unix_ns = unix_ns();
+        up.last_error.clear();
+        if (chunk_bytes != 0) {
+          up.chunk_bytes = chunk_bytes;
+          push_writer(WCmd{WCmd::kOpen, nullptr, -1, 0, nullptr, 0, 0, chunk_bytes, {}});
+        }
+        log("connected to upstream " + from_addr.str() + " (connection " + std::to_string(up.tr.conn) +
+            "): key proven both ways");
+        set_state("connected");
+        return;
+      }
+      case Up::kAuthed: {
+        (void)verified(msg);  // checks the MAC and the sequence number now, in arrival order
+        up.ctrl.push_back(std::move(msg));
+        return;
+      }
+      case Up::kIdle: return;
+    }
+  }
+
+  // The message checked against the session key; a Reader over its body.
+  wire::Reader verified(const std::vector<std::uint8_t>& msg) {
+    if (msg.size() < wire::kHeaderBytes + wire::kMacBytes) throw wire::ProtocolError("control message too short");
+    wire::Mac got{};
+    std::memcpy(got.data(), msg.data() + msg.size() - wire::kMacBytes, wire::kMacBytes);
+    const wire::Mac want = auth::message_mac(
+        up.session, "down", std::span<const std::uint8_t>(msg.data(), msg.size() - wire::kMacBytes));
+    if (!auth::equal(got, want)) throw wire::ProtocolError("control message fails its MAC");
+    wire::Reader r(msg, true);
+    if (r.seq() != up.recv_seq) throw wire::ProtocolError("control message out of sequence (replayed?)");
+    ++up.recv_seq;
+    return r;
+  }
+
+  // Acts on queued upstream control messages, in order.
+  void process_up_ctrl() {
+    while (!up.ctrl.empty()) {
+      std::vector<std::uint8_t>& msg = up.ctrl.front();
+      wire::Reader r(msg, true);
+      switch (r.type()) {
+        case Type::kSync: {
+          if (in.plan) return;  // the previous sync is still being received
+          auto plan = std::make_shared<SyncPlan>(wire::decode_sync(r));
+          if (!ensure_bufs(plan->chunk_bytes)) return;  // chunk size changed: wait for the buffers
+          begin_in(plan);
+          break;
+        }
+        case Type::kChunk: {
+          const std::uint64_t v = r.u64();
+          const std::uint32_t c = r.u32();
+          const std::uint64_t len = r.u64(), sum = r.u64();
+          r.expect_done();
+          if (!in.plan || v != in.plan->version) throw wire::ProtocolError("chunk message outside its sync");
+          const auto& dc = in.plan->data_chunks;
+          const auto it = std::lower_bound(dc.begin(), dc.end(), c);
+          if (it == dc.end() || *it != c || len != in.plan->chunk_len(c))
+            throw wire::ProtocolError("chunk message for a chunk the sync does not have");
+          In::Chunk& ch = in.chunks[static_cast<std::size_t>(it - dc.begin())];
+          ch.have_sum = true;
+          ch.sum = sum;
+          ch.len = len;
+          break;
+        }
+        case Type::kEnd: {
+          const std::uint64_t v = r.u64();
+          const std::uint32_t sent = r.u32();
+          r.expect_done();
+          if (!in.plan || v != in.plan->version || sent != in.plan->data_chunks.size())
+            throw wire::ProtocolError("end message does not match the sync");
+          in.ended = true;
+          break;
+        }
+        case Type::kAbort: {
+          const std::uint64_t v = r.u64();
+          const std::uint32_t sent = r.u32();
+          const std::string why = r.str();
+          r.expect_done();
+          if (!in.plan || v != in.plan->version || sent > in.plan->data_chunks.size())
+            throw wire::ProtocolError("abort message does not match the sync");
+          abort_in(sent, "upstream aborted sync " + std::to_string(v) + ": " + why);
+          break;
+        }
+        default: throw wire::ProtocolError(std::string("unexpected ") + wire::type_name(r.type()) + " message");
+      }
+      up.ctrl.pop_front();
+    }
+  }
+
+  void begin_in(const std::shared_ptr<const SyncPlan>& plan) {
+    in = In{};
+    in.plan = plan;
+    in.chunks.resize(plan->data_chunks.size());
+    in.limit = plan->data_chunks.size();
+    in.start_ns = mono_ns();
+    up.chunk_bytes = plan->chunk_bytes;
+    push_writer(WCmd{WCmd::kBegin, plan, -1, 0, nullptr, 0, 0, plan->chunk_bytes, {}});
+    const int n = forward_begin(plan);
+    set_state("syncing");
+    log("sync " + std::to_string(plan->version) + " from upstream: " + std::to_string(plan->specs.size()) +
+        " tensors, " + fmt_bytes(plan->payload_bytes) + ", " + std::to_string(plan->data_chunks.size()) +
+        " chunks; forwarding to " + std::to_string(n) + " downstream");
+  }
+
+  void abort_in(std::uint32_t sent, const std::string& why) {
+    log(why);
+    if (!in.discard) {
+      push_writer(WCmd{WCmd::kAbort, in.plan, -1, 0, nullptr, 0, 0, 0, why});
+      forward_abort(why);
+    }
+    {
+      std::lock_guard<std::mutex> g(smu);
+      ++st.aborted;
+      st.last_error = why;
+    }
+    in.aborted = true;
+    in.discard = true;
+    in.limit = sent;
+    // Receives posted for chunks the upstream never sent: cancel them.
+    for (std::size_t i = sent; i < in.posted; ++i)
+      if (Op* op = in.chunks[i].op; op && op->req && !op->done) ucp_request_cancel(up.w->get(), op->req);
+  }
+
+  // Posts receives into free buffers; hands received chunks on in order.
+  void pump_in() {
+    if (!in.plan || up.state != Up::kAuthed) return;
+    const SyncPlan& p = *in.plan;
+    while (in.posted < in.limit) {
+      const int b = free_buf();
+      if (b < 0) break;
+      const std::size_t pos = in.posted;
+      const std::uint32_t c = p.data_chunks[pos];
+      Op* op = new_op(Op::kDataRecv, up.w->get());
+      op->gen = up.gen;
+      op->buf = b;
+      op->pos = pos;
+      op->chunk = c;
+      op->version = p.version;
+      bufs[static_cast<std::size_t>(b)].refs = 1;
+      in.chunks[pos].buf = b;
+      in.chunks[pos].op = op;
+      ucp_request_param_t prm = recv_param(op, bufs[static_cast<std::size_t>(b)].reg.memh);
+      ++in.posted;
+      track(op, ucp_tag_recv_nbx(up.w->get(), bufs[static_cast<std::size_t>(b)].p, p.chunk_len(c),
+                                 wire::tag(wire::kData, p.version, c), wire::kFullMask, &prm));
+    }
+    while (in.processed < in.posted) {
+      In::Chunk& ch = in.chunks[in.processed];
+      if (!ch.received) break;
+      if (!in.discard && !ch.have_sum) break;
+      const std::uint32_t c = p.data_chunks[in.processed];
+      if (!in.discard && ch.ok) {
+        const Buffer& b = bufs[static_cast<std::size_t>(ch.buf)];
+        forward_data(c, b.p, ch.len, b.reg.memh, ch.buf);
+        forward_sum(c, ch.len, ch.sum);
+        ++bufs[static_cast<std::size_t>(ch.buf)].refs;  // the writer's
+        push_writer(WCmd{WCmd::kChunk, in.plan, ch.buf, c, b.p, ch.len, ch.sum, p.chunk_bytes, {}});
+        std::lock_guard<std::mutex> g(smu);
+        st.bytes_in += ch.len;
+      }
+      release_buf(ch.buf);  // the receive's
+      ch.buf = -1;
+      ++in.processed;
+    }
+    if (in.processed == in.posted && in.posted >= in.limit && (in.ended || in.aborted)) {
+      if (in.ended && !in.discard) {
+        forward_end();
+        push_writer(WCmd{WCmd::kEnd, in.plan, -1, 0, nullptr, 0, 0, 0, {}});
+        const double s = static_cast<double>(mono_ns() - in.start_ns) * 1e-9;
+        log("sync " + std::to_string(p.version) + " received and forwarded: " + fmt_bytes(p.payload_bytes) + " in " +
+            std::to_string(s) + " s (" + fmt_gbs(p.payload_bytes, s) + ")");
+        std::lock_guard<std::mutex> g(smu);
+        ++st.syncs;
+        st.last_version = p.version;
+        st.last_bytes = p.payload_bytes;
+        st.last_seconds = s;
+      }
+      in = In{};
+      set_state("connected");
+    }
+  }
+
+  // ------------------------------------------------------------ completions
+
+  void on_complete(Op* op) {
+    switch (op->kind) {
+      case Op::kCtrlSend: {
+        if (op->status != UCS_OK && op->conn != 0)
+          if (auto it = downs.find(op->conn); it != downs.end())
+            drop_down(*it->second, "control send failed: " + ucx::status_str(op->status));
+        if (op->status != UCS_OK && op->conn == 0 && op->gen == up.gen && up.state != Up::kIdle)
+          fail_upstream("control send failed: " + ucx::status_str(op->status));
+        return;
+      }
+      case Op::kDataSend: {
+        release_buf(op->buf);
+        if (auto it = downs.find(op->conn); it != downs.end()) {
+          Down& d = *it->second;
+          --d.pending_data;
+          d.progress_ns = mono_ns();
+          if (op->status == UCS_OK) {
+            d.bytes_sent += op->bytes;
+            std::lock_guard<std::mutex> g(smu);
+            st.bytes_out += op->bytes;
+          } else {
+            drop_down(d, "chunk send failed: " + ucx::status_str(op->status));
+          }
+        }
+        if (source && src_chunk.pending > 0 && op->chunk == src_chunk.chunk && op->version == src_chunk.version) {
+          --src_chunk.pending;
+          maybe_reply_chunk();
+        }
+        return;
+      }
+      case Op::kDataRecv: {
+        if (op->gen != up.gen || !in.plan || op->version != in.plan->version || op->pos >= in.chunks.size()) {
+          release_buf(op->buf);
+          return;
+        }
+        In::Chunk& ch = in.chunks[op->pos];
+        ch.op = nullptr;
+        ch.received = true;
+        if (op->status != UCS_OK) {
+          ch.ok = false;
+          if (op->status != UCS_ERR_CANCELED) {
+            fail_upstream("chunk receive failed: " + ucx::status_str(op->status));
+            return;
+          }
+          return;
+        }
+        if (op->length != in.plan->chunk_len(op->chunk)) {
+          fail_upstream("chunk " + std::to_string(op->chunk) + " has " + std::to_string(op->length) +
+                        " bytes, expected " + std::to_string(in.plan->chunk_len(op->chunk)));
+          return;
+        }
+        if (!ch.have_sum) ch.len = op->length;
+        return;
+      }
+      case Op::kCtrlRecv: {
+        if (op->status == UCS_OK && op->length > op->msg.size()) op->status = UCS_ERR_MESSAGE_TRUNCATED;
+        if (op->worker == (lw ? lw->get() : nullptr)) {
+          lw_ctrl_busy = false;
+          if (op->status != UCS_OK) {
+            if (auto it = downs.find(op->conn); it != downs.end())
+              drop_down(*it->second, "bad control message: " + ucx::status_str(op->status));
+            return;
+          }
+          op->msg.resize(op->length);
+          on_up_message(op->conn, op->msg);
+          return;
+        }
+        if (op->gen != up.gen) return;
+        up.ctrl_busy = false;
+        if (op->status != UCS_OK) {
+          fail_upstream("control receive failed: " + ucx::status_str(op->status));
+          return;
+        }
+        op->msg.resize(op->length);
+        try {
+          on_down_message(op->msg);
+        } catch (const wire::ProtocolError& e) {
+          fail_upstream(std::string("protocol error: ") + e.what());
+        }
+        return;
+      }
+      case Op::kClose: {
+        if (op->conn != 0) {
+          downs.erase(op->conn);
+          status_dirty = true;
+        }
+        return;
+      }
+    }
+  }
+
+  void process_completions() {
+    while (!completed.empty()) {
+      std::vector<Op*> list;
+      list.swap(completed);
+      for (Op* op : list) {
+        auto it = ops.find(op);
+        if (it == ops.end()) continue;
+        std::unique_ptr<Op> own = std::move(it->second);
+        ops.erase(it);
+        try {
+          on_complete(op);
+        } catch (const wire::ProtocolError& e) {
+          if (up.state != Up::kIdle) fail_upstream(std::string("protocol error: ") + e.what());
+        }
+        if (op->req) ucp_request_free(op->req);
+      }
+    }
+  }
+
+  void process_ep_failures() {
+    auto list = std::move(ep_failures);
+    ep_failures.clear();
+    for (const EpFailure& f : list) {
+      const std::uint32_t conn = f.conn;
+      const ucs_status_t status = f.status;
+      if (conn == 0) {
+        if (f.gen == up.gen && up.state != Up::kIdle)
+          fail_upstream(up.state == Up::kAuthed ? "connection lost (" + ucx::status_str(status) + ")"
+                                                : "cannot connect (" + ucx::status_str(status) + ")");
+        continue;
+      }
+      if (auto it = downs.find(conn); it != downs.end())
+        drop_down(*it->second, "connection lost (" + ucx::status_str(status) + ")");
+    }
+  }
+
+  void check_timers() {
+    const std::int64_t now = mono_ns();
+    for (auto& [id, d] : downs) {
+      if (d->state == Down::kHandshake && now > d->deadline_ns) drop_down(*d, "no handshake response in time");
+      if (d->state == Down::kActive && d->pending_data > 0 && now - d->progress_ns > o.peer_timeout.count())
+        drop_down(*d, "took no chunk for " + std::to_string(o.peer_timeout.count() / 1000000) + " ms (stalled)");
+    }
+    if (!source) {
+      if (up.state == Up::kIdle && now >= up.retry_at_ns && !stopping) connect_upstream();
+      if ((up.state == Up::kConnecting || up.state == Up::kAwaitWelcome) && now > up.deadline_ns)
+        fail_upstream("no handshake from the upstream in time");
+    }
+  }
+
+  // ------------------------------------------------------------ source reader
+
+  // Network thread: acts on the reader's requests.
+  void handle_cmds() {
+    std::deque<SrcCmd> list;
+    {
+      std::lock_guard<std::mutex> g(cmd_mu);
+      list.swap(cmds);
+    }
+    for (SrcCmd& c : list) {
+      switch (c.t) {
+        case SrcCmd::kOpened:
+          src_slot_bytes = c.len;
+          reply(c.ticket, 0);
+          break;
+        case SrcCmd::kBegin: reply(c.ticket, forward_begin(c.plan)); break;
+        case SrcCmd::kChunk: {
+          ucp_mem_h memh = nullptr;
+          try {
+            memh = slot_registration(c.base);
+          } catch (const Error& e) {
+            log(std::string("cannot register a slot with UCX (sending it unregistered): ") + e.what());
+          }
+          src_chunk = SrcChunk{c.ticket, 0, false, c.chunk, c.len, out.plan ? out.plan->version : 0};
+          src_chunk.pending = forward_data(c.chunk, c.base, c.len, memh, -1);
+          std::lock_guard<std::mutex> g(smu);
+          st.bytes_in += c.len;
+          break;
+        }
+        case SrcCmd::kSum:
+          forward_sum(c.chunk, c.len, c.sum);
+          src_chunk.sum_sent = true;
+          maybe_reply_chunk();
+          break;
+        case SrcCmd::kEnd: forward_end(); break;
+        case SrcCmd::kAbort: {
+          forward_abort(c.why);
+          std::lock_guard<std::mutex> g(smu);
+          st.last_error = c.why;
+          break;
+        }
+        case SrcCmd::kClosed:
+          for (auto& [base, reg] : slot_regs) ucx::unregister_memory(ctx->get(), &reg);
+          slot_regs.clear();
+          src_slot_bytes = 0;
+          reply(c.ticket, 0);
+          break;
+      }
+    }
+  }
+  ucp_mem_h slot_registration(const std::byte* base) {
+    auto it = slot_regs.find(base);
+    if (it != slot_regs.end()) return it->second.memh;
+    ucx::Registration r = ucx::register_memory(ctx->get(), const_cast<std::byte*>(base), src_slot_bytes);
+    slot_regs.emplace(base, r);
+    return r.memh;
+  }
+  void maybe_reply_chunk() {
+    if (src_chunk.ticket != 0 && src_chunk.pending == 0 && src_chunk.sum_sent) {
+      reply(src_chunk.ticket, 0);
+      src_chunk.ticket = 0;
+    }
+  }
+  void reply(std::uint64_t ticket, std::int64_t value) {
+    {
+      std::lock_guard<std::mutex> g(cmd_mu);
+      replied_ticket = ticket;
+      reply_value = value;
+    }
+    cmd_cv.notify_all();
+  }
+
+  // Reader thread: posts a command; with `wait`, blocks for its reply.
+  std::int64_t post(SrcCmd c, bool wait) {
+    std::unique_lock<std::mutex> g(cmd_mu);
+    const std::uint64_t t = next_ticket++;
+    c.ticket = wait ? t : 0;
+    cmds.push_back(std::move(c));
+    g.unlock();
+    wake();
+    if (!wait) return 0;
+    g.lock();
+    while (replied_ticket < t) {
+      if (net_done) throw Error(Errc::kAborted, "the relay is stopping");
+      cmd_cv.wait_for(g, 100ms);
+    }
+    return reply_value;
+  }
+
+  void reader_main() {
+    ConsumerOptions co;
+    co.pin = Pin::kNo;
+    co.open_timeout = 1s;
+    while (!stopping) {
+      std::optional<Consumer> cons;
+      set_state("attaching");
+      try {
+        cons.emplace(Consumer::open(o.region, co));
+      } catch (const Error& e) {
+        if (e.code() == Errc::kNotFound || e.code() == Errc::kPeerDied || e.code() == Errc::kClosed ||
+            e.code() == Errc::kTimeout)
+          continue;  // the producer is not there (yet): keep waiting
+        if (e.code() == Errc::kNoSeat) {
+          note_error(e.what());
+          std::this_thread::sleep_for(200ms);
+          continue;
+        }
+        set_fatal(e);
+        return;
+      }
+      const std::uint64_t S = cons->slot_bytes();
+      log("attached to region " + o.region + " as consumer (seat " + std::to_string(cons->seat()) + ", slots of " +
+          fmt_bytes(S) + ")");
+      {
+        std::lock_guard<std::mutex> g(smu);
+        st.region_ready = true;
+        st.region_slot_bytes = S;
+      }
+      try {
+        post(SrcCmd{SrcCmd::kOpened, nullptr, 0, nullptr, S, 0, 0, {}}, true);
+        set_state("idle");
+        read_syncs(*cons, S);
+      } catch (const Error& e) {
+        if (e.code() != Errc::kAborted || !stopping) log(std::string("source region: ") + e.what());
+      }
+      {
+        std::lock_guard<std::mutex> g(smu);
+        st.region_ready = false;
+      }
+      try {
+        post(SrcCmd{SrcCmd::kClosed, nullptr, 0, nullptr, 0, 0, 0, {}}, true);
+      } catch (const Error&) {
+      }
+      cons.reset();
+    }
+  }
+
+  // Forwards syncs until the consumer must be reopened (an Error escapes).
+  void read_syncs(Consumer& cons, std::uint64_t S) {
+    while (!stopping) {
+      const SyncInfo* info = nullptr;
+      try {
+        info = &cons.wait_sync(200ms);
+      } catch (const Error& e) {
+        if (e.code() == Errc::kTimeout) continue;
+        throw;  // PeerDied, Closed, Evicted, Corrupt...: reattach
+      }
+      auto plan = std::make_shared<SyncPlan>();
+      plan->version = info->version;
+      plan->chunk_bytes = S;
+      plan->stream_bytes = info->stream_bytes;
+      plan->payload_bytes = info->payload_bytes;
+      for (const TensorInfo& t : info->tensors) {
+        plan->specs.push_back(TensorSpec{t.name, t.dtype, t.shape});
+        plan->offsets.push_back(t.stream_offset);
+        plan->nbytes.push_back(t.nbytes);
+      }
+      plan->index_chunks();
+      const std::int64_t active = post(SrcCmd{SrcCmd::kBegin, plan, 0, nullptr, 0, 0, 0, {}}, true);
+      if (active == 0) {
+        cons.skip();
+        log("sync " + std::to_string(plan->version) + " skipped: no downstream relay is connected and ready");
+        std::lock_guard<std::mutex> g(smu);
+        ++st.skipped;
+        continue;
+      }
+      set_state("syncing");
+      try {
+        std::int64_t chunk = -1;
+        const std::byte* base = nullptr;
+        cons.visit([&](const Piece& pc) {
+          if (pc.bytes == 0) return;
+          const std::uint64_t pos = info->tensors[pc.tensor].stream_offset + pc.offset;
+          const std::int64_t c = static_cast<std::int64_t>(pos / S);
+          if (c != chunk) {
+            chunk = c;
+            base = pc.data - (pos - static_cast<std::uint64_t>(c) * S);
+          }
+          if (!pc.chunk_end) return;
+          // The whole slot goes at once, straight from the region; the slot is
+          // released when this returns, after every downstream has it.
+          const auto cu = static_cast<std::uint32_t>(c);
+          const std::uint64_t len = plan->chunk_len(cu);
+          if (stopping) throw Error(Errc::kAborted, "the relay is stopping");
+          post_chunk(cu, base, len);
+        });
+        post(SrcCmd{SrcCmd::kEnd, plan, 0, nullptr, 0, 0, 0, {}}, false);
+        set_state("idle");
+      } catch (const Error& e) {
+        post(SrcCmd{SrcCmd::kAbort, plan, 0, nullptr, 0, 0, 0, std::string("source sync aborted: ") + e.what()},
+             false);
+        log("sync " + std::to_string(plan->version) + " aborted at the source: " + e.what());
+        if (e.code() == Errc::kAborted || e.code() == Errc::kTimeout || e.code() == Errc::kChecksum) {
+          set_state("idle");
+          continue;  // the producer lives on: next sync
+        }
+        throw;
+      }
+    }
+  }
+  // Sends chunk c from the slot; the checksum is computed while the bytes
+  // travel; returns once every downstream has them.
+  void post_chunk(std::uint32_t c, const std::byte* base, std::uint64_t len) {
+    std::unique_lock<std::mutex> g(cmd_mu);
+    const std::uint64_t t = next_ticket++;
+    cmds.push_back(SrcCmd{SrcCmd::kChunk, nullptr, c, base, len, 0, t, {}});
+    g.unlock();
+    wake();
+    const std::uint64_t sum = o.checksums ? XXH3_64bits(base, len) : 0;
+    g.lock();
+    cmds.push_back(SrcCmd{SrcCmd::kSum, nullptr, c, nullptr, len, sum, 0, {}});
+    g.unlock();
+    wake();
+    g.lock();
+    while (replied_ticket < t) {
+      if (net_done) throw Error(Errc::kAborted, "the relay is stopping");
+      cmd_cv.wait_for(g, 100ms);
+    }
+  }
+
+  // ------------------------------------------------------------ region writer
+
+  void push_writer(WCmd c) {
+    {
+      std::lock_guard<std::mutex> g(wmu);
+      wq.push_back(std::move(c));
+    }
+    wcv.notify_one();
+  }
+
+  void take_writer_returns() {
+    std::vector<int> done;
+    {
+      std::lock_guard<std::mutex> g(wmu);
+      done.swap(wdone);
+    }
+    for (int b : done) release_buf(b);
+  }
+
+  struct WriterState {
+    std::optional<Producer> prod;
+    std::shared_ptr<const SyncPlan> plan;
+    bool ok = false;  // the local sync is live
+    std::size_t cursor = 0;
+  };
+
+  void writer_main() {
+    WriterState ws;
+    for (;;) {
+      std::optional<WCmd> c;
+      {
+        std::unique_lock<std::mutex> g(wmu);
+        if (wq.empty() && !writer_exit) wcv.wait_for(g, 200ms);
+        if (!wq.empty()) {
+          c = std::move(wq.front());
+          wq.pop_front();
+        } else if (writer_exit) {
+          break;
+        }
+      }
+      if (c) {
+        try {
+          writer_do(ws, *c);
+        } catch (const Error& e) {
+          set_fatal(e);
+        }
+        if (c->t == WCmd::kChunk) {
+          {
+            std::lock_guard<std::mutex> g(wmu);
+            wdone.push_back(c->buf);
+          }
+          wake();
+        }
+      }
+      // Live consumers of this node's region, for the status file.
+      if (ws.prod) {
+        std::uint32_t n = 0;
+        try {
+          n = ws.prod->consumers();
+        } catch (...) {
+        }
+        std::lock_guard<std::mutex> g(smu);
+        if (st.region_consumers != n) status_dirty = true;
+        st.region_consumers = n;
+      }
+    }
+    if (ws.prod) {
+      try {
+        if (ws.ok) ws.prod->abort_sync("the relay is stopping");
+        ws.prod->close();
+      } catch (...) {
+      }
+    }
+  }
+
+  void ensure_region(WriterState& ws, std::uint64_t chunk_bytes, bool fresh) {
+    const std::uint64_t want = align_slot(o.region_options.slot_bytes ? o.region_options.slot_bytes : chunk_bytes);
+    if (ws.prod && ws.prod->slot_bytes() == want && !fresh) return;
+    if (ws.prod) {
+      ws.prod->close();
+      ws.prod.reset();
+    }
+    ProducerOptions po = o.region_options;
+    po.slot_bytes = want;
+    ws.prod.emplace(Producer::create(o.region, po));
+    log(std::string(fresh ? "region recreated: " : "region created: ") + o.region + " in " + region_dir() + ", " +
+        std::to_string(ws.prod->slots()) + " slots of " + fmt_bytes(ws.prod->slot_bytes()));
+    std::lock_guard<std::mutex> g(smu);
+    st.region_ready = true;
+    st.region_slot_bytes = ws.prod->slot_bytes();
+    status_dirty = true;
+  }
+
+  // Local failures (a stalled consumer here) end the local sync only; the
+  // chunks are forwarded regardless. Errors that retrying cannot fix escape.
+  void writer_do(WriterState& ws, const WCmd& c) {
+    switch (c.t) {
+      case WCmd::kOpen: ensure_region(ws, c.chunk_bytes, false); return;
+      case WCmd::kBegin: {
+        ensure_region(ws, c.chunk_bytes, false);
+        if (c.plan->version <= ws.prod->last_version()) {
+          log("upstream version " + std::to_string(c.plan->version) + " is not above this region's " +
+              std::to_string(ws.prod->last_version()) + " (the source region restarted): recreating the region");
+          ensure_region(ws, c.chunk_bytes, true);
+        }
+        ws.plan = c.plan;
+        ws.cursor = 0;
+        ws.ok = false;
+        try {
+          ws.prod->begin_sync(c.plan->specs, c.plan->version);
+          ws.ok = true;
+        } catch (const Error& e) {
+          local_failure(e.what());
+        }
+        return;
+      }
+      case WCmd::kChunk: {
+        if (!ws.ok || ws.plan != c.plan) return;
+        if (o.checksums && XXH3_64bits(c.data, c.len) != c.sum) {
+          const std::string why = "chunk " + std::to_string(c.chunk) + " of sync " + std::to_string(c.plan->version) +
+                                  " fails its XXH3 checksum across the hop";
+          ws.prod->abort_sync(why);
+          ws.ok = false;
+          local_failure(why);
+          return;
+        }
+        try {
+          write_chunk(ws, c);
+        } catch (const Error& e) {
+          ws.ok = false;  // write() aborted the sync already
+          local_failure(e.what());
+        }
+        return;
+      }
+      case WCmd::kEnd: {
+        if (!ws.ok || ws.plan != c.plan) return;
+        try {
+          const SyncPlan& p = *ws.plan;
+          for (; ws.cursor < p.specs.size(); ++ws.cursor) ws.prod->write_part(ws.cursor, 0, nullptr, 0);
+          ws.prod->end_sync();
+          std::lock_guard<std::mutex> g(smu);
+          ++st.region_syncs;
+          st.region_version = p.version;
+          status_dirty = true;
+        } catch (const Error& e) {
+          local_failure(e.what());
+        }
+        ws.ok = false;
+        return;
+      }
+      case WCmd::kAbort: {
+        if (ws.ok && ws.prod) ws.prod->abort_sync(c.why);
+        ws.ok = false;
+        return;
+      }
+    }
+  }
+
+  void write_chunk(WriterState& ws, const WCmd& c) {
+    const SyncPlan& p = *ws.plan;
+    const std::uint64_t start = static_cast<std::uint64_t>(c.chunk) * p.chunk_bytes, end = start + c.len;
+    for (std::size_t j = ws.cursor; j < p.specs.size(); ++j) {
+      const std::uint64_t n = p.nbytes[j];
+      if (n == 0) {
+        ws.prod->write_part(j, 0, nullptr, 0);
+        ws.cursor = j + 1;
+        continue;
+      }
+      const std::uint64_t a = p.offsets[j], b = a + n;
+      if (a >= end) break;
+      const std::uint64_t lo = std::max(a, start), hi = std::min(b, end);
+      ws.prod->write_part(j, lo - a, c.data + (lo - start), hi - lo);
+      if (hi < b) break;  // the tensor goes on in the next chunk
+      ws.cursor = j + 1;
+    }
+  }
+
+  void local_failure(const std::string& why) {
+    log("this node's region: sync failed: " + why);
+    std::lock_guard<std::mutex> g(smu);
+    ++st.region_failed;
+    st.region_error = why;
+    status_dirty = true;
+  }
+
+  // ------------------------------------------------------------ status
+
+  void write_status(bool force) {
+    if (status_path.empty()) return;
+    const std::int64_t now = mono_ns();
+    if (!force && !status_dirty && now < next_status_ns) return;
+    next_status_ns = now + 1'000'000'000;
+    status_dirty = false;
+    nlohmann::json j;
+    {
+      std::lock_guard<std::mutex> g(smu);
+      j["region"] = o.region;
+      j["role"] = source ? "source" : "relay";
+      j["pid"] = ::getpid();
+      j["state"] = st.state;
+      j["updated_unix_ns"] = unix_ns();
+      j["listen"] = listen_str;
+      j["checksums"] = o.checksums;
+      j["syncs"] = st.syncs;
+      j["syncs_aborted"] = st.aborted;
+      j["syncs_skipped"] = st.skipped;
+      j["bytes_in"] = st.bytes_in;
+      j["bytes_out"] = st.bytes_out;
+      j["last_sync"] = {{"version", st.last_version},
+                        {"bytes", st.last_bytes},
+                        {"seconds", st.last_seconds},
+                        {"gbps", st.last_seconds > 0 ? static_cast<double>(st.last_bytes) / st.last_seconds / 1e9 : 0}};
+      j["last_error"] = st.last_error;
+      j["region_state"] = {{"ready", st.region_ready},
+                           {"slot_bytes", st.region_slot_bytes},
+                           {"version", st.region_version},
+                           {"syncs", st.region_syncs},
+                           {"failed", st.region_failed},
+                           {"consumers", st.region_consumers},
+                           {"last_error", st.region_error}};
+    }
+    if (!source) {
+      static const char* names[] = {"idle", "connecting", "authenticating", "connected"};
+      j["upstream"] = {{"address", from_addr.str()},
+                       {"state", names[up.state]},
+                       {"connection", up.tr.conn},
+                       {"since_unix_ns", up.state == Up::kAuthed ? up.since_unix_ns : 0},
+                       {"connects", up.connects},
+                       {"last_error", up.last_error}};
+    }
+    nlohmann::json ds = nlohmann::json::array();
+    int ready = 0;
+    for (const auto& [id, d] : downs) {
+      if (d->state == Down::kReady || d->state == Down::kActive) ++ready;
+      ds.push_back({{"connection", id},
+                    {"peer", d->peer},
+                    {"state", state_name(d->state)},
+                    {"since_unix_ns", d->since_unix_ns},
+                    {"syncs", d->syncs},
+                    {"bytes_sent", d->bytes_sent}});
+    }
+    j["downstream"] = ds;
+    j["downstream_ready"] = ready;
+    j["refused"] = refused;
+    const std::string tmp = status_path + ".tmp";
+    {
+      std::ofstream f(tmp, std::ios::trunc);
+      if (!f) return;
+      f << j.dump() << "\n";
+    }
+    ::chmod(tmp.c_str(), 0600);
+    ::rename(tmp.c_str(), status_path.c_str());
+  }
+
+  // ------------------------------------------------------------ main loop
+
+  void wait_events() {
+    std::vector<pollfd> fds;
+    fds.push_back({wake_fd, POLLIN, 0});
+    if (lw) {
+      if (!lw->arm()) return;
+      fds.push_back({lw->fd(), POLLIN, 0});
+    }
+    if (up.w) {
+      if (!up.w->arm()) return;
+      fds.push_back({up.w->fd(), POLLIN, 0});
+    }
+    ::poll(fds.data(), fds.size(), 50);
+    if (fds[0].revents & POLLIN) {
+      std::uint64_t v;
+      [[maybe_unused]] ssize_t r = ::read(wake_fd, &v, sizeof v);
+    }
+  }
+
+  bool has_cmds() {
+    std::lock_guard<std::mutex> g(cmd_mu);
+    return !cmds.empty();
+  }
+
+  void loop() {
+    while (!stopping) {
+      unsigned events = 0;
+      if (lw) events += lw->progress();
+      if (up.w) events += up.w->progress();
+      const bool had = !completed.empty() || !ep_failures.empty() || !conn_requests.empty();
+      // Messages first: a refusal arrives just before the connection closes.
+      probe_down_ctrl();
+      probe_up_ctrl();
+      process_completions();
+      process_ep_failures();
+      process_completions();
+      accept_conns();
+      if (source) handle_cmds();
+      else {
+        take_writer_returns();
+        try {
+          process_up_ctrl();
+        } catch (const wire::ProtocolError& e) {
+          fail_upstream(std::string("protocol error: ") + e.what());
+        }
+        pump_in();
+      }
+      process_completions();
+      if (!retired.empty()) reap_retired();
+      check_timers();
+      write_status(false);
+      if (events == 0 && !had && completed.empty() && !(source && has_cmds())) wait_events();
+    }
+  }
+
+  void shutdown() {
+    stopping = true;
+    // Abort what is in flight, close every connection, and let UCX finish
+    // (or cancel) every request before memory goes away.
+    if (!source && in.plan && !in.discard) {
+      push_writer(WCmd{WCmd::kAbort, in.plan, -1, 0, nullptr, 0, 0, 0, "the relay is stopping"});
+      forward_abort("the upstream relay is stopping");
+    }
+    if (source) {
+      handle_cmds();
+      if (out.plan) forward_abort("the source relay is stopping");
+    }
+    for (auto& [id, d] : downs)
+      if (d->state != Down::kClosing) {
+        d->state = Down::kClosing;
+        close_ep(lw->get(), d->ep, false, d->id);
+      }
+    const std::int64_t deadline = mono_ns() + 2'000'000'000;
+    while (!downs.empty() && mono_ns() < deadline) {
+      unsigned n = lw ? lw->progress() : 0;
+      process_completions();
+      if (n == 0) std::this_thread::sleep_for(1ms);
+    }
+    for (auto& [id, d] : downs)
+      if (d->ep) close_ep(lw->get(), d->ep, true, d->id);  // forced: whatever is left
+    while (!downs.empty() && mono_ns() < deadline + 1'000'000'000) {
+      unsigned n = lw ? lw->progress() : 0;
+      process_completions();
+      if (n == 0) std::this_thread::sleep_for(1ms);
+    }
+    {
+      std::lock_guard<std::mutex> g(cmd_mu);
+      net_done = true;
+    }
+    cmd_cv.notify_all();
+    if (reader.joinable()) reader.join();
+    if (source) {
+      for (auto& [base, reg] : slot_regs) ucx::unregister_memory(ctx->get(), &reg);
+      slot_regs.clear();
+    }
+    teardown_upstream();
+    while (!retired.empty()) {
+      process_completions();
+      reap_retired();
+      if (!retired.empty()) std::this_thread::sleep_for(1ms);
+    }
+    {
+      std::lock_guard<std::mutex> g(wmu);
+      writer_exit = true;
+    }
+    wcv.notify_all();
+    if (writer.joinable()) writer.join();
+    take_writer_returns();
+    if (listener) ucp_listener_destroy(listener);
+    listener = nullptr;
+    // Requests of the listener worker still alive are UCX's to finish.
+    for (auto& [p, op] : ops)
+      if (op->done && op->req) ucp_request_free(op->req);
+    ops.clear();
+    completed.clear();
+    lw.reset();
+    if (ctx) free_bufs();
+    ctx.reset();
+    set_state(fatal ? "failed" : "stopped");
+    write_status(true);
+  }
+
+  void run() {
+    ctx = std::make_unique<ucx::Context>();
+    if (!o.listen.empty()) {
+      lw = std::make_unique<ucx::Worker>(*ctx);
+      start_listener();
+    }
+    if (source) {
+      reader = std::thread([this] { reader_main(); });
+    } else {
+      writer = std::thread([this] { writer_main(); });
+      set_state("connecting");
+    }
+    try {
+      loop();
+    } catch (const Error& e) {
+      set_fatal(e);
+    } catch (const std::exception& e) {
+      set_fatal(Error(Errc::kSystem, e.what()));
+    }
+    shutdown();
+    std::lock_guard<std::mutex> g(fatal_mu);
+    if (fatal) {
+      note_error(fatal->what());
+      write_status(true);
+      throw *fatal;
+    }
+  }
+};
+
+Relay::Relay(RelayOptions options) : impl_(std::make_unique<Impl>(std::move(options))) {}
+Relay::~Relay() = default;
+void Relay::run() { impl_->run(); }
+void Relay::stop() noexcept {
+  impl_->stopping = true;
+  impl_->wake();
+}
+
+}  // namespace shmcast::relay

@@ -1,0 +1,133 @@
+#include "ucx.hpp"
+
+#include <arpa/inet.h>
+#include <netdb.h>
+
+#include <cstring>
+
+namespace shmcast::relay::ucx {
+
+std::string status_str(ucs_status_t st) { return ucs_status_string(st); }
+
+void check(ucs_status_t st, const std::string& what) {
+  if (st != UCS_OK) throw Error(Errc::kSystem, what + ": " + status_str(st));
+}
+
+Context::Context() {
+  ucp_config_t* config = nullptr;
+  check(ucp_config_read(nullptr, nullptr, &config), "UCX configuration (UCX_* variables)");
+  ucp_params_t p{};
+  p.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_NAME;
+  p.features = UCP_FEATURE_TAG | UCP_FEATURE_WAKEUP;
+  p.name = "shmcast-relay";
+  const ucs_status_t st = ucp_init(&p, config, &h_);
+  ucp_config_release(config);
+  check(st, "ucp_init (is a UCX transport available? UCX_TLS=tcp works everywhere)");
+}
+
+Context::~Context() {
+  if (h_) ucp_cleanup(h_);
+}
+
+Worker::Worker(const Context& ctx) {
+  ucp_worker_params_t p{};
+  p.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
+  p.thread_mode = UCS_THREAD_MODE_SINGLE;
+  check(ucp_worker_create(ctx.get(), &p, &h_), "ucp_worker_create");
+  const ucs_status_t st = ucp_worker_get_efd(h_, &efd_);
+  if (st != UCS_OK) {
+    ucp_worker_destroy(h_);
+    h_ = nullptr;
+    check(st, "ucp_worker_get_efd");
+  }
+}
+
+Worker::~Worker() {
+  if (h_) ucp_worker_destroy(h_);
+}
+
+unsigned Worker::progress() {
+  unsigned total = 0;
+  for (int i = 0; i < 64; ++i) {
+    const unsigned n = ucp_worker_progress(h_);
+    if (n == 0) break;
+    total += n;
+  }
+  return total;
+}
+
+bool Worker::arm() {
+  const ucs_status_t st = ucp_worker_arm(h_);
+  if (st == UCS_ERR_BUSY) return false;
+  check(st, "ucp_worker_arm");
+  return true;
+}
+
+sockaddr_storage resolve(const Address& a, bool passive, socklen_t* len) {
+  // IPv4 first: a name with both kinds of address gets its IPv4 one.
+  addrinfo* res = nullptr;
+  int rc = 0;
+  const std::string port = std::to_string(a.port);
+  for (int family : {AF_INET, AF_UNSPEC}) {
+    addrinfo hints{};
+    hints.ai_family = family;
+    hints.ai_socktype = SOCK_STREAM;
+    hints.ai_flags = passive ? AI_PASSIVE : 0;
+    rc = ::getaddrinfo(a.host.empty() ? nullptr : a.host.c_str(), port.c_str(), &hints, &res);
+    if (rc == 0 && res != nullptr) break;
+  }
+  if (rc != 0 || res == nullptr)
+    throw Error(Errc::kInvalidArgument, "cannot resolve '" + a.str() + "': " + ::gai_strerror(rc));
+  sockaddr_storage ss{};
+  std::memcpy(&ss, res->ai_addr, res->ai_addrlen);
+  *len = res->ai_addrlen;
+  ::freeaddrinfo(res);
+  unsigned major = 0, minor = 0, release = 0;
+  ucp_get_version(&major, &minor, &release);
+  if (ss.ss_family == AF_INET6 && (major < 1 || (major == 1 && minor <= 13)))
+    throw Error(Errc::kInvalidArgument,
+                "'" + a.str() + "' is an IPv6 address: UCX " + ucp_get_version_string() +
+                    " overruns a buffer in its TCP transport on IPv6 connections (uct_tcp_ep_set_dest_addr); "
+                    "use an IPv4 address");
+  return ss;
+}
+
+std::string sockaddr_str(const sockaddr_storage& ss) {
+  char host[INET6_ADDRSTRLEN] = "?";
+  if (ss.ss_family == AF_INET) {
+    const auto* in = reinterpret_cast<const sockaddr_in*>(&ss);
+    ::inet_ntop(AF_INET, &in->sin_addr, host, sizeof host);
+    return std::string(host) + ":" + std::to_string(ntohs(in->sin_port));
+  }
+  if (ss.ss_family == AF_INET6) {
+    const auto* in6 = reinterpret_cast<const sockaddr_in6*>(&ss);
+    ::inet_ntop(AF_INET6, &in6->sin6_addr, host, sizeof host);
+    return "[" + std::string(host) + "]:" + std::to_string(ntohs(in6->sin6_port));
+  }
+  return "?";
+}
+
+std::uint16_t sockaddr_port(const sockaddr_storage& ss) {
+  if (ss.ss_family == AF_INET) return ntohs(reinterpret_cast<const sockaddr_in*>(&ss)->sin_port);
+  if (ss.ss_family == AF_INET6) return ntohs(reinterpret_cast<const sockaddr_in6*>(&ss)->sin6_port);
+  return 0;
+}
+
+Registration register_memory(ucp_context_h ctx, void* base, std::size_t bytes) {
+  ucp_mem_map_params_t p{};
+  p.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH;
+  p.address = base;
+  p.length = bytes;
+  Registration r;
+  check(ucp_mem_map(ctx, &p, &r.memh), "ucp_mem_map of " + std::to_string(bytes) + " bytes");
+  r.base = base;
+  r.bytes = bytes;
+  return r;
+}
+
+void unregister_memory(ucp_context_h ctx, Registration* r) {
+  if (r->memh) ucp_mem_unmap(ctx, r->memh);
+  r->memh = nullptr;
+}
+
+}  // namespace shmcast::relay::ucx

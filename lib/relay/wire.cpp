@@ -1,0 +1,105 @@
+#include "wire.hpp"
+
+namespace shmcast::relay::wire {
+
+const char* type_name(Type t) {
+  switch (t) {
+    case Type::kChallenge: return "challenge";
+    case Type::kResponse: return "response";
+    case Type::kWelcome: return "welcome";
+    case Type::kRefused: return "refused";
+    case Type::kSync: return "sync";
+    case Type::kChunk: return "chunk";
+    case Type::kEnd: return "end";
+    case Type::kAbort: return "abort";
+  }
+  return "unknown";
+}
+
+Reader::Reader(std::span<const std::uint8_t> msg, bool has_mac) : p_(msg.data()), end_(msg.size()) {
+  if (msg.size() < kHeaderBytes + (has_mac ? kMacBytes : 0)) throw ProtocolError("control message is too short");
+  if (has_mac) end_ -= kMacBytes;
+  std::uint32_t magic;
+  std::uint16_t type;
+  std::memcpy(&magic, p_, 4);
+  std::memcpy(&type, p_ + 4, 2);
+  std::memcpy(&seq_, p_ + 8, 8);
+  if (magic != kMagic) throw ProtocolError("control message has a bad magic number (not a shmcast relay?)");
+  if (type < static_cast<std::uint16_t>(Type::kChallenge) || type > static_cast<std::uint16_t>(Type::kAbort))
+    throw ProtocolError("unknown control message type " + std::to_string(type));
+  type_ = static_cast<Type>(type);
+}
+
+std::string Reader::str(std::size_t max) {
+  const std::uint32_t n = u32();
+  if (n > max) throw ProtocolError(std::string(type_name(type_)) + " message has an oversized string");
+  need(n);
+  std::string s(reinterpret_cast<const char*>(p_ + at_), n);
+  at_ += n;
+  return s;
+}
+
+void SyncPlan::index_chunks() {
+  data_chunks.clear();
+  for (std::size_t i = 0; i < specs.size(); ++i) {
+    if (nbytes[i] == 0) continue;
+    const std::uint64_t first = offsets[i] / chunk_bytes, last = (offsets[i] + nbytes[i] - 1) / chunk_bytes;
+    for (std::uint64_t c = first; c <= last; ++c)
+      if (data_chunks.empty() || data_chunks.back() < c) data_chunks.push_back(static_cast<std::uint32_t>(c));
+  }
+}
+
+void encode_sync(Writer& w, const SyncPlan& p) {
+  w.u64(p.version).u64(p.chunk_bytes).u64(p.stream_bytes).u64(p.payload_bytes);
+  w.u32(static_cast<std::uint32_t>(p.specs.size()));
+  for (std::size_t i = 0; i < p.specs.size(); ++i) {
+    const TensorSpec& t = p.specs[i];
+    w.str(t.name).u16(static_cast<std::uint16_t>(t.dtype)).u8(static_cast<std::uint8_t>(t.shape.size()));
+    for (std::int64_t d : t.shape) w.i64(d);
+    w.u64(p.nbytes[i]).u64(p.offsets[i]);
+  }
+}
+
+SyncPlan decode_sync(Reader& r) {
+  SyncPlan p;
+  p.version = r.u64();
+  p.chunk_bytes = r.u64();
+  p.stream_bytes = r.u64();
+  p.payload_bytes = r.u64();
+  const std::uint32_t n = r.u32();
+  if (p.version == 0) throw ProtocolError("sync version 0");
+  if (p.chunk_bytes == 0 || p.chunk_bytes > limits::kMaxSlotBytes || p.chunk_bytes % (2u << 20) != 0)
+    throw ProtocolError("sync chunk size " + std::to_string(p.chunk_bytes) + " is not a valid slot size");
+  if (n > limits::kMaxTensors) throw ProtocolError("sync has too many tensors");
+  p.specs.resize(n);
+  p.offsets.resize(n);
+  p.nbytes.resize(n);
+  for (std::uint32_t i = 0; i < n; ++i) {
+    TensorSpec& t = p.specs[i];
+    t.name = r.str(kMaxNameBytes);
+    t.dtype = static_cast<DType>(r.u16());
+    const std::uint8_t nd = r.u8();
+    if (nd > kMaxDims) throw ProtocolError("tensor with more than " + std::to_string(kMaxDims) + " dimensions");
+    t.shape.resize(nd);
+    for (auto& d : t.shape) d = r.i64();
+    p.nbytes[i] = r.u64();
+    p.offsets[i] = r.u64();
+  }
+  r.expect_done();
+  // The layout must be the one shmcast packs: then chunk c of the sender is
+  // chunk c here, and every tensor lies inside the stream.
+  SyncLayout l;
+  try {
+    l = stream_layout(p.specs, p.chunk_bytes);
+    for (std::uint32_t i = 0; i < n; ++i)
+      if (p.specs[i].nbytes() != p.nbytes[i]) throw ProtocolError("tensor '" + p.specs[i].name + "' size mismatch");
+  } catch (const Error& e) {
+    throw ProtocolError(std::string("sync manifest is invalid: ") + e.what());
+  }
+  if (l.offsets != p.offsets || l.stream_bytes != p.stream_bytes || l.payload_bytes != p.payload_bytes)
+    throw ProtocolError("sync layout differs from shmcast's packing of its manifest (different shmcast versions?)");
+  p.index_chunks();
+  return p;
+}
+
+}  // namespace shmcast::relay::wire

@@ -1,0 +1,164 @@
+// The relay's wire format: UCX tags and control messages (docs/relay.md,
+// "Wire protocol"). Control messages are small tagged messages; chunk bytes
+// are tagged messages of their own, received straight into their buffers.
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <cstring>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "shmcast/shmcast.hpp"
+
+namespace shmcast::relay::wire {
+
+inline constexpr std::uint32_t kProto = 1;
+inline constexpr std::uint32_t kMagic = 0x594c5253;  // "SRLY"
+
+// A tag is kind (8 bits) | middle (24 bits) | low (32 bits).
+enum Kind : std::uint64_t {
+  kCtrlDown = 1,  // control, upstream -> downstream; one tag, so they match in order
+  kCtrlUp = 2,    // control, downstream -> upstream; middle = connection id
+  kData = 3,      // chunk bytes; middle = version (low 24 bits), low = chunk index
+};
+inline constexpr std::uint64_t kFullMask = ~0ull;
+inline constexpr std::uint64_t kKindMask = 0xffull << 56;
+inline constexpr std::uint64_t tag(Kind k, std::uint64_t middle, std::uint64_t low) {
+  return (static_cast<std::uint64_t>(k) << 56) | ((middle & 0xffffff) << 32) | (low & 0xffffffff);
+}
+inline constexpr std::uint32_t tag_middle(std::uint64_t t) { return static_cast<std::uint32_t>((t >> 32) & 0xffffff); }
+
+enum class Type : std::uint16_t {
+  kChallenge = 1,  // up -> down: proto, conn id, server nonce, region
+  kResponse,       // down -> up: client nonce, client proof, region
+  kWelcome,        // up -> down: server proof, chunk size (0: not known yet), flags
+  kRefused,        // up -> down: why (then the connection is closed)
+  kSync,           // up -> down: a sync begins: version, chunk size, stream, manifest
+  kChunk,          // up -> down: chunk index, length, XXH3 (after its bytes were sent)
+  kEnd,            // up -> down: the sync is complete
+  kAbort,          // up -> down: the sync is abandoned after `sent` chunks; why
+};
+const char* type_name(Type t);
+
+inline constexpr std::size_t kNonceBytes = 32;
+inline constexpr std::size_t kMacBytes = 32;
+using Nonce = std::array<std::uint8_t, kNonceBytes>;
+using Mac = std::array<std::uint8_t, kMacBytes>;
+inline constexpr std::uint32_t kFlagChecksums = 1;
+// Largest control message accepted (a manifest of 2^20 tensors with long names).
+inline constexpr std::uint64_t kMaxControlBytes = 1ull << 31;
+
+// Malformed input from a peer.
+struct ProtocolError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+class Writer {
+ public:
+  explicit Writer(Type t) {
+    u32(kMagic);
+    u16(static_cast<std::uint16_t>(t));
+    u16(0);
+    u64(0);  // sequence number, set_seq()
+  }
+  Writer& u8(std::uint8_t v) { return raw(&v, 1); }
+  Writer& u16(std::uint16_t v) { return raw(&v, 2); }
+  Writer& u32(std::uint32_t v) { return raw(&v, 4); }
+  Writer& u64(std::uint64_t v) { return raw(&v, 8); }
+  Writer& i64(std::int64_t v) { return raw(&v, 8); }
+  Writer& str(std::string_view s) {
+    u32(static_cast<std::uint32_t>(s.size()));
+    return raw(s.data(), s.size());
+  }
+  template <std::size_t N>
+  Writer& bytes(const std::array<std::uint8_t, N>& a) {
+    return raw(a.data(), N);
+  }
+  Writer& raw(const void* p, std::size_t n) {
+    const auto* b = static_cast<const std::uint8_t*>(p);
+    buf_.insert(buf_.end(), b, b + n);
+    return *this;
+  }
+  // Header sequence number (authenticated messages) and the finished bytes.
+  void set_seq(std::uint64_t seq) { std::memcpy(buf_.data() + 8, &seq, 8); }
+  std::vector<std::uint8_t>& buffer() { return buf_; }
+
+ private:
+  std::vector<std::uint8_t> buf_;
+};
+
+inline constexpr std::size_t kHeaderBytes = 16;
+
+class Reader {
+ public:
+  // Checks the header; with `has_mac` the last kMacBytes are not body.
+  Reader(std::span<const std::uint8_t> msg, bool has_mac);
+  Type type() const { return type_; }
+  std::uint64_t seq() const { return seq_; }
+  std::uint8_t u8() { return get<std::uint8_t>(); }
+  std::uint16_t u16() { return get<std::uint16_t>(); }
+  std::uint32_t u32() { return get<std::uint32_t>(); }
+  std::uint64_t u64() { return get<std::uint64_t>(); }
+  std::int64_t i64() { return get<std::int64_t>(); }
+  std::string str(std::size_t max = 1u << 20);
+  template <std::size_t N>
+  void bytes(std::array<std::uint8_t, N>* out) {
+    need(N);
+    std::memcpy(out->data(), p_ + at_, N);
+    at_ += N;
+  }
+  bool done() const { return at_ == end_; }
+  void expect_done() const {
+    if (!done()) throw ProtocolError(std::string(type_name(type_)) + " message has trailing bytes");
+  }
+
+ private:
+  template <class T>
+  T get() {
+    need(sizeof(T));
+    T v;
+    std::memcpy(&v, p_ + at_, sizeof v);
+    at_ += sizeof v;
+    return v;
+  }
+  void need(std::size_t n) const {
+    if (end_ - at_ < n) throw ProtocolError(std::string(type_name(type_)) + " message is truncated");
+  }
+  const std::uint8_t* p_;
+  std::size_t at_ = kHeaderBytes, end_;
+  Type type_{};
+  std::uint64_t seq_ = 0;
+};
+
+// ---------------------------------------------------------------- sync plan
+
+// One sync as it travels: the manifest, and the source's chunking of its
+// stream (chunk c is stream bytes [c*chunk_bytes, ...)).
+struct SyncPlan {
+  std::uint64_t version = 0;
+  std::uint64_t chunk_bytes = 0;
+  std::uint64_t stream_bytes = 0;
+  std::uint64_t payload_bytes = 0;
+  std::vector<TensorSpec> specs;
+  std::vector<std::uint64_t> offsets;  // stream offset of each tensor
+  std::vector<std::uint64_t> nbytes;
+  // Chunks that hold at least one byte of a tensor, in order: the ones sent.
+  std::vector<std::uint32_t> data_chunks;
+
+  std::uint64_t chunk_len(std::uint32_t c) const {
+    const std::uint64_t start = static_cast<std::uint64_t>(c) * chunk_bytes;
+    return stream_bytes - start < chunk_bytes ? stream_bytes - start : chunk_bytes;
+  }
+  // Fills data_chunks from the offsets and sizes.
+  void index_chunks();
+};
+
+void encode_sync(Writer& w, const SyncPlan& p);
+// Decodes and checks a kSync body: the layout must be the one shmcast
+// packs for these tensors and this chunk size. Throws ProtocolError.
+SyncPlan decode_sync(Reader& r);
+
+}  // namespace shmcast::relay::wire

@@ -1,0 +1,54 @@
+"""Sharded syncs from Python: R producer ranks (separate processes) send
+shmcast.Shard pieces and whole tensors; consumers receive whole tensors,
+TP slices (receive and receive_into) or a subset of names, bit-exact."""
+import pytest
+import torch
+
+import shmcast
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_ranks_send_one_sync_consumers_read_whole_sliced_and_named(region, procs, world):
+    seed = 100 + world
+    kinds = [("full", 0), ("slice", 0), ("into", 1), ("names", 0)]
+    ranks = [procs.start("sharded_rank", region=region, rank=r, world=world, seed=seed, consumers=len(kinds))
+             for r in range(world)]
+    procs.ready(ranks[0])
+    cons = [procs.start("sharded_consumer", region=region, seed=seed, kind=k, part=p) for k, p in kinds]
+    for c in cons:
+        procs.ready(c)
+    for r in ranks[1:]:
+        procs.ready(r)
+    versions = [procs.get(r)["versions"] for r in ranks]
+    assert versions == [[1, 2]] * world, versions
+    for c, (kind, _) in zip(cons, kinds):
+        assert procs.get(c)["problems"] == [], kind
+
+
+def test_rank_that_never_sends_is_a_timeout_naming_it(region, procs):
+    late = procs.start("sharded_rank", region=region, rank=1, world=2, seed=0, skip_send=True, timeout=20.0)
+    with shmcast.Producer(region, rank=0, world_size=2, slot_bytes=2 << 20, slots=4, pin=False,
+                          rank_timeout=1.0) as p:
+        procs.ready(late)
+        with pytest.raises(shmcast.Timeout, match="rank 1 is attached but did not begin"):
+            p.send([("w", torch.zeros(4))])
+
+
+def test_shard_is_checked_and_needs_a_sharded_producer(region):
+    with pytest.raises(ValueError, match="lie outside"):
+        shmcast.Shard(torch.zeros(3, 4), (4, 4), 0, 2)
+    with pytest.raises(ValueError, match="with dim 0 cut"):
+        shmcast.Shard(torch.zeros(3, 5), (4, 4), 0, 0)
+    with shmcast.Producer(region, slot_bytes=2 << 20, pin=False) as p:
+        with pytest.raises(ValueError, match="one rank"):
+            p.send([("w", shmcast.Shard(torch.zeros(2, 4), (4, 4), 0, 0))])
+
+
+def test_bad_slices_are_a_mismatch_before_any_byte(region, procs):
+    prod = procs.start("producer", region=region, seed=1, sets=("shapes",))
+    procs.ready(prod)
+    with shmcast.Consumer(region) as c:
+        c.wait_sync(30.0)
+        with pytest.raises(shmcast.Mismatch, match="do not fit"):
+            c.read(slices={"shape.3d": (0, 3, 5)})
+    procs.get(prod)

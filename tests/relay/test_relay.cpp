@@ -1,0 +1,433 @@
+// shmcast-relay between simulated nodes on one machine: every node is its
+// own SHMCAST_DIR, relays talk UCX over TCP loopback (UCX_TLS=tcp), and every
+// process is a real fork/exec (relay_peer as trainer and workers,
+// shmcast-relay as the relays). Every step waits for a handshake (a report
+// line, a status file field), never for time to pass, and every wait has a
+// deadline.
+#include <fcntl.h>
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <map>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+extern char** environ;
+
+using namespace std::chrono_literals;
+using nlohmann::json;
+
+namespace {
+
+const std::string kRelay = SHMCAST_RELAY_BIN;
+const std::string kPeer = RELAY_PEER_BIN;
+const std::string kKey = "relay-test-key-0123456789abcdef";
+
+std::string slurp(const std::string& path) {
+  std::ifstream f(path);
+  std::stringstream ss;
+  ss << f.rdbuf();
+  return ss.str();
+}
+
+bool has_line(const std::string& path, const std::string& line) {
+  std::istringstream in(slurp(path));
+  for (std::string l; std::getline(in, l);)
+    if (l == line) return true;
+  return false;
+}
+
+// A child process: fork + exec with extra environment, output to a log.
+struct Proc {
+  pid_t pid = -1;
+  int status = 0;
+  bool done = false;
+  std::string log;
+
+  static std::unique_ptr<Proc> start(const std::vector<std::string>& argv, const std::map<std::string, std::string>& env,
+                                     const std::string& log) {
+    auto p = std::make_unique<Proc>();
+    p->log = log;
+    p->pid = ::fork();
+    if (p->pid == 0) {
+      const int fd = ::open(log.c_str(), O_WRONLY | O_CREAT | O_APPEND, 0600);
+      ::dup2(fd, 1);
+      ::dup2(fd, 2);
+      for (const auto& [k, v] : env) ::setenv(k.c_str(), v.c_str(), 1);
+      std::vector<char*> args;
+      for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
+      args.push_back(nullptr);
+      ::execvp(args[0], args.data());
+      ::_exit(127);
+    }
+    return p;
+  }
+  // Exit code, 128+signal, or -1 when it did not end in time (then killed).
+  int wait(std::chrono::seconds timeout = 90s) {
+    const auto end = std::chrono::steady_clock::now() + timeout;
+    while (!done && std::chrono::steady_clock::now() < end) {
+      if (::waitpid(pid, &status, WNOHANG) == pid) done = true;
+      else std::this_thread::sleep_for(2ms);
+    }
+    if (!done) {
+      ::kill(pid, SIGKILL);
+      ::waitpid(pid, &status, 0);
+      done = true;
+      return -1;
+    }
+    return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+  }
+  bool running() {
+    if (done) return false;
+    if (::waitpid(pid, &status, WNOHANG) == pid) done = true;
+    return !done;
+  }
+  void kill9() {
+    if (!done) {
+      ::kill(pid, SIGKILL);
+      ::waitpid(pid, &status, 0);
+      done = true;
+    }
+  }
+  int term(std::chrono::seconds timeout = 30s) {
+    if (done) return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+    ::kill(pid, SIGTERM);
+    return wait(timeout);
+  }
+  std::string output() const { return slurp(log); }
+  ~Proc() { kill9(); }
+};
+
+// Nodes 0..n-1 of one test: node 0 has the trainer and the source relay.
+class Cluster {
+ public:
+  explicit Cluster(int nodes, const std::string& tag) {
+    static int n = 0;
+    root_ = (std::filesystem::temp_directory_path() /
+             ("shmcast-relay-" + tag + "-" + std::to_string(::getpid()) + "-" + std::to_string(n++)))
+                .string();
+    std::filesystem::remove_all(root_);
+    for (int i = 0; i < nodes; ++i) std::filesystem::create_directories(dir(i));
+    region_ = "relay-" + tag;
+  }
+  ~Cluster() {
+    procs_.clear();  // killed
+    if (::testing::Test::HasFailure()) dump_logs();
+    std::error_code ec;
+    std::filesystem::remove_all(root_, ec);
+  }
+  void dump_logs() const {
+    for (const auto& e : std::filesystem::directory_iterator(root_)) {
+      if (e.path().extension() != ".log") continue;
+      std::fprintf(stderr, "---- %s\n%s", e.path().filename().c_str(), slurp(e.path().string()).c_str());
+    }
+    for (const auto& e : std::filesystem::recursive_directory_iterator(root_))
+      if (e.path().extension() == ".json")
+        std::fprintf(stderr, "---- %s\n%s", e.path().c_str(), slurp(e.path().string()).c_str());
+  }
+
+  const std::string& region() const { return region_; }
+  std::string dir(int node) const { return root_ + "/node" + std::to_string(node); }
+  std::string file(const std::string& name) const { return root_ + "/" + name; }
+  std::string status_path(int node) const { return dir(node) + "/shmcast-relay." + region_ + ".json"; }
+
+  std::map<std::string, std::string> env(int node, const std::string& key = kKey) const {
+    std::map<std::string, std::string> e = {{"SHMCAST_DIR", dir(node)},
+                                            {"UCX_TLS", "tcp"},
+                                            {"UCX_NET_DEVICES", "lo"},
+                                            {"UCX_WARN_UNUSED_ENV_VARS", "n"},
+                                            {"SHMCAST_RELAY_KEY", key}};
+#if defined(__SANITIZE_THREAD__)
+    // UCX's memory-event hooks patch madvise in the process as libucm loads;
+    // under TSan that patch crashes every thread that exits (glibc madvises
+    // its stack). The relay registers its buffers itself and needs no events.
+    e["UCX_MEM_EVENTS"] = "no";
+#endif
+    return e;
+  }
+
+  Proc& start(const std::string& tag, std::vector<std::string> argv, int node, const std::string& key = kKey) {
+    if (!wrapper_.empty()) argv.insert(argv.begin(), wrapper_.begin(), wrapper_.end());
+    procs_.push_back(Proc::start(argv, env(node, key), file(tag + ".log")));
+    return *procs_.back();
+  }
+  // The trainer on node 0 (relay_peer produce) or a worker (consume).
+  Proc& peer(const std::string& tag, int node, std::vector<std::string> args) {
+    std::vector<std::string> argv = {kPeer};
+    argv.insert(argv.end(), args.begin(), args.end());
+    return start(tag, argv, node);
+  }
+  // A relay on `node`; upstream: the port of the relay it pulls from (0: source).
+  Proc& relay(int node, int upstream_port, bool listen, const std::string& key = kKey, int listen_port = 0,
+              std::vector<std::string> extra = {}) {
+    std::vector<std::string> argv = {kRelay, region_};
+    if (upstream_port != 0) argv.insert(argv.end(), {"--from", "127.0.0.1:" + std::to_string(upstream_port)});
+    if (listen) argv.insert(argv.end(), {"--listen", "127.0.0.1:" + std::to_string(listen_port)});
+    argv.insert(argv.end(), {"--handshake-timeout", "30"});
+    argv.insert(argv.end(), extra.begin(), extra.end());
+    return start("relay" + std::to_string(node), argv, node, key);
+  }
+  // Commands run under `wrapper` (e.g. a seccomp runner) from now on.
+  void wrap(std::vector<std::string> wrapper) { wrapper_ = std::move(wrapper); }
+
+  // The relay status of `node` once `pred` holds (null json on timeout).
+  json wait_status(int node, const std::function<bool(const json&)>& pred, std::chrono::seconds timeout = 60s) const {
+    const auto end = std::chrono::steady_clock::now() + timeout;
+    json last;
+    while (std::chrono::steady_clock::now() < end) {
+      try {
+        last = json::parse(slurp(status_path(node)));
+        if (pred(last)) return last;
+      } catch (const std::exception&) {
+      }
+      std::this_thread::sleep_for(5ms);
+    }
+    ADD_FAILURE() << "node " << node << " status never matched; last: " << last.dump();
+    return json();
+  }
+  int listen_port(int node) const {
+    const json s = wait_status(node, [](const json& j) { return !j.value("listen", std::string()).empty(); });
+    if (s.is_null()) return 0;
+    const std::string l = s["listen"];
+    return std::stoi(l.substr(l.rfind(':') + 1));
+  }
+  bool wait_line(const std::string& report, const std::string& line, std::chrono::seconds timeout = 60s) const {
+    const auto end = std::chrono::steady_clock::now() + timeout;
+    while (std::chrono::steady_clock::now() < end) {
+      if (has_line(report, line)) return true;
+      std::this_thread::sleep_for(2ms);
+    }
+    ADD_FAILURE() << "no line '" << line << "' in " << report << ":\n" << slurp(report);
+    return false;
+  }
+  void touch(const std::string& path) const { std::ofstream(path) << "go\n"; }
+
+ private:
+  std::string root_, region_;
+  std::vector<std::unique_ptr<Proc>> procs_;
+  std::vector<std::string> wrapper_;
+};
+
+bool upstream_connected(const json& j) {
+  return j.contains("upstream") && j["upstream"].value("state", "") == "connected" &&
+         j["region_state"].value("ready", false);
+}
+bool downstream_ready(const json& j, int n = 1) { return j.value("downstream_ready", 0) >= n; }
+
+// Starts trainer, relays and one worker per downstream node; returns the
+// listen ports. The trainer waits for the files go.<v>.
+struct Chain {
+  Cluster& c;
+  int nodes;
+  std::vector<int> ports;
+  std::vector<Proc*> relays, workers;
+  Proc* trainer = nullptr;
+
+  Chain(Cluster& cl, int n, int syncs, std::vector<std::string> trainer_extra = {}, int worker_syncs = -1)
+      : c(cl), nodes(n), ports(static_cast<std::size_t>(n), 0), relays(static_cast<std::size_t>(n), nullptr) {
+    std::vector<std::string> targs = {"produce", c.region(), "--syncs", std::to_string(syncs), "--go", c.file("go"),
+                                      "--report", c.file("trainer.txt")};
+    targs.insert(targs.end(), trainer_extra.begin(), trainer_extra.end());
+    trainer = &c.peer("trainer", 0, targs);
+    if (!c.wait_line(c.file("trainer.txt"), "ready")) return;
+    relays[0] = &c.relay(0, 0, true);
+    ports[0] = c.listen_port(0);
+    c.wait_status(0, [](const json& j) { return j["region_state"].value("ready", false); });
+    for (int i = 1; i < n; ++i) {
+      relays[static_cast<std::size_t>(i)] = &c.relay(i, ports[static_cast<std::size_t>(i - 1)], i + 1 < n);
+      if (i + 1 < n) ports[static_cast<std::size_t>(i)] = c.listen_port(i);
+      c.wait_status(i, [](const json& j) { return upstream_connected(j); });
+    }
+    for (int i = 0; i + 1 < n; ++i) c.wait_status(i, [](const json& j) { return downstream_ready(j); });
+    for (int i = 1; i < n; ++i) {
+      const std::string rep = c.file("worker" + std::to_string(i) + ".txt");
+      workers.push_back(&c.peer("worker" + std::to_string(i), i,
+                                {"consume", c.region(), "--syncs", std::to_string(worker_syncs < 0 ? syncs : worker_syncs),
+                                 "--report", rep}));
+      c.wait_line(rep, "attached");
+    }
+  }
+  std::string report(int node) const { return c.file("worker" + std::to_string(node) + ".txt"); }
+  void go(int v) const { c.touch(c.file("go." + std::to_string(v))); }
+};
+
+class ChainOf : public ::testing::TestWithParam<int> {};
+
+}  // namespace
+
+// Three syncs of multi-slot manifests (tensors from empty to three slots)
+// through 2, 3 and 4 nodes: every worker on every node gets every byte and
+// the manifest, under the source's version numbers.
+TEST_P(ChainOf, SyncsArriveBitExactOnEveryNode) {
+  const int n = GetParam();
+  Cluster c(n, "chain" + std::to_string(n));
+  Chain ch(c, n, 3);
+  ASSERT_FALSE(HasFailure());
+  for (int v = 1; v <= 3; ++v) ch.go(v);
+  for (int i = 1; i < n; ++i) {
+    EXPECT_EQ(ch.workers[static_cast<std::size_t>(i - 1)]->wait(), 0) << ch.workers[static_cast<std::size_t>(i - 1)]->output();
+    for (int v = 1; v <= 3; ++v) EXPECT_TRUE(has_line(ch.report(i), "ok " + std::to_string(v))) << slurp(ch.report(i));
+  }
+  const json last = c.wait_status(n - 1, [](const json& j) { return j["region_state"].value("syncs", 0) == 3; });
+  EXPECT_EQ(last["region_state"].value("version", 0), 3);
+  EXPECT_EQ(last.value("syncs_aborted", -1), 0);
+  const json src = c.wait_status(0, [](const json& j) { return j.value("syncs", 0) == 3; });
+  EXPECT_EQ(src.value("syncs_skipped", -1), 0);
+}
+
+INSTANTIATE_TEST_SUITE_P(Nodes, ChainOf, ::testing::Values(2, 3, 4),
+                         [](const auto& info) { return std::to_string(info.param) + "Nodes"; });
+
+// The source relay is killed while sync 2 is half sent: both downstream
+// regions abort sync 2 (their workers get Aborted, never torn bytes); the
+// relay is restarted on its port, the downstream relay reconnects by
+// itself, and sync 3 arrives whole everywhere.
+TEST(RelayFaults, SourceRelayKilledMidSyncThenRestarted) {
+  Cluster c(3, "killsrc");
+  Chain ch(c, 3, 3, {"--pause-sync", "2", "--resume", c.file("resume")}, 2);
+  ASSERT_FALSE(HasFailure());
+  ch.go(1);
+  for (int i = 1; i < 3; ++i) ASSERT_TRUE(c.wait_line(ch.report(i), "ok 1"));
+  ch.go(2);
+  ASSERT_TRUE(c.wait_line(c.file("trainer.txt"), "paused 2"));
+  // Sync 2 is under way on every node (a worker that has not seen its
+  // manifest yet would never see it: an aborted sync is skipped).
+  for (int i = 1; i < 3; ++i) ASSERT_TRUE(c.wait_line(ch.report(i), "manifest 2"));
+  ch.relays[0]->kill9();
+  for (int i = 1; i < 3; ++i) ASSERT_TRUE(c.wait_line(ch.report(i), "error 2 Aborted"));
+  c.touch(c.file("resume"));
+  ASSERT_TRUE(c.wait_line(c.file("trainer.txt"), "sent 2"));  // the trainer evicted the dead relay and went on
+  c.relay(0, 0, true, kKey, ch.ports[0]);
+  ASSERT_FALSE(
+      c.wait_status(0, [](const json& j) { return j["region_state"].value("ready", false) && downstream_ready(j); })
+          .is_null());
+  ASSERT_FALSE(c.wait_status(1, [](const json& j) { return upstream_connected(j) && downstream_ready(j); }).is_null());
+  ch.go(3);
+  for (int i = 1; i < 3; ++i) {
+    EXPECT_EQ(ch.workers[static_cast<std::size_t>(i - 1)]->wait(), 0) << slurp(ch.report(i));
+    EXPECT_TRUE(has_line(ch.report(i), "ok 3")) << slurp(ch.report(i));
+    EXPECT_FALSE(has_line(ch.report(i), "ok 2")) << slurp(ch.report(i));
+  }
+  const json s1 = c.wait_status(1, [](const json& j) { return j["upstream"].value("connects", 0) >= 2; });
+  EXPECT_GE(s1.value("syncs_aborted", 0), 1);
+}
+
+// A middle relay of four nodes is killed mid-sync and restarted: its own
+// workers see their producer die (PeerDied) and reopen the new region, the
+// two nodes behind it abort the sync, and the next sync reaches all three.
+TEST(RelayFaults, MiddleRelayKilledMidSyncThenRestarted) {
+  Cluster c(4, "killmid");
+  Chain ch(c, 4, 3, {"--pause-sync", "2", "--resume", c.file("resume")}, 2);
+  ASSERT_FALSE(HasFailure());
+  ch.go(1);
+  for (int i = 1; i < 4; ++i) ASSERT_TRUE(c.wait_line(ch.report(i), "ok 1"));
+  ch.go(2);
+  ASSERT_TRUE(c.wait_line(c.file("trainer.txt"), "paused 2"));
+  for (int i = 1; i < 4; ++i) ASSERT_TRUE(c.wait_line(ch.report(i), "manifest 2"));
+  ch.relays[1]->kill9();
+  ASSERT_TRUE(c.wait_line(ch.report(1), "error 2 PeerDied"));
+  for (int i = 2; i < 4; ++i) ASSERT_TRUE(c.wait_line(ch.report(i), "error 2 Aborted"));
+  c.relay(1, ch.ports[0], true, kKey, ch.ports[1]);
+  ASSERT_FALSE(c.wait_status(1, [](const json& j) { return upstream_connected(j) && downstream_ready(j); }).is_null());
+  ASSERT_TRUE(c.wait_line(ch.report(1), "reopened"));
+  // The worker holds a seat in the restarted relay's region (it may first
+  // have caught the dead one's file while the new relay replaced it).
+  ASSERT_FALSE(c.wait_status(1, [](const json& j) { return j["region_state"].value("consumers", 0) >= 1; }).is_null());
+  ASSERT_FALSE(c.wait_status(0, [](const json& j) { return downstream_ready(j); }).is_null());
+  ASSERT_FALSE(c.wait_status(2, [](const json& j) { return upstream_connected(j) && downstream_ready(j); }).is_null());
+  c.touch(c.file("resume"));
+  ASSERT_TRUE(c.wait_line(c.file("trainer.txt"), "sent 2"));
+  ch.go(3);
+  for (int i = 1; i < 4; ++i) {
+    EXPECT_EQ(ch.workers[static_cast<std::size_t>(i - 1)]->wait(), 0) << slurp(ch.report(i));
+    EXPECT_TRUE(has_line(ch.report(i), "ok 3")) << slurp(ch.report(i));
+  }
+}
+
+// A downstream relay with another key is refused before any region byte
+// moves: it exits 3, its node has no region at all, and the source relay
+// keeps serving relays that do hold the key.
+TEST(RelaySecurity, WrongKeyIsRefusedAndNothingIsWritten) {
+  Cluster c(2, "wrongkey");
+  Proc& trainer = c.peer("trainer", 0, {"produce", c.region(), "--syncs", "1", "--go", c.file("go"), "--report",
+                                        c.file("trainer.txt")});
+  ASSERT_TRUE(c.wait_line(c.file("trainer.txt"), "ready"));
+  c.relay(0, 0, true);
+  const int port = c.listen_port(0);
+  c.wait_status(0, [](const json& j) { return j["region_state"].value("ready", false); });
+  Proc& bad = c.relay(1, port, false, "another-key-0123456789abcdef");
+  EXPECT_EQ(bad.wait(60s), 3) << bad.output();
+  EXPECT_NE(bad.output().find("wrong key"), std::string::npos) << bad.output();
+  EXPECT_FALSE(std::filesystem::exists(c.dir(1) + "/shmcast." + c.region()));
+  const json s0 = c.wait_status(0, [](const json& j) { return j.value("refused", 0) >= 1; });
+  EXPECT_EQ(s0.value("downstream_ready", -1), 0);
+  // A relay with no key at all does not even start.
+  Proc& nokey = c.relay(1, port, false, "");
+  EXPECT_EQ(nokey.wait(60s), 2) << nokey.output();
+  // The right key still gets in, and the sync arrives.
+  c.relay(1, port, false);
+  c.wait_status(1, [](const json& j) { return upstream_connected(j); });
+  c.wait_status(0, [](const json& j) { return downstream_ready(j); });
+  Proc& w = c.peer("worker1", 1, {"consume", c.region(), "--syncs", "1", "--report", c.file("worker1.txt")});
+  ASSERT_TRUE(c.wait_line(c.file("worker1.txt"), "attached"));
+  c.touch(c.file("go.1"));
+  EXPECT_EQ(w.wait(), 0) << w.output();
+  EXPECT_TRUE(trainer.running());
+}
+
+// A worker that attaches and never reads stalls only its own node: with
+// --stall-policy evict its relay evicts it after --consumer-timeout, and the
+// node behind gets every sync.
+TEST(RelayFaults, StalledWorkerDoesNotHoldTheChain) {
+  Cluster c(3, "stall");
+  Proc& trainer = c.peer("trainer", 0, {"produce", c.region(), "--syncs", "2", "--go", c.file("go"), "--report",
+                                        c.file("trainer.txt")});
+  ASSERT_TRUE(c.wait_line(c.file("trainer.txt"), "ready"));
+  c.relay(0, 0, true);
+  const int p0 = c.listen_port(0);
+  c.wait_status(0, [](const json& j) { return j["region_state"].value("ready", false); });
+  c.relay(1, p0, true, kKey, 0, {"--stall-policy", "evict", "--consumer-timeout", "1"});
+  const int p1 = c.listen_port(1);
+  c.wait_status(1, [](const json& j) { return upstream_connected(j); });
+  c.relay(2, p1, false);
+  c.wait_status(2, [](const json& j) { return upstream_connected(j); });
+  c.wait_status(1, [](const json& j) { return downstream_ready(j); });
+  c.wait_status(0, [](const json& j) { return downstream_ready(j); });
+  c.peer("staller", 1, {"consume", c.region(), "--stall", "--report", c.file("staller.txt")});
+  ASSERT_TRUE(c.wait_line(c.file("staller.txt"), "attached"));
+  Proc& w2 = c.peer("worker2", 2, {"consume", c.region(), "--syncs", "2", "--report", c.file("worker2.txt")});
+  ASSERT_TRUE(c.wait_line(c.file("worker2.txt"), "attached"));
+  c.touch(c.file("go.1"));
+  c.touch(c.file("go.2"));
+  EXPECT_EQ(w2.wait(), 0) << w2.output();
+  EXPECT_TRUE(trainer.running());
+}
+
+#ifdef SHMCAST_SECCOMP_RUN
+// The whole chain, trainer, relays and workers, under Docker's default
+// seccomp profile (tests/seccomp): UCX over TCP and the region need nothing
+// the profile denies.
+TEST(RelaySeccomp, ChainUnderDockerDefaultProfile) {
+  Cluster c(3, "seccomp");
+  c.wrap({SHMCAST_SECCOMP_RUN, "--profile", SHMCAST_SECCOMP_PROFILE_DIR "/docker-default.json", "--"});
+  Chain ch(c, 3, 2);
+  ASSERT_FALSE(HasFailure());
+  ch.go(1);
+  ch.go(2);
+  for (int i = 1; i < 3; ++i) {
+    EXPECT_EQ(ch.workers[static_cast<std::size_t>(i - 1)]->wait(), 0) << slurp(ch.report(i));
+    EXPECT_TRUE(has_line(ch.report(i), "ok 2")) << slurp(ch.report(i));
+  }
+}
+#endif

@@ -1,0 +1,151 @@
+// shmcast-relay: carries region REGION's syncs to other nodes over UCX.
+//
+//   source node:  shmcast-relay REGION --listen HOST:PORT
+//   other nodes:  shmcast-relay REGION --from UPSTREAM:PORT [--listen HOST:PORT]
+//
+// docs/relay.md: what it does, the options, the status file, a Kubernetes
+// example and the numbers.
+#include <signal.h>
+#include <stdlib.h>
+
+#include <CLI/CLI.hpp>
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+
+#include "shmcast/relay.hpp"
+#include "shmcast/shmcast.hpp"
+
+namespace {
+
+shmcast::relay::Relay* g_relay = nullptr;
+void on_signal(int) {
+  if (g_relay) g_relay->stop();
+}
+
+const char* kFooter = R"(The key: --key-file FILE (mode 0600, or 0440 with a group), else the
+environment variable SHMCAST_RELAY_KEY; the same secret, at least 16 bytes,
+on every node. Peers prove it to each other (HMAC-SHA256 over fresh nonces)
+before any region byte moves; a relay with another key is refused.
+
+UCX picks the transport (RDMA where there is a NIC for it, else TCP); UCX_TLS
+and UCX_NET_DEVICES steer it, e.g. UCX_TLS=tcp.
+
+State: a JSON file next to the region, <region dir>/shmcast-relay.REGION.json
+(--status to move it, --status - for none), rewritten every second.
+
+Exit codes:
+  0    stopped by SIGINT or SIGTERM
+  1    failure (see the message)
+  2    usage error (also: no key, a key shorter than 16 bytes, a key file others can read)
+  3    the key was refused by the upstream, or the upstream did not prove it
+  4    this node's region is held by another live producer)";
+
+std::uint64_t parse_size(const std::string& s) {
+  char* end = nullptr;
+  const unsigned long long v = std::strtoull(s.c_str(), &end, 10);
+  if (end == s.c_str()) throw CLI::ValidationError("size", "'" + s + "' is not a size");
+  std::uint64_t mul = 1;
+  const std::string suf(end);
+  if (suf == "" || suf == "B") mul = 1;
+  else if (suf == "K" || suf == "KiB") mul = 1ull << 10;
+  else if (suf == "M" || suf == "MiB") mul = 1ull << 20;
+  else if (suf == "G" || suf == "GiB") mul = 1ull << 30;
+  else throw CLI::ValidationError("size", "'" + s + "': use a number with an optional K, M or G suffix");
+  return static_cast<std::uint64_t>(v) * mul;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"shmcast-relay: carry a region's syncs to other nodes over UCX (docs/relay.md)"};
+  app.footer(kFooter);
+  std::string region, from, listen, key_file, status, slot_bytes_s, stall = "fail";
+  bool no_checksums = false, region_checksums = false, group_access = false;
+  std::uint32_t slots = 2, max_consumers = 8, buffers = 4;
+  double consumer_timeout = 60, peer_timeout = 20, handshake_timeout = 10;
+  app.add_option("region", region, "Region name (the same on every node)")->required();
+  app.add_option("--from", from, "Upstream relay HOST:PORT (omit on the source node)");
+  app.add_option("--listen", listen, "Accept downstream relays on HOST:PORT (port 0: any free port)");
+  app.add_option("--key-file", key_file, "File holding the pre-shared key (else $SHMCAST_RELAY_KEY)");
+  app.add_flag("--no-checksums", no_checksums, "Do not send and check an XXH3 checksum per chunk across hops");
+  app.add_option("--buffers", buffers, "Receive buffers of one chunk each (chunks in flight per hop)")
+      ->check(CLI::Range(2, 1024));
+  app.add_option("--peer-timeout", peer_timeout, "Seconds a downstream may take no chunk before it is dropped")
+      ->check(CLI::Range(0.1, 86400.0));
+  app.add_option("--handshake-timeout", handshake_timeout, "Seconds for a connection's key handshake")
+      ->check(CLI::Range(0.1, 3600.0));
+  app.add_option("--status", status, "Status file (default: next to the region; - for none)");
+  auto* g = "This node's region (with --from)";
+  app.add_option("--slot-bytes", slot_bytes_s, "Slot size, e.g. 256M (default: the source region's)")->group(g);
+  app.add_option("--slots", slots, "Slots (2: double buffering)")->check(CLI::Range(2, 4096))->group(g);
+  app.add_option("--max-consumers", max_consumers, "Consumer seats")->check(CLI::Range(1, 64))->group(g);
+  app.add_option("--stall-policy", stall, "A local consumer that stalls: fail the local sync, or evict it")
+      ->check(CLI::IsMember({"fail", "evict"}))
+      ->group(g);
+  app.add_option("--consumer-timeout", consumer_timeout, "Seconds a local consumer may hold a slot")
+      ->check(CLI::Range(0.01, 86400.0))
+      ->group(g);
+  app.add_flag("--region-checksums", region_checksums, "XXH3 slot checksums in this node's region")->group(g);
+  app.add_flag("--group-access", group_access, "Create the region mode 0660 (consumers of the group)")->group(g);
+  try {
+    app.parse(argc, argv);
+    if (from.empty() && listen.empty())
+      throw CLI::ValidationError("--listen", "the source node (no --from) needs --listen HOST:PORT");
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e) == 0 ? 0 : 2;
+  }
+
+  // A relay restarted on its fixed port must listen again while the old
+  // connections linger in TIME_WAIT (SO_REUSEADDR); an explicit setting wins.
+  ::setenv("UCX_TCP_CM_REUSEADDR", "y", 0);
+  shmcast::relay::RelayOptions o;
+  o.region = region;
+  o.from = from;
+  o.listen = listen;
+  o.checksums = !no_checksums;
+  o.buffers = buffers;
+  o.status_path = status;
+  auto secs = [](double s) { return std::chrono::nanoseconds(static_cast<std::int64_t>(s * 1e9)); };
+  o.peer_timeout = secs(peer_timeout);
+  o.handshake_timeout = secs(handshake_timeout);
+  o.region_options.slots = slots;
+  o.region_options.max_consumers = max_consumers;
+  o.region_options.stall_policy = stall == "evict" ? shmcast::StallPolicy::kEvict : shmcast::StallPolicy::kFail;
+  o.region_options.consumer_timeout = secs(consumer_timeout);
+  o.region_options.checksums = region_checksums;
+  o.region_options.group_access = group_access;
+  try {
+    if (!slot_bytes_s.empty()) o.region_options.slot_bytes = parse_size(slot_bytes_s);
+    try {
+      o.key = shmcast::relay::load_key(key_file);
+    } catch (const shmcast::Error& e) {
+      std::fprintf(stderr, "shmcast-relay %s: %s\n", region.c_str(), e.what());
+      return 2;
+    }
+    shmcast::relay::Relay relay(std::move(o));
+    g_relay = &relay;
+    struct sigaction sa {};
+    sa.sa_handler = on_signal;
+    sigemptyset(&sa.sa_mask);
+    sigaction(SIGINT, &sa, nullptr);
+    sigaction(SIGTERM, &sa, nullptr);
+    signal(SIGPIPE, SIG_IGN);
+    relay.run();
+    g_relay = nullptr;
+  } catch (const CLI::ValidationError& e) {
+    std::fprintf(stderr, "shmcast-relay: %s\n", e.what());
+    return 2;
+  } catch (const shmcast::Error& e) {
+    g_relay = nullptr;
+    std::fprintf(stderr, "shmcast-relay %s: %s\n", region.c_str(), e.what());
+    switch (e.code()) {
+      case shmcast::Errc::kPermission: return 3;
+      case shmcast::Errc::kExists: return 4;
+      case shmcast::Errc::kInvalidArgument:
+      case shmcast::Errc::kBadName: return 2;
+      default: return 1;
+    }
+  }
+  return 0;
+}
