@@ -11,12 +11,12 @@
 #   MUTANTS="no_wake release_early" scripts/mutants.sh
 #
 # It never touches the checkout: the tracked and untracked-but-not-ignored
-# files are copied to $MUTANT_DIR/src, built there (CUDA, Python and the
-# bench off) in $MUTANT_DIR/build, and each mutant is applied to that copy,
-# built incrementally, tested, and undone. A mutant is one exact text in one
-# file and its replacement; the text must occur exactly once, or the script
-# stops (exit 2) instead of testing unmutated code. The build must succeed and
-# the mutated object must differ from the pristine one.
+# files are copied to $MUTANT_DIR/src, built there (CUDA, Python, the bench
+# and the relay off) in $MUTANT_DIR/build, and each mutant is applied to
+# that copy, built incrementally, tested, and undone. A mutant is one exact
+# text in one file and its replacement; the text must occur exactly once, or
+# the script stops (exit 2) instead of testing unmutated code. The build must
+# succeed and the mutated object must differ from the pristine one.
 #
 # The unmutated copy is built and tested first; a test that fails there is
 # not credited with catching anything. A test failing under a mutant is run
@@ -48,8 +48,11 @@ export LC_ALL=C  # sort and comm of test names agree
 #
 # Re-point a mutant here when the code it breaks moves: M_FILE, and M_OLD,
 # the exact text (whitespace included) that must occur once in it.
-# (lib/src/ring.cpp, producer.cpp and consumer.cpp are being rewritten for
-# sharded syncs: publish_early, manifest_hash and release_early live there.)
+# Pointed at the code with sharded syncs (several producer ranks): the chunk
+# writer and reader in lib/src/ring.cpp serve one-rank and sharded producers
+# alike, and Consumer::wait_sync (lib/src/consumer.cpp) is the one place a
+# consumer checks the manifest hash (lib/src/probe.cpp has its own, for the
+# inspection tools, and is not mutated).
 
 ALL_MUTANTS=(no_wake publish_early liveness_blind manifest_hash release_early)
 
@@ -74,7 +77,7 @@ EOF
 )
       ;;
     publish_early)
-      M_WHAT="a chunk is published when its slot is claimed, before any of its bytes are written"
+      M_WHAT="a chunk is published when its slot is claimed (ChunkWriter::claim_chunk, for a one-rank producer and every sharded rank), before any of its bytes are written"
       M_FILE=lib/src/ring.cpp
       M_OLD=$(cat <<'EOF'
     ring_->acquire(seq);
@@ -103,18 +106,18 @@ EOF
 )
       ;;
     manifest_hash)
-      M_WHAT="a consumer accepts a manifest whose bytes do not match the sync record's hash"
+      M_WHAT="a consumer accepts a manifest whose bytes do not match the sync record's hash (Consumer::wait_sync)"
       M_FILE=lib/src/consumer.cpp
       M_OLD='    if (XXH3_64bits(bytes.data(), bytes.size()) != rec.manifest_hash) {'
       M_NEW='    if (false && XXH3_64bits(bytes.data(), bytes.size()) != rec.manifest_hash) {  // MUTANT manifest_hash'
       ;;
     release_early)
-      M_WHAT="a consumer releases a slot when the reader hands out its last range, before copying it out"
+      M_WHAT="a consumer releases a slot when the reader (ChunkReader::next) hands out its last range, before copying it out"
       M_FILE=lib/src/ring.cpp
-      M_OLD='  *out = Range{data + have_, c_ * S_ + have_, bytes - have_, true, seq, w.slot};'
+      M_OLD='  *out = Range{data + have_, j * S_ + have_, rank, bytes - have_, true, seq, w.slot};'
       M_NEW=$(cat <<'EOF'
   ring_->release(seq);  // MUTANT release_early: the producer may refill the slot while it is copied out
-  *out = Range{data + have_, c_ * S_ + have_, bytes - have_, true, seq, w.slot};
+  *out = Range{data + have_, j * S_ + have_, rank, bytes - have_, true, seq, w.slot};
 EOF
 )
       ;;
@@ -195,7 +198,7 @@ fi
 gen=()
 command -v ninja >/dev/null && [ ! -f "$bld/CMakeCache.txt" ] && gen=(-G Ninja)
 cmake -S "$src" -B "$bld" "${gen[@]}" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DSHMCAST_WITH_CUDA=OFF \
-  -DSHMCAST_BUILD_PYTHON=OFF -DSHMCAST_BUILD_BENCH=OFF -DSHMCAST_TEST_TIMEOUT_CAP="$tcap" \
+  -DSHMCAST_BUILD_PYTHON=OFF -DSHMCAST_BUILD_BENCH=OFF -DSHMCAST_BUILD_RELAY=OFF -DSHMCAST_TEST_TIMEOUT_CAP="$tcap" \
   -DSHMCAST_SHARED_SECCOMP_DIR="$root/../shared/seccomp" >"$logs/configure.log" 2>&1 ||
   { cat "$logs/configure.log"; exit 2; }
 
