@@ -7,6 +7,7 @@
 #include <sys/stat.h>
 
 #include "layout.hpp"
+#include "manifest.hpp"
 #include "support.hpp"
 
 using namespace shmcast;
@@ -379,19 +380,41 @@ TEST(Corruption, ManifestBytesAreRejected) {
 
 // A manifest altered into another valid one (a tensor renamed) decodes
 // cleanly: only the sync record's hash tells, and the consumer refuses it.
+// The name is found through the manifest's own header (names_offset), not a
+// fixed offset, and the altered bytes are decoded here first: the test fails
+// if the change ever stops being a valid manifest, which the decoder would
+// refuse without the hash.
 TEST(Corruption, ManifestAlteredIntoAnotherValidOneIsRejectedByItsHash) {
+  namespace d = shmcast::detail;
   const std::string name = unique_name("mfh");
   RegionGuard g{name};
   Producer p = Producer::create(name, opts());
   Consumer c = Consumer::open(name, copts());
   PatternSync s(3, 100, 1);  // tensors "t0", "t1", "t2"
-  p.begin_sync(s.specs);
-  shmcast::detail::Geometry geo{};
-  shmcast::detail::compute_geometry(4, 2, kSlot, ProducerOptions{}.manifest_bytes, &geo);
-  const std::uint64_t names_at =
-      sizeof(shmcast::detail::ManifestHeader) + 3 * sizeof(shmcast::detail::ManifestEntry);
-  const char renamed = '9';  // "t0" becomes "t9": still a valid, unique name
-  corrupt_file(region_path(name), geo.manifest_offset + names_at + 1, &renamed, 1);
+  const std::uint64_t version = p.begin_sync(s.specs);
+  d::Geometry geo{};
+  d::compute_geometry(4, 2, kSlot, ProducerOptions{}.manifest_bytes, &geo);
+  int fd = ::open(region_path(name).c_str(), O_RDONLY);
+  ASSERT_GE(fd, 0);
+  d::ManifestHeader mh{};
+  ASSERT_EQ(::pread(fd, &mh, sizeof mh, static_cast<off_t>(geo.manifest_offset)), static_cast<ssize_t>(sizeof mh));
+  ASSERT_EQ(mh.tensor_count, 3u);
+  d::ManifestEntry e0{};
+  ASSERT_EQ(::pread(fd, &e0, sizeof e0, static_cast<off_t>(geo.manifest_offset + sizeof mh)),
+            static_cast<ssize_t>(sizeof e0));
+  std::vector<std::byte> bytes(mh.names_offset + mh.names_bytes);
+  ASSERT_EQ(::pread(fd, bytes.data(), bytes.size(), static_cast<off_t>(geo.manifest_offset)),
+            static_cast<ssize_t>(bytes.size()));
+  ::close(fd);
+  const std::uint64_t at = mh.names_offset + e0.name_offset + 1;  // "t0" becomes "t9": still a valid, unique name
+  ASSERT_EQ(e0.name_bytes, 2u);
+  ASSERT_EQ(static_cast<char>(bytes[at]), '0');
+  bytes[at] = static_cast<std::byte>('9');
+  SyncInfo altered;
+  ASSERT_EQ(d::decode_manifest(bytes, version, mh.stream_bytes, kSlot, &altered), "");
+  ASSERT_EQ(altered.tensors.at(0).name, "t9");
+  const char renamed = '9';
+  corrupt_file(region_path(name), geo.manifest_offset + at, &renamed, 1);
   try {
     const SyncInfo& info = c.wait_sync(5s);
     FAIL() << "accepted a manifest that does not match its hash (first tensor '" << info.tensors.at(0).name << "')";
