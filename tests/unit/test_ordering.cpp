@@ -15,7 +15,8 @@
 //    (producer), and the consumer's seat must not have released the chunk
 //    it is copying out of (consumer).
 //
-// Single process, one producer and one consumer thread; no timing.
+// Single process, one producer and one consumer thread (or two producer
+// ranks of a sharded sync, one thread each); no timing.
 #include <fcntl.h>
 #include <gtest/gtest.h>
 #include <signal.h>
@@ -23,7 +24,9 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <cstdio>
 #include <cstring>
+#include <stdexcept>
 #include <thread>
 #include <vector>
 
@@ -92,12 +95,16 @@ struct Seen {
   std::uint64_t fill_seq;      // of the slot the byte belongs to
   std::uint64_t filled;
   std::uint64_t released;      // the consumer seat's released_seq
+  std::uint64_t slot_seq;      // the chunk the byte's slot holds (published)
 };
 
 struct Watch {
   static constexpr int kMax = 1 << 14;
   const RegionPeek* region = nullptr;
   int seat = -1;
+  // The producer rank whose copy is watched, of `world` ranks: its chunk j is
+  // seq 1 + j * world + rank (the region's first sync).
+  std::uint64_t world = 1, rank = 0;
   // The trapped buffers, one per tensor, and where each tensor starts in the stream.
   std::vector<const std::byte*> lo;
   std::vector<std::size_t> len;
@@ -125,7 +132,7 @@ void on_segv(int, siginfo_t* si, void*) {
   const int i = w->n.fetch_add(1);
   if (i < Watch::kMax) {
     const RegionPeek& r = *w->region;
-    const std::uint64_t seq = 1 + pos / r.header().fixed.slot_bytes;  // the first sync's chunks start at 1
+    const std::uint64_t seq = 1 + pos / r.header().fixed.slot_bytes * w->world + w->rank;  // the first sync's chunks start at 1
     const d::SlotDesc& s = r.slot_of_seq(seq);
     Seen& e = w->seen[i];
     e.pos = pos;
@@ -133,6 +140,7 @@ void on_segv(int, siginfo_t* si, void*) {
     e.fill_seq = s.fill_seq.load();
     e.filled = s.filled.load();
     e.released = w->seat >= 0 ? r.seat(w->seat).released_seq.load() : 0;
+    e.slot_seq = s.seq.load();
   }
   const std::uintptr_t page = reinterpret_cast<std::uintptr_t>(a) & ~(std::uintptr_t{page_size()} - 1);
   ::mprotect(reinterpret_cast<void*>(page), page_size(), PROT_READ | PROT_WRITE);
@@ -254,6 +262,115 @@ INSTANTIATE_TEST_SUITE_P(Ordering, PublishOrder,
                            return std::string(std::get<0>(info.param) ? "Checksums" : "ProgressiveFill") +
                                   (std::get<1>(info.param) == kSlot ? "Slot2MiB" : "Slot8MiB");
                          });
+
+// The same for a sharded producer: rank 1 of 2 (this thread; rank 0 writes
+// its own pieces in another) is stopped at every page of its sources. Ranks
+// publish out of order, so the chunk being copied into (seq 1 + j * 2 + 1)
+// is judged by its slot, which must not hold it yet, and by its fill mark.
+class ShardedPublishOrder : public ::testing::TestWithParam<bool> {};
+
+TEST_P(ShardedPublishOrder, NothingIsPublishedBeforeItsBytesAreWritten) {
+  const bool checksums = GetParam();
+  constexpr std::uint32_t R = 2;
+  constexpr std::int64_t kRows = 10240, kRowBytes = 1024;  // 5 MiB a rank: 3 chunks each
+  const std::string name = unique_name("pubshard");
+  RegionGuard guard{name};
+  auto ropts = [&](std::uint32_t r) {
+    ProducerOptions o = popts(checksums);
+    o.slots = 2 * R;
+    o.rank = r;
+    o.world_size = R;
+    o.engine = CopyEngine::kHost;
+    o.rank_timeout = 20s;
+    return o;
+  };
+  Producer p0 = Producer::create(name, ropts(0));
+  Producer p1 = Producer::create(name, ropts(1));
+  RegionPeek region(name);
+  ASSERT_NE(region.base, nullptr);
+  auto shard = [&](std::int64_t start) {
+    TensorSpec t{"a", DType::kU8, {kRows, kRowBytes}};
+    t.shard_dim = 0;
+    t.shard_start = start;
+    t.shard_length = kRows / 2;
+    return t;
+  };
+  const std::vector<TensorSpec> s0{shard(0)};
+  const std::vector<TensorSpec> s1{shard(kRows / 2), {"b", DType::kU8, {64 << 10}}};  // "b": rank 1's alone
+  std::vector<std::uint8_t> a0(s0[0].local_nbytes());
+  fill_pattern(a0.data(), a0.size(), seed_of(1, 0));
+  std::atomic<int> rank0{0};
+  std::thread t0([&] {
+    try {
+      p0.begin_sync(s0);
+      p0.write(0, a0.data());
+      p0.end_sync();
+      rank0 = 1;
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "rank 0: %s\n", e.what());
+      rank0 = 2;
+    }
+  });
+  auto w = std::make_unique<Watch>();
+  w->region = &region;
+  w->world = R;
+  w->rank = 1;
+  std::vector<std::unique_ptr<Trapped>> src;
+  SyncLayout layout;
+  std::string failed;
+  try {
+    p1.begin_sync(s1);
+    layout = p1.last_layout();
+    for (std::size_t i = 0; i < s1.size(); ++i) {
+      src.push_back(std::make_unique<Trapped>(s1[i].local_nbytes()));
+      if (src.back()->p == nullptr) throw std::runtime_error("mmap failed");
+      fill_pattern(reinterpret_cast<std::uint8_t*>(src.back()->p), s1[i].local_nbytes(), seed_of(1, i + 1));
+      w->lo.push_back(src.back()->p);
+      w->len.push_back(s1[i].local_nbytes());
+      w->stream_offset.push_back(layout.offsets.at(i));
+    }
+    {
+      HandlerScope h(w.get());
+      for (auto& b : src) b->arm();
+      for (std::size_t i = 0; i < s1.size(); ++i) p1.write(i, src[i]->p);
+      p1.end_sync();
+    }
+  } catch (const std::exception& e) {
+    failed = e.what();
+  }
+  for (auto& b : src) b->disarm();
+  t0.join();
+  ASSERT_EQ(failed, "");
+  ASSERT_EQ(rank0.load(), 1);
+  ASSERT_EQ(layout.first_seq, 1u);
+  ASSERT_EQ(layout.world_size, R);
+  ASSERT_EQ(layout.rank_chunks, 3u);
+  const int n = w->n.load();
+  ASSERT_LE(n, Watch::kMax);
+  EXPECT_EQ(w->foreign.load(), 0);
+  std::size_t pages = 0;
+  for (auto& b : src) pages += b->mapped / page_size();
+  EXPECT_GE(static_cast<std::size_t>(n), pages) << "the copy did not fault on every source page";
+  int early_publish = 0, early_fill = 0;
+  for (int i = 0; i < n; ++i) {
+    const Seen& e = w->seen[i];
+    const std::uint64_t seq = 1 + e.pos / p1.slot_bytes() * R + 1;
+    const std::uint64_t in_chunk = e.pos % p1.slot_bytes();
+    if (e.slot_seq == seq && early_publish++ == 0)
+      ADD_FAILURE() << "rank 1's chunk " << seq << " was published while the rank was still copying byte " << e.pos
+                    << " of its sub-stream into it";
+    if (e.fill_seq == seq && e.filled > in_chunk && early_fill++ == 0)
+      ADD_FAILURE() << "rank 1's chunk " << seq << ": " << e.filled << " bytes marked final while byte " << in_chunk
+                    << " of it was still being copied";
+  }
+  EXPECT_EQ(early_publish, 0);
+  EXPECT_EQ(early_fill, 0);
+  // Afterwards every chunk of both ranks is published (6 chunks, 4 slots).
+  for (std::uint64_t seq = 3; seq <= 6; ++seq) EXPECT_EQ(region.slot_of_seq(seq).seq.load(), seq);
+}
+
+INSTANTIATE_TEST_SUITE_P(Ordering, ShardedPublishOrder, ::testing::Bool(),
+                         [](const auto& info) { return std::string(info.param ? "Checksums" : "ProgressiveFill"); });
 
 // The consumer's copy out is stopped at every destination page: its seat
 // must not have released the chunk it is copying from (the producer could
