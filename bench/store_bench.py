@@ -34,7 +34,9 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "python"))  # bench_python: Content, measure_ceiling
+# bench_python (Content, measure_ceiling) lives in python/, next to the
+# source package: appended, so that the built shmcast on PYTHONPATH wins.
+sys.path.append(os.path.join(HERE, "..", "python"))
 
 
 def _now() -> float:
@@ -46,10 +48,35 @@ def _stat(xs, nd=3):
             "n": len(xs)}
 
 
+def _recv(conn, proc, timeout=300.0):
+    """The next message from a child, or an error as soon as it died."""
+    end = time.monotonic() + timeout
+    while not conn.poll(1.0):
+        if not proc.is_alive():
+            raise RuntimeError(f"{proc.name} exited with {proc.exitcode} before answering")
+        if time.monotonic() > end:
+            raise TimeoutError(f"{proc.name} did not answer within {timeout} s")
+    return conn.recv()
+
+
 def _model(scale):
     from bench_python import qwen25_3b_manifest
 
     return qwen25_3b_manifest(scale)
+
+
+def _sync(device):
+    import torch
+
+    if device.startswith("cuda"):
+        torch.cuda.synchronize(device)
+
+
+def _setup(device):
+    import torch
+
+    if device.startswith("cuda"):
+        torch.cuda.set_device(device)
 
 
 def _alloc(manifest, device):
@@ -61,17 +88,17 @@ def _alloc(manifest, device):
 # ---------------------------------------------------------------- processes
 
 
-def trainer(conn, region, scale, seed):
+def trainer(conn, region, scale, seed, device):
     import torch
 
     import shmcast
     from bench_python import Content
 
-    torch.cuda.set_device(0)
+    _setup(device)
     manifest = _model(scale)
-    ts = _alloc(manifest, "cuda:0")
-    content = Content(seed, "cuda:0")
-    p = shmcast.Producer(region, mode="store", store_bytes=shmcast.store_bytes_for(ts), pin=True,
+    ts = _alloc(manifest, device)
+    content = Content(seed, device)
+    p = shmcast.Producer(region, mode="store", store_bytes=shmcast.store_bytes_for(ts), pin=device.startswith("cuda"),
                          max_consumers=16, consumer_timeout=60.0)
     conn.send({"ready": True, "payload": sum(t.numel() * 2 for t in ts.values()), "region_bytes": p.region_bytes,
                "pin_s": p.raw.pin_seconds, "engine": p.raw.engine})
@@ -80,7 +107,7 @@ def trainer(conn, region, scale, seed):
         v = p.last_version + 1
         for i, t in enumerate(ts.values()):
             content.fill(t, v, i)
-        torch.cuda.synchronize()
+        _sync(device)
         t0 = _now()
         got = p.send(ts)
         return got, t0, _now()
@@ -108,7 +135,7 @@ def trainer(conn, region, scale, seed):
             return
 
 
-def reader(conn, region, scale, seed, pin, hold_after):
+def reader(conn, region, scale, seed, pin, hold_after, device):
     """Opens the region, receives the newest version into its own GPU
     tensors, checks every byte; hold_after: then holds the next version as
     views until killed."""
@@ -117,16 +144,16 @@ def reader(conn, region, scale, seed, pin, hold_after):
     import shmcast
     from bench_python import Content
 
-    torch.cuda.set_device(0)
+    _setup(device)
     manifest = _model(scale)
-    dst = _alloc(manifest, "cuda:0")
-    content = Content(seed, "cuda:0")
-    torch.cuda.synchronize()
+    dst = _alloc(manifest, device)
+    content = Content(seed, device)
+    _sync(device)
     t0 = _now()
-    c = shmcast.Consumer(region, device="cuda:0", pin=pin, open_timeout=60.0)
+    c = shmcast.Consumer(region, device=device, pin=pin, open_timeout=60.0)
     t1 = _now()
     v = c.receive_into(dst, timeout=60.0)
-    torch.cuda.synchronize()
+    _sync(device)
     t2 = _now()
     bad = sum(0 if content.equal(t, v, i) else 1 for i, t in enumerate(dst.values()))
     res = {"version": v, "open_s": t1 - t0, "pin_s": c.raw.pin_seconds, "receive_s": t2 - t1, "opened": t1,
@@ -140,7 +167,7 @@ def reader(conn, region, scale, seed, pin, hold_after):
     c.close()
 
 
-def loader(conn, region, scale, seed, path):
+def loader(conn, region, scale, seed, path, device):
     """One of N readers kept alive across repetitions: on ("shmcast",) it
     receives the newest version into its GPU tensors, on ("safetensors",) it
     load_file()s the reference file onto the GPU; checks every byte."""
@@ -149,11 +176,11 @@ def loader(conn, region, scale, seed, path):
     import shmcast
     from bench_python import Content
 
-    torch.cuda.set_device(0)
+    _setup(device)
     manifest = _model(scale)
-    dst = _alloc(manifest, "cuda:0")
-    content = Content(seed, "cuda:0")
-    c = shmcast.Consumer(region, device="cuda:0", pin=True, open_timeout=60.0)
+    dst = _alloc(manifest, device)
+    content = Content(seed, device)
+    c = shmcast.Consumer(region, device=device, pin=device.startswith("cuda"), open_timeout=60.0)
     conn.send({"ready": True, "open_s": c.raw.open_seconds, "pin_s": c.raw.pin_seconds})
     while True:
         cmd = conn.recv()
@@ -167,9 +194,9 @@ def loader(conn, region, scale, seed, path):
         else:
             from safetensors.torch import load_file
 
-            got = load_file(path, device="cuda:0")
+            got = load_file(path, device=device)
             v = cmd[1]
-        torch.cuda.synchronize()
+        _sync(device)
         t1 = _now()
         bad = sum(0 if content.equal(got[n], v, i) else 1 for i, (n, _) in enumerate(manifest))
         del got
@@ -188,6 +215,7 @@ def main(argv=None):
     ap.add_argument("--stages", default="ceiling,late,drill,readers")
     ap.add_argument("--file", default="/var/tmp/shmcast-store-bench.safetensors")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--device", default="cuda:0", help="cpu: a smoke run of the bench's logic without a GPU")
     a = ap.parse_args(argv)
     stages = a.stages.split(",")
     import torch
@@ -207,18 +235,19 @@ def main(argv=None):
             out.flush()
 
     tc, tp = ctx.Pipe()
-    tr = ctx.Process(target=trainer, args=(tp, region, a.scale, seed), daemon=True)
+    tr = ctx.Process(target=trainer, args=(tp, region, a.scale, seed, a.device), daemon=True)
     tr.start()
-    info = tc.recv()
+    info = _recv(tc, tr)
     payload = info["payload"]
-    emit({"stage": "trainer", **info, "gpu": torch.cuda.get_device_name(0)})
+    cuda = a.device.startswith("cuda")
+    emit({"stage": "trainer", **info, "device": torch.cuda.get_device_name(a.device) if cuda else "cpu"})
 
     def store():
         tc.send(("store",))
-        return tc.recv()
+        return _recv(tc, tr)
 
     if "ceiling" in stages:
-        c = measure_ceiling("cuda:0", 512 << 20, a.reps)
+        c = measure_ceiling(a.device, 512 << 20, a.reps)
         emit({"stage": "ceiling", **c})
 
     if "late" in stages:
@@ -227,9 +256,9 @@ def main(argv=None):
             s = store()
             sends.append(payload / s["send_s"] / 1e9)
             rc, rp = ctx.Pipe()
-            r = ctx.Process(target=reader, args=(rp, region, a.scale, seed, True, False), daemon=True)
+            r = ctx.Process(target=reader, args=(rp, region, a.scale, seed, cuda, False, a.device), daemon=True)
             r.start()
-            res = rc.recv()
+            res = _recv(rc, r)
             r.join(60)
             assert res["version"] == s["version"], (res, s)
             bad += res["bad_tensors"]
@@ -246,9 +275,9 @@ def main(argv=None):
             after, opens, got, bad, holds = [], [], [], 0, 0
             for _ in range(a.reps):
                 rc, rp = ctx.Pipe()
-                r = ctx.Process(target=reader, args=(rp, region, a.scale, seed, pin, True), daemon=True)
+                r = ctx.Process(target=reader, args=(rp, region, a.scale, seed, pin and cuda, True, a.device), daemon=True)
                 r.start()
-                res = rc.recv()
+                res = _recv(rc, r)
                 bad += res["bad_tensors"]
                 after.append(res["received"] - res["opened"])
                 opens.append(res["open_s"])
@@ -259,7 +288,7 @@ def main(argv=None):
                 r.kill()
                 r.join(30)
             tc.send(("stop",))
-            log = tc.recv()["log"]
+            log = _recv(tc, tr)["log"]
             # Newest: no version stored before the worker's open() returned is newer than the one it got.
             newest = 0
             for opened, v in got:
@@ -270,27 +299,28 @@ def main(argv=None):
                   "killed_while_holding": holds, "bad_tensors": bad, "versions_stored": len(log)})
 
     if "readers" in stages:
+        store()  # the tensors hold a stored version's bytes, whatever ran before
         tc.send(("save", a.file))
-        saved = tc.recv()["version"]  # the file holds the version stored last
+        saved = _recv(tc, tr)["version"]  # the file holds the version stored last
         for n in [int(x) for x in a.readers.split(",")]:
             pipes, procs = [], []
             for _ in range(n):
                 rc, rp = ctx.Pipe()
-                pr = ctx.Process(target=loader, args=(rp, region, a.scale, seed, a.file), daemon=True)
+                pr = ctx.Process(target=loader, args=(rp, region, a.scale, seed, a.file, a.device), daemon=True)
                 pr.start()
                 pipes.append(rc)
                 procs.append(pr)
-            opens = [p.recv() for p in pipes]
+            opens = [_recv(p, pr) for p, pr in zip(pipes, procs)]
             res = {"shmcast": [], "safetensors": []}
-            bad = 0
+            bad = {"shmcast": 0, "safetensors": 0}
             for kind in ("safetensors", "shmcast"):
                 for _ in range(a.reps):
                     if kind == "shmcast":
                         store()  # fresh bytes; the workers load the newest version
                     for p in pipes:
                         p.send((kind, saved))
-                    rs = [p.recv() for p in pipes]
-                    bad += sum(r["bad_tensors"] for r in rs)
+                    rs = [_recv(p, pr) for p, pr in zip(pipes, procs)]
+                    bad[kind] += sum(r["bad_tensors"] for r in rs)
                     res[kind].append(max(r["end"] for r in rs) - min(r["start"] for r in rs))
             for p in pipes:
                 p.send(("exit",))
@@ -303,7 +333,7 @@ def main(argv=None):
         os.unlink(a.file)
 
     tc.send(("exit",))
-    tc.recv()
+    _recv(tc, tr)
     tr.join(60)
 
 

@@ -38,5 +38,5 @@ if [ "${TESTS:-1}" = 1 ]; then
 fi
 log bench
 timeout ${BENCH_TIMEOUT:-420} $PY bench/store_bench.py --reps ${REPS:-10} --out "$OUT/store.jsonl" \
-  ${STAGES:+--stages $STAGES}
+  ${STAGES:+--stages $STAGES} ${BENCH_ARGS:-}
 log "done rc=$?"
