@@ -81,7 +81,7 @@ fi
 
 if has bench; then
   log "bench/publish_bench.sh"
-  STAGES=${BENCH_STAGES:-"env gen fio cold warm memcpy python variants consumers"} \
+  STAGES=${BENCH_STAGES:-"env gen fio cold warm store memcpy python variants consumers"} \
   BUILD=$B OUT=$OUT REPS=${REPS:-10} LAYERS=${LAYERS:-36} CONSUMERS=${CONSUMERS:-"1 2 4"} \
     CKPT_DIR=${CKPT_DIR:-/var/tmp/shmcast-publish-bench} bash bench/publish_bench.sh
   rc=$?

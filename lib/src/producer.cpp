@@ -55,7 +55,8 @@ struct Producer::Impl {
   std::uint64_t stream_bytes = 0, payload_bytes = 0;  // this rank's
   std::uint64_t sync_payload = 0;  // the whole sync's (rank 0)
   std::size_t next_tensor = 0;
-  std::uint64_t part_done = 0;  // bytes of specs[next_tensor] written by write_part()
+  std::uint64_t part_done = 0;
+  bool lent = false;  // store regions: fill_spans() lent the bank to the caller  // bytes of specs[next_tensor] written by write_part()
   ChunkWriter writer;  // the sync's chunks
   SyncLayout layout;   // of the sync in progress or the last one begun
   std::int64_t sync_start_ns = 0;
@@ -82,6 +83,9 @@ struct Producer::Impl {
                     std::uint64_t len = kWhole) {
     require_open();
     if (!in_sync) throw Error(Errc::kInvalidArgument, "write() outside a sync: call begin_sync() first");
+    if (lent)
+      throw Error(Errc::kInvalidArgument, "write() in a sync whose tensors were lent out by fill_spans(): fill the "
+                                          "spans, then end_sync()");
     try {
       write_tensor_in_sync(index, src, stream, from, len);
     } catch (const std::exception& e) {
@@ -710,6 +714,7 @@ std::uint64_t Producer::Impl::begin_store(std::uint64_t want) {
   rank_chunks = 1;
   next_tensor = 0;
   part_done = 0;
+  lent = false;
   return v;
 }
 
@@ -832,6 +837,27 @@ void Producer::write_device(std::size_t index, const void* src, void* stream) {
 
 void Producer::write_device_strided(std::size_t index, const void* src, const Strided2D& layout, void* stream) {
   impl_->write_tensor(index, Buffer{const_cast<void*>(src), true, layout}, stream);
+}
+
+std::vector<std::span<std::byte>> Producer::fill_spans() {
+  Impl& m = *impl_;
+  m.require_open();
+  if (!m.view.geo().store)
+    throw Error(Errc::kInvalidArgument, "fill_spans() needs a store region: a ring region's slots hold only a "
+                                        "part of the sync at a time; use write()");
+  if (!m.in_sync) throw Error(Errc::kInvalidArgument, "fill_spans() outside a sync: call begin_sync() first");
+  if (m.lent || m.next_tensor != 0 || m.part_done != 0)
+    throw Error(Errc::kInvalidArgument, "fill_spans() after tensors of this sync were written or lent");
+  std::byte* bank = m.view.slot_data(m.view.slot_of(m.first_seq));  // acquired by begin_sync()
+  std::vector<std::span<std::byte>> out;
+  out.reserve(m.specs.size());
+  for (std::size_t i = 0; i < m.specs.size(); ++i) {
+    const std::uint64_t n = m.specs[i].local_nbytes();
+    out.emplace_back(n == 0 ? nullptr : bank + m.offsets[i], n);
+  }
+  m.lent = true;
+  m.next_tensor = m.specs.size();  // end_sync() publishes them all
+  return out;
 }
 
 void Producer::end_sync() {

@@ -7,6 +7,8 @@
 #include <unistd.h>
 
 #include <cstring>
+#include <functional>
+#include <span>
 
 #include "shmcast/shmcast.hpp"
 #include "support.hpp"
@@ -440,4 +442,59 @@ TEST(Store, Refusals) {
   ASSERT_EQ(rc.wait_sync(5s).version, 1u);
   EXPECT_EQ(code_of([&] { rc.views(); }), Errc::kInvalidArgument);
   EXPECT_TRUE(check_pattern(read_all(rc), 1));
+}
+
+// fill_spans(): the caller fills the bank itself (what publish() does with
+// file reads); end_sync() publishes it, abort_sync() drops it.
+TEST(Store, FillSpansLendTheBankAndEndSyncPublishesIt) {
+  const std::string name = unique_name("store-fill");
+  RegionGuard g{name};
+  Producer p = Producer::create(name, store_opts(1 << 20));
+  auto code_of = [](const std::function<void()>& fn) {
+    try {
+      fn();
+    } catch (const Error& e) {
+      return e.code();
+    }
+    return Errc{};
+  };
+  EXPECT_EQ(code_of([&] { p.fill_spans(); }), Errc::kInvalidArgument);  // outside a sync
+  PatternSync s(3, 100000, 5);
+  s.specs.push_back({"empty", DType::kF32, {0}});
+  ASSERT_EQ(p.begin_sync(s.specs), 1u);
+  const std::vector<std::span<std::byte>> spans = p.fill_spans();
+  ASSERT_EQ(spans.size(), 4u);
+  EXPECT_TRUE(spans[3].empty());
+  for (int i = 0; i < 3; ++i) {
+    ASSERT_EQ(spans[i].size(), 100000u);
+    std::memcpy(spans[i].data(), s.ptrs[i], 100000);
+  }
+  EXPECT_EQ(code_of([&] { p.write(0, s.ptrs[0]); }), Errc::kInvalidArgument);
+  EXPECT_EQ(code_of([&] { p.fill_spans(); }), Errc::kInvalidArgument);
+  p.end_sync();
+  Consumer c = Consumer::open(name, copts());
+  ASSERT_EQ(c.wait_sync(0ms).version, 1u);
+  std::vector<std::vector<std::uint8_t>> got = read_all(c);
+  got.pop_back();  // the empty tensor
+  EXPECT_TRUE(check_pattern(got, 5));
+  // Lent, half filled, aborted: readers keep version 1.
+  ASSERT_EQ(p.begin_sync(s.specs), 2u);
+  std::memset(p.fill_spans()[0].data(), 0xAB, 100000);
+  p.abort_sync("test");
+  Consumer c2 = Consumer::open(name, copts());
+  EXPECT_EQ(c2.wait_sync(0ms).version, 1u);
+  got = read_all(c2);
+  got.pop_back();
+  EXPECT_TRUE(check_pattern(got, 5));
+  // A ring region lends nothing.
+  const std::string ring_name = unique_name("store-fill-ring");
+  RegionGuard g2{ring_name};
+  ProducerOptions ro;
+  ro.pin = Pin::kNo;
+  ro.engine = CopyEngine::kHost;
+  ro.slot_bytes = 2 << 20;
+  Producer rp = Producer::create(ring_name, ro);
+  rp.begin_sync(s.specs);
+  EXPECT_EQ(code_of([&] { rp.fill_spans(); }), Errc::kInvalidArgument);
+  rp.abort_sync("test");
 }

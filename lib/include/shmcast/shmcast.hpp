@@ -354,6 +354,13 @@ class SHMCAST_API Producer {
   void write_device(std::size_t index, const void* src, void* cuda_stream);
   void write_device_strided(std::size_t index, const void* src, const Strided2D& layout,
                             void* cuda_stream);
+  // Store regions: lends out the room of the sync in progress in the bank
+  // being written, one span per tensor (its bytes, contiguous; empty for an
+  // empty tensor), for the caller to fill itself (file reads straight into
+  // the region, any order, any thread) instead of write(). Call it right
+  // after begin_sync(); end_sync() then publishes what the spans hold, and
+  // abort_sync() drops it. write() is refused for the rest of that sync.
+  std::vector<std::span<std::byte>> fill_spans();
   // Publishes the last slot and returns once every slot of the sync has been
   // filled (all D2H copies done). Consumers may still be reading.
   void end_sync();
