@@ -59,6 +59,32 @@ double ms_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
 }
 
+// The Errc fn throws, or Errc{} when it does not.
+Errc code_of(const std::function<void()>& fn) {
+  try {
+    fn();
+  } catch (const Error& e) {
+    return e.code();
+  }
+  return Errc{};
+}
+
+// A store producer in a child that stores `versions` versions of pattern
+// `seed`, then is SIGKILLed (a crash, nothing closed).
+void store_then_die(const std::string& name, int versions, std::uint64_t seed) {
+  SharedFlags* f = SharedFlags::make();
+  Child prod = Child::spawn([&] {
+    Producer p = Producer::create(name, store_opts(1 << 20));
+    for (int v = 0; v < versions; ++v) send_pattern(p, seed);
+    f->v[0].store(1);
+    ::pause();
+    return 0;
+  });
+  ASSERT_TRUE(f->wait(0, 1, 30s)) << "producer exit " << prod.wait(1s);
+  prod.kill9();
+  ASSERT_EQ(prod.wait(10s), 128 + SIGKILL);
+}
+
 }  // namespace
 
 TEST(Store, LateJoinerGetsTheNewestVersionAtOnceThenWaitsForANewerOne) {
@@ -170,17 +196,7 @@ TEST(Store, ReadersRacingAWriterNeverSeeATornVersion) {
 TEST(Store, VersionOutlivesADeadProducer) {
   const std::string name = unique_name("store-dead");
   RegionGuard g{name};
-  SharedFlags* f = SharedFlags::make();
-  Child prod = Child::spawn([&] {
-    Producer p = Producer::create(name, store_opts(1 << 20));
-    send_pattern(p, 7);
-    f->v[0].store(1);
-    ::pause();
-    return 0;
-  });
-  ASSERT_TRUE(f->wait(0, 1, 30s));
-  prod.kill9();
-  ASSERT_EQ(prod.wait(10s), 128 + SIGKILL);
+  ASSERT_NO_FATAL_FAILURE(store_then_die(name, 1, 7));
   // Opened after the producer died: the stored version is there.
   Consumer c = Consumer::open(name, copts(2000ms));
   EXPECT_EQ(c.wait_sync(0ms).version, 1u);
@@ -219,16 +235,7 @@ TEST(Store, VersionOutlivesAClosedProducerThatKeptTheName) {
 TEST(Store, EmptyStoreRegionWithADeadProducerIsNotOpened) {
   const std::string name = unique_name("store-empty");
   RegionGuard g{name};
-  SharedFlags* f = SharedFlags::make();
-  Child prod = Child::spawn([&] {
-    Producer p = Producer::create(name, store_opts(1 << 20));
-    f->v[0].store(1);
-    ::pause();
-    return 0;
-  });
-  ASSERT_TRUE(f->wait(0, 1, 30s));
-  prod.kill9();
-  ASSERT_EQ(prod.wait(10s), 128 + SIGKILL);
+  ASSERT_NO_FATAL_FAILURE(store_then_die(name, 0, 0));
   try {
     Consumer::open(name, copts(300ms));
     ADD_FAILURE() << "opened a store region with no version and a dead producer";
@@ -404,14 +411,6 @@ TEST(Store, EmptyAndZeroSizedVersions) {
 TEST(Store, Refusals) {
   const std::string name = unique_name("store-refuse");
   RegionGuard g{name};
-  auto code_of = [](const std::function<void()>& fn) {
-    try {
-      fn();
-    } catch (const Error& e) {
-      return e.code();
-    }
-    return Errc{};
-  };
   EXPECT_EQ(code_of([&] { Producer::create(name, store_opts(0)); }), Errc::kInvalidArgument);
   ProducerOptions sharded = store_opts(1 << 20);
   sharded.world_size = 2;
@@ -450,14 +449,6 @@ TEST(Store, FillSpansLendTheBankAndEndSyncPublishesIt) {
   const std::string name = unique_name("store-fill");
   RegionGuard g{name};
   Producer p = Producer::create(name, store_opts(1 << 20));
-  auto code_of = [](const std::function<void()>& fn) {
-    try {
-      fn();
-    } catch (const Error& e) {
-      return e.code();
-    }
-    return Errc{};
-  };
   EXPECT_EQ(code_of([&] { p.fill_spans(); }), Errc::kInvalidArgument);  // outside a sync
   PatternSync s(3, 100000, 5);
   s.specs.push_back({"empty", DType::kF32, {0}});
