@@ -6,6 +6,7 @@
 #
 #   cold   shmcast-publish from a cold page cache  vs  fio sequential O_DIRECT read of the same files
 #   warm   shmcast-publish from a warm page cache  vs  single-thread memcpy of the same bytes
+#   store  the same two into a store region (--store: reads straight into its bank)
 #   python safetensors.torch.load_file of the same files, cold and warm (when python3 has it)
 #   variants  --io pread (what a container that denies io_uring gets), cold and warm, and
 #             buffered io_uring reads copied inline (SHMCAST_URING_INLINE=1), warm
@@ -36,7 +37,7 @@
 #   LAYERS    Qwen2.5-3B layers of the synthetic checkpoint (36: 6,171,877,376 bytes; 8: 1.86 GB)
 #   SHARDS    files it is split into (1)
 #   REPS      repetitions of every figure (10)
-#   STAGES    "env gen fio cold warm memcpy python variants consumers" (all by default;
+#   STAGES    "env gen fio cold warm store memcpy python variants consumers" (all by default;
 #             consumers runs only with CONSUMERS set)
 #   CONSUMERS e.g. "1 2 4"
 #   SLOT_MB, SLOTS, IO   region geometry and --io of shmcast-publish (256, 2, auto)
@@ -52,7 +53,7 @@ CKPT_DIR=${CKPT_DIR:-/var/tmp/shmcast-publish-bench}
 LAYERS=${LAYERS:-36}
 SHARDS=${SHARDS:-1}
 REPS=${REPS:-10}
-STAGES=${STAGES:-"env gen fio cold warm memcpy python variants consumers"}
+STAGES=${STAGES:-"env gen fio cold warm store memcpy python variants consumers"}
 CONSUMERS=${CONSUMERS:-}
 SLOT_MB=${SLOT_MB:-256}
 SLOTS=${SLOTS:-2}
@@ -192,6 +193,18 @@ if has warm; then
   publish_once warm 1 --repeat "$REPS" || exit 1
 fi
 
+# ---------------------------------------------------------------- publish --store
+# A store region: the reads land straight in the bank (Producer::fill_spans,
+# Reader::read_tensors), no staging window and no second copy.
+if has store; then
+  log "publish --store, cold page cache, $REPS syncs of one process (--drop-cache before each)"
+  drop
+  publish_once store_cold 1 --repeat "$REPS" --drop-cache --store || exit 1
+  warm
+  log "publish --store, warm page cache, $REPS syncs of one process"
+  publish_once store_warm 1 --repeat "$REPS" --store || exit 1
+fi
+
 # ---------------------------------------------------------------- memcpy (warm reference)
 if has memcpy; then
   log "memcpy: single thread, $BYTES bytes, $REPS reps"
@@ -217,6 +230,10 @@ t0 = time.perf_counter()
 n = 0
 for f in files:
     d = load_file(f)
+    # load_file may hand back tensors backed by a lazy mapping of the file:
+    # copy each into memory of its own (what a worker's load does), so that
+    # every byte is read inside the timed region.
+    d = {k: t.clone() for k, t in d.items()}
     n += sum(t.numel() * t.element_size() for t in d.values())
 dt = time.perf_counter() - t0
 print(json.dumps({"stage": "load_file_" + mode, "rep": rep, "bytes": n, "seconds": dt}))
@@ -283,7 +300,7 @@ for k, v in by.items():
                    ("; registered buffers" if all(x["registered"] for x in v) else "") + \
                    f"; staging {v[0]['staging'] >> 20} MiB"
 for k in ["fio", "dd", "cold", "cold_first", "warm", "warm_first", "memcpy", "load_file_cold", "load_file_warm",
-          "pread_cold", "pread_warm", "uring_async_warm", "uring_inline_warm"] + \
+          "pread_cold", "pread_warm", "uring_async_warm", "uring_inline_warm", "store_cold", "store_warm"] + \
          sorted(x for x in by if x.startswith("consumers_")):
     s = st(k)
     if s:
@@ -297,6 +314,8 @@ ratio(st("cold_first"), ref, "publish cold (first sync of a process) / " + refna
 ratio(st("warm"), st("memcpy"), "publish warm (steady) / single-thread memcpy")
 ratio(st("warm_first"), st("memcpy"), "publish warm (first sync of a process) / single-thread memcpy")
 ratio(st("pread_cold"), ref, "publish cold with --io pread (steady) / " + refname)
+ratio(st("store_cold"), ref, "publish --store cold (steady) / " + refname)
+ratio(st("store_warm"), st("memcpy"), "publish --store warm (steady) / single-thread memcpy")
 ratio(st("cold"), st("load_file_cold"), "publish cold / load_file cold")
 ratio(st("warm"), st("load_file_warm"), "publish warm / load_file warm")
 text = "\n".join(out)

@@ -28,7 +28,8 @@
 # Without fio the cold reference is `dd iflag=direct bs=64M`, and the
 # summary says so.
 #
-# Environment: STAGES (default "env build bench test": the numbers first), REPS (10), LAYERS
+# Environment: STAGES (default "env build bench test": the numbers first), BENCH_STAGES (the
+# STAGES of bench/publish_bench.sh, default all), REPS (10), LAYERS
 # (36), CONSUMERS ("1 2 4"), CKPT_DIR (default /var/tmp/shmcast-publish-bench:
 # a disk, never /dev/shm), plus those of bench/publish_bench.sh.
 set -uo pipefail
@@ -80,6 +81,7 @@ fi
 
 if has bench; then
   log "bench/publish_bench.sh"
+  STAGES=${BENCH_STAGES:-"env gen fio cold warm store memcpy python variants consumers"} \
   BUILD=$B OUT=$OUT REPS=${REPS:-10} LAYERS=${LAYERS:-36} CONSUMERS=${CONSUMERS:-"1 2 4"} \
     CKPT_DIR=${CKPT_DIR:-/var/tmp/shmcast-publish-bench} bash bench/publish_bench.sh
   rc=$?

@@ -7,25 +7,8 @@
 #   run: bash bench/sharded_device.sh       carry: [".deb"]   kind: nvidia-h200-x2
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
-exec > >(tee -a "$OUT/sharded_device.log") 2>&1
-T0=$(date +%s)
-log() { echo "== $(date +%T) (+$(( $(date +%s) - T0 )) s) $*"; }
-B=/tmp/shmcast-build
-source scripts/device-env.sh >"$OUT/env.log" 2>&1
-PY=$(command -v python3)
-PB=$($PY -m pybind11 --cmakedir 2>/dev/null)
-export PATH=/usr/local/cuda/bin:$PATH
-{ nvidia-smi --query-gpu=name,memory.total,pcie.link.gen.current,pcie.link.width.current --format=csv; nvidia-smi topo -m | head -4;
-  lscpu | grep -E "Model name|^CPU\(s\)|NUMA node\(s\)"; $PY -c "import torch; print('torch', torch.__version__)"; } >>"$OUT/env.log" 2>&1
-log build
-gen=(); command -v ninja >/dev/null && gen=(-G Ninja)
-{ cmake -S . -B $B "${gen[@]}" -DCMAKE_BUILD_TYPE=Release -DSHMCAST_WITH_CUDA=ON -DCUDAToolkit_ROOT=/usr/local/cuda \
-    -DCMAKE_CUDA_COMPILER=/usr/local/cuda/bin/nvcc -DSHMCAST_BUILD_PYTHON=ON -DPython3_EXECUTABLE="$PY" \
-    ${PB:+-Dpybind11_DIR=$PB} -DSHMCAST_BUILD_TESTS=OFF -DSHMCAST_BUILD_TOOLS=OFF \
-  && cmake --build $B -j"$(nproc)" --target _shmcast; } >"$OUT/build.log" 2>&1 || { tail -30 "$OUT/build.log"; exit 1; }
-export PYTHONPATH=$B/python${PYTHONPATH:+:$PYTHONPATH}
+DEVICE_LOG=sharded_device.log
+source bench/device-python.sh
 if [ "${TESTS:-1}" = 1 ]; then
   log "python sharded tests (CPU paths of the GPU build), and FSDP2 on the GPUs"
   [ "${SKIP_CPU:-0}" = 1 ] || timeout 300 $PY -m pytest -q -x -p no:cacheprovider python/tests/test_sharded.py 2>&1 | tail -5

@@ -60,6 +60,7 @@ excluded=(
   # AArch64 kernel MADV_DONTFORK works as on x86-64.
   'Fork.DeadProducerIsSeenDeadWhateverChildrenItLeft'
   'Fork.DeadConsumerIsEvictedWhateverChildrenItLeft'
+  'Fork.ForkedChildOfARankNeitherActsForItNorKeepsItAlive'
 )
 
 SUDO=""

@@ -44,6 +44,11 @@ struct Child {
   int status = -1;
   bool waited = false;
 
+  Child() = default;
+  // Moving hands the process over: the moved-from Child no longer kills it.
+  Child(Child&& o) noexcept : pid(o.pid), status(o.status), waited(o.waited) { o.pid = -1; }
+  Child& operator=(Child&&) = delete;
+
   static Child spawn(const std::function<int()>& fn) {
     Child c;
     c.pid = ::fork();

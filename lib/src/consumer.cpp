@@ -24,7 +24,8 @@ using namespace detail;
 
 namespace {
 
-enum class State { kIdle, kManifest, kReading };
+// kViews: a store version handed out by views(), held until skip().
+enum class State { kIdle, kManifest, kReading, kViews };
 
 
 }  // namespace
@@ -76,7 +77,10 @@ struct Consumer::Impl {
   // Releases every chunk of the current sync that has not been released.
   void release_rest() {
     if (state == State::kIdle) return;
-    if (info.chunks > 0) ring->release(info.first_seq + info.chunks - 1);
+    if (view.geo().store)
+      ring->unhold();
+    else if (info.chunks > 0)
+      ring->release(info.first_seq + info.chunks - 1);
     state = State::kIdle;
   }
 
@@ -247,7 +251,11 @@ Consumer Consumer::open(std::string_view name, const ConsumerOptions& o) {
         } else {
           const Geometry g = checked_geometry(f, snap);
           const Alive a = peer_alive(f.fd(), kProducerLockByte, live.producer);
-          if (init == kInitReady && a != Alive::kNo) {
+          // A store region keeps its newest version for readers after its
+          // producer closed or died: such a region is open for reading.
+          RecordSnapshot stored{};
+          const bool kept = g.store && init != kInitCreating && read_record(live, &stored) && stored.version > 0;
+          if ((init == kInitReady && a != Alive::kNo) || kept) {
             impl->checksums = (snap.features & kFeatureChecksums) != 0;
             impl->view = RegionView(std::move(f), g);
             break;
@@ -318,37 +326,60 @@ const SyncInfo& Consumer::wait_sync(Duration timeout) {
                                       " bytes, not " + std::to_string(g.total_bytes) +
                                       ": another process truncated or resized it; open the region again");
     if (std::string bad = record_problem(rec, g); !bad.empty()) throw corrupt(bad);
+    if (g.store) {
+      if (rec.chunks != 1 || rec.stream_bytes > g.slot_bytes) throw corrupt("a store record must be one chunk of one bank");
+      // Hold the bank, so the producer leaves it alone, before reading its
+      // manifest; a bank already being replaced means a newer version.
+      if (!m.ring->hold(rec)) {
+        if (mono_ns() >= deadline)
+          throw Error(Errc::kTimeout, "the producer kept replacing the stored version until the timeout");
+        continue;
+      }
+    }
     bytes.resize(rec.manifest_used);
-    std::memcpy(bytes.data(), m.view.manifest(), bytes.size());
+    std::memcpy(bytes.data(), m.view.manifest_of(rec.first_seq), bytes.size());
     // The manifest is covered by the record's seqlock: a producer that
     // aborted this sync and began the next may have rewritten it while we
-    // copied. Then the copy is not corrupt, just stale: look again.
-    if (!m.ring->record_unchanged(rec)) {
+    // copied. Then the copy is not corrupt, just stale: look again. (A held
+    // store bank's manifest does not change.)
+    if (!g.store && !m.ring->record_unchanged(rec)) {
       if (mono_ns() >= deadline)
         throw Error(Errc::kTimeout, "the producer kept rewriting the manifest (syncs begun and aborted) until the "
                                     "timeout: no sync could be read");
       continue;
     }
     if (XXH3_64bits(bytes.data(), bytes.size()) != rec.manifest_hash) {
+      m.ring->unhold();
       m.ring->check_seat();
       throw corrupt("manifest bytes do not match their hash");
     }
     break;
   }
+  // From here an error lets go of a held store bank.
+  struct Unhold {
+    ConsumerRing* r;
+    ~Unhold() {
+      if (r) r->unhold();
+    }
+  } unhold_on_error{g.store ? &*m.ring : nullptr};
   SyncInfo info;
   std::string why = decode_manifest(bytes, rec.version, rec.stream_bytes, g.slot_bytes, &info);
   if (why.empty() && info.world_size != g.world_size)
     why = "manifest of " + std::to_string(info.world_size) + " ranks in a region of " + std::to_string(g.world_size);
-  if (why.empty() && rec.chunks != sync_chunks(info.rank_bytes, g.slot_bytes))
+  if (why.empty() && !g.store && rec.chunks != sync_chunks(info.rank_bytes, g.slot_bytes))
     why = "chunk count disagrees with the ranks' sub-streams";
+  if (why.empty() && g.store && info.world_size != 1) why = "a store version of several ranks";
   if (!why.empty()) throw corrupt(why);
   info.first_seq = rec.first_seq;
   info.chunks = rec.chunks;
   m.info = std::move(info);
   m.index_pieces();
-  m.ring->ack(rec.version);
-  // Chunks before this sync are not ours to read (earlier or aborted syncs).
-  if (rec.first_seq > 1) m.ring->release(rec.first_seq - 1);
+  if (!g.store) {
+    m.ring->ack(rec.version);
+    // Chunks before this sync are not ours to read (earlier or aborted syncs).
+    if (rec.first_seq > 1) m.ring->release(rec.first_seq - 1);
+  }
+  unhold_on_error.r = nullptr;
   m.last_version = rec.version;
   m.state = State::kManifest;
   return m.info;
@@ -389,6 +420,35 @@ void Consumer::visit(const std::function<void(const Piece&)>& fn) {
 void Consumer::skip() {
   impl_->require_open();
   impl_->release_rest();
+}
+
+std::vector<const std::byte*> Consumer::views() {
+  Impl& m = *impl_;
+  m.require_open();
+  if (!m.view.geo().store)
+    throw Error(Errc::kInvalidArgument, "views() needs a store region (RegionMode::kStore): a ring region's slots "
+                                        "are reused while you read; use read_into() or visit()");
+  if (m.state != State::kManifest && m.state != State::kViews)
+    throw Error(Errc::kInvalidArgument, "no version to view: call wait_sync() first");
+  // Still ours? (A producer that evicted us may be rewriting the bank.)
+  if (!m.ring->still_valid(m.view.slot_of(m.info.first_seq), m.info.first_seq)) {
+    m.release_rest();
+    m.ring->check_seat();
+    throw Error(Errc::kEvicted, "the version was replaced before views() was called");
+  }
+  const std::byte* bank = m.view.slot_data(m.view.slot_of(m.info.first_seq));
+  std::vector<const std::byte*> out;
+  out.reserve(m.info.tensors.size());
+  // decode_manifest checked every tensor against the stream (one rank: one whole piece each).
+  for (const TensorInfo& t : m.info.tensors) out.push_back(t.nbytes == 0 ? nullptr : bank + t.stream_offset);
+  m.state = State::kViews;
+  return out;
+}
+
+bool Consumer::views_valid() const {
+  const Impl& m = *impl_;
+  if (!m.view.mapped() || !m.ring || m.state != State::kViews) return false;
+  return m.ring->still_valid(m.view.slot_of(m.info.first_seq), m.info.first_seq);
 }
 
 void Consumer::read_into_device(std::span<void* const> dsts, void* stream) { read_into_device(dsts, stream, {}); }
@@ -441,6 +501,7 @@ std::vector<void*> Consumer::read_to_staging(int device, void* stream) {
 
 const SyncInfo& Consumer::sync() const { return impl_->info; }
 std::uint64_t Consumer::last_version() const { return impl_->last_version; }
+RegionMode Consumer::mode() const { return impl_->view.geo().store ? RegionMode::kStore : RegionMode::kRing; }
 std::uint64_t Consumer::slot_bytes() const { return impl_->view.geo().slot_bytes; }
 int Consumer::seat() const { return impl_->ring ? impl_->ring->seat() : -1; }
 const std::string& Consumer::name() const { return impl_->name; }

@@ -5,7 +5,7 @@
 namespace shmcast::detail {
 
 std::string compute_geometry(std::uint32_t max_consumers, std::uint32_t slots, std::uint64_t slot_bytes,
-                             std::uint64_t manifest_bytes, Geometry* out, std::uint32_t world_size) {
+                             std::uint64_t manifest_bytes, Geometry* out, std::uint32_t world_size, bool store) {
   if (max_consumers < 1 || max_consumers > kMaxConsumers)
     return printf_u64("max_consumers is %llu; it must be 1..%llu", max_consumers, kMaxConsumers);
   if (slots < 2 || slots > kMaxSlots) return printf_u64("slots is %llu; it must be 2..%llu", slots, kMaxSlots);
@@ -19,7 +19,10 @@ std::string compute_geometry(std::uint32_t max_consumers, std::uint32_t slots, s
   // for the slot of its own chunk still being written (docs/protocol.md §5).
   if (world_size > 1 && slots < 2 * world_size)
     return printf_u64("slots is %llu; a producer of %llu ranks needs at least 2 per rank", slots, world_size);
+  if (store && (slots != 2 || world_size != 1))
+    return printf_u64("a store region has 2 slots and 1 producer rank, not %llu and %llu", slots, world_size);
   Geometry g{};
+  g.store = store;
   g.world_size = world_size;
   g.max_consumers = max_consumers;
   g.slot_count = slots;
@@ -28,7 +31,8 @@ std::string compute_geometry(std::uint32_t max_consumers, std::uint32_t slots, s
   g.seats_offset = kHeaderBytes;
   g.slots_offset = g.seats_offset + std::uint64_t{max_consumers} * kSeatBytes;
   g.manifest_offset = align_up(g.slots_offset + std::uint64_t{slots} * kSlotDescBytes, 4096);
-  g.ranks_offset = g.manifest_offset + g.manifest_bytes;
+  // Store mode: one manifest area per slot (bank).
+  g.ranks_offset = g.manifest_offset + g.manifest_bytes * (store ? 2 : 1);
   g.rank_lists_offset = g.ranks_offset + (world_size > 1 ? std::uint64_t{world_size} * kRankSeatBytes : 0);
   const std::uint64_t lists = world_size > 1 ? std::uint64_t{world_size} * g.manifest_bytes : 0;
   g.rank_lists_offset = align_up(g.rank_lists_offset, 4096);
@@ -77,7 +81,8 @@ std::string validate_header(const HeaderFixed& h, std::uint64_t file_bytes, bool
   // Recompute the geometry from the creation parameters and demand an exact
   // match: every offset is then known-good and derived, not trusted.
   Geometry g{};
-  std::string why = compute_geometry(h.max_consumers, h.slot_count, h.slot_bytes, h.manifest_bytes, &g, h.world_size);
+  std::string why = compute_geometry(h.max_consumers, h.slot_count, h.slot_bytes, h.manifest_bytes, &g, h.world_size,
+                                     (h.features & kFeatureStore) != 0);
   if (!why.empty()) return "bad geometry: " + why;
   if (g.slot_bytes != h.slot_bytes) return "slot_bytes is not 2 MiB aligned";
   if (g.manifest_bytes != h.manifest_bytes) return "manifest_bytes is not 4 KiB aligned";

@@ -36,7 +36,12 @@ inline constexpr std::uint32_t kMaxRanks = limits::kMaxRanks;
 
 // Feature bits (Header::features). A reader rejects bits it does not know.
 inline constexpr std::uint64_t kFeatureChecksums = 1ull << 0;  // SlotDesc::checksum valid
-inline constexpr std::uint64_t kKnownFeatures = kFeatureChecksums;
+// Store mode: the region keeps the newest complete version for readers that
+// come at any time. Two slots ("banks") of slot_bytes, one sync = one chunk
+// filling one bank (seq alternates them), a manifest area per bank, one
+// producer rank; readers hold a bank through Seat::hold_seq (docs/protocol.md §9).
+inline constexpr std::uint64_t kFeatureStore = 1ull << 1;
+inline constexpr std::uint64_t kKnownFeatures = kFeatureChecksums | kFeatureStore;
 
 enum InitState : std::uint32_t {
   kInitCreating = 0,  // file exists, creator still writing
@@ -167,7 +172,10 @@ struct alignas(64) Seat {
   std::atomic<std::uint64_t> bytes_done;     // 88
   std::atomic<std::uint32_t> error_code;     // 96 consumer-side error (Errc), 0 = none
   std::uint32_t reserved1;                   // 100
-  std::uint8_t reserved2[24];                // 104
+  // Store mode: the chunk (bank content) this consumer reads or views, 0 =
+  // none. The producer does not refill a bank a live consumer holds.
+  std::atomic<std::uint64_t> hold_seq;       // 104
+  std::uint8_t reserved2[16];                // 112
 
   // ---- [128, 192) written by the producer
   std::atomic<std::uint64_t> included_gen;   // 128 seat generation the producer enrolled
@@ -248,7 +256,7 @@ static_assert(offsetof(Header, publish) == 264);
 static_assert(offsetof(Header, release) == 320);
 static_assert(offsetof(Header, error_text) == 384);
 static_assert(offsetof(Seat, released_seq) == 64);
-static_assert(offsetof(Seat, included_gen) == 128);
+static_assert(offsetof(Seat, hold_seq) == 104 && offsetof(Seat, included_gen) == 128);
 static_assert(offsetof(Seat, error_text) == 192);
 static_assert(offsetof(SlotDesc, fill_seq) == 32 && offsetof(SlotDesc, filled) == 40);
 static_assert(std::atomic<std::uint32_t>::is_always_lock_free);
@@ -319,13 +327,16 @@ struct Geometry {
   std::uint32_t world_size;
   std::uint64_t ranks_offset;     // R > 1: R rank seats, then R lists of manifest_bytes
   std::uint64_t rank_lists_offset;
+  bool store = false;             // kFeatureStore: slot_count 2, world_size 1, a manifest area per slot
 };
 
 constexpr std::uint64_t align_up(std::uint64_t v, std::uint64_t a) { return (v + a - 1) / a * a; }
 
 // Computes the geometry; returns an empty string or the reason it is invalid.
+// `store`: a store-mode region (kFeatureStore).
 std::string compute_geometry(std::uint32_t max_consumers, std::uint32_t slots, std::uint64_t slot_bytes,
-                             std::uint64_t manifest_bytes, Geometry* out, std::uint32_t world_size = 1);
+                             std::uint64_t manifest_bytes, Geometry* out, std::uint32_t world_size = 1,
+                             bool store = false);
 
 // The fixed header a region with geometry `g` carries (created_unix_ns left 0).
 HeaderFixed make_fixed_header(const Geometry& g, std::uint64_t features);

@@ -413,4 +413,10 @@ SyncLayout stream_layout(std::span<const TensorSpec> tensors, std::uint64_t slot
   return l;
 }
 
+std::uint64_t store_bytes_needed(std::span<const TensorSpec> tensors) {
+  // One chunk holds the whole version, so no tensor is moved to a slot
+  // boundary: the layout is that of the largest slot.
+  return stream_layout(tensors, limits::kMaxSlotBytes).stream_bytes;
+}
+
 }  // namespace shmcast

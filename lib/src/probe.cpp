@@ -132,6 +132,7 @@ P::FixedHeader pub(const HeaderFixed& f) {
   h.total_bytes = f.total_bytes;
   h.features = f.features;
   h.checksums = (f.features & kFeatureChecksums) != 0;
+  h.store = (f.features & kFeatureStore) != 0;
   h.max_consumers = f.max_consumers;
   h.slot_count = f.slot_count;
   h.slot_bytes = f.slot_bytes;
@@ -372,8 +373,9 @@ struct NameWant {
 // One pass over the manifest of `rec`: hashes all of it into *hash and
 // validates it. Returns "" when valid (m filled), else why not; *shrank is
 // set when the file ended early.
+// `store`: a store region's record (one chunk holding the whole stream).
 std::string stream_manifest(int fd, std::uint64_t moff, const RecordSnapshot& rec, std::uint64_t slot_bytes,
-                            std::size_t limit, P::Manifest* m, std::uint64_t* hash, bool* shrank) {
+                            std::size_t limit, P::Manifest* m, std::uint64_t* hash, bool* shrank, bool store) {
   HashedReader rd(fd, moff, rec.manifest_used);
   std::string why;
   auto done = [&](std::string w) {
@@ -479,7 +481,8 @@ std::string stream_manifest(int fd, std::uint64_t moff, const RecordSnapshot& re
     if (sum != ~0ull) sum += b;
   }
   if (why.empty() && sum != h.stream_bytes) why = "the ranks' sub-streams do not add up to the stream size";
-  if (why.empty() && rec.chunks != sync_chunks(rank_bytes, slot_bytes))
+  if (why.empty() && (store ? rec.chunks != 1 || h.stream_bytes > slot_bytes
+                            : rec.chunks != sync_chunks(rank_bytes, slot_bytes)))
     why = "sync record's chunk count disagrees with the ranks' sub-streams";
   std::vector<ManifestPiece> pwin(std::min<std::uint64_t>(kWindow, h.piece_count));
   std::uint32_t rank_prev = 0;
@@ -572,12 +575,13 @@ void decode_current_manifest(P::Region* r, const Geometry& g, int fd, const std:
       return;
     }
     if (std::string why = record_problem(rec, g); !why.empty()) return invalid(why);
-    if (g.manifest_offset > size || rec.manifest_used > size - g.manifest_offset)
-      return invalid("manifest runs past the end of the file");
+    // A store region: the manifest of the bank that holds the record's chunk.
+    const std::uint64_t moff = g.manifest_offset + (g.store ? (rec.first_seq - 1) % 2 * g.manifest_bytes : 0);
+    if (moff > size || rec.manifest_used > size - moff) return invalid("manifest runs past the end of the file");
     P::Manifest got;
     std::uint64_t hash = 0;
     bool shrank = false;
-    const std::string why = stream_manifest(fd, g.manifest_offset, rec, g.slot_bytes, limit, &got, &hash, &shrank);
+    const std::string why = stream_manifest(fd, moff, rec, g.slot_bytes, limit, &got, &hash, &shrank, g.store);
     if (shrank) return invalid(why);
     RecordSnapshot again{};
     bool stable2 = false;
@@ -656,6 +660,7 @@ bool read_tables(P::Region& r, const Geometry& g, int fd, const std::byte* base,
     sr.alive = pub(lock_held(fd, seat_lock_byte(i)));
     sr.attach_unix_ns = s.attach_unix_ns.load(std::memory_order_relaxed);
     sr.released_seq = s.released_seq.load(std::memory_order_relaxed);
+    sr.hold_seq = s.hold_seq.load(std::memory_order_relaxed);
     sr.acked_version = s.acked_version.load(std::memory_order_relaxed);
     sr.syncs_done = s.syncs_done.load(std::memory_order_relaxed);
     sr.bytes_done = s.bytes_done.load(std::memory_order_relaxed);
@@ -690,8 +695,12 @@ bool read_tables(P::Region& r, const Geometry& g, int fd, const std::byte* base,
     if (sl.seq == 0) {
       sl.state = (sl.version == 0 && sl.bytes == 0) ? P::SlotState::kEmpty : P::SlotState::kFilling;
     } else {
-      for (const P::Seat& s : r.seats)
-        if (s.enrolled && s.alive != P::Alive::kNo && s.first_seq <= sl.seq && s.released_seq < sl.seq) ++sl.holders;
+      for (const P::Seat& s : r.seats) {
+        if (s.alive == P::Alive::kNo) continue;
+        if (r.fixed.store ? s.state == P::SeatState::kActive && s.hold_seq == sl.seq  // a reader holds the version
+                          : s.enrolled && s.first_seq <= sl.seq && s.released_seq < sl.seq)
+          ++sl.holders;
+      }
       sl.state = sl.holders > 0 ? P::SlotState::kHeld : P::SlotState::kReleased;
     }
     r.slots.push_back(std::move(sl));
@@ -842,7 +851,7 @@ P::Region probe_region(const std::string& dir, std::string_view name, const P::O
     return verdict(P::State::kCorrupt, printf_u64("init_state is %llu (expected 0, 1 or 2)", init_raw));
   Geometry g{};
   if (!compute_geometry(fixed.max_consumers, fixed.slot_count, fixed.slot_bytes, fixed.manifest_bytes, &g,
-                       fixed.world_size).empty() ||
+                       fixed.world_size, (fixed.features & kFeatureStore) != 0).empty() ||
       g.total_bytes != size)
     return verdict(P::State::kCorrupt, "geometry does not match the file");
   r.header_valid = true;

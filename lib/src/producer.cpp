@@ -42,6 +42,8 @@ struct Producer::Impl {
   std::uint64_t first_seq = 0;   // of the sync in progress
   bool leader() const { return rank == 0; }
   std::uint64_t begin_sharded();
+  std::uint64_t begin_store(std::uint64_t version);
+  RecordSnapshot store_rec{};  // store regions: the record end_sync() announces
 
   // the sync in progress
   bool in_sync = false;
@@ -53,7 +55,8 @@ struct Producer::Impl {
   std::uint64_t stream_bytes = 0, payload_bytes = 0;  // this rank's
   std::uint64_t sync_payload = 0;  // the whole sync's (rank 0)
   std::size_t next_tensor = 0;
-  std::uint64_t part_done = 0;  // bytes of specs[next_tensor] written by write_part()
+  std::uint64_t part_done = 0;
+  bool lent = false;  // store regions: fill_spans() lent the bank to the caller  // bytes of specs[next_tensor] written by write_part()
   ChunkWriter writer;  // the sync's chunks
   SyncLayout layout;   // of the sync in progress or the last one begun
   std::int64_t sync_start_ns = 0;
@@ -80,6 +83,9 @@ struct Producer::Impl {
                     std::uint64_t len = kWhole) {
     require_open();
     if (!in_sync) throw Error(Errc::kInvalidArgument, "write() outside a sync: call begin_sync() first");
+    if (lent)
+      throw Error(Errc::kInvalidArgument, "write() in a sync whose tensors were lent out by fill_spans(): fill the "
+                                          "spans, then end_sync()");
     try {
       write_tensor_in_sync(index, src, stream, from, len);
     } catch (const std::exception& e) {
@@ -330,7 +336,9 @@ struct Producer::Impl {
     } catch (...) {
     }
     ring->abort(version);
-    next_seq = writer.next_seq();
+    // A store region announced nothing: the next sync refills the same bank
+    // (the other one holds the version readers see).
+    if (!view.geo().store) next_seq = writer.next_seq();
     in_sync = false;
   }
 
@@ -413,11 +421,11 @@ bool take_over_stale(const std::string& dir, std::string_view name, bool replace
   return true;
 }
 
-void init_header(RegionView& v, bool checksums) {
+void init_header(RegionView& v, std::uint64_t features) {
   Header& hdr = v.header();
   // The file is fresh from posix_fallocate, so every byte is zero already:
   // write the fixed header and the producer's identity, flip init_state last.
-  hdr.fixed = make_fixed_header(v.geo(), checksums ? kFeatureChecksums : 0);
+  hdr.fixed = make_fixed_header(v.geo(), features);
   hdr.fixed.created_unix_ns = static_cast<std::uint64_t>(unix_ns());
   write_identity(hdr.producer, self_identity());
   hdr.generation.store(1, std::memory_order_relaxed);
@@ -512,6 +520,10 @@ Producer Producer::create(std::string_view name, const ProducerOptions& o) {
                                             std::to_string(limits::kMaxRanks));
   if (o.consumer_timeout.count() <= 0) throw Error(Errc::kInvalidArgument, "consumer_timeout must be positive");
   if (o.rank_timeout.count() <= 0) throw Error(Errc::kInvalidArgument, "rank_timeout must be positive");
+  const bool store = o.mode == RegionMode::kStore;
+  if (store && o.world_size != 1)
+    throw Error(Errc::kInvalidArgument, "a store region takes one producer rank (world_size 1): gather the "
+                                        "shards on one rank, or use a ring region");
   auto impl = std::make_unique<Impl>();
   impl->name = std::string(name);
   impl->opts = o;
@@ -521,7 +533,14 @@ Producer Producer::create(std::string_view name, const ProducerOptions& o) {
     attach_rank(impl.get(), name, o);
   } else {
     Geometry g{};
-    why = compute_geometry(o.max_consumers, o.slots, o.slot_bytes, o.manifest_bytes, &g, o.world_size);
+    if (store) {
+      if (o.store_bytes == 0)
+        throw Error(Errc::kInvalidArgument, "a store region needs store_bytes: the room for one version "
+                                            "(store_bytes_needed(tensors))");
+      why = compute_geometry(o.max_consumers, 2, o.store_bytes, o.manifest_bytes, &g, 1, true);
+    } else {
+      why = compute_geometry(o.max_consumers, o.slots, o.slot_bytes, o.manifest_bytes, &g, o.world_size);
+    }
     if (!why.empty()) throw Error(Errc::kInvalidArgument, why);
     const std::string dir = region_dir();
     MappedFile file;
@@ -537,9 +556,10 @@ Producer Producer::create(std::string_view name, const ProducerOptions& o) {
     impl->path = file.path();
     impl->checksums = o.checksums;
     impl->view = RegionView(std::move(file), g);
-    init_header(impl->view, o.checksums);
+    init_header(impl->view, (o.checksums ? kFeatureChecksums : 0) | (store ? kFeatureStore : 0));
   }
-  impl->ring.emplace(&impl->view, ProducerRingOptions{o.stall_policy, o.consumer_timeout.count(), o.rank, o.world_size});
+  impl->ring.emplace(&impl->view, ProducerRingOptions{o.stall_policy, o.consumer_timeout.count(), o.rank, o.world_size,
+                                                      impl->view.geo().store});
   const bool cuda = o.engine == CopyEngine::kCuda || (o.engine == CopyEngine::kAuto && cuda_available());
   impl->engine = cuda ? make_cuda_producer_engine() : make_host_producer_engine();
   impl->create_s = static_cast<double>(mono_ns() - t0) * 1e-9;
@@ -622,6 +642,7 @@ std::uint64_t Producer::begin_sync(std::span<const TensorSpec> tensors, std::uin
     throw;
   }
   if (m.world > 1) return m.begin_sharded();
+  if (m.view.geo().store) return m.begin_store(version);
 
   // Nobody may still be reading the manifest area we are about to rewrite.
   if (m.last_completed > 0) m.ring->wait_acks(m.last_completed);
@@ -652,6 +673,49 @@ std::uint64_t Producer::begin_sync(std::span<const TensorSpec> tensors, std::uin
   m.next_tensor = 0;
   m.part_done = 0;
   return m.version;
+}
+
+// A store region: the sync is one chunk filling the bank that does not hold
+// the version readers see; the record still announces that version until
+// end_sync() has every byte of this one in place.
+std::uint64_t Producer::Impl::begin_store(std::uint64_t want) {
+  const std::uint64_t S = view.geo().slot_bytes;
+  if (stream_bytes > S)
+    throw Error(Errc::kInvalidArgument, "the sync needs " + human_bytes(stream_bytes) + " but the store region holds " +
+                                            human_bytes(S) + " per version: create it with store_bytes >= " +
+                                            std::to_string(stream_bytes) + " (store_bytes_needed)");
+  const std::uint64_t v = want != 0 ? want : version + 1;
+  const std::uint64_t seq = next_seq;
+  writer = ChunkWriter(&*ring, &view, v, seq, stream_bytes, checksums, 0, 1, 1);
+  version = v;
+  in_sync = true;  // from here a failure aborts the sync (and keeps the bank for the next)
+  try {
+    // Waits for readers of the version two syncs back to let go of the
+    // bank, then marks it being refilled; only then is its manifest rewritten.
+    writer.claim_first();
+    const std::uint64_t used = encode_manifest(specs, offsets, v, stream_bytes, payload_bytes, view.manifest_of(seq),
+                                               view.geo().manifest_bytes);
+    store_rec = RecordSnapshot{};
+    store_rec.version = v;
+    store_rec.first_seq = seq;
+    store_rec.chunks = 1;
+    store_rec.stream_bytes = stream_bytes;
+    store_rec.manifest_used = used;
+    store_rec.manifest_hash = XXH3_64bits(view.manifest_of(seq), used);
+  } catch (const std::exception& e) {
+    abort(e.what());
+    throw;
+  }
+  sync_start_ns = mono_ns();
+  layout = SyncLayout{v, seq, 1, stream_bytes, payload_bytes, offsets};
+  layout.rank_chunks = 1;
+  sync_payload = payload_bytes;
+  first_seq = seq;
+  rank_chunks = 1;
+  next_tensor = 0;
+  part_done = 0;
+  lent = false;
+  return v;
 }
 
 std::uint64_t Producer::Impl::begin_sharded() {
@@ -775,6 +839,27 @@ void Producer::write_device_strided(std::size_t index, const void* src, const St
   impl_->write_tensor(index, Buffer{const_cast<void*>(src), true, layout}, stream);
 }
 
+std::vector<std::span<std::byte>> Producer::fill_spans() {
+  Impl& m = *impl_;
+  m.require_open();
+  if (!m.view.geo().store)
+    throw Error(Errc::kInvalidArgument, "fill_spans() needs a store region: a ring region's slots hold only a "
+                                        "part of the sync at a time; use write()");
+  if (!m.in_sync) throw Error(Errc::kInvalidArgument, "fill_spans() outside a sync: call begin_sync() first");
+  if (m.lent || m.next_tensor != 0 || m.part_done != 0)
+    throw Error(Errc::kInvalidArgument, "fill_spans() after tensors of this sync were written or lent");
+  std::byte* bank = m.view.slot_data(m.view.slot_of(m.first_seq));  // acquired by begin_sync()
+  std::vector<std::span<std::byte>> out;
+  out.reserve(m.specs.size());
+  for (std::size_t i = 0; i < m.specs.size(); ++i) {
+    const std::uint64_t n = m.specs[i].local_nbytes();
+    out.emplace_back(n == 0 ? nullptr : bank + m.offsets[i], n);
+  }
+  m.lent = true;
+  m.next_tensor = m.specs.size();  // end_sync() publishes them all
+  return out;
+}
+
 void Producer::end_sync() {
   Impl& m = *impl_;
   m.require_open();
@@ -797,6 +882,9 @@ void Producer::end_sync() {
   m.next_seq = m.writer.next_seq();
   m.in_sync = false;
   m.last_completed = m.version;
+  // A store region: every byte is in place (the chunk is published), so the
+  // record may now point readers at it.
+  if (m.view.geo().store) m.ring->announce(m.store_rec);
   if (!m.leader()) {
     RankSeat& rs = m.view.rank_seat(m.rank);
     rs.syncs_done.fetch_add(1, std::memory_order_relaxed);
@@ -833,6 +921,7 @@ std::uint64_t Producer::send(std::span<const TensorSpec> tensors, std::span<cons
 void Producer::wait_drained(Duration timeout) {
   impl_->require_open();
   if (impl_->in_sync) throw Error(Errc::kInvalidArgument, "wait_drained() during a sync");
+  if (impl_->view.geo().store) return;  // readers hold a version, never the stream
   impl_->ring->wait_released(impl_->next_seq - 1, mono_ns() + timeout.count());
 }
 
@@ -843,6 +932,7 @@ std::uint64_t Producer::region_bytes() const { return impl_->view.geo().total_by
 std::uint64_t Producer::slot_bytes() const { return impl_->view.geo().slot_bytes; }
 std::uint32_t Producer::slots() const { return impl_->view.geo().slot_count; }
 std::uint64_t Producer::last_version() const { return impl_->version; }
+RegionMode Producer::mode() const { return impl_->view.geo().store ? RegionMode::kStore : RegionMode::kRing; }
 const SyncLayout& Producer::last_layout() const { return impl_->layout; }
 bool Producer::pinned() const { return impl_->pin.pinned; }
 CopyEngine Producer::engine() const { return impl_->engine->is_cuda() ? CopyEngine::kCuda : CopyEngine::kHost; }

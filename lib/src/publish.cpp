@@ -1,9 +1,9 @@
-// publish: a checkpoint as one sync of a ring region, through the public
-// Producer API. The reads fill staging windows (stream_tensors) and
-// Producer::write copies each tensor from there into the slots, so the
-// copy into the region runs while the next windows are being read.
-// Reading straight into slot memory would need a producer call that hands
-// out the slot bytes of a tensor; see docs/publish.md.
+// publish: a checkpoint as one sync of a region, through the public
+// Producer API. A ring region: the reads fill staging windows
+// (stream_tensors) and Producer::write copies each tensor from there into
+// the slots, so the copy into the region runs while the next windows are
+// being read. A store region: its bank holds the whole version, so the
+// reads land in it directly (Producer::fill_spans, Reader::read_tensors).
 #include <chrono>
 #include <memory>
 
@@ -38,6 +38,20 @@ PublishStats publish(Producer& producer, const Checkpoint& ckpt, const PublishOp
   st.version = producer.begin_sync(specs);
   st.consumers = producer.consumers();
   try {
+    if (producer.mode() == RegionMode::kStore) {
+      // The bank holds the whole version: read every tensor straight into
+      // it (one copy, no staging), then publish.
+      const std::vector<std::span<std::byte>> spans = producer.fill_spans();
+      std::vector<void*> dsts(spans.size());
+      for (std::size_t i = 0; i < spans.size(); ++i) dsts[i] = spans[i].empty() ? nullptr : spans[i].data();
+      st.read = reader->read_tensors(ckpt, dsts);
+      if (options.stop && options.stop->load()) throw Error(Errc::kAborted, "publish was stopped");
+      producer.end_sync();
+      const auto t2s = clock::now();
+      st.publish_s = secs(t1, t2s);
+      st.drain_s = 0;  // a store region's readers never hold the producer
+      return st;
+    }
     st.read = reader->stream_tensors(
         ckpt,
         [&](std::size_t i, const std::byte* bytes) {

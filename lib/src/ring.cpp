@@ -21,7 +21,8 @@ Geometry checked_geometry(const MappedFile& f, const HeaderFixed& snap) {
   if (version_mismatch) throw Error(Errc::kVersionMismatch, f.path() + ": " + why + "; upgrade the older side");
   if (!why.empty()) throw Error(Errc::kCorrupt, f.path() + ": " + why);
   Geometry g{};
-  compute_geometry(snap.max_consumers, snap.slot_count, snap.slot_bytes, snap.manifest_bytes, &g, snap.world_size);
+  compute_geometry(snap.max_consumers, snap.slot_count, snap.slot_bytes, snap.manifest_bytes, &g, snap.world_size,
+                   (snap.features & kFeatureStore) != 0);
   return g;
 }
 
@@ -116,7 +117,8 @@ int ProducerRing::blocker(const std::function<bool(const Seat&)>& done) const {
   for (std::uint32_t i = 0; i < v_->geo().max_consumers; ++i) {
     const Seat& s = v_->seat(i);
     const std::uint64_t w = s.word.load(std::memory_order_acquire);
-    if (!enrolled(s, w)) continue;
+    // A store region enrolls nobody: every active seat may hold a bank.
+    if (opts_.store ? seat_state(w) != kSeatActive : !enrolled(s, w)) continue;
     if (!done(s)) return static_cast<int>(i);
   }
   return -1;
@@ -185,6 +187,20 @@ void ProducerRing::check_aborted() const {
 
 void ProducerRing::acquire(std::uint64_t seq) {
   const std::uint64_t k = v_->geo().slot_count;
+  if (opts_.store) {
+    // Dekker with ConsumerRing::hold(): the new fill_seq is stored before
+    // the holds are read (both seq_cst); a consumer storing its hold reads
+    // fill_seq after. Either we see its hold and wait, or it sees the bank
+    // being replaced and backs off. The bank's bytes and its chunk's seq
+    // stay as they were until the holders are gone (begin_fill).
+    v_->slot(v_->slot_of(seq)).fill_seq.store(seq, std::memory_order_seq_cst);
+    if (seq <= k) return;
+    const std::uint64_t prev = seq - k;
+    auto done = [prev](const Seat& s) { return s.hold_seq.load(std::memory_order_seq_cst) != prev; };
+    wait_for(done, ("let go of the version in bank " + std::to_string(v_->slot_of(seq))).c_str(),
+             mono_ns() + opts_.consumer_timeout_ns);
+    return;
+  }
   if (seq <= k) return;
   const std::uint64_t prev = seq - k;
   if (opts_.world_size > 1 && prev >= sync_first_seq_) {
@@ -293,6 +309,7 @@ void ConsumerRing::claim() {
     const std::uint64_t old = s.word.load(std::memory_order_acquire);
     gen_ = seat_gen(old) + 1;
     s.released_seq.store(0, std::memory_order_relaxed);
+    s.hold_seq.store(0, std::memory_order_relaxed);
     s.acked_version.store(0, std::memory_order_relaxed);
     s.syncs_done.store(0, std::memory_order_relaxed);
     s.bytes_done.store(0, std::memory_order_relaxed);
@@ -346,6 +363,7 @@ void ConsumerRing::check_producer(bool allow_closed) const {
 RecordSnapshot ConsumerRing::wait_announce(std::uint64_t after_version, std::int64_t deadline_ns) {
   Header& h = v_->header();
   Seat& s = v_->seat(static_cast<std::uint32_t>(seat_));
+  const bool store = v_->geo().store;
   std::uint32_t seen = 1;  // odd: never equal to a stable word, so look at once
   RecordSnapshot rec{};
   for (;;) {
@@ -358,9 +376,15 @@ RecordSnapshot ConsumerRing::wait_announce(std::uint64_t after_version, std::int
     auto take = [&] {
       if (!read_record(h, &rec)) return false;
       seen = rec.word;
+      if (store) return rec.version > after_version && !rec.aborted;  // what is stored, for everyone
       return rec.version > after_version && !rec.aborted && s.included_gen.load(std::memory_order_acquire) == gen_ &&
              s.first_version.load(std::memory_order_relaxed) <= rec.version;
     };
+    // A stored version is there for the taking, producer or not.
+    if (store) {
+      check_seat();
+      if (take()) return rec;
+    }
     const WaitResult r = wait_until(h.sync.announce, ready, deadline_ns, kLivenessPollNs);
     check_seat();
     if (r == WaitResult::kReady && take()) return rec;
@@ -479,7 +503,32 @@ bool ConsumerRing::still_valid(std::uint32_t slot, std::uint64_t seq) const {
 }
 
 void ConsumerRing::release(std::uint64_t seq) {
+  if (v_->geo().store) {
+    unhold();
+    return;
+  }
   v_->seat(static_cast<std::uint32_t>(seat_)).released_seq.store(seq, std::memory_order_release);
+  ring(v_->header().release);
+}
+
+bool ConsumerRing::hold(const RecordSnapshot& rec) {
+  Seat& s = v_->seat(static_cast<std::uint32_t>(seat_));
+  const SlotDesc& d = v_->slot(v_->slot_of(rec.first_seq));
+  // Dekker with ProducerRing::acquire(): the hold is stored before fill_seq
+  // is read (both seq_cst). A producer that began refilling the bank has
+  // stored its fill_seq first: we see it and back off, or it sees the hold.
+  s.hold_seq.store(rec.first_seq, std::memory_order_seq_cst);
+  if (d.fill_seq.load(std::memory_order_seq_cst) == rec.first_seq &&
+      d.seq.load(std::memory_order_acquire) == rec.first_seq)
+    return true;
+  unhold();
+  return false;
+}
+
+void ConsumerRing::unhold() {
+  Seat& s = v_->seat(static_cast<std::uint32_t>(seat_));
+  if (s.hold_seq.load(std::memory_order_relaxed) == 0) return;
+  s.hold_seq.store(0, std::memory_order_release);
   ring(v_->header().release);
 }
 

@@ -40,6 +40,11 @@ class RegionView {
   }
   std::byte* slot_data(std::uint32_t k) const { return file_.data() + geo_.data_offset + std::uint64_t{k} * geo_.slot_bytes; }
   std::byte* manifest() const { return file_.data() + geo_.manifest_offset; }
+  // The manifest area of chunk `seq`'s sync: the one area, or in a store
+  // region the area of the slot (bank) that holds the chunk.
+  std::byte* manifest_of(std::uint64_t seq) const {
+    return geo_.store ? manifest() + std::uint64_t{slot_of(seq)} * geo_.manifest_bytes : manifest();
+  }
   // Sharded producers (world_size > 1) only.
   RankSeat& rank_seat(std::uint32_t r) const {
     return *reinterpret_cast<RankSeat*>(file_.data() + geo_.ranks_offset + std::uint64_t{r} * kRankSeatBytes);
@@ -115,6 +120,7 @@ struct ProducerRingOptions {
   std::int64_t consumer_timeout_ns;
   std::uint32_t rank = 0;
   std::uint32_t world_size = 1;
+  bool store = false;  // a store region: no enrollment, slots are held (Seat::hold_seq), not released
 };
 
 class ProducerRing {
@@ -133,7 +139,8 @@ class ProducerRing {
   }
   // Waits until the slot for `seq` may be refilled: every consumer released
   // the chunk it held and, with several ranks, that chunk's writer (another
-  // rank) published it.
+  // rank) published it. Store regions: marks the slot as being refilled
+  // (fill_seq), then waits until no live consumer holds its old chunk.
   void acquire(std::uint64_t seq);
   // Throws kAborted when the sync set_sync() named was aborted (by any rank).
   void check_aborted() const;
@@ -189,6 +196,11 @@ class ChunkWriter {
   std::uint64_t next_seq() const { return first_seq_ + chunks_ * R_; }  // after the whole sync
   std::uint64_t seq_of(std::uint64_t c) const { return first_seq_ + c * R_ + rank_; }
   std::uint64_t slot_bytes() const { return S_; }
+  // Acquires this rank's first chunk now (a store region's one chunk: its
+  // bank's manifest may be rewritten only once it is acquired).
+  void claim_first() {
+    if (chunks_ > 0) claim_chunk(0);
+  }
   // Slot memory for stream byte `pos` (< stream bytes) and, in *room, how
   // many bytes of its chunk follow it. Acquires that chunk and every one
   // before it first (each acquisition may wait for consumers).
@@ -233,8 +245,15 @@ class ConsumerRing {
   int seat() const { return seat_; }
 
   // Waits for the next sync (> after_version) that this consumer is enrolled
-  // in. Throws kClosed, kPeerDied, kEvicted, kTimeout.
+  // in. Throws kClosed, kPeerDied, kEvicted, kTimeout. Store regions: the
+  // newest stored version when it is > after_version, whatever the
+  // producer's state; else waits for one (kClosed, kPeerDied when none can come).
   RecordSnapshot wait_announce(std::uint64_t after_version, std::int64_t deadline_ns);
+  // Store regions: holds the bank of the version `rec` announces (the
+  // producer will not refill it until unhold()). False when the producer has
+  // already begun to replace it: read the record again.
+  bool hold(const RecordSnapshot& rec);
+  void unhold();
   // After copying the manifest of `rec`: true when the record (and so the
   // manifest area, which the producer rewrites only with the record odd) did
   // not change since `rec` was read.
@@ -255,6 +274,7 @@ class ConsumerRing {
   // After reading a slot: true when it still holds `seq` and this consumer
   // still owns its seat (so what was read is what was published).
   bool still_valid(std::uint32_t slot, std::uint64_t seq) const;
+  // Releases chunks <= seq (store regions: drops the hold).
   void release(std::uint64_t seq);
   void set_error(Errc code, const std::string& text);
 

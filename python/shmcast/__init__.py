@@ -53,7 +53,17 @@ from ._shmcast import (  # noqa: F401  (exceptions: shmcast.Error and one subcla
     unlink_region,
     validate_name,
 )
-from ._torch import Consumer, Mismatch, Producer, Shard, dtype_name, supported_dtypes, torch_dtype  # noqa: F401
+from ._torch import (  # noqa: F401
+    Consumer,
+    Mismatch,
+    Producer,
+    Shard,
+    StoreView,
+    dtype_name,
+    store_bytes_for,
+    supported_dtypes,
+    torch_dtype,
+)
 
 try:
     from ._version import __version__  # written by the build: project(VERSION) of CMakeLists.txt
@@ -61,7 +71,7 @@ except ImportError:  # pragma: no cover  (a package assembled without the build'
     __version__ = f"{_shmcast.version_major}.{_shmcast.version_minor}.0"
 
 __all__ = [
-    "Producer", "Consumer", "Shard", "Mismatch", "SyncInfo",
+    "Producer", "Consumer", "Shard", "Mismatch", "SyncInfo", "StoreView", "store_bytes_for",
     "Error", "InvalidArgument", "BadName", "Exists", "NotFound", "RegionFull", "Permission", "Corrupt",
     "VersionMismatch", "Timeout", "PeerDied", "Closed", "NoSeat", "Evicted", "Aborted", "Checksum", "CudaError",
     "CudaUnavailable", "SystemFailure",

@@ -7,6 +7,7 @@ Python->C++ call in the common case (every tensor contiguous or a row-pitched
 """
 from __future__ import annotations
 
+import ctypes
 import errno
 import math
 import os
@@ -397,6 +398,13 @@ class Producer(_Closing):
     that are not row-pitched, DTensor gathers) that may be alive at once
     during a send before the producer waits for their D2H copies.
 
+    mode='store' (with store_bytes, see store_bytes_for()): the region keeps
+    the newest complete version for consumers that come at any time (a
+    restarted or added worker gets the current weights at once, without a
+    new send). It holds two versions' room (2 x store_bytes, pinned): each
+    send() is written beside the version readers see and replaces it when
+    complete; one rank only.
+
     Sharded trainers: every rank creates Producer(name, rank=r,
     world_size=R, ...) (rank 0 creates the region, slots >= 2 * R; the
     others attach to it) and calls send() for every sync with what it
@@ -427,10 +435,15 @@ class Producer(_Closing):
         rank: int = 0,
         world_size: int = 1,
         rank_timeout: float = 120.0,
+        mode: str = "ring",
+        store_bytes: Optional[int] = None,
     ):
         self._pid = os.getpid()
         self._c = None
         budget = _C.check_int(staging_budget, "staging_budget", 0, (1 << 63) - 1)
+        if mode == "store" and store_bytes is None:
+            raise ValueError("a store region (mode='store') needs store_bytes: the room for one version, "
+                             "shmcast.store_bytes_for(named_tensors)")
         self._c = _C.Producer(
             name,
             slot_bytes=slot_bytes,
@@ -448,6 +461,8 @@ class Producer(_Closing):
             rank=rank,
             world_size=world_size,
             rank_timeout=rank_timeout,
+            mode=mode,
+            store_bytes=0 if store_bytes is None else store_bytes,
         )
         self.rank, self.world_size = int(rank), int(world_size)
         self._staging_budget = budget
@@ -635,6 +650,11 @@ class Producer(_Closing):
 
     # -------------------------------------------------------- the rest
 
+    @property
+    def region_mode(self) -> str:
+        """'ring' or 'store'."""
+        return self._live().mode
+
     def wait_for_consumers(self, n: int = 1, timeout: Optional[float] = 30.0) -> None:
         """Blocks until at least n live consumers are attached. Only consumers
         attached when a send begins take part in that sync."""
@@ -734,6 +754,7 @@ class Consumer(_Closing):
         self.mode = mode
         self._lock = threading.RLock()
         self._pending = None  # SyncInfo from wait_sync() not yet read
+        self._view = None  # the StoreView hold() handed out, while held
         self._host_buf: Optional[torch.Tensor] = None
         if self.device.type == "cuda":
             with torch.cuda.device(self.device):
@@ -771,9 +792,15 @@ class Consumer(_Closing):
         sync left unread is skipped by the next wait_sync()."""
         c = self._live()
         with self._lock:
+            self._drop_view()  # the library lets go of a held version at wait_sync()
             info = c.wait_sync(timeout)
             self._pending = info
             return info
+
+    def _drop_view(self):
+        v, self._view = self._view, None
+        if v is not None:
+            v._released = True
 
     def read(self, *, mode: Optional[str] = None, names=None, slices: Optional[Mapping] = None) -> list:
         """Step 2 of receive(): reads the sync wait_sync() returned into
@@ -979,13 +1006,32 @@ class Consumer(_Closing):
         except _C.Error:
             pass
 
+    def hold(self, timeout: Optional[float] = 30.0) -> "StoreView":
+        """Store regions: the newest version this consumer has not read
+        (waiting up to `timeout` for one), as zero-copy CPU tensors that are
+        views into the pinned region. See StoreView for their lifetime."""
+        c = self._live()
+        with self._lock:
+            self.wait_sync(timeout)
+            info = self._take_pending()
+            try:
+                ptrs = c.views()
+            except BaseException:
+                self._skip_quietly(c)
+                raise
+            view = StoreView(self, info, ptrs)
+            self._view = view
+            return view
+
     # -------------------------------------------------------- the rest
 
     def skip(self) -> None:
-        """Releases the rest of the current sync without reading it."""
+        """Releases the rest of the current sync without reading it (and a
+        held store version: StoreView.release())."""
         c = self._live()
         with self._lock:
             self._pending = None
+            self._drop_view()
             c.skip()
 
     def close(self) -> None:
@@ -994,6 +1040,8 @@ class Consumer(_Closing):
         if not self._owned():
             return
         c = getattr(self, "_c", None)
+        if getattr(self, "_view", None) is not None:
+            self._drop_view()
         if c is not None and not c.closed:
             c.close()
         self._host_buf = None
@@ -1016,6 +1064,7 @@ class Consumer(_Closing):
 
     name = property(lambda self: self._c.name)
     seat = property(lambda self: self._c.seat)
+    region_mode = property(lambda self: self._c.mode, doc="'ring' or 'store': what the region does")
     last_version = property(lambda self: self._c.last_version)
     last_sync = property(lambda self: self._c.sync, doc="SyncInfo of the last sync received")
     pinned = property(lambda self: self._c.pinned)
@@ -1025,6 +1074,92 @@ class Consumer(_Closing):
             return "<shmcast.Consumer (not open)>"
         state = "closed" if self._c.closed else f"seat {self._c.seat}"
         return f"<shmcast.Consumer '{self._c.name}' on {self.device} {state}>"
+
+
+class StoreView:
+    """A version held in a store region, as CPU tensors that are views into
+    the pinned region (no copy): hand them to a loader (vLLM's
+    load_weights() copies from pinned memory at full speed).
+
+    LIFETIME: the tensors are valid until release() (or the end of a `with`
+    block, or the consumer's next receive()/wait_sync()/hold()/close()).
+    While held, the producer does not overwrite the version: a send that
+    needs its room waits up to the producer's consumer_timeout, then fails
+    (stall_policy 'fail') or evicts this consumer and REWRITES THE BYTES
+    UNDER THE TENSORS (stall_policy 'evict'; valid() turns False). After
+    release() the tensors still point into the region but may change at
+    any time: never use them then. Do not write to them: other readers
+    share the bytes. Hold briefly: load, then release.
+    """
+
+    def __init__(self, consumer: "Consumer", info, ptrs):
+        self._consumer = consumer
+        self.version = info.version
+        tensors = []
+        for (name, dt, shape, nbytes, _off), ptr in zip(info.tensors, ptrs):
+            dtype = torch_dtype(dt)
+            if nbytes == 0:
+                t = torch.empty(shape, dtype=dtype)
+            else:
+                raw = (ctypes.c_uint8 * nbytes).from_address(ptr)
+                t = torch.frombuffer(raw, dtype=torch.uint8).view(dtype).reshape(shape)
+            tensors.append((name, t))
+        self.tensors = tensors
+        self._released = False
+
+    def valid(self) -> bool:
+        """True while the version is held and unchanged."""
+        if self._released:
+            return False
+        c = self._consumer._c
+        return c is not None and not c.closed and c.views_valid()
+
+    def release(self) -> None:
+        """Lets the producer replace the version; the tensors become invalid."""
+        if self._released:
+            return
+        self._released = True
+        consumer = self._consumer
+        if getattr(consumer, "_view", None) is self:
+            consumer._view = None
+            c = consumer._c
+            if c is not None and not c.closed:
+                consumer._skip_quietly(c)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        for n, t in self.tensors:
+            if n == name:
+                return t
+        raise KeyError(name)
+
+    def __iter__(self):
+        return iter(self.tensors)
+
+    def __len__(self):
+        return len(self.tensors)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.release()
+
+    def __repr__(self):
+        state = "released" if self._released else "held"
+        return f"<shmcast.StoreView version {self.version}, {len(self.tensors)} tensors, {state}>"
+
+
+def store_bytes_for(named_tensors) -> int:
+    """store_bytes a store region (Producer(mode='store')) needs to hold a
+    send() of `named_tensors` ((name, tensor) pairs or a mapping)."""
+    items = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
+    specs = []
+    for name, t in items:
+        dt = _TO_NAME.get(t.dtype)
+        if dt is None:
+            raise TypeError(f"'{name}': shmcast cannot carry torch dtype {t.dtype}")
+        specs.append((name, dt, tuple(t.shape)))
+    return _C.store_bytes_needed(specs)
 
 
 def _check_slices(info, slices: Mapping) -> dict:

@@ -279,6 +279,15 @@ CopyEngine parse_engine(py::handle h) {
   throw Error(Errc::kInvalidArgument, "engine must be 'auto', 'host' or 'cuda', not '" + s + "'");
 }
 
+RegionMode parse_mode(py::handle h) {
+  const std::string s = utf8_arg(h, "mode", Errc::kInvalidArgument);
+  if (s == "ring") return RegionMode::kRing;
+  if (s == "store") return RegionMode::kStore;
+  throw Error(Errc::kInvalidArgument, "mode must be 'ring' or 'store', not '" + s + "'");
+}
+
+const char* mode_name(RegionMode m) { return m == RegionMode::kStore ? "store" : "ring"; }
+
 StallPolicy parse_stall(py::handle h) {
   const std::string s = utf8_arg(h, "stall_policy", Errc::kInvalidArgument);
   if (s == "fail") return StallPolicy::kFail;
@@ -503,9 +512,11 @@ class PyProducer : Owned {
   PyProducer(py::handle name, py::handle slot_bytes, py::handle slots, py::handle max_consumers,
              py::handle manifest_bytes, bool group_access, bool replace_stale, bool unlink_on_close, bool checksums,
              py::handle stall_policy, py::handle consumer_timeout, py::handle pin, py::handle engine, py::handle rank,
-             py::handle world_size, py::handle rank_timeout) {
+             py::handle world_size, py::handle rank_timeout, py::handle mode, py::handle store_bytes) {
     const std::string n = region_name_arg(name);
     ProducerOptions o;
+    o.mode = parse_mode(mode);
+    o.store_bytes = int_arg<std::uint64_t>(store_bytes, "store_bytes", 0, limits::kMaxSlotBytes);
     o.world_size = int_arg<std::uint32_t>(world_size, "world_size", 1, limits::kMaxRanks);
     o.rank = int_arg<std::uint32_t>(rank, "rank", 0, o.world_size - 1);
     o.rank_timeout = seconds_arg(rank_timeout, "rank_timeout", false);
@@ -671,6 +682,7 @@ class PyProducer : Owned {
   std::uint64_t last_version() const { return p_->last_version(); }
   bool pinned() const { return p_->pinned(); }
   std::string engine() const { return p_->engine() == CopyEngine::kCuda ? "cuda" : "host"; }
+  std::string mode() const { return mode_name(p_->mode()); }
   double pin_seconds() const { return p_->pin_seconds(); }
   double create_seconds() const { return p_->create_seconds(); }
   SyncLayout last_sync() {
@@ -833,6 +845,18 @@ class PyConsumer : Owned {
     locked([](Consumer& c) { c.skip(); });
   }
 
+  // Store regions: the held version's tensors in the region (0 for an empty one).
+  std::vector<std::uintptr_t> views() {
+    std::vector<const std::byte*> v = locked([](Consumer& c) { return c.views(); });
+    std::vector<std::uintptr_t> r(v.size());
+    for (std::size_t i = 0; i < v.size(); ++i) r[i] = reinterpret_cast<std::uintptr_t>(v[i]);
+    return r;
+  }
+  bool views_valid() {
+    return locked([](Consumer& c) { return c.views_valid(); });
+  }
+  std::string mode() const { return mode_name(c_->mode()); }
+
   void close() {
     if (forked()) return;  // the parent's seat: not the child's to free
     py::gil_scoped_release nogil;
@@ -923,6 +947,13 @@ PYBIND11_MODULE(_shmcast, m) {
       py::arg("specs"), py::arg("slot_bytes"),
       "(stream_bytes, payload_bytes, chunks, offsets) of a sync of `specs` in slots of slot_bytes "
       "(use Producer.slot_bytes: the library rounds slot sizes up to 2 MiB).");
+  m.def(
+      "store_bytes_needed",
+      [](py::handle specs) {
+        std::vector<TensorSpec> s = to_specs(specs);
+        return shmcast::store_bytes_needed(s);
+      },
+      py::arg("specs"), "store_bytes a store region (mode='store') needs for a sync of `specs`.");
 
   py::class_<PySync>(m, "SyncInfo", "A received sync's manifest (a snapshot).")
       .def_readonly("version", &PySync::version)
@@ -954,12 +985,14 @@ PYBIND11_MODULE(_shmcast, m) {
 
   py::class_<PyProducer>(m, "Producer", "Low-level producer (shmcast::Producer). Pointers are ints.")
       .def(py::init<py::handle, py::handle, py::handle, py::handle, py::handle, bool, bool, bool, bool, py::handle,
-                    py::handle, py::handle, py::handle, py::handle, py::handle, py::handle>(),
+                    py::handle, py::handle, py::handle, py::handle, py::handle, py::handle, py::handle,
+                    py::handle>(),
            py::arg("name"), py::kw_only(), py::arg("slot_bytes") = 256ull << 20, py::arg("slots") = 2,
            py::arg("max_consumers") = 8, py::arg("manifest_bytes") = 1ull << 20, py::arg("group_access") = false,
            py::arg("replace_stale") = true, py::arg("unlink_on_close") = true, py::arg("checksums") = false,
            py::arg("stall_policy") = "fail", py::arg("consumer_timeout") = 60.0, py::arg("pin") = "auto",
-           py::arg("engine") = "auto", py::arg("rank") = 0, py::arg("world_size") = 1, py::arg("rank_timeout") = 120.0)
+           py::arg("engine") = "auto", py::arg("rank") = 0, py::arg("world_size") = 1, py::arg("rank_timeout") = 120.0,
+           py::arg("mode") = "ring", py::arg("store_bytes") = 0)
       .def("begin_sync", &PyProducer::begin_sync, py::arg("specs"),
            "specs: sequence of (name, dtype, shape), or (name, dtype, full shape, dim, start, length) for a shard "
            "(sharded producers). Returns the sync's version.")
@@ -994,6 +1027,7 @@ PYBIND11_MODULE(_shmcast, m) {
       .def_property_readonly("last_sync", &PyProducer::last_sync, py::return_value_policy::copy)
       .def_property_readonly("pinned", &PyProducer::pinned)
       .def_property_readonly("engine", &PyProducer::engine, "'host' or 'cuda': the copy engine chosen at create")
+      .def_property_readonly("mode", &PyProducer::mode, "'ring' or 'store'")
       .def_property_readonly("pin_seconds", &PyProducer::pin_seconds)
       .def_property_readonly("create_seconds", &PyProducer::create_seconds);
 
@@ -1013,6 +1047,11 @@ PYBIND11_MODULE(_shmcast, m) {
            "until the next wait_sync().")
       .def("visit", &PyConsumer::visit, py::arg("fn"))
       .def("skip", &PyConsumer::skip)
+      .def("views", &PyConsumer::views,
+           "Store regions: pointers (ints) to each tensor of the version wait_sync() returned, in the region; "
+           "held until skip(), the next wait_sync() or close().")
+      .def("views_valid", &PyConsumer::views_valid, "True while the viewed version is held and unchanged.")
+      .def_property_readonly("mode", &PyConsumer::mode, "'ring' or 'store' (the region's)")
       .def("close", &PyConsumer::close, "Idempotent; does nothing in a forked child (the object is the parent's).")
       .def("check", &PyConsumer::check, "Raises Closed once closed, InvalidArgument in a forked child.")
       .def_property_readonly("closed", &PyConsumer::closed)

@@ -429,3 +429,26 @@ def role_fsdp_consumer(q, region, gpu, n_syncs=2, timeout=60.0):
                                    f"{float((t - base).max())}], got - expected max {float((t - e[n]).abs().max())}")
             problems += bad
     return {"problems": problems}
+
+
+def role_store_reader(q, region, seed_of_version, hold=False, timeout=30.0):
+    """A worker of a store region: opens it and takes the newest version at
+    once, as its own tensors (receive), or with hold=True as zero-copy views
+    that it keeps until it is killed (a crash while holding). Reports the
+    version, how long it took and whether the bytes are what the producer
+    stored for it (build(seed_of_version + version))."""
+    with shmcast.Consumer(region, open_timeout=timeout) as c:
+        t0 = time.monotonic()
+        if hold:
+            view = c.hold(timeout=timeout)
+            got, v = list(view), view.version
+        else:
+            got = c.receive(timeout=timeout)
+            v = c.last_version
+        took = time.monotonic() - t0
+        res = {"version": v, "problems": compare(got, build(seed_of_version + v, ("dtypes", "shapes"))),
+               "seconds": took}
+        if hold:
+            q.put({"ready": True, **res})
+            time.sleep(3600)
+        return res

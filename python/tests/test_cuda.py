@@ -233,3 +233,29 @@ def test_fsdp2_two_ranks_send_local_shards_bit_exact(region, procs, tmp_path):
     for c in cons:
         problems = procs.get(c, timeout=180)["problems"]
         assert not problems, "\n".join(problems)
+
+
+def test_store_from_gpu_to_late_joiners_on_gpu_and_views(region, procs):
+    """A store region filled from GPU tensors (CUDA engine, async D2H): a late
+    joiner in another process receives the newest version onto its GPU; one
+    in this process takes it as zero-copy views and copies them to the GPU
+    with .to() (what a framework's loader does), bit-exact."""
+    want = {v: roles.build(700 + v, ("dtypes", "shapes"), device="cuda:0") for v in (1, 2)}
+    with shmcast.Producer(region, mode="store", store_bytes=shmcast.store_bytes_for(want[1]), pin=True,
+                          consumer_timeout=30.0) as p:
+        assert p.raw.engine == "cuda" and p.region_mode == "store"
+        p.send(want[1])
+        p.send(want[2])
+        late = procs.start("store_reader", region=region, seed_of_version=700)  # receive() onto the CPU
+        res = procs.get(late)
+        assert res["version"] == 2 and res["problems"] == [], res
+        with shmcast.Consumer(region, device="cuda:0") as c:
+            got = c.receive(timeout=0)
+            assert c.last_version == 2 and roles.compare(got, want[2]) == []
+            assert all(t.device.type == "cuda" for _, t in got)
+            p.send(want[1])  # version 3: the bytes of set 1
+            with c.hold(timeout=5.0) as view:
+                assert view.version == 3
+                on_gpu = [(n, t.to("cuda:0")) for n, t in view]
+                assert view.valid()
+            assert roles.compare(on_gpu, want[1]) == []

@@ -323,6 +323,26 @@ TEST(PublishTool, ConsumerGetsEveryByteAndTheToolReportsJson) {
   EXPECT_EQ(::access(shmcast::region_path(name).c_str(), F_OK), -1);  // removed at exit
 }
 
+// --store --keep: the checkpoint stays in a store region after the tool
+// exits; consumers that come later get it at once, bit-exact.
+TEST(PublishTool, StoreKeepsTheCheckpointForConsumersThatComeLater) {
+  TempDir d;
+  const auto want = make_checkpoint(d.path);
+  const std::string name = unique_name("store");
+  RegionGuard g{name};
+  Proc p = Proc::start({kPublish, d.path.string(), "--region", name, "--store", "--keep", "--json"}, "tool");
+  ASSERT_EQ(p.wait(), 0) << p.both();
+  const json j = last_json(p.stdout_text());
+  EXPECT_EQ(j.value("mode", ""), "store") << p.both();
+  EXPECT_EQ(j.value("consumers", -1), 0);
+  ASSERT_EQ(::access(shmcast::region_path(name).c_str(), F_OK), 0) << "--keep left no region";
+  for (int k = 0; k < 2; ++k) {  // two consumers, one after the other, the tool long gone
+    shmcast::Consumer c = shmcast::Consumer::open(name, consumer_options());
+    EXPECT_EQ(c.mode(), shmcast::RegionMode::kStore);
+    EXPECT_EQ(receive_and_compare(c, want), 0);
+  }
+}
+
 TEST(PublishTool, IoOptionSelectsThePath) {
   TempDir d;
   make_checkpoint(d.path);

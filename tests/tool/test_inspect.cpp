@@ -431,6 +431,47 @@ TEST(Tool, LiveRegionShowsProducerConsumersAndManifest) {
 
 // ================================================================ dead owners, gc
 
+// A store region: show says so, which version each bank holds and who
+// holds it, and decodes the newest version's manifest from its bank.
+TEST(Tool, StoreRegionShowsItsModeBanksAndHolders) {
+  TempDir dir;
+  const std::string name = "store";
+  ProducerOptions o = small_opts();
+  o.mode = RegionMode::kStore;
+  SyncData d1 = make_sync(small_specs(), 1), d2 = make_sync(small_specs(), 2);
+  o.store_bytes = store_bytes_needed(d1.specs);
+  Producer p = Producer::create(name, o);
+  ASSERT_EQ(p.send(d1.specs, d1.ptrs()), 1u);
+  ASSERT_EQ(p.send(d2.specs, d2.ptrs()), 2u);
+  ConsumerOptions co;
+  co.pin = Pin::kNo;
+  Consumer c = Consumer::open(name, co);
+  ASSERT_EQ(c.wait_sync(0s).version, 2u);
+  (void)c.views();  // holds version 2
+
+  Result s = tool({"show", name, "--json", "--dir", dir.path});
+  ASSERT_EQ(s.rc, 0) << s.err;
+  json sj = s.j();
+  EXPECT_EQ(sj.at("mode"), "store");
+  EXPECT_NE(sj.at("header").at("feature_names").dump().find("store"), std::string::npos) << sj.at("header");
+  ASSERT_EQ(sj.at("slots").size(), 2u);
+  std::map<std::uint64_t, std::uint64_t> holders;  // version -> readers holding it
+  for (const json& b : sj.at("slots")) holders[b.at("version").get<std::uint64_t>()] = b.at("holders");
+  EXPECT_EQ(holders[1], 0u);
+  EXPECT_EQ(holders[2], 1u);
+  EXPECT_EQ(sj.at("manifest").at("status"), "ok") << sj.at("manifest");
+  EXPECT_EQ(sj.at("manifest").at("version"), 2);
+  bool seat_holds = false;
+  for (const json& e : sj.at("seats")) seat_holds |= e.at("hold_seq").get<std::uint64_t>() != 0;
+  EXPECT_TRUE(seat_holds);
+
+  Result t = tool({"show", name, "--dir", dir.path});
+  ASSERT_EQ(t.rc, 0) << t.err;
+  EXPECT_NE(t.out.find("store (keeps the newest complete version"), std::string::npos) << t.out;
+  EXPECT_NE(t.out.find("version 2 (1 readers)"), std::string::npos) << t.out;
+  EXPECT_NE(t.out.find("newest 2"), std::string::npos) << t.out;
+}
+
 TEST(Tool, DeadOwnerIsReportedAndGcRemovesOnlyIt) {
   TempDir dir;
   Signal ready;

@@ -88,6 +88,26 @@ TEST(Layout, UnknownFeatureBitsAreRejected) {
   EXPECT_NE(validate_header(h, h.total_bytes, &vm), "");
 }
 
+// The store bit changes the geometry (two manifest areas) and allows only 2
+// slots and 1 rank: a header that claims it with anything else, or a ring
+// header with the bit set, is refused.
+TEST(Layout, StoreBitIsCheckedAgainstTheGeometry) {
+  Geometry g{};
+  ASSERT_EQ(compute_geometry(4, 2, 4 << 20, 1 << 20, &g, 1, true), "");
+  HeaderFixed store = make_fixed_header(g, kFeatureStore);
+  bool vm = false;
+  EXPECT_EQ(validate_header(store, store.total_bytes, &vm), "");
+  EXPECT_EQ(g.ranks_offset, g.manifest_offset + 2 * g.manifest_bytes);
+  HeaderFixed h = store;
+  h.features = 0;  // the same bytes read as a ring region: offsets do not match
+  EXPECT_NE(validate_header(h, h.total_bytes, &vm), "");
+  Geometry g3{};
+  ASSERT_EQ(compute_geometry(4, 3, 4 << 20, 1 << 20, &g3, 1, false), "");
+  h = make_fixed_header(g3, kFeatureStore);  // 3 slots with the store bit
+  EXPECT_NE(validate_header(h, h.total_bytes, &vm), "");
+  EXPECT_NE(compute_geometry(4, 4, 4 << 20, 1 << 20, &g3, 2, true), "");  // 2 ranks
+}
+
 TEST(Layout, HugeCountsDoNotOverflow) {
   HeaderFixed h = good_header();
   h.slot_count = 0xffffffffu;

@@ -241,6 +241,7 @@ void region_detail_json(const probe::Region& r, std::size_t limit, json* out) {
     h["features"] = hex64(f.features);
     json names = json::array();
     if (f.checksums) names.push_back("checksums");
+    if (f.store) names.push_back("store");
     h["feature_names"] = names;
     h["max_consumers"] = f.max_consumers;
     h["slot_count"] = f.slot_count;
@@ -309,6 +310,7 @@ void region_detail_json(const probe::Region& r, std::size_t limit, json* out) {
     e["first_seq"] = s.first_seq;
     e["first_version"] = s.first_version;
     e["released_seq"] = s.released_seq;
+    e["hold_seq"] = s.hold_seq;
     e["acked_version"] = s.acked_version;
     e["lag_chunks"] = s.lag_chunks;
     e["syncs_done"] = s.syncs_done;
@@ -335,6 +337,7 @@ void region_detail_json(const probe::Region& r, std::size_t limit, json* out) {
     slots.push_back(std::move(e));
   }
   j["slots"] = slots;
+  if (r.have_fixed && r.fixed.shmcast_magic) j["mode"] = r.fixed.store ? "store" : "ring";
 
   json m;
   m["status"] = probe::state_name(r.header_valid ? r.manifest.status : probe::ManifestStatus::kNone);
@@ -463,8 +466,9 @@ void print_region_detail(std::ostream& os, const probe::Region& r, std::size_t l
                                                             : "?"});
   if (r.have_fixed && r.fixed.shmcast_magic) {
     const probe::FixedHeader& f = r.fixed;
-    kv.row({"layout", "version " + std::to_string(f.layout_version) +
-                          (f.checksums ? ", checksums" : "")});
+    kv.row({"layout", "version " + std::to_string(f.layout_version) + (f.checksums ? ", checksums" : "") +
+                          (f.store ? ", store" : "")});
+    kv.row({"mode", f.store ? "store (keeps the newest complete version; slots are its two banks)" : "ring"});
     kv.row({"geometry", std::to_string(f.max_consumers) + " seats, " + std::to_string(f.slot_count) + " slots x " +
                             human_bytes(f.slot_bytes) + ", manifest " + human_bytes(f.manifest_bytes)});
     kv.row({"created", unix_ns_text(f.created_unix_ns)});
@@ -484,6 +488,17 @@ void print_region_detail(std::ostream& os, const probe::Region& r, std::size_t l
     kv.row({"sync", "version " + std::to_string(rec.version) + " (" + probe::state_name(r.sync_status) + ", " +
                         std::to_string(r.chunks_published) + "/" + std::to_string(rec.chunks) + " chunks), stream " +
                         human_bytes(rec.stream_bytes) + ", first chunk " + std::to_string(rec.first_seq)});
+  }
+  if (r.header_valid && r.fixed.store) {
+    // Which versions the banks hold: complete ones (seq set), or one being written.
+    std::string held;
+    for (const probe::Slot& s : r.slots) {
+      if (!held.empty()) held += "; ";
+      held += "bank " + std::to_string(s.index) + ": ";
+      held += s.seq != 0 ? "version " + std::to_string(s.version) + " (" + std::to_string(s.holders) + " readers)"
+                         : (s.state == probe::SlotState::kEmpty ? std::string("empty") : std::string("being written"));
+    }
+    kv.row({"stored", held + (r.have_record ? "; newest " + std::to_string(r.record.version) : std::string())});
   }
   kv.print(os);
 

@@ -169,7 +169,7 @@ int main(int argc, char** argv) {
                                         std::to_string(shmcast::kVersionMinor));
   std::string path, region, dir, io = "auto", pin = "no";
   bool as_json = false, do_list = false, allow_symlinks = false, checksums = false, no_register = false,
-       drop_cache = false;
+       drop_cache = false, store = false, keep = false;
   double slot_mb = 256, window_mb = 64, request_kb = 1024, wait_timeout = 60, drain_timeout = 60,
          consumer_timeout = 60, interval = 0;
   std::uint32_t slots = 2, max_consumers = 8, wait_consumers = 0, queue_depth = 32, windows = 3, pread_threads = 4;
@@ -186,6 +186,12 @@ int main(int argc, char** argv) {
   app.add_option("--manifest-bytes", manifest_bytes, "Manifest room; 0: what the checkpoint needs (>= 1 MiB)")
       ->check(number(0, 1ull << 30, true));
   app.add_flag("--checksums", checksums, "XXH3 per slot, verified by consumers");
+  app.add_flag("--store", store,
+               "Create a store region: it keeps the checkpoint for consumers that come at any time (two versions' "
+               "room: 2 x the checkpoint, pinned with --pin); --slot-mb and --slots are ignored");
+  app.add_flag("--keep", keep,
+               "Leave the region's name in place at exit: a store region stays readable after the tool is gone "
+               "(remove it with shmcast-inspect rm)");
   app.add_option("--pin", pin, "Pin the region with cudaHostRegister: no, yes, auto")
       ->check(CLI::IsMember({"no", "yes", "auto"}))
       ->capture_default_str();
@@ -270,6 +276,11 @@ int main(int argc, char** argv) {
     po.consumer_timeout = dur(consumer_timeout);
     po.pin = pin == "yes" ? shmcast::Pin::kYes : pin == "auto" ? shmcast::Pin::kAuto : shmcast::Pin::kNo;
     po.engine = shmcast::CopyEngine::kHost;
+    po.unlink_on_close = !keep;
+    if (store) {
+      po.mode = shmcast::RegionMode::kStore;
+      po.store_bytes = shmcast::store_bytes_needed(ckpt.specs());
+    }
     shmcast::Producer prod = shmcast::Producer::create(region, po);
 
     st::PublishOptions opt;
@@ -351,6 +362,7 @@ int main(int argc, char** argv) {
                           {"checkpoint", ckpt.path()},
                           {"region", region},
                           {"region_path", prod.path()},
+                          {"mode", store ? "store" : "ring"},
                           {"files", ckpt.files().size()},
                           {"tensors", s.tensors},
                           {"payload_bytes", s.payload_bytes},

@@ -102,6 +102,7 @@ struct FixedHeader {
   std::uint64_t total_bytes = 0;
   std::uint64_t features = 0;
   bool checksums = false;  // the per-slot checksum feature bit
+  bool store = false;      // a store region (RegionMode::kStore): slots are banks, each holding one version
   std::uint32_t max_consumers = 0;
   std::uint32_t slot_count = 0;
   std::uint64_t slot_bytes = 0;
@@ -135,6 +136,7 @@ struct Seat {
   Alive alive = Alive::kUnknown;  // its lock byte is held
   std::uint64_t attach_unix_ns = 0;
   std::uint64_t released_seq = 0, acked_version = 0, syncs_done = 0, bytes_done = 0;
+  std::uint64_t hold_seq = 0;  // store regions: the chunk (version's bank) it holds, 0 = none
   std::uint32_t error_code = 0;  // an Errc, 0 = none
   std::string error_text;
   std::uint64_t included_gen = 0;

@@ -261,9 +261,11 @@ struct PublishStats {
 // docs/protocol.md section 6, rounded up to 4 KiB, at least 1 MiB).
 SHMCAST_API std::uint64_t manifest_bytes_for(const Checkpoint& ckpt);
 
-// Publishes the checkpoint as one sync through `producer` (a ring region:
+// Publishes the checkpoint as one sync through `producer`: a ring region:
 // begin_sync, then write() of each tensor from the staging windows that
-// Reader::stream_tensors fills, then end_sync). A failure aborts the sync.
+// Reader::stream_tensors fills, then end_sync; a store region: begin_sync,
+// Reader::read_tensors straight into the spans Producer::fill_spans lends
+// out (no staging, one copy), then end_sync. A failure aborts the sync.
 // With `reader`, its options and its kept staging and ring are used (pass
 // the same one to publish again without setting them up again); else a
 // Reader of options.read for this call.

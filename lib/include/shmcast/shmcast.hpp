@@ -189,6 +189,9 @@ SHMCAST_API SyncLayout stream_layout(std::span<const TensorSpec> tensors, std::u
 // The manifest_bytes a one-producer region needs for a sync of `tensors`
 // (before rounding up to 4 KiB).
 SHMCAST_API std::uint64_t manifest_bytes_needed(std::span<const TensorSpec> tensors);
+// The store_bytes a store region (RegionMode::kStore) needs to hold a sync of
+// `tensors`: their stream with alignment padding.
+SHMCAST_API std::uint64_t store_bytes_needed(std::span<const TensorSpec> tensors);
 
 struct Piece {
   std::size_t tensor;          // index into SyncInfo::tensors
@@ -238,7 +241,24 @@ enum class CopyEngine : std::uint8_t {
           // host sources are copied with memcpy, then published in stream order
 };
 
+// What a region does with the syncs it carries.
+enum class RegionMode : std::uint8_t {
+  kRing,   // streams each sync through K slots to the consumers attached when it begins
+  kStore,  // keeps the newest complete version for any consumer, at any time (late
+           // joiners, restarts): see ProducerOptions::store_bytes
+};
+
 struct ProducerOptions {
+  RegionMode mode = RegionMode::kRing;
+  // kStore: room for one version's stream (store_bytes_needed(tensors), at
+  // most limits::kMaxSlotBytes), rounded up to 2 MiB.
+  // The region holds two versions' room (2 x store_bytes, pinned): a sync is
+  // written beside the version readers see and replaces it when complete.
+  // A consumer reads the newest version whenever it comes, without the
+  // producer; the producer does not overwrite a version a live consumer
+  // still reads (it waits up to consumer_timeout, then applies
+  // stall_policy). slot_bytes and slots are ignored; one producer rank.
+  std::uint64_t store_bytes = 0;
   std::uint64_t slot_bytes = 256ull << 20;    // S, rounded up to 2 MiB
   std::uint32_t slots = 2;                    // K >= 2: double buffering
   std::uint32_t max_consumers = 8;            // N, 1..64, fixed at create
@@ -334,6 +354,13 @@ class SHMCAST_API Producer {
   void write_device(std::size_t index, const void* src, void* cuda_stream);
   void write_device_strided(std::size_t index, const void* src, const Strided2D& layout,
                             void* cuda_stream);
+  // Store regions: lends out the room of the sync in progress in the bank
+  // being written, one span per tensor (its bytes, contiguous; empty for an
+  // empty tensor), for the caller to fill itself (file reads straight into
+  // the region, any order, any thread) instead of write(). Call it right
+  // after begin_sync(); end_sync() then publishes what the spans hold, and
+  // abort_sync() drops it. write() is refused for the rest of that sync.
+  std::vector<std::span<std::byte>> fill_spans();
   // Publishes the last slot and returns once every slot of the sync has been
   // filled (all D2H copies done). Consumers may still be reading.
   void end_sync();
@@ -343,7 +370,9 @@ class SHMCAST_API Producer {
   // begin_sync + write each + end_sync, from host memory.
   std::uint64_t send(std::span<const TensorSpec> tensors, std::span<const void* const> srcs);
 
-  // Blocks until every consumer of the last sync has released all its slots.
+  // Blocks until every consumer of the last sync has released all its slots
+  // (a store region returns at once: its readers never hold the producer up
+  // between syncs).
   void wait_drained(Duration timeout);
 
   // Things the producer did on its own since the last call, such as
@@ -356,6 +385,7 @@ class SHMCAST_API Producer {
   std::uint64_t slot_bytes() const;
   std::uint32_t slots() const;
   std::uint64_t last_version() const;
+  RegionMode mode() const;
   // The layout of the sync in progress, or of the last one begun (completed
   // or aborted): what consumers will see in SyncInfo.
   const SyncLayout& last_layout() const;
@@ -388,6 +418,11 @@ class SHMCAST_API Consumer {
 
   // Waits for the next sync this consumer takes part in and copies its
   // manifest. The previous sync must have been read or skipped.
+  // A store region: returns at once when it holds a version newer than
+  // last_version() (the newest one; a consumer that just opened gets the
+  // current weights), else waits for the producer to store one. The version
+  // is held (the producer will not replace its bytes) until it has been read
+  // or skipped.
   const SyncInfo& wait_sync(Duration timeout);
 
   // Reads the sync into caller memory: dsts[i] receives tensor i (nullptr
@@ -400,8 +435,19 @@ class SHMCAST_API Consumer {
   // Zero-copy: calls fn for every piece of every tensor, in stream order,
   // while its slot is held. A tensor no larger than a slot is one piece.
   void visit(const std::function<void(const Piece&)>& fn);
-  // Releases the rest of the sync without reading it.
+  // Releases the rest of the sync without reading it (store regions: lets
+  // go of the version, and of views()).
   void skip();
+  // Store regions, zero-copy: where each tensor of the version wait_sync()
+  // returned lies in the region (nullptr for an empty one), contiguous. The
+  // version stays held until skip(), the next wait_sync() or close(): the
+  // producer does not overwrite it for up to its consumer_timeout; after
+  // that a producer with StallPolicy::kEvict evicts this consumer and may
+  // rewrite the bytes under the pointers (views_valid() turns false), one
+  // with kFail fails its sync. Hold views briefly: load them, then skip().
+  std::vector<const std::byte*> views();
+  // True while the version views() points at is still held and unchanged.
+  bool views_valid() const;
 
   // H2D (needs CUDA): dsts[i] is a device pointer for tensor i (nullptr
   // skips). Copies run on a library stream; `cuda_stream` is made to wait for
@@ -417,6 +463,7 @@ class SHMCAST_API Consumer {
 
   const SyncInfo& sync() const;     // the current (or last) sync
   std::uint64_t last_version() const;
+  RegionMode mode() const;           // of the region
   std::uint64_t slot_bytes() const;  // of the region: chunk c of a sync is stream bytes [c*S, (c+1)*S)
   int seat() const;
   const std::string& name() const;

@@ -1,0 +1,126 @@
+"""Store regions from Python (Producer(mode='store')): late joiners get the
+newest version at once, StoreView zero-copy tensors and their lifetime,
+a worker killed while holding a version does not stall the trainer, and a
+restarted worker gets the newest version bit-exact."""
+import time
+
+import pytest
+import torch
+
+import shmcast
+from roles import as_bytes, build, compare
+
+SEED = 500
+
+
+def store_producer(region, tensors, **kw):
+    return shmcast.Producer(region, mode="store", store_bytes=shmcast.store_bytes_for(tensors), pin=False,
+                            engine="host", **kw)
+
+
+def test_store_needs_store_bytes_and_one_rank(region):
+    with pytest.raises(ValueError, match="store_bytes"):
+        shmcast.Producer(region, mode="store")
+    with pytest.raises(shmcast.InvalidArgument, match="mode must be"):
+        shmcast.Producer(region, mode="tape", store_bytes=1 << 20)
+    with pytest.raises(shmcast.InvalidArgument, match="one producer rank"):
+        shmcast.Producer(region, mode="store", store_bytes=1 << 20, world_size=2, pin=False)
+
+
+def test_late_joiner_receives_the_newest_version_at_once(region):
+    want = {v: build(SEED + v, ("dtypes", "shapes")) for v in (1, 2, 3)}
+    with store_producer(region, want[1]) as p:
+        assert p.region_mode == "store"
+        for v in (1, 2):
+            assert p.send(want[v]) == v
+        with shmcast.Consumer(region, pin=False) as c:
+            assert c.region_mode == "store"
+            got = c.receive(timeout=0)  # stored already: no waiting
+            assert c.last_version == 2
+            assert compare(got, want[2]) == []
+            with pytest.raises(shmcast.Timeout):
+                c.receive(timeout=0.1)  # nothing newer
+            assert p.send(want[3]) == 3
+            dst = {n: torch.empty_like(t).contiguous() for n, t in want[3]}
+            assert c.receive_into(dst, timeout=1.0) == 3
+            assert compare(list(dst.items()), want[3]) == []
+
+
+def test_store_view_is_zero_copy_and_held_until_released(region):
+    want = build(SEED, ("dtypes", "shapes"))
+    with store_producer(region, want, consumer_timeout=0.3) as p:
+        p.send(want)
+        with shmcast.Consumer(region, pin=False) as c:
+            with c.hold(timeout=0) as view:
+                assert view.version == 1 and view.valid()
+                assert compare(list(view), want) == []
+                name, t = view.tensors[-1]
+                before = as_bytes(t).clone()
+                p.send(want)  # version 2: the other bank
+                # version 3 needs version 1's bank: refused while we hold it
+                with pytest.raises(shmcast.Timeout, match="consumer seat"):
+                    p.send(build(SEED + 9, ("dtypes", "shapes")))
+                assert view.valid() and torch.equal(as_bytes(view[name]), before)
+            assert not view.valid()
+            # released: the producer goes on; the consumer then gets the newest
+            v = p.send(want)
+            got = c.receive(timeout=1.0)
+            assert c.last_version == v and compare(got, want) == []
+
+
+def test_evicting_producer_invalidates_a_held_view(region):
+    want = build(SEED, ("shapes",))
+    with store_producer(region, want, consumer_timeout=0.3, stall_policy="evict") as p:
+        p.send(want)
+        c = shmcast.Consumer(region, pin=False)
+        view = c.hold(timeout=0)
+        p.send(want)
+        p.send(want)  # waits 0.3 s, evicts the holder, rewrites its bank
+        assert not view.valid()
+        with pytest.raises(shmcast.Evicted):
+            c.receive(timeout=1.0)
+        c.close()
+
+
+def test_next_receive_releases_the_view(region):
+    want = build(SEED, ("shapes",))
+    with store_producer(region, want) as p:
+        p.send(want)
+        with shmcast.Consumer(region, pin=False) as c:
+            view = c.hold(timeout=0)
+            p.send(want)
+            c.receive(timeout=1.0)
+            assert not view.valid()
+            view.release()  # idempotent, and does not release what came after
+
+
+def test_hold_on_a_ring_region_is_refused(region):
+    with shmcast.Producer(region, slot_bytes=2 << 20, pin=False, engine="host") as p:
+        with shmcast.Consumer(region, pin=False) as c:
+            assert c.region_mode == "ring"
+            p.send([("w", torch.arange(10))])
+            with pytest.raises(shmcast.InvalidArgument, match="store region"):
+                c.hold(timeout=5.0)
+            # the refused hold let go of the sync: the next one arrives
+            p.send([("w", torch.arange(10))])
+            assert c.receive(timeout=5.0)[0][0] == "w"
+
+
+@pytest.mark.deadline(180)
+def test_worker_killed_while_holding_then_restarted_gets_the_newest_version(region, procs, deadline):
+    """The restart drill on CPU: a worker holding a version is SIGKILLed; the
+    trainer keeps storing versions (the dead holder does not stall it); a
+    restarted worker gets the newest version at once, bit-exact."""
+    with store_producer(region, build(SEED, ("dtypes", "shapes")), consumer_timeout=60.0) as p:
+        p.send(build(SEED + 1, ("dtypes", "shapes")))
+        w = procs.start("store_reader", region=region, seed_of_version=SEED, hold=True)
+        msg = procs.ready(w)
+        assert msg["version"] == 1 and msg["problems"] == [], msg
+        procs.kill(w)
+        t0 = time.monotonic()
+        for v in (2, 3, 4):  # 3 needs the dead worker's bank: a live holder would stall it 60 s
+            p.send(build(SEED + v, ("dtypes", "shapes")))
+        assert time.monotonic() - t0 < 30.0
+        r = procs.start("store_reader", region=region, seed_of_version=SEED)
+        res = procs.get(r)
+        assert res["version"] == 4 and res["problems"] == [], res
