@@ -331,8 +331,18 @@ const SyncInfo& Consumer::wait_sync(Duration timeout) {
       // Hold the bank, so the producer leaves it alone, before reading its
       // manifest; a bank already being replaced means a newer version.
       if (!m.ring->hold(rec)) {
-        if (mono_ns() >= deadline)
-          throw Error(Errc::kTimeout, "the producer kept replacing the stored version until the timeout");
+        // The bank is being refilled, so a newer version is in the record
+        // (the producer announces it before it refills the bank of the one
+        // before). Wait, without spinning, for the record to move on: a
+        // record that does not is a corrupt region (or a stuck producer).
+        Header& h = m.view.header();
+        auto moved = [&] { return h.sync.announce.word.load(std::memory_order_acquire) != rec.word; };
+        while (wait_until(h.sync.announce, moved, deadline, kCheckNever) != WaitResult::kReady) {
+          if (mono_ns() >= deadline)
+            throw Error(Errc::kTimeout, "the store region's record names version " + std::to_string(rec.version) +
+                                            " in a bank that does not hold it, and it did not change before the "
+                                            "timeout: the region is corrupt, or its producer is stuck");
+        }
         continue;
       }
     }

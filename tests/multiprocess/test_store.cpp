@@ -3,6 +3,7 @@
 // (no torn version), a version outliving its producer, held versions and
 // what the producer does about them, aborted syncs, refusals.
 #include <gtest/gtest.h>
+#include <fcntl.h>
 #include <signal.h>
 #include <unistd.h>
 
@@ -488,4 +489,50 @@ TEST(Store, FillSpansLendTheBankAndEndSyncPublishesIt) {
   rp.begin_sync(s.specs);
   EXPECT_EQ(code_of([&] { rp.fill_spans(); }), Errc::kInvalidArgument);
   rp.abort_sync("test");
+}
+
+// A store region's record rewritten by a hostile or broken peer: the
+// consumer refuses it (Corrupt) or times out at its deadline, never reads
+// outside a bank or hangs.
+TEST(Store, CraftedRecordsAreRefused) {
+  const std::string name = unique_name("store-craft");
+  RegionGuard g{name};
+  Producer p = Producer::create(name, store_opts(2 << 20));
+  send_pattern(p, 1);
+  const int fd = ::open(region_path(name).c_str(), O_RDWR | O_CLOEXEC);
+  ASSERT_GE(fd, 0);
+  constexpr off_t kRec = 192;  // Header::sync (docs/protocol.md §3.3)
+  auto poke = [&](off_t field, std::uint64_t v) {
+    ASSERT_EQ(::pwrite(fd, &v, 8, kRec + field), 8);
+  };
+  auto peek = [&](off_t field) {
+    std::uint64_t v = 0;
+    EXPECT_EQ(::pread(fd, &v, 8, kRec + field), 8);
+    return v;
+  };
+  const std::uint64_t chunks = peek(24), stream = peek(32), hash = peek(48), first = peek(16);
+  struct Case {
+    const char* what;
+    off_t field;
+    std::uint64_t value;
+    Errc want;
+  };
+  const Case cases[] = {
+      {"two chunks", 24, 2, Errc::kCorrupt},
+      {"a stream larger than a bank", 32, (4ull << 20), Errc::kCorrupt},
+      {"a wrong manifest hash", 48, hash ^ 1, Errc::kCorrupt},
+      {"a chunk no bank holds", 16, first + 7, Errc::kTimeout},
+  };
+  for (const Case& k : cases) {
+    poke(24, chunks);
+    poke(32, stream);
+    poke(48, hash);
+    poke(16, first);
+    poke(k.field, k.value);
+    Consumer c = Consumer::open(name, copts());
+    const auto t0 = std::chrono::steady_clock::now();
+    EXPECT_EQ(code_of([&] { c.wait_sync(200ms); }), k.want) << k.what;
+    EXPECT_LT(ms_since(t0), 5000.0) << k.what;
+  }
+  ::close(fd);
 }
