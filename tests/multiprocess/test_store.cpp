@@ -70,20 +70,30 @@ Errc code_of(const std::function<void()>& fn) {
   return Errc{};
 }
 
-// A store producer in a child that stores `versions` versions of pattern
-// `seed`, then is SIGKILLed (a crash, nothing closed).
-void store_then_die(const std::string& name, int versions, std::uint64_t seed) {
+// Runs `body` in a child. The body calls crash() once it is in the state
+// the test wants; the child is SIGKILLed there (a crash: nothing closed).
+// A body that returns instead exits with its value (a failure here).
+void crash_child_when_ready(const std::function<int(const std::function<void()>& crash)>& body) {
   SharedFlags* f = SharedFlags::make();
-  Child prod = Child::spawn([&] {
+  Child c = Child::spawn([&] {
+    return body([f] {
+      f->v[0].store(1);
+      for (;;) ::pause();
+    });
+  });
+  ASSERT_TRUE(f->wait(0, 1, 30s)) << "child exit " << c.wait(1s);
+  c.kill9();
+  ASSERT_EQ(c.wait(10s), 128 + SIGKILL);
+}
+
+// A store producer that stores `versions` versions of pattern `seed`, then crashes.
+void store_then_die(const std::string& name, int versions, std::uint64_t seed) {
+  crash_child_when_ready([&](const std::function<void()>& crash) {
     Producer p = Producer::create(name, store_opts(1 << 20));
     for (int v = 0; v < versions; ++v) send_pattern(p, seed);
-    f->v[0].store(1);
-    ::pause();
+    crash();
     return 0;
   });
-  ASSERT_TRUE(f->wait(0, 1, 30s)) << "producer exit " << prod.wait(1s);
-  prod.kill9();
-  ASSERT_EQ(prod.wait(10s), 128 + SIGKILL);
 }
 
 }  // namespace
@@ -312,18 +322,14 @@ TEST(Store, DeadHolderDoesNotBlockTheProducer) {
   RegionGuard g{name};
   Producer p = Producer::create(name, store_opts(1 << 20, 20000ms));
   send_pattern(p, 1, 1, 4096);
-  SharedFlags* f = SharedFlags::make();
-  Child c = Child::spawn([&] {
+  // A consumer that crashes while it holds version 1 (views).
+  ASSERT_NO_FATAL_FAILURE(crash_child_when_ready([&](const std::function<void()>& crash) {
     Consumer k = Consumer::open(name, copts());
     if (k.wait_sync(0ms).version != 1) return 1;
     (void)k.views();
-    f->v[0].store(1);
-    ::pause();
+    crash();
     return 0;
-  });
-  ASSERT_TRUE(f->wait(0, 1, 30s)) << "consumer exit " << c.wait(1s);
-  c.kill9();
-  ASSERT_EQ(c.wait(10s), 128 + SIGKILL);
+  }));
   const auto t0 = std::chrono::steady_clock::now();
   send_pattern(p, 2, 1, 4096);
   EXPECT_EQ(send_pattern(p, 3, 1, 4096), 3u);
