@@ -38,8 +38,10 @@ checkpoint-engine worker into the inference server, is verl's ServerAdapter
 (CUDA IPC into vLLM/SGLang), unchanged.
 
 get_weights() (CheckpointEngineWithCache: rollouts reloading from a local
-cache on their own) is not offered: a region does not keep a sync once every
-consumer has read it; a store region would.
+cache on their own) is not offered: this backend's ring region does not keep
+a sync once every consumer has read it. A store region
+(shmcast.Producer(mode='store')) does keep the newest version; wiring it in
+as get_weights() is not done.
 """
 from __future__ import annotations
 

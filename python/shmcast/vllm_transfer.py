@@ -43,7 +43,10 @@ Loading (init_info `load`):
 Sleep and wake: sleep(level=1) keeps the weights (offloaded), nothing to do.
 sleep(level=2) discards them; after wake_up the weights are garbage until the
 trainer's next send_weights() (RL frameworks sync right after waking the
-weights). There is no store region yet to reload from without the trainer.
+weights). This backend streams through a ring region; a store region
+(shmcast.Producer(mode='store'), docs/python.md) keeps the newest version,
+so a worker could reload it after sleep(level=2) or a restart without the
+trainer (Consumer.receive_into), but this backend does not do that itself.
 The consumer (a pinned host mapping, no GPU memory) stays attached across
 sleep; 'direct' holds no GPU staging memory at all, 'loader' holds one
 bucket's receive buffer during an update only.
