@@ -337,11 +337,16 @@ const SyncInfo& Consumer::wait_sync(Duration timeout) {
         // record that does not is a corrupt region (or a stuck producer).
         Header& h = m.view.header();
         auto moved = [&] { return h.sync.announce.word.load(std::memory_order_acquire) != rec.word; };
-        while (wait_until(h.sync.announce, moved, deadline, kCheckNever) != WaitResult::kReady) {
+        const std::string bad = "the store region's record names version " + std::to_string(rec.version) +
+                                " in a bank that does not hold it";
+        while (wait_until(h.sync.announce, moved, deadline, kLivenessPollNs) != WaitResult::kReady) {
+          m.ring->check_seat();
+          if (peer_alive(m.view.fd(), kProducerLockByte, h.producer) == Alive::kNo && !moved())
+            throw Error(Errc::kCorrupt, bad + " and its producer is gone: the region is corrupt; remove it "
+                                              "(shmcast-inspect rm) and publish again");
           if (mono_ns() >= deadline)
-            throw Error(Errc::kTimeout, "the store region's record names version " + std::to_string(rec.version) +
-                                            " in a bank that does not hold it, and it did not change before the "
-                                            "timeout: the region is corrupt, or its producer is stuck");
+            throw Error(Errc::kTimeout, bad + ", and it did not change before the timeout: the region is corrupt, "
+                                              "or its producer is stuck");
         }
         continue;
       }

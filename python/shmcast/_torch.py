@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import weakref
 import math
 import os
 import threading
@@ -398,6 +399,9 @@ class Producer(_Closing):
     that are not row-pitched, DTensor gathers) that may be alive at once
     during a send before the producer waits for their D2H copies.
 
+    stall_policy: 'fail' (default for ring regions) or 'evict' (default for
+    store regions).
+
     mode='store' (with store_bytes, see store_bytes_for()): the region keeps
     the newest complete version for consumers that come at any time (a
     restarted or added worker gets the current weights at once, without a
@@ -427,7 +431,7 @@ class Producer(_Closing):
         replace_stale: bool = True,
         unlink_on_close: bool = True,
         checksums: bool = False,
-        stall_policy: str = "fail",
+        stall_policy: Optional[str] = None,
         consumer_timeout: float = 60.0,
         pin: Union[str, bool] = "auto",
         staging_budget: int = 256 << 20,
@@ -441,6 +445,10 @@ class Producer(_Closing):
         self._pid = os.getpid()
         self._c = None
         budget = _C.check_int(staging_budget, "staging_budget", 0, (1 << 63) - 1)
+        if stall_policy is None:
+            # A store region's readers hold versions (views) for as long as
+            # they like: one that overstays is evicted, never the trainer stalled.
+            stall_policy = "evict" if mode == "store" else "fail"
         if mode == "store" and store_bytes is None:
             raise ValueError("a store region (mode='store') needs store_bytes: the room for one version, "
                              "shmcast.store_bytes_for(named_tensors)")
@@ -798,9 +806,10 @@ class Consumer(_Closing):
             return info
 
     def _drop_view(self):
-        v, self._view = self._view, None
-        if v is not None:
-            v._released = True
+        ref, self._view = self._view, None
+        lease = ref() if ref is not None else None
+        if lease is not None:
+            lease.released = True
 
     def read(self, *, mode: Optional[str] = None, names=None, slices: Optional[Mapping] = None) -> list:
         """Step 2 of receive(): reads the sync wait_sync() returned into
@@ -1015,12 +1024,14 @@ class Consumer(_Closing):
             self.wait_sync(timeout)
             info = self._take_pending()
             try:
-                ptrs = c.views()
-            except BaseException:
+                lease = _StoreLease(self)
+                view = StoreView(lease, info, c.views())
+            except BaseException:  # views() refused, or a tensor torch cannot make: let go of the version
                 self._skip_quietly(c)
                 raise
-            view = StoreView(self, info, ptrs)
-            self._view = view
+            # Weak: once no tensor of the view is left, its lease is
+            # collected and lets go of the version (_StoreLease.__del__).
+            self._view = weakref.ref(lease)
             return view
 
     # -------------------------------------------------------- the rest
@@ -1040,8 +1051,11 @@ class Consumer(_Closing):
         if not self._owned():
             return
         c = getattr(self, "_c", None)
-        if getattr(self, "_view", None) is not None:
-            self._drop_view()
+        lock = getattr(self, "_lock", None)
+        if lock is not None:
+            with lock:
+                if getattr(self, "_view", None) is not None:
+                    self._drop_view()
         if c is not None and not c.closed:
             c.close()
         self._host_buf = None
@@ -1076,24 +1090,58 @@ class Consumer(_Closing):
         return f"<shmcast.Consumer '{self._c.name}' on {self.device} {state}>"
 
 
+class _StoreLease:
+    """The hold a StoreView's tensors keep: every tensor's buffer references
+    it (and it its consumer, so the region stays mapped); when the last
+    tensor is gone it is collected and lets go of the version. It references
+    neither the view nor the tensors, so no cycle through torch's storages
+    (which the garbage collector cannot see) keeps it alive."""
+
+    def __init__(self, consumer: "Consumer"):
+        self.consumer = consumer
+        self.released = False
+
+    def release(self) -> None:
+        consumer = self.consumer
+        with consumer._lock:  # not between another thread's hold() and its lease
+            if self.released:
+                return
+            self.released = True
+            ref = consumer._view
+            if ref is not None and ref() is self:
+                consumer._view = None
+                c = consumer._c
+                if c is not None and not c.closed and consumer._owned():
+                    consumer._skip_quietly(c)
+
+    def __del__(self):
+        try:
+            self.release()
+        except Exception:
+            pass
+
+
 class StoreView:
     """A version held in a store region, as CPU tensors that are views into
     the pinned region (no copy): hand them to a loader (vLLM's
     load_weights() copies from pinned memory at full speed).
 
     LIFETIME: the tensors are valid until release() (or the end of a `with`
-    block, or the consumer's next receive()/wait_sync()/hold()/close()).
-    While held, the producer does not overwrite the version: a send that
-    needs its room waits up to the producer's consumer_timeout, then fails
-    (stall_policy 'fail') or evicts this consumer and REWRITES THE BYTES
-    UNDER THE TENSORS (stall_policy 'evict'; valid() turns False). After
-    release() the tensors still point into the region but may change at
-    any time: never use them then. Do not write to them: other readers
-    share the bytes. Hold briefly: load, then release.
+    block, or the consumer's next receive()/wait_sync()/hold()/close()), and
+    while any of them is alive the consumer stays open and the region mapped.
+    Once every tensor is gone the version is let go on its own. While held,
+    the producer does not overwrite the version: a send that needs its room
+    waits up to the producer's consumer_timeout, then fails (stall_policy
+    'fail') or evicts this consumer and REWRITES THE BYTES UNDER THE TENSORS
+    (stall_policy 'evict', the default for store regions; valid() turns
+    False). After release() the tensors still point into the region but may
+    change at any time: never use them then. Do not write to them: other
+    readers share the bytes. A forked child cannot use them (the region is
+    not mapped in children). Hold briefly: load, then release.
     """
 
-    def __init__(self, consumer: "Consumer", info, ptrs):
-        self._consumer = consumer
+    def __init__(self, lease: _StoreLease, info, ptrs):
+        self._lease = lease
         self.version = info.version
         tensors = []
         for (name, dt, shape, nbytes, _off), ptr in zip(info.tensors, ptrs):
@@ -1102,29 +1150,21 @@ class StoreView:
                 t = torch.empty(shape, dtype=dtype)
             else:
                 raw = (ctypes.c_uint8 * nbytes).from_address(ptr)
+                raw._lease = lease  # the tensor keeps the hold and the mapping
                 t = torch.frombuffer(raw, dtype=torch.uint8).view(dtype).reshape(shape)
             tensors.append((name, t))
         self.tensors = tensors
-        self._released = False
 
     def valid(self) -> bool:
         """True while the version is held and unchanged."""
-        if self._released:
+        if self._lease.released:
             return False
-        c = self._consumer._c
+        c = self._lease.consumer._c
         return c is not None and not c.closed and c.views_valid()
 
     def release(self) -> None:
         """Lets the producer replace the version; the tensors become invalid."""
-        if self._released:
-            return
-        self._released = True
-        consumer = self._consumer
-        if getattr(consumer, "_view", None) is self:
-            consumer._view = None
-            c = consumer._c
-            if c is not None and not c.closed:
-                consumer._skip_quietly(c)
+        self._lease.release()
 
     def __getitem__(self, name: str) -> torch.Tensor:
         for n, t in self.tensors:
@@ -1145,7 +1185,7 @@ class StoreView:
         self.release()
 
     def __repr__(self):
-        state = "released" if self._released else "held"
+        state = "released" if self._lease.released else "held"
         return f"<shmcast.StoreView version {self.version}, {len(self.tensors)} tensors, {state}>"
 
 

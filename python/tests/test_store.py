@@ -48,7 +48,7 @@ def test_late_joiner_receives_the_newest_version_at_once(region):
 
 def test_store_view_is_zero_copy_and_held_until_released(region):
     want = build(SEED, ("dtypes", "shapes"))
-    with store_producer(region, want, consumer_timeout=0.3) as p:
+    with store_producer(region, want, consumer_timeout=0.3, stall_policy="fail") as p:
         p.send(want)
         with shmcast.Consumer(region, pin=False) as c:
             with c.hold(timeout=0) as view:
@@ -124,3 +124,56 @@ def test_worker_killed_while_holding_then_restarted_gets_the_newest_version(regi
         r = procs.start("store_reader", region=region, seed_of_version=SEED)
         res = procs.get(r)
         assert res["version"] == 4 and res["problems"] == [], res
+
+
+def test_store_defaults_to_evicting_a_reader_that_overstays(region):
+    want = build(SEED, ("shapes",))
+    with store_producer(region, want, consumer_timeout=0.3) as p:  # no stall_policy given
+        p.send(want)
+        c = shmcast.Consumer(region, pin=False)
+        view = c.hold(timeout=0)
+        p.send(want)
+        p.send(want)  # the trainer goes on: the holder is evicted after 0.3 s
+        assert not view.valid()
+        c.close()
+
+
+def test_views_keep_the_region_mapped_and_a_dropped_view_lets_go(region):
+    """Tensors of a StoreView keep their consumer (and its mapping) alive
+    when the caller dropped everything else; once no tensor is left, the
+    version is let go and the producer can replace it."""
+    import gc
+
+    want = build(SEED, ("dtypes", "shapes"))
+    with store_producer(region, want, consumer_timeout=30.0, stall_policy="fail") as p:
+        p.send(want)
+        tensors = dict(shmcast.Consumer(region, pin=False).hold(timeout=0))  # consumer and view dropped
+        gc.collect()
+        assert compare(list(tensors.items()), want) == []  # still mapped, still held
+        p.send(want)  # the other bank
+        del tensors
+        gc.collect()  # the view is collected and lets go of version 1
+        t0 = time.monotonic()
+        p.send(want)  # version 1's bank: would wait 30 s for a holder
+        assert time.monotonic() - t0 < 10.0
+
+
+def test_hold_that_cannot_build_its_view_lets_go(region, monkeypatch):
+    want = build(SEED, ("shapes",))
+    with store_producer(region, want, consumer_timeout=30.0, stall_policy="fail") as p:
+        p.send(want)
+        with shmcast.Consumer(region, pin=False) as c:
+            import shmcast._torch as T
+
+            def boom(*a, **k):
+                raise TypeError("no such dtype here")
+
+            monkeypatch.setattr(T, "torch_dtype", boom)
+            with pytest.raises(TypeError):
+                c.hold(timeout=0)
+            monkeypatch.undo()
+            p.send(want)
+            t0 = time.monotonic()
+            p.send(want)  # version 1's bank: free, not held by the failed hold
+            assert time.monotonic() - t0 < 10.0
+
