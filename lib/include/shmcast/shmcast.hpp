@@ -257,7 +257,9 @@ struct ProducerOptions {
   // A consumer reads the newest version whenever it comes, without the
   // producer; the producer does not overwrite a version a live consumer
   // still reads (it waits up to consumer_timeout, then applies
-  // stall_policy). slot_bytes and slots are ignored; one producer rank.
+  // stall_policy: kEvict keeps the trainer going when a reader holds a
+  // version too long, and is the Python default for store regions).
+  // slot_bytes and slots are ignored; one producer rank.
   std::uint64_t store_bytes = 0;
   std::uint64_t slot_bytes = 256ull << 20;    // S, rounded up to 2 MiB
   std::uint32_t slots = 2;                    // K >= 2: double buffering
