@@ -1047,22 +1047,33 @@ class Consumer(_Closing):
 
     def close(self) -> None:
         """Leaves the seat (the producer stops waiting for this consumer),
-        unpins and unmaps. Staging views from receive() become invalid."""
-        if not self._owned():
+        unpins and unmaps. Staging views from receive() become invalid.
+        A StoreView's tensors still alive: the version is let go now (the
+        tensors are invalid), and the region is unmapped only once the last
+        of them is gone, so touching them never faults."""
+        if not self._owned() or getattr(self, "_deferred_close", False):
             return
         c = getattr(self, "_c", None)
         lock = getattr(self, "_lock", None)
         if lock is not None:
             with lock:
-                if getattr(self, "_view", None) is not None:
+                ref = getattr(self, "_view", None)
+                lease = ref() if ref is not None else None
+                if ref is not None:
                     self._drop_view()
+                if lease is not None and c is not None and not c.closed:
+                    self._skip_quietly(c)
+                    lease.close_consumer = True  # the lease closes c when the last tensor goes
+                    self._deferred_close = True
+                    self._host_buf = None
+                    return
         if c is not None and not c.closed:
             c.close()
         self._host_buf = None
 
     @property
     def closed(self) -> bool:
-        return self._c is None or self._c.closed
+        return self._c is None or self._c.closed or getattr(self, "_deferred_close", False)
 
     @property
     def raw(self) -> "_C.Consumer":
@@ -1071,7 +1082,7 @@ class Consumer(_Closing):
 
     def _live(self):
         c = self._c
-        if c is None:
+        if c is None or getattr(self, "_deferred_close", False):
             raise _C.Closed("this consumer is closed")
         c.check()  # closed: Closed; in a forked child: InvalidArgument
         return c
@@ -1100,6 +1111,7 @@ class _StoreLease:
     def __init__(self, consumer: "Consumer"):
         self.consumer = consumer
         self.released = False
+        self.close_consumer = False  # the consumer was closed while tensors lived: close it at the end
 
     def release(self) -> None:
         consumer = self.consumer
@@ -1117,6 +1129,10 @@ class _StoreLease:
     def __del__(self):
         try:
             self.release()
+            if self.close_consumer:
+                c = self.consumer._c
+                if c is not None and not c.closed:
+                    c.close()
         except Exception:
             pass
 

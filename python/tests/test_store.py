@@ -177,3 +177,28 @@ def test_hold_that_cannot_build_its_view_lets_go(region, monkeypatch):
             p.send(want)  # version 1's bank: free, not held by the failed hold
             assert time.monotonic() - t0 < 10.0
 
+
+def test_closing_a_consumer_whose_views_live_never_unmaps_under_them(region):
+    """close() (here: the end of a `with` block) while StoreView tensors are
+    alive lets go of the version at once but unmaps only when the last
+    tensor is gone: the tensors are invalid, never a fault."""
+    import gc
+
+    want = build(SEED, ("shapes",))
+    with store_producer(region, want, consumer_timeout=30.0, stall_policy="fail") as p:
+        p.send(want)
+        with shmcast.Consumer(region, pin=False) as c:
+            view = c.hold(timeout=0)
+        assert c.closed and not view.valid()
+        with pytest.raises(shmcast.Closed):
+            c.receive(timeout=0)
+        _ = [float(t.float().sum()) for _, t in view]  # still mapped: no fault
+        p.send(want)
+        t0 = time.monotonic()
+        p.send(want)  # version 1 was let go at close()
+        assert time.monotonic() - t0 < 10.0
+        assert p.consumers == 1  # the seat stays until the tensors are gone
+        del view, _
+        gc.collect()
+        assert p.consumers == 0
+
