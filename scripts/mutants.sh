@@ -48,11 +48,12 @@ export LC_ALL=C  # sort and comm of test names agree
 #
 # Re-point a mutant here when the code it breaks moves: M_FILE, and M_OLD,
 # the exact text (whitespace included) that must occur once in it.
-# Pointed at the code with sharded syncs (several producer ranks): the chunk
-# writer and reader in lib/src/ring.cpp serve one-rank and sharded producers
-# alike, and Consumer::wait_sync (lib/src/consumer.cpp) is the one place a
-# consumer checks the manifest hash (lib/src/probe.cpp has its own, for the
-# inspection tools, and is not mutated).
+# Pointed at the code with sharded syncs and store regions: the chunk writer
+# and reader in lib/src/ring.cpp serve one-rank and sharded producers and
+# store regions alike, and Consumer::wait_sync (lib/src/consumer.cpp) is the
+# one place a consumer checks the manifest hash, ring or store
+# (lib/src/probe.cpp has its own, for the inspection tools, and is not
+# mutated).
 
 ALL_MUTANTS=(no_wake publish_early liveness_blind manifest_hash release_early)
 
