@@ -330,26 +330,9 @@ const SyncInfo& Consumer::wait_sync(Duration timeout) {
       if (rec.chunks != 1 || rec.stream_bytes > g.slot_bytes) throw corrupt("a store record must be one chunk of one bank");
       // Hold the bank, so the producer leaves it alone, before reading its
       // manifest; a bank already being replaced means a newer version.
-      if (!m.ring->hold(rec)) {
-        // The bank is being refilled, so a newer version is in the record
-        // (the producer announces it before it refills the bank of the one
-        // before). Wait, without spinning, for the record to move on: a
-        // record that does not is a corrupt region (or a stuck producer).
-        Header& h = m.view.header();
-        auto moved = [&] { return h.sync.announce.word.load(std::memory_order_acquire) != rec.word; };
-        const std::string bad = "the store region's record names version " + std::to_string(rec.version) +
-                                " in a bank that does not hold it";
-        while (wait_until(h.sync.announce, moved, deadline, kLivenessPollNs) != WaitResult::kReady) {
-          m.ring->check_seat();
-          if (peer_alive(m.view.fd(), kProducerLockByte, h.producer) == Alive::kNo && !moved())
-            throw Error(Errc::kCorrupt, bad + " and its producer is gone: the region is corrupt; remove it "
-                                              "(shmcast-inspect rm) and publish again");
-          if (mono_ns() >= deadline)
-            throw Error(Errc::kTimeout, bad + ", and it did not change before the timeout: the region is corrupt, "
-                                              "or its producer is stuck");
-        }
-        continue;
-      }
+      // A bank already being refilled means a newer version: wait for the
+      // record to move on, then look again.
+      if (!m.ring->hold(rec, deadline)) continue;
     }
     bytes.resize(rec.manifest_used);
     std::memcpy(bytes.data(), m.view.manifest_of(rec.first_seq), bytes.size());

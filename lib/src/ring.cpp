@@ -511,7 +511,7 @@ void ConsumerRing::release(std::uint64_t seq) {
   ring(v_->header().release);
 }
 
-bool ConsumerRing::hold(const RecordSnapshot& rec) {
+bool ConsumerRing::hold(const RecordSnapshot& rec, std::int64_t deadline_ns) {
   Seat& s = v_->seat(static_cast<std::uint32_t>(seat_));
   const SlotDesc& d = v_->slot(v_->slot_of(rec.first_seq));
   // Dekker with ProducerRing::acquire(): the hold is stored before fill_seq
@@ -522,6 +522,21 @@ bool ConsumerRing::hold(const RecordSnapshot& rec) {
       d.seq.load(std::memory_order_acquire) == rec.first_seq)
     return true;
   unhold();
+  // The producer announces a version before it refills the bank of the one
+  // before, so a newer record is there or coming: wait for it to move on.
+  Header& h = v_->header();
+  auto moved = [&] { return h.sync.announce.word.load(std::memory_order_acquire) != rec.word; };
+  const std::string bad =
+      "the store region's record names version " + std::to_string(rec.version) + " in a bank that does not hold it";
+  while (wait_until(h.sync.announce, moved, deadline_ns, kLivenessPollNs) != WaitResult::kReady) {
+    check_seat();
+    if (peer_alive(v_->fd(), kProducerLockByte, h.producer) == Alive::kNo && !moved())
+      throw Error(Errc::kCorrupt, bad + " and its producer is gone: the region is corrupt; remove it "
+                                        "(shmcast-inspect rm) and publish again");
+    if (mono_ns() >= deadline_ns)
+      throw Error(Errc::kTimeout, bad + ", and it did not change before the timeout: the region is corrupt, "
+                                        "or its producer is stuck");
+  }
   return false;
 }
 

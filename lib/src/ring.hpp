@@ -251,8 +251,10 @@ class ConsumerRing {
   RecordSnapshot wait_announce(std::uint64_t after_version, std::int64_t deadline_ns);
   // Store regions: holds the bank of the version `rec` announces (the
   // producer will not refill it until unhold()). False when the producer has
-  // already begun to replace it: read the record again.
-  bool hold(const RecordSnapshot& rec);
+  // already begun to replace it, once the record has moved on (waited for
+  // without spinning): read the record again. A record that does not move
+  // by `deadline_ns` is kTimeout; one whose producer is gone, kCorrupt.
+  bool hold(const RecordSnapshot& rec, std::int64_t deadline_ns);
   void unhold();
   // After copying the manifest of `rec`: true when the record (and so the
   // manifest area, which the producer rewrites only with the record odd) did
