@@ -47,10 +47,12 @@ void SyncPlan::index_chunks() {
     for (std::uint64_t c = first; c <= last; ++c)
       if (data_chunks.empty() || data_chunks.back() < c) data_chunks.push_back(static_cast<std::uint32_t>(c));
   }
+  frag_base.assign(1, 0);
+  for (std::uint32_t c : data_chunks) frag_base.push_back(frag_base.back() + frags(c));
 }
 
 void encode_sync(Writer& w, const SyncPlan& p) {
-  w.u64(p.version).u64(p.chunk_bytes).u64(p.stream_bytes).u64(p.payload_bytes);
+  w.u64(p.version).u64(p.chunk_bytes).u64(p.frag_bytes).u64(p.stream_bytes).u64(p.payload_bytes);
   w.u32(static_cast<std::uint32_t>(p.specs.size()));
   for (std::size_t i = 0; i < p.specs.size(); ++i) {
     const TensorSpec& t = p.specs[i];
@@ -64,12 +66,16 @@ SyncPlan decode_sync(Reader& r) {
   SyncPlan p;
   p.version = r.u64();
   p.chunk_bytes = r.u64();
+  p.frag_bytes = r.u64();
   p.stream_bytes = r.u64();
   p.payload_bytes = r.u64();
   const std::uint32_t n = r.u32();
   if (p.version == 0) throw ProtocolError("sync version 0");
   if (p.chunk_bytes == 0 || p.chunk_bytes > limits::kMaxSlotBytes || p.chunk_bytes % (2u << 20) != 0)
     throw ProtocolError("sync chunk size " + std::to_string(p.chunk_bytes) + " is not a valid slot size");
+  if (p.frag_bytes < kMinFragBytes || p.frag_bytes > kMaxFragBytes || (p.frag_bytes & (p.frag_bytes - 1)) != 0)
+    throw ProtocolError("sync fragment size " + std::to_string(p.frag_bytes) +
+                        " is not a power of two between 64 KiB and 2 MiB");
   if (n > limits::kMaxTensors) throw ProtocolError("sync has too many tensors");
   p.specs.resize(n);
   p.offsets.resize(n);
@@ -99,6 +105,9 @@ SyncPlan decode_sync(Reader& r) {
   if (l.offsets != p.offsets || l.stream_bytes != p.stream_bytes || l.payload_bytes != p.payload_bytes)
     throw ProtocolError("sync layout differs from shmcast's packing of its manifest (different shmcast versions?)");
   p.index_chunks();
+  if (!p.data_chunks.empty() &&
+      (static_cast<std::uint64_t>(p.data_chunks.back()) + 1) * p.frags_per_chunk() > (1ull << 32))
+    throw ProtocolError("sync has more fragments than a tag can number (use larger fragments)");
   return p;
 }
 

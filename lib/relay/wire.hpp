@@ -15,14 +15,14 @@
 
 namespace shmcast::relay::wire {
 
-inline constexpr std::uint32_t kProto = 1;
+inline constexpr std::uint32_t kProto = 2;  // 2: chunks travel as fragments
 inline constexpr std::uint32_t kMagic = 0x594c5253;  // "SRLY"
 
 // A tag is kind (8 bits) | middle (24 bits) | low (32 bits).
 enum Kind : std::uint64_t {
   kCtrlDown = 1,  // control, upstream -> downstream; one tag, so they match in order
   kCtrlUp = 2,    // control, downstream -> upstream; middle = connection id
-  kData = 3,      // chunk bytes; middle = version (low 24 bits), low = chunk index
+  kData = 3,      // chunk bytes; middle = version (low 24 bits), low = fragment tag (SyncPlan::frag_tag)
 };
 inline constexpr std::uint64_t kFullMask = ~0ull;
 inline constexpr std::uint64_t kKindMask = 0xffull << 56;
@@ -39,7 +39,7 @@ enum class Type : std::uint16_t {
   kSync,           // up -> down: a sync begins: version, chunk size, stream, manifest
   kChunk,          // up -> down: chunk index, length, XXH3 (after its bytes were sent)
   kEnd,            // up -> down: the sync is complete
-  kAbort,          // up -> down: the sync is abandoned after `sent` chunks; why
+  kAbort,          // up -> down: the sync is abandoned after `sent` fragments; why
 };
 const char* type_name(Type t);
 
@@ -135,11 +135,20 @@ class Reader {
 
 // ---------------------------------------------------------------- sync plan
 
+// Fragment sizes a source may choose: powers of two in this range (each
+// divides every chunk size, a multiple of 2 MiB).
+inline constexpr std::uint64_t kMinFragBytes = 64ull << 10;
+inline constexpr std::uint64_t kMaxFragBytes = 2ull << 20;
+
 // One sync as it travels: the manifest, and the source's chunking of its
-// stream (chunk c is stream bytes [c*chunk_bytes, ...)).
+// stream (chunk c is stream bytes [c*chunk_bytes, ...)). Each chunk travels
+// as fragments of frag_bytes (the last one shorter), each a tagged message of
+// its own, so that several are in flight on a link and a relay forwards a
+// fragment as soon as it has it.
 struct SyncPlan {
   std::uint64_t version = 0;
   std::uint64_t chunk_bytes = 0;
+  std::uint64_t frag_bytes = 0;
   std::uint64_t stream_bytes = 0;
   std::uint64_t payload_bytes = 0;
   std::vector<TensorSpec> specs;
@@ -152,8 +161,25 @@ struct SyncPlan {
     const std::uint64_t start = static_cast<std::uint64_t>(c) * chunk_bytes;
     return stream_bytes - start < chunk_bytes ? stream_bytes - start : chunk_bytes;
   }
-  // Fills data_chunks from the offsets and sizes.
+  std::uint64_t frags_per_chunk() const { return chunk_bytes / frag_bytes; }
+  std::uint32_t frags(std::uint32_t c) const {
+    return static_cast<std::uint32_t>((chunk_len(c) + frag_bytes - 1) / frag_bytes);
+  }
+  std::uint64_t frag_len(std::uint32_t c, std::uint32_t j) const {
+    const std::uint64_t at = static_cast<std::uint64_t>(j) * frag_bytes, len = chunk_len(c);
+    return len - at < frag_bytes ? len - at : frag_bytes;
+  }
+  // The low 32 bits of fragment j of chunk c's tag (decode_sync checks that
+  // every fragment of the sync has its own).
+  std::uint32_t frag_tag(std::uint32_t c, std::uint32_t j) const {
+    return static_cast<std::uint32_t>(static_cast<std::uint64_t>(c) * frags_per_chunk() + j);
+  }
+  // Fills data_chunks (and frag_base) from the offsets and sizes.
   void index_chunks();
+  // frag_base[k]: fragments of data_chunks[0..k) (size data_chunks + 1): a
+  // fragment's ordinal in the sync, the unit of an abort's `sent`.
+  std::vector<std::uint64_t> frag_base;
+  std::uint64_t total_frags() const { return frag_base.empty() ? 0 : frag_base.back(); }
 };
 
 void encode_sync(Writer& w, const SyncPlan& p);

@@ -2,7 +2,8 @@
 // tests: one process per role, on one "node" (its SHMCAST_DIR).
 //
 //   relay_peer produce NAME --syncs N [--tensors T] [--slot-bytes B] [--seed S]
-//                           [--consumers C] [--go PREFIX] [--pause-sync V --resume FILE] --report FILE
+//                           [--consumers C] [--go PREFIX] [--pause-sync V --resume FILE] [--abort-sync V]
+//                           --report FILE
 //   relay_peer consume NAME --syncs N [--tensors T] [--slot-bytes B] [--seed S] [--stall] --report FILE
 //
 // Sync v carries random_manifest(seed + v, slot_bytes, T) (multi-slot and
@@ -10,7 +11,8 @@
 // produce: creates the region, reports "ready", waits for C consumers, then
 // for each sync v waits for the file PREFIX.v when --go is given, sends it
 // and reports "sent v". With --pause-sync V, sync V stops after half its
-// tensors (reports "paused V") until FILE exists.
+// tensors (reports "paused V") until FILE exists; with --abort-sync V, sync V
+// is abandoned after half its tensors (abort_sync; reports "aborted V").
 // consume: reports "attached", then per sync "manifest v", and "ok v" once
 // every byte and the manifest matched, "bad v" when not, "error v CODE" on
 // an error (PeerDied/Closed: it reopens the region and reports "reopened").
@@ -35,7 +37,7 @@ namespace {
 
 struct Args {
   std::string role, name, report, go, resume;
-  int syncs = 3, tensors = 12, pause_sync = 0;
+  int syncs = 3, tensors = 12, pause_sync = 0, abort_sync = 0;
   std::uint32_t consumers = 1;
   std::uint64_t slot_bytes = 2 << 20, seed = 7;
   bool stall = false;
@@ -83,12 +85,22 @@ int produce(const Args& a) {
     }
     const std::uint64_t got = p.begin_sync(specs);
     if (got != static_cast<std::uint64_t>(v)) return 4;
-    for (std::size_t i = 0; i < specs.size(); ++i) {
+    bool aborted = false;
+    for (std::size_t i = 0; i < specs.size() && !aborted; ++i) {
       if (v == a.pause_sync && i == specs.size() / 2) {
         report(a, "paused " + std::to_string(v));
         if (!wait_file(a.resume, 90s)) return 3;
       }
+      if (v == a.abort_sync && i == specs.size() / 2) {
+        p.abort_sync("relay_peer: sync " + std::to_string(v) + " abandoned halfway");
+        aborted = true;
+        break;
+      }
       p.write(i, data[i].data());
+    }
+    if (aborted) {
+      report(a, "aborted " + std::to_string(v));
+      continue;
     }
     p.end_sync();
     report(a, "sent " + std::to_string(v));
@@ -170,6 +182,7 @@ int main(int argc, char** argv) {
     else if (k == "--go") a.go = v;
     else if (k == "--pause-sync") a.pause_sync = std::stoi(v);
     else if (k == "--resume") a.resume = v;
+    else if (k == "--abort-sync") a.abort_sync = std::stoi(v);
     else if (k == "--report") a.report = v;
     else {
       std::fprintf(stderr, "relay_peer: unknown option %s\n", k.c_str());

@@ -234,14 +234,15 @@ struct Chain {
   std::vector<Proc*> relays, workers;
   Proc* trainer = nullptr;
 
-  Chain(Cluster& cl, int n, int syncs, std::vector<std::string> trainer_extra = {}, int worker_syncs = -1)
+  Chain(Cluster& cl, int n, int syncs, std::vector<std::string> trainer_extra = {}, int worker_syncs = -1,
+        std::vector<std::string> source_extra = {})
       : c(cl), nodes(n), ports(static_cast<std::size_t>(n), 0), relays(static_cast<std::size_t>(n), nullptr) {
     std::vector<std::string> targs = {"produce", c.region(), "--syncs", std::to_string(syncs), "--go", c.file("go"),
                                       "--report", c.file("trainer.txt")};
     targs.insert(targs.end(), trainer_extra.begin(), trainer_extra.end());
     trainer = &c.peer("trainer", 0, targs);
     if (!c.wait_line(c.file("trainer.txt"), "ready")) return;
-    relays[0] = &c.relay(0, 0, true);
+    relays[0] = &c.relay(0, 0, true, kKey, 0, source_extra);
     ports[0] = c.listen_port(0);
     c.wait_status(0, [](const json& j) { return j["region_state"].value("ready", false); });
     for (int i = 1; i < n; ++i) {
@@ -321,6 +322,39 @@ TEST(RelayFaults, SourceRelayKilledMidSyncThenRestarted) {
   }
   const json s1 = c.wait_status(1, [](const json& j) { return j["upstream"].value("connects", 0) >= 2; });
   EXPECT_GE(s1.value("syncs_aborted", 0), 1);
+}
+
+// The trainer abandons sync 2 halfway. The chunks travel as 64 KiB
+// fragments (32 per 2 MiB chunk), so the abort can overtake fragments still
+// in flight: each relay forwards the abort with the number of fragments it
+// passed on, receives exactly those, and cancels the rest. Every worker of
+// the four nodes gets Aborted for sync 2 (never torn bytes), no relay is
+// left waiting, and sync 3 arrives whole on every node.
+TEST(RelayFaults, TrainerAbortMidSyncReachesEveryNodeAndTheNextSyncArrives) {
+  Cluster c(4, "abort");
+  Chain ch(c, 4, 3, {"--pause-sync", "2", "--resume", c.file("resume"), "--abort-sync", "2"}, 2,
+           {"--fragment-bytes", "64K"});
+  ASSERT_FALSE(HasFailure());
+  ch.go(1);
+  for (int i = 1; i < 4; ++i) ASSERT_TRUE(c.wait_line(ch.report(i), "ok 1"));
+  ch.go(2);
+  ASSERT_TRUE(c.wait_line(c.file("trainer.txt"), "paused 2"));
+  for (int i = 1; i < 4; ++i) ASSERT_TRUE(c.wait_line(ch.report(i), "manifest 2"));
+  c.touch(c.file("resume"));  // the trainer abandons sync 2 now
+  for (int i = 1; i < 4; ++i) ASSERT_TRUE(c.wait_line(ch.report(i), "error 2 Aborted"));
+  ch.go(3);
+  for (int i = 1; i < 4; ++i) {
+    EXPECT_EQ(ch.workers[static_cast<std::size_t>(i - 1)]->wait(), 0) << slurp(ch.report(i));
+    EXPECT_TRUE(has_line(ch.report(i), "ok 1")) << slurp(ch.report(i));
+    EXPECT_FALSE(has_line(ch.report(i), "ok 2")) << slurp(ch.report(i));
+    EXPECT_TRUE(has_line(ch.report(i), "ok 3")) << slurp(ch.report(i));
+  }
+  ASSERT_TRUE(c.wait_line(c.file("trainer.txt"), "aborted 2"));
+  for (int i = 1; i < 4; ++i) {
+    const json s = c.wait_status(i, [](const json& j) { return j["region_state"].value("version", 0) == 3; });
+    EXPECT_EQ(s.value("syncs_aborted", 0), 1) << s.dump();
+    EXPECT_EQ(s.value("syncs", 0), 2) << s.dump();
+  }
 }
 
 // A middle relay of four nodes is killed mid-sync and restarted: its own

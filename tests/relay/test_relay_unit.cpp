@@ -2,6 +2,7 @@
 // write_part, Consumer::slot_bytes) and the relay's own pieces: the wire
 // format, the key handshake's MACs, addresses and key loading. One process;
 // producer and consumer run in two threads.
+#include <set>
 #include <gtest/gtest.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -10,6 +11,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <set>
 #include <thread>
 
 #include <ucp/api/ucp.h>
@@ -175,6 +177,7 @@ TEST(RelayWire, SyncPlanRoundTripsAndIsChecked) {
   relay::wire::SyncPlan p;
   p.version = 12;
   p.chunk_bytes = 2 << 20;
+  p.frag_bytes = 256 << 10;
   p.specs = random_manifest(5, p.chunk_bytes, 20);
   const SyncLayout l = stream_layout(p.specs, p.chunk_bytes);
   p.offsets = l.offsets;
@@ -202,6 +205,39 @@ TEST(RelayWire, SyncPlanRoundTripsAndIsChecked) {
       used |= p.nbytes[i] > 0 && p.offsets[i] < (c + 1ull) * p.chunk_bytes &&
               p.offsets[i] + p.nbytes[i] > c * p.chunk_bytes;
     EXPECT_EQ(used, std::count(q.data_chunks.begin(), q.data_chunks.end(), c) == 1) << c;
+  }
+  // Fragments: 8 per full chunk, the last chunk's last one shorter, every
+  // fragment of the sync a tag of its own, ordinals counted per position.
+  EXPECT_EQ(q.frag_bytes, p.frag_bytes);
+  ASSERT_EQ(q.frag_base.size(), q.data_chunks.size() + 1);
+  std::set<std::uint32_t> tags;
+  std::uint64_t covered = 0;
+  for (std::size_t k = 0; k < q.data_chunks.size(); ++k) {
+    const std::uint32_t c = q.data_chunks[k];
+    EXPECT_EQ(q.frag_base[k + 1] - q.frag_base[k], q.frags(c));
+    std::uint64_t len = 0;
+    for (std::uint32_t j = 0; j < q.frags(c); ++j) {
+      EXPECT_GT(q.frag_len(c, j), 0u);
+      EXPECT_LE(q.frag_len(c, j), q.frag_bytes);
+      len += q.frag_len(c, j);
+      EXPECT_TRUE(tags.insert(q.frag_tag(c, j)).second) << c << "/" << j;
+    }
+    EXPECT_EQ(len, q.chunk_len(c));
+    covered += len;
+    if (q.chunk_len(c) == q.chunk_bytes) {
+      EXPECT_EQ(q.frags(c), 8u);
+    }
+  }
+  EXPECT_EQ(tags.size(), q.total_frags());
+  EXPECT_GT(covered, 0u);
+  // Fragment sizes that are not a power of two from 64 KiB to 2 MiB: refused.
+  for (std::uint64_t f : {0ull, 4096ull, 3ull << 18, 4ull << 20}) {
+    relay::wire::SyncPlan odd = p;
+    odd.frag_bytes = f;
+    relay::wire::Writer wf(relay::wire::Type::kSync);
+    relay::wire::encode_sync(wf, odd);
+    relay::wire::Reader rf(wf.buffer(), false);
+    EXPECT_THROW(relay::wire::decode_sync(rf), relay::wire::ProtocolError) << f;
   }
   // A layout that is not shmcast's packing, a truncated message: refused.
   relay::wire::SyncPlan bad = p;

@@ -64,6 +64,11 @@ struct RelayOptions {
   // Receive buffers of one chunk (one source slot) each: chunks in flight
   // per hop on nodes with `from`.
   std::uint32_t buffers = 4;
+  // A chunk travels as messages of this size (a power of two from 64 KiB to
+  // 2 MiB; the source's choice holds for the whole chain): several are in
+  // flight on a link at once, and a relay forwards each one as soon as it
+  // has it, before the rest of its chunk.
+  std::uint64_t fragment_bytes = 1ull << 20;
   Duration handshake_timeout = std::chrono::seconds(10);
   // A downstream relay that takes no byte of a chunk for this long is
   // dropped (it rejoins at a later sync), so it cannot hold the others, nor

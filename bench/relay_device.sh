@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# The relay bench (bench/relay_bench.py) on the lent machine's CPUs: a core for
+# every process of a 4-node chain, where the 2-core development machine has
+# two for all of them. No GPU is used. The machine has no network: UCX,
+# ucx_perftest and OpenSSL come from carried Debian packages (.deb/ucx,
+# fetched beforehand with
+#   mkdir -p .deb/ucx && cd .deb/ucx && apt-get download libucx-dev libucx0 \
+#     ucx-utils libibverbs1 librdmacm1 libnuma1 libssl-dev libssl3
+# ), unpacked into /tmp/pfx by scripts/device-env.sh and here, never into /.
+#
+#   run: bash bench/relay_device.sh        carry: [".deb"]        kind: nvidia-h200
+#
+# Results in $OUT: relay_device.log, env.log, build.log, relay*.json.
+# Environment: REPS (10), BYTES (2G), CHUNK (32M), NODES (2,4), RUNS (the
+# relay_bench runs, "default" and/or "nocsum": --relay-arg=--no-checksums),
+# TESTS (1: the relay test tier first).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+exec > >(tee -a "$OUT/relay_device.log") 2>&1
+T0=$(date +%s)
+log() { echo "== $(date +%T) (+$(( $(date +%s) - T0 )) s) $*"; }
+source scripts/device-env.sh >"$OUT/env.log" 2>&1
+PFX=/tmp/pfx
+for f in .deb/ucx/*.deb; do
+  case $f in
+    */libssl*) [ -f /usr/include/openssl/hmac.h ] && continue ;;
+  esac
+  dpkg -x "$f" $PFX && echo "unpacked $f" >>"$OUT/env.log"
+done
+# UCX's CMake package names its prefix outright: point it at /tmp/pfx.
+for f in $PFX/usr/lib/x86_64-linux-gnu/cmake/ucx/ucx-targets.cmake; do
+  [ -f "$f" ] && sed -i "s#^set(prefix \"/usr\")#set(prefix \"$PFX/usr\")#" "$f"
+done
+export PATH=$PFX/usr/bin:$PATH
+export CPATH=$PFX/usr/include${CPATH:+:$CPATH}
+export LIBRARY_PATH=$PFX/usr/lib/x86_64-linux-gnu${LIBRARY_PATH:+:$LIBRARY_PATH}
+export LD_LIBRARY_PATH=$PFX/usr/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+export UCX_MODULE_DIR=$PFX/usr/lib/x86_64-linux-gnu/ucx
+export CMAKE_PREFIX_PATH=$PFX/usr${CMAKE_PREFIX_PATH:+:$CMAKE_PREFIX_PATH}
+{ uname -a; lscpu | grep -E "Model name|^CPU\(s\)|NUMA node\(s\)|Hypervisor"; free -g | head -2; df -h /dev/shm;
+  ucx_info -v | head -2; ucx_info -d 2>/dev/null | grep -E "Transport|Device" | head -20; } >>"$OUT/env.log" 2>&1
+log build
+B=/tmp/shmcast-relay-build
+gen=(); command -v ninja >/dev/null && gen=(-G Ninja)
+{ cmake -S . -B $B "${gen[@]}" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DSHMCAST_WITH_CUDA=OFF -DSHMCAST_BUILD_RELAY=ON \
+    -DSHMCAST_BUILD_PYTHON=OFF \
+  && cmake --build $B -j"$(nproc)"; } >"$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
+if [ "${TESTS:-1}" = 1 ]; then
+  log "relay tests"
+  (cd $B && timeout 300 ctest -L relay --output-on-failure -j4 2>&1 | tail -15)
+fi
+for run in ${RUNS:-default nocsum}; do
+  [ "$run" = none ] && continue
+  extra=(); [ "$run" = nocsum ] && extra=(--relay-arg=--no-checksums --perftest chunk:sleep)
+  log "relay_bench ($run)"
+  timeout ${BENCH_TIMEOUT:-400} python3 bench/relay_bench.py --build $B --bytes ${BYTES:-2G} --chunk ${CHUNK:-32M} \
+    --reps ${REPS:-10} --nodes ${NODES:-2,4} --json "$OUT/relay-$run.json" "${extra[@]}" ${BENCH_ARGS:-}
+  log "relay_bench ($run) rc=$?"
+done
+log done
