@@ -63,15 +63,36 @@ std::string fmt_bytes(std::uint64_t n) {
 constexpr std::uint64_t kSlotAlign = 2ull << 20;
 std::uint64_t align_slot(std::uint64_t n) { return (n + kSlotAlign - 1) / kSlotAlign * kSlotAlign; }
 
+struct Op;
+// An endpoint failure, as the error handler reports it.
+struct EpFailure {
+  std::uint32_t conn;  // 0: upstream
+  std::uint64_t gen;   // upstream connection generation
+  ucs_status_t status;
+};
+// Where UCX callbacks file what happened, for the network thread. They run on
+// a worker's progress thread (threaded workers) or on the network thread
+// itself; `wake` tells the network thread.
+struct Sink {
+  std::mutex mu;
+  std::vector<Op*> completed;
+  std::vector<EpFailure> failures;
+  std::vector<ucp_conn_request_h> conns;
+  bool empty() {
+    std::lock_guard<std::mutex> g(mu);
+    return completed.empty() && failures.empty() && conns.empty();
+  }
+};
+
 // One UCX request and what the network thread needs to finish it.
 struct Op {
   enum Kind : std::uint8_t { kCtrlSend, kDataSend, kDataRecv, kCtrlRecv, kClose };
   Kind kind = kCtrlSend;
-  std::vector<Op*>* completed = nullptr;  // where the callback files it
+  Sink* sink = nullptr;  // where the callback files it
   ucp_worker_h worker = nullptr;
   void* req = nullptr;
   ucs_status_t status = UCS_INPROGRESS;
-  bool done = false;
+  std::atomic<bool> done{false};
   std::uint32_t conn = 0;  // downstream connection; 0: the upstream one
   std::uint64_t gen = 0;   // upstream connection generation
   int buf = -1;            // receive buffer
@@ -88,36 +109,33 @@ struct Op {
 
 void op_send_cb(void*, ucs_status_t st, void* user) {
   auto* op = static_cast<Op*>(user);
+  std::lock_guard<std::mutex> g(op->sink->mu);
   op->status = st;
-  op->done = true;
-  op->completed->push_back(op);
+  op->done.store(true, std::memory_order_release);
+  op->sink->completed.push_back(op);
 }
 void op_recv_cb(void*, ucs_status_t st, const ucp_tag_recv_info_t* info, void* user) {
   auto* op = static_cast<Op*>(user);
+  std::lock_guard<std::mutex> g(op->sink->mu);
   op->status = st;
   if (info) {
     op->length = info->length;
     op->sender_tag = info->sender_tag;
   }
-  op->done = true;
-  op->completed->push_back(op);
+  op->done.store(true, std::memory_order_release);
+  op->sink->completed.push_back(op);
 }
 
-// An endpoint failure, as the error handler reports it.
-struct EpFailure {
-  std::uint32_t conn;  // 0: upstream
-  std::uint64_t gen;   // upstream connection generation
-  ucs_status_t status;
-};
 // Every endpoint's error handler argument; freed after the endpoint.
 struct EpArg {
-  std::vector<EpFailure>* failures;
+  Sink* sink;
   std::uint32_t conn;
   std::uint64_t gen;
 };
 void ep_error_cb(void* arg, ucp_ep_h, ucs_status_t st) {
   auto* a = static_cast<EpArg*>(arg);
-  a->failures->push_back(EpFailure{a->conn, a->gen, st});
+  std::lock_guard<std::mutex> g(a->sink->mu);
+  a->sink->failures.push_back(EpFailure{a->conn, a->gen, st});
 }
 
 // A receive buffer of one chunk (middle and leaf nodes).
@@ -318,7 +336,8 @@ struct Relay::Impl {
   std::unique_ptr<ucx::Worker> lw;  // listener worker: downstream connections
   ucp_listener_h listener = nullptr;
   std::string listen_str;
-  std::vector<Op*> completed;
+  Sink sink;                   // what callbacks filed (any thread)
+  std::vector<Op*> completed;  // taken from the sink, being processed (network thread)
   std::unordered_map<Op*, std::unique_ptr<Op>> ops;
   std::vector<EpFailure> ep_failures;
   // Upstream workers of ended connections, kept until their requests finish.
@@ -329,6 +348,7 @@ struct Relay::Impl {
   };
   std::vector<Retired> retired;
   std::vector<ucp_conn_request_h> conn_requests;
+  bool kick_lw = false, kick_up = false;  // requests were posted: wake the worker's progress thread
   std::map<std::uint32_t, std::unique_ptr<Down>> downs;
   std::uint32_t next_conn = 1;
   bool lw_ctrl_busy = false;  // a control receive from a downstream is in flight
@@ -528,7 +548,7 @@ struct Relay::Impl {
   Op* new_op(Op::Kind k, ucp_worker_h w) {
     auto op = std::make_unique<Op>();
     op->kind = k;
-    op->completed = &completed;
+    op->sink = &sink;
     op->worker = w;
     Op* p = op.get();
     ops.emplace(p, std::move(op));
@@ -536,6 +556,8 @@ struct Relay::Impl {
   }
   // Files the result of an *_nbx call.
   void track(Op* op, ucs_status_ptr_t r) {
+    if (op->worker == (lw ? lw->get() : nullptr)) kick_lw = true;
+    else kick_up = true;
     if (UCS_PTR_IS_ERR(r) || r == nullptr) {
       if (!op->done) {
         op->status = r == nullptr ? UCS_OK : UCS_PTR_STATUS(r);
@@ -609,7 +631,9 @@ struct Relay::Impl {
   // ------------------------------------------------------------ listener side
 
   static void on_conn_request(ucp_conn_request_h req, void* arg) {
-    static_cast<Impl*>(arg)->conn_requests.push_back(req);
+    Impl* self = static_cast<Impl*>(arg);
+    std::lock_guard<std::mutex> g(self->sink.mu);
+    self->sink.conns.push_back(req);
   }
 
   void start_listener() {
@@ -652,7 +676,7 @@ struct Relay::Impl {
         ucp_listener_reject(listener, req);
         continue;
       }
-      d->arg = std::make_unique<EpArg>(EpArg{&ep_failures, d->id, 0});
+      d->arg = std::make_unique<EpArg>(EpArg{&sink, d->id, 0});
       ucp_ep_params_t ep{};
       ep.field_mask = UCP_EP_PARAM_FIELD_CONN_REQUEST | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
                       UCP_EP_PARAM_FIELD_ERR_HANDLER;
@@ -920,8 +944,8 @@ struct Relay::Impl {
       fail_upstream(e.what());  // a name that does not resolve yet (a Service being created): retry
       return;
     }
-    up.w = std::make_unique<ucx::Worker>(*ctx);
-    up.arg = std::make_unique<EpArg>(EpArg{&ep_failures, 0, up.gen});
+    up.w = new_worker();
+    up.arg = std::make_unique<EpArg>(EpArg{&sink, 0, up.gen});
     ucp_ep_params_t ep{};
     ep.field_mask = UCP_EP_PARAM_FIELD_FLAGS | UCP_EP_PARAM_FIELD_SOCK_ADDR | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
                     UCP_EP_PARAM_FIELD_ERR_HANDLER;
@@ -1006,6 +1030,7 @@ struct Relay::Impl {
       }
       if (busy) {
         log("an ended upstream connection still has requests after 10 s: leaving its UCX worker behind");
+        it->w->stop_progress();
         (void)it->w.release();
         (void)it->arg.release();
         for (auto& [p, op] : ops)
@@ -1398,8 +1423,20 @@ struct Relay::Impl {
     }
   }
 
+  // Moves what callbacks filed to the network thread's own lists.
+  void take_sink() {
+    std::lock_guard<std::mutex> g(sink.mu);
+    completed.insert(completed.end(), sink.completed.begin(), sink.completed.end());
+    sink.completed.clear();
+    ep_failures.insert(ep_failures.end(), sink.failures.begin(), sink.failures.end());
+    sink.failures.clear();
+    conn_requests.insert(conn_requests.end(), sink.conns.begin(), sink.conns.end());
+    sink.conns.clear();
+  }
   void process_completions() {
-    while (!completed.empty()) {
+    for (;;) {
+      take_sink();
+      if (completed.empty()) break;
       std::vector<Op*> list;
       list.swap(completed);
       for (Op* op : list) {
@@ -1418,6 +1455,7 @@ struct Relay::Impl {
   }
 
   void process_ep_failures() {
+    take_sink();
     auto list = std::move(ep_failures);
     ep_failures.clear();
     for (const EpFailure& f : list) {
@@ -1949,14 +1987,33 @@ struct Relay::Impl {
 
   // ------------------------------------------------------------ main loop
 
+  // A worker of its own for each direction; with progress threads, each is
+  // progressed by a thread of its own, which wakes this one.
+  std::unique_ptr<ucx::Worker> new_worker() {
+    auto w = std::make_unique<ucx::Worker>(*ctx, o.progress_threads);
+    if (w->threaded()) w->start_progress([this] { wake(); });
+    return w;
+  }
+  void check_workers() {
+    for (ucx::Worker* w : {lw.get(), up.w.get()})
+      if (w)
+        if (std::string f = w->failure(); !f.empty())
+          throw Error(Errc::kSystem, "UCX progress thread: " + f);
+  }
+  void kick_workers() {
+    if (kick_lw && lw) lw->kick();
+    if (kick_up && up.w) up.w->kick();
+    kick_lw = kick_up = false;
+  }
+
   void wait_events() {
     std::vector<pollfd> fds;
     fds.push_back({wake_fd, POLLIN, 0});
-    if (lw) {
+    if (lw && !lw->threaded()) {
       if (!lw->arm()) return;
       fds.push_back({lw->fd(), POLLIN, 0});
     }
-    if (up.w) {
+    if (up.w && !up.w->threaded()) {
       if (!up.w->arm()) return;
       fds.push_back({up.w->fd(), POLLIN, 0});
     }
@@ -1975,8 +2032,10 @@ struct Relay::Impl {
   void loop() {
     while (!stopping) {
       unsigned events = 0;
-      if (lw) events += lw->progress();
-      if (up.w) events += up.w->progress();
+      if (lw && !lw->threaded()) events += lw->progress();
+      if (up.w && !up.w->threaded()) events += up.w->progress();
+      check_workers();
+      take_sink();
       const bool had = !completed.empty() || !ep_failures.empty() || !conn_requests.empty();
       // Messages first: a refusal arrives just before the connection closes.
       probe_down_ctrl();
@@ -1999,7 +2058,8 @@ struct Relay::Impl {
       if (!retired.empty()) reap_retired();
       check_timers();
       write_status(false);
-      if (events == 0 && !had && completed.empty() && !(source && has_cmds())) wait_events();
+      kick_workers();
+      if (events == 0 && !had && completed.empty() && sink.empty() && !(source && has_cmds())) wait_events();
     }
   }
 
@@ -2058,6 +2118,8 @@ struct Relay::Impl {
     take_writer_returns();
     if (listener) ucp_listener_destroy(listener);
     listener = nullptr;
+    // No callback may run once the ops are gone.
+    if (lw) lw->stop_progress();
     // Requests of the listener worker still alive are UCX's to finish.
     for (auto& [p, op] : ops)
       if (op->done && op->req) ucp_request_free(op->req);
@@ -2073,7 +2135,7 @@ struct Relay::Impl {
   void run() {
     ctx = std::make_unique<ucx::Context>();
     if (!o.listen.empty()) {
-      lw = std::make_unique<ucx::Worker>(*ctx);
+      lw = new_worker();
       start_listener();
     }
     if (source) {

@@ -2,6 +2,9 @@
 
 #include <arpa/inet.h>
 #include <netdb.h>
+#include <poll.h>
+#include <sys/eventfd.h>
+#include <unistd.h>
 
 #include <cstring>
 
@@ -17,8 +20,9 @@ Context::Context() {
   ucp_config_t* config = nullptr;
   check(ucp_config_read(nullptr, nullptr, &config), "UCX configuration (UCX_* variables)");
   ucp_params_t p{};
-  p.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_NAME;
+  p.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_NAME | UCP_PARAM_FIELD_MT_WORKERS_SHARED;
   p.features = UCP_FEATURE_TAG | UCP_FEATURE_WAKEUP;
+  p.mt_workers_shared = 1;  // workers progressed by threads of their own
   p.name = "shmcast-relay";
   const ucs_status_t st = ucp_init(&p, config, &h_);
   ucp_config_release(config);
@@ -29,11 +33,16 @@ Context::~Context() {
   if (h_) ucp_cleanup(h_);
 }
 
-Worker::Worker(const Context& ctx) {
+Worker::Worker(const Context& ctx, bool threaded) : threaded_(threaded) {
   ucp_worker_params_t p{};
   p.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
-  p.thread_mode = UCS_THREAD_MODE_SINGLE;
+  p.thread_mode = threaded ? UCS_THREAD_MODE_MULTI : UCS_THREAD_MODE_SINGLE;
   check(ucp_worker_create(ctx.get(), &p, &h_), "ucp_worker_create");
+  if (threaded) {  // a UCX built without thread support gives a one-thread worker: progressed inline then
+    ucp_worker_attr_t a{};
+    a.field_mask = UCP_WORKER_ATTR_FIELD_THREAD_MODE;
+    threaded_ = ucp_worker_query(h_, &a) == UCS_OK && a.thread_mode == UCS_THREAD_MODE_MULTI;
+  }
   const ucs_status_t st = ucp_worker_get_efd(h_, &efd_);
   if (st != UCS_OK) {
     ucp_worker_destroy(h_);
@@ -43,8 +52,48 @@ Worker::Worker(const Context& ctx) {
 }
 
 Worker::~Worker() {
+  stop_progress();
+  if (stop_fd_ >= 0) ::close(stop_fd_);
   if (h_) ucp_worker_destroy(h_);
 }
+
+void Worker::start_progress(std::function<void()> on_events) {
+  if (!threaded_) throw Error(Errc::kInvalidArgument, "start_progress on a worker created for one thread");
+  if (t_.joinable()) return;
+  stop_fd_ = ::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+  if (stop_fd_ < 0) throw Error(Errc::kSystem, std::string("eventfd: ") + std::strerror(errno), errno);
+  t_ = std::thread([this, on_events = std::move(on_events)] {
+    try {
+      while (!stop_.load(std::memory_order_acquire)) {
+        if (progress() > 0) {
+          on_events();
+          continue;
+        }
+        if (!arm()) continue;
+        pollfd fds[2] = {{efd_, POLLIN, 0}, {stop_fd_, POLLIN, 0}};
+        ::poll(fds, 2, 100);
+      }
+    } catch (const std::exception& e) {
+      failure_ = e.what();
+      failed_.store(true, std::memory_order_release);
+      on_events();
+    }
+  });
+}
+
+void Worker::stop_progress() {
+  if (!t_.joinable()) return;
+  stop_.store(true, std::memory_order_release);
+  const std::uint64_t one = 1;
+  [[maybe_unused]] const ssize_t r = ::write(stop_fd_, &one, sizeof one);
+  t_.join();
+}
+
+void Worker::kick() {
+  if (t_.joinable()) (void)ucp_worker_signal(h_);
+}
+
+std::string Worker::failure() const { return failed_.load(std::memory_order_acquire) ? failure_ : std::string(); }
 
 unsigned Worker::progress() {
   unsigned total = 0;

@@ -1,13 +1,17 @@
 // Thin helpers over the UCP API: a context, workers with a wake-up file
-// descriptor, socket addresses and memory registration. Everything here is
-// called from the relay's network thread only.
+// descriptor (and, optionally, a progress thread of their own), socket
+// addresses and memory registration. Called from the relay's network thread,
+// except a threaded worker's own progress thread.
 #pragma once
 
 #include <sys/socket.h>
 #include <ucp/api/ucp.h>
 
+#include <atomic>
 #include <cstdint>
+#include <functional>
 #include <string>
+#include <thread>
 
 #include "shmcast/relay.hpp"
 
@@ -31,8 +35,9 @@ class Context {
 
 class Worker {
  public:
-  explicit Worker(const Context& ctx);
-  ~Worker();
+  // threaded: UCS_THREAD_MODE_MULTI, for start_progress().
+  explicit Worker(const Context& ctx, bool threaded = false);
+  ~Worker();  // stop_progress(), then destroys the worker
   Worker(const Worker&) = delete;
   Worker& operator=(const Worker&) = delete;
   ucp_worker_h get() const { return h_; }
@@ -43,9 +48,28 @@ class Worker {
   // are pending (progress again first).
   bool arm();
 
+  // Threaded workers: a thread that progresses the worker (sleeping on its
+  // fd when idle) and calls on_events() after every progress that ran
+  // something. With TCP, UCX copies to and from the sockets inside
+  // progress: this moves that work off the relay's network thread, one
+  // thread per worker (per direction on a middle relay). UCX callbacks then
+  // run on this thread. The network thread calls kick() after posting
+  // requests so that a sleeping progress thread picks them up.
+  void start_progress(std::function<void()> on_events);
+  void stop_progress();
+  void kick();
+  bool threaded() const { return threaded_; }
+  // The progress thread's error, if it stopped on one ("" otherwise).
+  std::string failure() const;
+
  private:
   ucp_worker_h h_ = nullptr;
   int efd_ = -1;
+  bool threaded_ = false;
+  int stop_fd_ = -1;
+  std::atomic<bool> stop_{false}, failed_{false};
+  std::string failure_;
+  std::thread t_;
 };
 
 // getaddrinfo for `a` (numeric or a name); passive: for a listener.

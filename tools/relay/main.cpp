@@ -61,7 +61,7 @@ int main(int argc, char** argv) {
   CLI::App app{"shmcast-relay: carry a region's syncs to other nodes over UCX (docs/relay.md)"};
   app.footer(kFooter);
   std::string region, from, listen, key_file, status, slot_bytes_s, frag_s = "1M", stall = "fail";
-  bool no_checksums = false, region_checksums = false, group_access = false;
+  bool no_checksums = false, region_checksums = false, group_access = false, inline_progress = false;
   std::uint32_t slots = 2, max_consumers = 8, buffers = 4;
   double consumer_timeout = 60, peer_timeout = 20, handshake_timeout = 10;
   app.add_option("region", region, "Region name (the same on every node)")->required();
@@ -73,6 +73,8 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(2, 1024));
   app.add_option("--fragment-bytes", frag_s,
                  "Source node: size of the messages a chunk travels in, a power of two from 64K to 2M (default 1M)");
+  app.add_flag("--no-progress-threads", inline_progress,
+               "Progress UCX on the relay's own thread instead of one thread per direction");
   app.add_option("--peer-timeout", peer_timeout, "Seconds a downstream may take no chunk before it is dropped")
       ->check(CLI::Range(0.1, 86400.0));
   app.add_option("--handshake-timeout", handshake_timeout, "Seconds for a connection's key handshake")
@@ -120,6 +122,7 @@ int main(int argc, char** argv) {
   try {
     if (!slot_bytes_s.empty()) o.region_options.slot_bytes = parse_size(slot_bytes_s);
     o.fragment_bytes = parse_size(frag_s);
+    o.progress_threads = !inline_progress;
     try {
       o.key = shmcast::relay::load_key(key_file);
     } catch (const shmcast::Error& e) {

@@ -69,6 +69,12 @@ struct RelayOptions {
   // flight on a link at once, and a relay forwards each one as soon as it
   // has it, before the rest of its chunk.
   std::uint64_t fragment_bytes = 1ull << 20;
+  // One thread per UCX worker progresses it (the upstream connection's and
+  // the downstream ones'), apart from the relay's own thread. Over TCP, UCX
+  // copies between the sockets and memory inside progress: a middle relay
+  // then receives and sends on two cores instead of one. False: the relay's
+  // network thread progresses both.
+  bool progress_threads = true;
   Duration handshake_timeout = std::chrono::seconds(10);
   // A downstream relay that takes no byte of a chunk for this long is
   // dropped (it rejoins at a later sync), so it cannot hold the others, nor
