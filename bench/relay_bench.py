@@ -20,7 +20,8 @@ UCX_TLS/UCX_NET_DEVICES as given (default: TCP over loopback):
    from the trainer's begin_sync to its worker's read_into returning
    (CLOCK_MONOTONIC, one clock for all processes); its rate is bytes / time.
 3. Per-hop costs besides the network (memcpy into the region, XXH3 of a
-   chunk), from ``shmcast-relay-bench-peer costs``.
+   chunk), and memcpy on up to 8 threads at once (the machine's memory
+   bandwidth for copies), from ``shmcast-relay-bench-peer costs``.
 
 Prints min/median/max of every figure and the ratios the issue asks for:
 2-node relay / perftest, and the last node of the N-node chain / 2-node.
@@ -292,11 +293,15 @@ def main():
     except OSError:
         pass
 
-    costs = subprocess.run([tools["peer"], "costs", "--bytes", str(args.chunk), "--reps", "20"],
+    threads = max(1, min(8, (os.cpu_count() or 2) // 2))
+    costs = subprocess.run([tools["peer"], "costs", "--bytes", str(args.chunk), "--reps", "20", "--threads", str(threads)],
                            capture_output=True, text=True, check=True)
     result["hop_costs"] = json.loads(costs.stdout)
     print(f"per-chunk costs ({args.chunk >> 20} MiB): memcpy {result['hop_costs']['memcpy_gbs']['median']:.2f} GB/s, "
           f"XXH3 {result['hop_costs']['xxh3_gbs']['median']:.2f} GB/s")
+    if "memcpy_all_threads_gbs" in result["hop_costs"]:
+        print(f"memcpy on {threads} threads at once ({args.chunk >> 20} MiB each): "
+              f"{result['hop_costs']['memcpy_all_threads_gbs']['median']:.2f} GB/s copied")
 
     result["perftest_runs"] = []
     for spec in args.perftest.split(","):

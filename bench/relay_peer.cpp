@@ -11,9 +11,12 @@
 //     reports "end v <ns>" when read_into() returned (the sync is in this
 //     process's memory), then checks every byte (after the timer) and
 //     reports "ok v" or "bad v <blocks>".
-//   costs --bytes S --reps R
+//   costs --bytes S --reps R [--threads T]
 //     what a relay does per received chunk besides the network: memcpy into
-//     the region and XXH3 of the chunk, on S-byte buffers; one JSON line.
+//     the region and XXH3 of the chunk, on S-byte buffers; with T > 1 also
+//     the machine's memory bandwidth for copies: T threads each copying its
+//     own S-byte buffers at once (bytes copied per second, all threads; the
+//     memory moves twice that). One JSON line.
 // CLOCK_MONOTONIC is one clock for every process of the machine.
 #include <unistd.h>
 #include <xxhash.h>
@@ -45,7 +48,7 @@ std::int64_t now_ns() {
 struct Args {
   std::string role, name, go, report;
   std::uint64_t bytes = 512ull << 20, slot_bytes = 32ull << 20, seed = 1, reps = 10;
-  int tensors = 16, syncs = 11;
+  int tensors = 16, syncs = 11, threads = 1;
 };
 
 void say(const Args& a, const std::string& line) {
@@ -139,10 +142,33 @@ int costs(const Args& a) {
   std::sort(cp.begin(), cp.end());
   std::sort(hs.begin(), hs.end());
   auto med = [](const std::vector<double>& v) { return v[v.size() / 2]; };
+  std::vector<double> par;
+  if (a.threads > 1) {
+    const auto T = static_cast<std::size_t>(a.threads);
+    std::vector<std::vector<std::byte>> s2(T), d2(T);
+    for (std::size_t t = 0; t < T; ++t) {
+      s2[t] = src;
+      d2[t].assign(a.bytes, std::byte{1});
+    }
+    for (std::uint64_t r = 0; r < a.reps; ++r) {
+      std::vector<std::thread> th;
+      const std::int64_t t0 = now_ns();
+      for (std::size_t t = 0; t < T; ++t)
+        th.emplace_back([&, t] { std::memcpy(d2[t].data(), s2[t].data(), a.bytes); });
+      for (auto& x : th) x.join();
+      const std::int64_t t1 = now_ns();
+      par.push_back(static_cast<double>(a.bytes * T) / static_cast<double>(t1 - t0));
+    }
+    std::sort(par.begin(), par.end());
+  }
   std::printf("{\"bytes\":%llu,\"reps\":%llu,\"memcpy_gbs\":{\"min\":%.3f,\"median\":%.3f,\"max\":%.3f},"
-              "\"xxh3_gbs\":{\"min\":%.3f,\"median\":%.3f,\"max\":%.3f}}\n",
+              "\"xxh3_gbs\":{\"min\":%.3f,\"median\":%.3f,\"max\":%.3f}",
               static_cast<unsigned long long>(a.bytes), static_cast<unsigned long long>(a.reps), cp.front(), med(cp),
               cp.back(), hs.front(), med(hs), hs.back());
+  if (!par.empty())
+    std::printf(",\"threads\":%d,\"memcpy_all_threads_gbs\":{\"min\":%.3f,\"median\":%.3f,\"max\":%.3f}", a.threads,
+                par.front(), med(par), par.back());
+  std::printf("}\n");
   return 0;
 }
 
@@ -167,6 +193,7 @@ int main(int argc, char** argv) {
     else if (k == "--go") a.go = v;
     else if (k == "--seed") a.seed = std::stoull(v);
     else if (k == "--reps") a.reps = std::stoull(v);
+    else if (k == "--threads") a.threads = std::max(1, std::stoi(v));
     else if (k == "--report") a.report = v;
     else {
       std::fprintf(stderr, "shmcast-relay-bench-peer: unknown option %s\n", k.c_str());
