@@ -507,7 +507,10 @@ void ConsumerRing::release(std::uint64_t seq) {
     unhold();
     return;
   }
-  v_->seat(static_cast<std::uint32_t>(seat_)).released_seq.store(seq, std::memory_order_release);
+  std::atomic<std::uint64_t>& rel = v_->seat(static_cast<std::uint32_t>(seat_)).released_seq;
+  std::uint64_t cur = rel.load(std::memory_order_relaxed);
+  while (cur < seq && !rel.compare_exchange_weak(cur, seq, std::memory_order_release, std::memory_order_relaxed)) {
+  }
   ring(v_->header().release);
 }
 

@@ -276,7 +276,9 @@ class ConsumerRing {
   // After reading a slot: true when it still holds `seq` and this consumer
   // still owns its seat (so what was read is what was published).
   bool still_valid(std::uint32_t slot, std::uint64_t seq) const;
-  // Releases chunks <= seq (store regions: drops the hold).
+  // Releases chunks <= seq (store regions: drops the hold). Cumulative and
+  // monotone: released_seq never goes down, whichever thread calls it with
+  // whichever seq (a completion thread and the reader's error path may race).
   void release(std::uint64_t seq);
   void set_error(Errc code, const std::string& text);
 

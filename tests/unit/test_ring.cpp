@@ -195,3 +195,14 @@ TEST(Ring, OverwriteDuringTheCopyIsDetected) {
   r.releaser(range, &broken)();
   EXPECT_TRUE(broken.load());
 }
+
+// released_seq never goes down: a late completion releasing less than the
+// reader's error path already released leaves it alone.
+TEST(Ring, ReleaseIsMonotone) {
+  RingFixture fx(2);
+  fx.cons->release(7);
+  fx.cons->release(3);
+  EXPECT_EQ(fx.cview.seat(0).released_seq.load(), 7u);
+  fx.cons->release(9);
+  EXPECT_EQ(fx.cview.seat(0).released_seq.load(), 9u);
+}
