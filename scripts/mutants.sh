@@ -115,10 +115,10 @@ EOF
     release_early)
       M_WHAT="a consumer releases a slot when the reader (ChunkReader::next) hands out its last range, before copying it out"
       M_FILE=lib/src/ring.cpp
-      M_OLD='  *out = Range{data + have_, j * S_ + have_, rank, bytes - have_, true, seq, w.slot};'
+      M_OLD='  *out = Range{data + have, j * S_ + have, rank, bytes - have, true, seq, w.wait.slot};'
       M_NEW=$(cat <<'EOF'
   ring_->release(seq);  // MUTANT release_early: the producer may refill the slot while it is copied out
-  *out = Range{data + have_, j * S_ + have_, rank, bytes - have_, true, seq, w.slot};
+  *out = Range{data + have, j * S_ + have, rank, bytes - have, true, seq, w.wait.slot};
 EOF
 )
       ;;

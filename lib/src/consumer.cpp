@@ -84,12 +84,15 @@ struct Consumer::Impl {
     state = State::kIdle;
   }
 
-  // Runs `per_range(data, start, bytes)` over the sync's bytes in stream
-  // order (data points at stream byte `start`), chunk by chunk, then hands
-  // each chunk's release to `engine`. With `follow`, a chunk is handed over
-  // in several ranges as the producer fills it (host copies without
-  // checksums), so the consumer copies bytes while they are still in the
-  // CPU cache.
+  // Runs `per_range(data, rank, start, bytes)` over the sync's bytes (data
+  // points at byte `start` of rank `rank`'s sub-stream), chunk by chunk, then
+  // hands each chunk's releaser to `engine`. Each rank's bytes come in its
+  // sub-stream's order; with several ranks, the ranks' chunks come in the
+  // order they are ready, not in seq order (ChunkReader), and the releasers
+  // may run in any order: the reader releases the copied prefix. With
+  // `follow`, a chunk is handed over in several ranges as the producer fills
+  // it (host copies without checksums), so the consumer copies bytes while
+  // they are still in the CPU cache.
   template <class F>
   void for_each_chunk(ConsumerEngine& engine, F&& per_range, bool follow = false) {
     require_open();

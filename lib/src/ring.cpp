@@ -415,26 +415,61 @@ void ConsumerRing::ack(std::uint64_t version) {
 
 ConsumerRing::ChunkWait ConsumerRing::wait_chunk(std::uint64_t seq, std::uint64_t version, std::uint64_t expect_bytes,
                                                  std::int64_t deadline_ns, bool follow, std::uint64_t have, int writer) {
+  const Candidate one{seq, expect_bytes, have, writer};
+  return wait_any(version, deadline_ns, follow, [&](std::vector<Candidate>* out) { out->assign(1, one); }).wait;
+}
+
+ConsumerRing::AnyWait ConsumerRing::wait_any(std::uint64_t version, std::int64_t deadline_ns, bool follow,
+                                             const CandidateList& list) {
   Header& h = v_->header();
-  const SlotDesc& fill = v_->slot(v_->slot_of(seq));
+  std::vector<Candidate> cands;
   // Published: the slot holds chunk seq (ranks publish out of order, so the
   // slot, not published_seq, tells).
-  auto published = [&] { return fill.seq.load(std::memory_order_acquire) == seq; };
+  auto published = [&](const Candidate& c) {
+    return v_->slot(v_->slot_of(c.seq)).seq.load(std::memory_order_acquire) == c.seq;
+  };
   // Final bytes of a chunk still being filled, beyond what the caller has.
-  auto more_filled = [&]() -> std::uint64_t {
-    if (!follow || fill.fill_seq.load(std::memory_order_acquire) != seq) return 0;
+  auto more_filled = [&](const Candidate& c) -> std::uint64_t {
+    const SlotDesc& fill = v_->slot(v_->slot_of(c.seq));
+    if (!follow || fill.fill_seq.load(std::memory_order_acquire) != c.seq) return 0;
     std::uint64_t f = fill.filled.load(std::memory_order_acquire);
-    if (f > expect_bytes) f = expect_bytes;  // untrusted: never past the chunk
-    return f > have ? f : 0;
+    if (f > c.expect_bytes) f = c.expect_bytes;  // untrusted: never past the chunk
+    return f > c.have ? f : 0;
+  };
+  // The ready candidate with the lowest seq (published, or grown), asking
+  // the caller for its list again.
+  struct Pick {
+    bool found = false, published = false;
+    Candidate c{};
+    std::uint64_t final_bytes = 0;
+  };
+  auto pick = [&]() -> Pick {
+    list(&cands);
+    Pick p;
+    for (const Candidate& c : cands) {
+      if (!c.readable || (p.found && c.seq >= p.c.seq)) continue;
+      if (published(c)) {
+        p = Pick{true, true, c, c.expect_bytes};
+      } else if (const std::uint64_t f = more_filled(c); f != 0) {
+        p = Pick{true, false, c, f};
+      }
+    }
+    return p;
+  };
+  auto any_published = [&] {
+    list(&cands);
+    for (const Candidate& c : cands)
+      if (c.readable && published(c)) return true;
+    return false;
   };
   // Throws when the producer gave up on sync `version`: it aborted it, or it
   // has announced a newer sync since (only after publishing every chunk of
-  // this one or aborting it), so chunk `seq` will never come.
+  // this one or aborting it), so the chunks waited for will never come.
   auto check_abandoned = [&] {
     // version is read first (acquire): a newer value makes every chunk the
     // producer published before announcing it visible to the re-check.
     const std::uint64_t current = h.sync.version.load(std::memory_order_acquire);
-    if (published()) return;
+    if (any_published()) return;
     if (current > version || (current == version && h.sync.aborted.load(std::memory_order_acquire) != 0))
       throw Error(Errc::kAborted, std::string("the producer aborted sync ") + std::to_string(version) + ": " +
                                       read_error_text(h.error_text));
@@ -443,40 +478,52 @@ ConsumerRing::ChunkWait ConsumerRing::wait_chunk(std::uint64_t seq, std::uint64_
                                       std::to_string(current) + ": the region is corrupt");
   };
   auto ready = [&] {
-    return published() || more_filled() != 0 ||
-           h.sync.aborted.load(std::memory_order_acquire) != 0 ||
+    return pick().found || h.sync.aborted.load(std::memory_order_acquire) != 0 ||
            h.sync.version.load(std::memory_order_acquire) != version ||
            seat_state(v_->seat(static_cast<std::uint32_t>(seat_)).word.load(std::memory_order_acquire)) != kSeatActive;
   };
+  Pick got;
   for (;;) {
     const WaitResult r = wait_until(h.publish, ready, deadline_ns, kLivenessPollNs);
     check_seat();
-    if (published()) break;
-    if (const std::uint64_t f = more_filled(); f != 0) return {v_->slot_of(seq), false, f};
+    if (got = pick(); got.found) break;
     check_abandoned();
     try {
       check_producer(true);
-      if (writer > 0 && rank_dead(*v_, static_cast<std::uint32_t>(writer)))
-        throw Error(Errc::kPeerDied, rank_who(*v_, static_cast<std::uint32_t>(writer)) +
-                                         " died in the middle of sync " + std::to_string(version) +
-                                         ": the sync is lost; wait for the trainer to restart and open the region again");
+      // Every rank that still owes a chunk (list() was called last by
+      // check_abandoned: cands is current).
+      for (const Candidate& c : cands)
+        if (c.writer > 0 && rank_dead(*v_, static_cast<std::uint32_t>(c.writer)))
+          throw Error(Errc::kPeerDied, rank_who(*v_, static_cast<std::uint32_t>(c.writer)) +
+                                           " died in the middle of sync " + std::to_string(version) +
+                                           ": the sync is lost; wait for the trainer to restart and open the region "
+                                           "again");
     } catch (const Error&) {
       // Published, then the producer died, between the wait and the check.
-      if (published()) break;
+      if (got = pick(); got.found && got.published) break;
       throw;
     }
     if (h.init_state.load(std::memory_order_acquire) == kInitClosed)
       throw Error(Errc::kClosed, "the producer closed the region in the middle of sync " + std::to_string(version));
     // ready() may hold without any of the above (hostile bytes): the
     // deadline, not the wait result, ends the loop.
-    if (r == WaitResult::kTimeout || mono_ns() >= deadline_ns)
-      throw Error(Errc::kTimeout, "chunk " + std::to_string(seq) + " of sync " + std::to_string(version) +
-                                      " did not arrive in time; the producer is alive but stalled");
+    if (r == WaitResult::kTimeout || mono_ns() >= deadline_ns) {
+      std::string which;
+      int n = 0;
+      for (const Candidate& c : cands)
+        if (c.readable) which += (n++ == 0 ? "" : ", ") + std::to_string(c.seq);
+      throw Error(Errc::kTimeout,
+                  (n == 0 ? std::string("no chunk") : (n == 1 ? "chunk " : "chunks ") + which) +
+                      " of sync " + std::to_string(version) +
+                      " did not arrive in time; the producer is alive but stalled");
+    }
   }
+  const std::uint64_t seq = got.c.seq;
   const std::uint32_t k = v_->slot_of(seq);
+  if (!got.published) return {got.c, {k, false, got.final_bytes}};
   const SlotDesc& d = v_->slot(k);
-  const std::uint64_t got = d.seq.load(std::memory_order_acquire);
-  if (got != seq) {
+  const std::uint64_t seen = d.seq.load(std::memory_order_acquire);
+  if (seen != seq) {
     check_seat();
     // An aborted sync's unpublished chunks are skipped: the next sync's
     // chunks raise published_seq past them without ever filling them.
@@ -484,15 +531,16 @@ ConsumerRing::ChunkWait ConsumerRing::wait_chunk(std::uint64_t seq, std::uint64_
     if (current > version || (current == version && h.sync.aborted.load(std::memory_order_acquire) != 0))
       throw Error(Errc::kAborted, "the producer abandoned sync " + std::to_string(version) + " before chunk " +
                                       std::to_string(seq) + " was published");
-    throw Error(Errc::kCorrupt, "slot " + std::to_string(k) + " holds chunk " + std::to_string(got) + ", expected " +
+    throw Error(Errc::kCorrupt, "slot " + std::to_string(k) + " holds chunk " + std::to_string(seen) + ", expected " +
                                     std::to_string(seq) + ": the region is corrupt or was overwritten");
   }
-  if (d.version.load(std::memory_order_relaxed) != version || d.bytes.load(std::memory_order_relaxed) != expect_bytes)
+  if (d.version.load(std::memory_order_relaxed) != version ||
+      d.bytes.load(std::memory_order_relaxed) != got.c.expect_bytes)
     throw Error(Errc::kCorrupt, "slot " + std::to_string(k) + " descriptor disagrees with the manifest (version " +
                                     std::to_string(d.version.load()) + ", " + std::to_string(d.bytes.load()) +
                                     " bytes; expected " + std::to_string(version) + ", " +
-                                    std::to_string(expect_bytes) + ")");
-  return {k, true, expect_bytes};
+                                    std::to_string(got.c.expect_bytes) + ")");
+  return {got.c, {k, true, got.c.expect_bytes}};
 }
 
 bool ConsumerRing::still_valid(std::uint32_t slot, std::uint64_t seq) const {
@@ -507,7 +555,10 @@ void ConsumerRing::release(std::uint64_t seq) {
     unhold();
     return;
   }
-  v_->seat(static_cast<std::uint32_t>(seat_)).released_seq.store(seq, std::memory_order_release);
+  std::atomic<std::uint64_t>& rel = v_->seat(static_cast<std::uint32_t>(seat_)).released_seq;
+  std::uint64_t cur = rel.load(std::memory_order_relaxed);
+  while (cur < seq && !rel.compare_exchange_weak(cur, seq, std::memory_order_release, std::memory_order_relaxed)) {
+  }
   ring(v_->header().release);
 }
 
@@ -614,38 +665,86 @@ ChunkReader::ChunkReader(ConsumerRing* ring, RegionView* view, std::uint64_t ver
       first_seq_(first_seq),
       chunks_(chunks),
       S_(view->geo().slot_bytes),
+      K_(view->geo().slot_count),
       rank_bytes_(std::move(rank_bytes)),
       follow_(follow),
       verify_(verify_checksums),
-      timeout_ns_(chunk_timeout_ns) {}
+      timeout_ns_(chunk_timeout_ns),
+      R_(rank_bytes_.empty() ? 1 : rank_bytes_.size()),
+      per_rank_(chunks_ / R_),
+      next_j_(R_, 0),
+      have_(R_, 0),
+      prefix_(std::make_shared<Prefix>()) {
+  if (rank_bytes_.empty() || chunks_ % R_ != 0)
+    throw Error(Errc::kCorrupt, "sync " + std::to_string(version) + " has " + std::to_string(chunks_) +
+                                    " chunks, not a multiple of its " + std::to_string(rank_bytes_.size()) + " ranks");
+  prefix_->copied.assign(K_, 0);
+  prefix_->seq.store(first_seq_ - 1, std::memory_order_relaxed);
+  prefix_->last = first_seq_ + chunks_ - 1;
+}
+
+std::uint64_t ChunkReader::released() const { return prefix_->seq.load(std::memory_order_acquire); }
+
+void ChunkReader::Prefix::copied_chunk(ConsumerRing* ring, std::uint64_t s) {
+  std::lock_guard<std::mutex> g(mu);
+  std::uint64_t p = seq.load(std::memory_order_relaxed);
+  const std::uint64_t k = copied.size();
+  // The reader hands out only chunks in (p, p + k]: each has its own entry.
+  if (s <= p || s - p > k) return;
+  copied[s % k] = 1;
+  const std::uint64_t was = p;
+  while (p < last && copied[(p + 1) % k] != 0) {
+    copied[(p + 1) % k] = 0;
+    ++p;
+  }
+  if (p == was) return;
+  // The reader's window first, then the seat: a reader woken by the chunk
+  // the producer writes into the freed slot (after it saw the seat) sees
+  // the wider window.
+  seq.store(p, std::memory_order_release);
+  ring->release(p);
+}
 
 bool ChunkReader::next(Range* out) {
-  if (c_ >= chunks_) return false;
-  const std::uint64_t seq = first_seq_ + c_;
-  const auto R = static_cast<std::uint64_t>(rank_bytes_.size());
-  const auto rank = static_cast<std::uint32_t>(c_ % R);
-  const std::uint64_t j = c_ / R;  // the rank's chunk
-  const std::uint64_t bytes = chunk_len(j, rank_bytes_[rank], S_);
-  if (have_ == 0) deadline_ = mono_ns() + timeout_ns_;
-  const ConsumerRing::ChunkWait w =
-      ring_->wait_chunk(seq, version_, bytes, deadline_, follow_, have_, R > 1 ? static_cast<int>(rank) : -1);
-  const std::byte* data = v_->slot_data(w.slot);
-  if (!w.published) {
-    *out = Range{data + have_, j * S_ + have_, rank, w.final_bytes - have_, false, seq, w.slot};
-    have_ = w.final_bytes;
+  if (handed_ >= chunks_) return false;
+  // Every rank's next chunk; readable when the ring can hold it for us:
+  // seq <= released + K (a later chunk's slot still holds one of ours,
+  // which the producer may not refill). A chunk partly handed out (follow)
+  // stays its rank's candidate until it is published.
+  auto list = [this](std::vector<ConsumerRing::Candidate>* c) {
+    c->clear();
+    const std::uint64_t limit = prefix_->seq.load(std::memory_order_acquire) + K_;
+    for (std::uint64_t r = 0; r < R_; ++r) {
+      const std::uint64_t j = next_j_[r];
+      if (j >= per_rank_) continue;
+      const std::uint64_t seq = first_seq_ + j * R_ + r;
+      c->push_back({seq, chunk_len(j, rank_bytes_[r], S_), have_[r], R_ > 1 ? static_cast<int>(r) : -1, seq <= limit});
+    }
+  };
+  const ConsumerRing::AnyWait w = ring_->wait_any(version_, mono_ns() + timeout_ns_, follow_, list);
+  const std::uint64_t seq = w.chosen.seq;
+  const auto rank = static_cast<std::uint32_t>((seq - first_seq_) % R_);
+  const std::uint64_t j = (seq - first_seq_) / R_;  // the rank's chunk
+  const std::uint64_t bytes = w.chosen.expect_bytes;
+  std::uint64_t& have = have_[rank];
+  const std::byte* data = v_->slot_data(w.wait.slot);
+  if (!w.wait.published) {
+    *out = Range{data + have, j * S_ + have, rank, w.wait.final_bytes - have, false, seq, w.wait.slot};
+    have = w.wait.final_bytes;
     return true;
   }
   if (verify_) {
-    const std::uint64_t want = v_->slot(w.slot).checksum.load(std::memory_order_relaxed);
+    const std::uint64_t want = v_->slot(w.wait.slot).checksum.load(std::memory_order_relaxed);
     if (XXH3_64bits(data, bytes) != want) {
-      if (!ring_->still_valid(w.slot, seq)) ring_->check_seat();
+      if (!ring_->still_valid(w.wait.slot, seq)) ring_->check_seat();
       throw Error(Errc::kChecksum, "chunk " + std::to_string(seq) + " of sync " + std::to_string(version_) +
                                        " fails its checksum: its bytes changed between producer and consumer");
     }
   }
-  *out = Range{data + have_, j * S_ + have_, rank, bytes - have_, true, seq, w.slot};
-  ++c_;
-  have_ = 0;
+  *out = Range{data + have, j * S_ + have, rank, bytes - have, true, seq, w.wait.slot};
+  ++next_j_[rank];
+  have = 0;
+  ++handed_;
   return true;
 }
 
@@ -653,9 +752,10 @@ std::function<void()> ChunkReader::releaser(const Range& r, std::atomic<bool>* b
   ConsumerRing* ring = ring_;
   const std::uint32_t k = r.slot;
   const std::uint64_t seq = r.seq;
-  return [ring, k, seq, broken] {
+  std::shared_ptr<Prefix> prefix = prefix_;
+  return [ring, k, seq, broken, prefix] {
     if (!ring->still_valid(k, seq)) broken->store(true, std::memory_order_relaxed);
-    ring->release(seq);
+    prefix->copied_chunk(ring, seq);
   };
 }
 

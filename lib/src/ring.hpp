@@ -11,6 +11,8 @@
 #include <atomic>
 #include <cstdint>
 #include <functional>
+#include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -273,10 +275,40 @@ class ConsumerRing {
   // checked for death while waiting; -1 for a one-rank producer.
   ChunkWait wait_chunk(std::uint64_t seq, std::uint64_t version, std::uint64_t expect_bytes, std::int64_t deadline_ns,
                        bool follow, std::uint64_t have, int writer = -1);
+  // A chunk a reader may take next: chunk `seq` of `expect_bytes`, of which
+  // `have` were handed out already (follow), written by producer rank
+  // `writer` (-1: a one-rank producer). `readable` false: a chunk the ring
+  // cannot hold for this reader yet (past its window); it is never looked
+  // at, only its writer is watched (a dead writer that still owes a chunk
+  // has lost the sync).
+  struct Candidate {
+    std::uint64_t seq;
+    std::uint64_t expect_bytes;
+    std::uint64_t have;
+    int writer;
+    bool readable = true;
+  };
+  using CandidateList = std::function<void(std::vector<Candidate>*)>;
+  struct AnyWait {
+    Candidate chosen;
+    ChunkWait wait;
+  };
+  // Waits, on the publish bell and without spinning past the bell's short
+  // spin, until one of the readable chunks `list` names is published or,
+  // with `follow`, has more than `have` bytes final; of those ready at once,
+  // the lowest seq. `list` is called again at every check (a release from a
+  // completion thread may have widened the caller's window) and may be
+  // empty for a while (every chunk the caller may see is being copied).
+  // Every writer named is checked for death at each liveness check;
+  // Aborted, PeerDied, Closed, Timeout (at `deadline_ns`) and the slot
+  // descriptor checks are wait_chunk's.
+  AnyWait wait_any(std::uint64_t version, std::int64_t deadline_ns, bool follow, const CandidateList& list);
   // After reading a slot: true when it still holds `seq` and this consumer
   // still owns its seat (so what was read is what was published).
   bool still_valid(std::uint32_t slot, std::uint64_t seq) const;
-  // Releases chunks <= seq (store regions: drops the hold).
+  // Releases chunks <= seq (store regions: drops the hold). Cumulative and
+  // monotone: released_seq never goes down, whichever thread calls it with
+  // whichever seq (a completion thread and the reader's error path may race).
   void release(std::uint64_t seq);
   void set_error(Errc code, const std::string& text);
 
@@ -291,13 +323,40 @@ class ConsumerRing {
   std::uint64_t gen_ = 0;
 };
 
-// Consumer side of one sync's chunk stream: waits for each chunk in order
-// and hands out its final bytes as ranges, checking the slot descriptor and
-// the checksum (when present) before the last range of a chunk. With
-// `follow`, a chunk being filled is handed out in several ranges as the
-// producer marks bytes final (host copies, no checksum). After the bytes of a
-// chunk's last range are copied, the caller runs releaser(): it releases the
-// slot, and flags `broken` when the slot was overwritten during the copy.
+// Consumer side of one sync's chunk stream: hands out the bytes of chunks as
+// they become ready, as ranges, checking the slot descriptor and the
+// checksum (when present) before the last range of a chunk. With `follow`, a
+// chunk being filled is handed out in several ranges as the producer marks
+// bytes final (host copies, no checksum). After the bytes of a chunk's last
+// range are copied, the caller runs releaser(): it flags `broken` when the
+// slot was overwritten during the copy and marks the chunk copied.
+//
+// Reading order. Each rank's chunks are handed out in that rank's order
+// (rank r's chunk j before its chunk j + 1), but the ranks are not waited
+// for in turn: of the ranks' next chunks, the reader takes whichever is
+// ready first (the lowest seq when several are), so one rank's late chunk
+// does not hold up another's published ones. Looking further into one
+// rank's chunks would gain nothing: a rank publishes its chunks in order
+// (ChunkWriter hands the publishes over in order; the CUDA engine runs them
+// in order on one callback stream), and the caller's piece cursors walk
+// each sub-stream forwards. The reader only looks at chunks the ring can
+// hold for it: seq <= released + slots, where `released` is what this
+// reader has released; a later chunk's slot still holds one of ours, which
+// the producer may not refill. With `follow`, a chunk partly handed out
+// stays its rank's candidate, and another rank's chunk may come between its
+// parts. Each wait lasts at most the chunk timeout, from the call to next()
+// that waits: Timeout when none of the chunks waited for arrives (or, with
+// `follow`, grows) by then.
+//
+// Releasing. The seat's released_seq is cumulative (every chunk <= it is
+// released), so it only advances over the prefix of chunks whose copies are
+// complete: a chunk copied out of order waits, still held, until every
+// chunk before it is copied too. The releasers may run in any order and on
+// any thread (CUDA completions); the prefix is kept under a mutex.
+//
+// With one rank there is one candidate, the next chunk: the order is the
+// ring's sequence order (out of order would gain nothing, for the reason
+// above), and no chunk is released out of order.
 class ChunkReader {
  public:
   struct Range {
@@ -310,25 +369,41 @@ class ChunkReader {
     std::uint32_t slot;
   };
   // `rank_bytes`: each producer rank's sub-stream length (one entry: a
-  // one-rank producer whose stream is its sub-stream).
+  // one-rank producer whose stream is its sub-stream). `chunks` is a
+  // multiple of the rank count (R times the chunks of the longest sub-stream).
   ChunkReader(ConsumerRing* ring, RegionView* view, std::uint64_t version, std::uint64_t first_seq,
               std::uint64_t chunks, std::vector<std::uint64_t> rank_bytes, bool follow, bool verify_checksums,
               std::int64_t chunk_timeout_ns);
   // The next range, or false when every chunk was handed out. Throws the
   // ring's errors (Aborted, PeerDied, Timeout, Corrupt, Checksum, ...).
   bool next(Range* out);
+  // Runs after the copies out of the chunk of `r` (a last range) complete.
   std::function<void()> releaser(const Range& r, std::atomic<bool>* broken) const;
+  // Chunks <= this seq are copied and released (first_seq - 1 at first).
+  std::uint64_t released() const;
 
  private:
+  // The released prefix, shared with the releasers (which may outlive the
+  // reader on a completion thread).
+  struct Prefix {
+    std::mutex mu;
+    std::vector<std::uint8_t> copied;      // by seq % slots: copied, not yet released
+    std::atomic<std::uint64_t> seq{0};     // every chunk <= seq is released
+    std::uint64_t last = 0;                // the sync's last chunk
+    void copied_chunk(ConsumerRing* ring, std::uint64_t s);
+  };
+
   ConsumerRing* ring_;
   RegionView* v_;
-  std::uint64_t version_, first_seq_, chunks_, S_;
+  std::uint64_t version_, first_seq_, chunks_, S_, K_;
   std::vector<std::uint64_t> rank_bytes_;
   bool follow_, verify_;
   std::int64_t timeout_ns_;
-  std::uint64_t c_ = 0;      // chunk being handed out
-  std::uint64_t have_ = 0;   // bytes of it handed out so far
-  std::int64_t deadline_ = 0;
+  std::uint64_t R_, per_rank_;
+  std::vector<std::uint64_t> next_j_;  // per rank: its next chunk to hand out
+  std::vector<std::uint64_t> have_;    // per rank: bytes of that chunk handed out so far
+  std::uint64_t handed_ = 0;           // chunks handed out whole
+  std::shared_ptr<Prefix> prefix_;
 };
 
 }  // namespace shmcast::detail

@@ -1,15 +1,22 @@
 // Sharded syncs: R producer ranks (separate processes) write one sync, each
 // its own pieces; consumers read whole tensors or slices, bit-exact against
 // the logical tensors. Faults: a rank killed mid-sync, a rank that never
-// arrives, pieces that do not tile a tensor.
+// arrives, pieces that do not tile a tensor. A late rank: consumers read the
+// other rank's published chunks meanwhile (out of order), with checksums,
+// with a killed rank.
+#include <fcntl.h>
 #include <gtest/gtest.h>
+#include <poll.h>
 #include <signal.h>
+#include <sys/mman.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <cstring>
 #include <memory>
 
+#include "layout.hpp"
 #include "shmcast/shmcast.hpp"
 #include "support.hpp"
 
@@ -400,4 +407,359 @@ TEST(Sharded, ALocalBeginSyncFailureKeepsTheRanksInStep) {
       else
         EXPECT_EQ(rc, invalid) << "sync " << s << " rank " << r;
     }
+}
+
+// ---------------------------------------------------------------- a late rank
+//
+// Two ranks, four slots of 2 MiB. Rank 0 begins the sync and then writes
+// nothing (so publishes nothing: its first chunk, seq 1, is late) until it
+// is told that a consumer has read rank 1's first two chunks (seq 2 and 4),
+// which are published meanwhile. A consumer that walks the ring in seq
+// order waits for seq 1 and never gets there: rank 0 gives up waiting after
+// 10 s (exit 70) and writes anyway, and the consumer then sees rank 0's
+// pieces first (exit 71). Rank 1's third chunk (seq 6, slot 1) waits for the
+// consumers to release seq 2, which the cumulative release does only after
+// seq 1: the sync completes only once rank 0 writes.
+
+namespace {
+
+// A pipe between forked processes; one byte, one message.
+struct Pipe {
+  int fd[2] = {-1, -1};
+  Pipe() {
+    if (::pipe(fd) != 0) fd[0] = fd[1] = -1;
+  }
+  ~Pipe() {
+    for (int f : fd)
+      if (f >= 0) ::close(f);
+  }
+  Pipe(const Pipe&) = delete;
+  Pipe& operator=(const Pipe&) = delete;
+  void send(int c) {
+    const char b = static_cast<char>(c);
+    if (::write(fd[1], &b, 1) != 1) std::fprintf(stderr, "pipe write: %s\n", std::strerror(errno));
+  }
+  // The next byte, or -1 when none comes within `timeout`.
+  int receive(std::chrono::milliseconds timeout) {
+    const auto end = std::chrono::steady_clock::now() + timeout;
+    for (;;) {
+      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(end - std::chrono::steady_clock::now());
+      if (left.count() < 0) return -1;
+      pollfd p{fd[0], POLLIN, 0};
+      const int n = ::poll(&p, 1, static_cast<int>(left.count()));
+      if (n == 0) return -1;
+      if (n < 0) {
+        if (errno == EINTR) continue;
+        return -1;
+      }
+      unsigned char b = 0;
+      return ::read(fd[0], &b, 1) == 1 ? b : -1;
+    }
+  }
+};
+
+struct LateDef {
+  std::string name;
+  DType dt;
+  std::vector<std::int64_t> shape;
+  int shard_dim;        // -1: whole, owned by `owner`
+  std::int64_t split;   // rank 0's rows [0, split) along shard_dim, rank 1's the rest
+  int owner;
+};
+
+constexpr std::int64_t kLateRow = 1024;  // bytes of a row of "w"
+
+// `rank1_rows` rows of "w" (1 KiB each) are rank 1's; rank 0 has 4000 (3.9
+// MiB: two chunks). Uneven shards along dim 0 and dim 1, and whole tensors
+// of each rank.
+std::vector<LateDef> late_model(std::int64_t rank1_rows) {
+  return {
+      {"w", DType::kF32, {4000 + rank1_rows, kLateRow / 4}, 0, 4000, 0},
+      {"x", DType::kF32, {6, 10}, 1, 7, 0},
+      {"r0", DType::kU8, {1000}, -1, 0, 0},
+      {"r1", DType::kBF16, {1500}, -1, 0, 1},
+  };
+}
+
+std::vector<std::uint8_t> late_full(const LateDef& t, std::size_t index) {
+  std::vector<std::uint8_t> v(numel(t.shape) * esize(t.dt));
+  fill_pattern(v.data(), v.size(), seed_of(1, index));
+  return v;
+}
+
+struct LateRank {
+  std::vector<TensorSpec> specs;
+  std::vector<std::vector<std::uint8_t>> data;
+  LateRank(const std::vector<LateDef>& m, int r) {
+    for (std::size_t i = 0; i < m.size(); ++i) {
+      const LateDef& t = m[i];
+      TensorSpec s{t.name, t.dt, t.shape};
+      const auto full = late_full(t, i);
+      if (t.shard_dim < 0) {
+        if (t.owner != r) continue;
+        data.push_back(full);
+      } else {
+        const std::int64_t n = t.shape[static_cast<std::size_t>(t.shard_dim)];
+        s.shard_dim = t.shard_dim;
+        s.shard_start = r == 0 ? 0 : t.split;
+        s.shard_length = r == 0 ? t.split : n - t.split;
+        data.push_back(slice(full, t.shape, esize(t.dt), t.shard_dim, s.shard_start, s.shard_length));
+      }
+      specs.push_back(s);
+    }
+  }
+};
+
+// Rank r of 2 writes sync 1. `go`, when given, is waited for (at most 10 s)
+// after begin_sync and before the first byte: exit 70 when it never came.
+// `after_write` runs once every piece is written (its chunks published).
+int late_rank(const std::string& name, int r, const std::vector<LateDef>& m, bool checksums, int consumers,
+              const std::function<bool()>& go, const std::function<void()>& after_write = {}) {
+  ProducerOptions o = rank_opts(r, 2);
+  o.checksums = checksums;
+  Producer p = Producer::create(name, o);
+  if (r == 0) p.wait_for_consumers(static_cast<std::uint32_t>(consumers), 20s);
+  LateRank lr(m, r);
+  if (p.begin_sync(lr.specs) != 1) return 10;
+  int rc = 0;
+  if (go && !go()) rc = 70;
+  for (std::size_t i = 0; i < lr.specs.size(); ++i) p.write(i, lr.data[i].data());
+  if (after_write) after_write();
+  p.end_sync();
+  if (r == 0) p.wait_drained(20s);
+  return rc;
+}
+
+// What a consumer got, shard by shard, against the model: 0 or 13.
+int late_check(const SyncInfo& s, const std::vector<LateDef>& m,
+               const std::vector<std::vector<std::vector<std::uint8_t>>>& got) {
+  for (std::size_t t = 0; t < s.tensors.size(); ++t) {
+    const TensorInfo& ti = s.tensors[t];
+    std::size_t i = 0;
+    while (i < m.size() && m[i].name != ti.name) ++i;
+    if (i == m.size() || ti.shape != m[i].shape) return 14;
+    const auto full = late_full(m[i], i);
+    for (std::size_t k = 0; k < ti.shards.size(); ++k) {
+      const ShardInfo& sh = ti.shards[k];
+      if (got[t][k] != slice(full, ti.shape, esize(ti.dtype), sh.dim, sh.start, sh.length)) {
+        std::fprintf(stderr, "tensor %s shard %zu differs\n", ti.name.c_str(), k);
+        return 13;
+      }
+    }
+  }
+  return 0;
+}
+
+ConsumerOptions late_copts() {
+  ConsumerOptions co;
+  co.pin = Pin::kNo;
+  co.chunk_timeout = 30s;
+  return co;
+}
+
+// Reads sync 1 with visit(): sends `tell` once it has seen the last piece of
+// two chunks of rank 1 and no piece of rank 0. Exit 0, 71 when a piece of
+// rank 0 came before those, 13/14 when bytes differ.
+int late_visitor(const std::string& name, const std::vector<LateDef>& m, Pipe* tell) {
+  Consumer c = Consumer::open(name, late_copts());
+  const SyncInfo& s = c.wait_sync(30s);
+  std::vector<std::vector<std::vector<std::uint8_t>>> got(s.tensors.size());
+  for (std::size_t t = 0; t < s.tensors.size(); ++t)
+    for (const ShardInfo& sh : s.tensors[t].shards) got[t].emplace_back(sh.nbytes, 0xEE);
+  int rank1_chunks = 0, rank1_before_rank0 = -1;
+  c.visit([&](const Piece& p) {
+    const ShardInfo& sh = s.tensors[p.tensor].shards[p.shard];
+    if (p.bytes > 0) std::memcpy(got[p.tensor][p.shard].data() + p.offset, p.data, p.bytes);
+    if (sh.rank == 0 && rank1_before_rank0 < 0) rank1_before_rank0 = rank1_chunks;
+    if (sh.rank == 1 && p.chunk_end && ++rank1_chunks == 2 && rank1_before_rank0 < 0) tell->send(1);
+  });
+  if (const int rc = late_check(s, m, got); rc != 0) return rc;
+  if (rank1_before_rank0 < 2) {
+    std::fprintf(stderr, "rank 0's first piece came after %d chunks of rank 1\n", rank1_before_rank0);
+    return 71;
+  }
+  return 0;
+}
+
+// Reads sync 1 with read_into(): whole tensors into `w_dst` (for "w", shared
+// with the parent's other children) and private buffers, or with `part` >=
+// 0 a TP worker's half of every tensor (along the dim it is not sharded on
+// where it has two). 0, or 13 when bytes differ.
+int late_reader(const std::string& name, const std::vector<LateDef>& m, std::uint8_t* w_dst, int part) {
+  Consumer c = Consumer::open(name, late_copts());
+  const SyncInfo& s = c.wait_sync(30s);
+  std::vector<std::vector<std::uint8_t>> got(s.tensors.size()), want(s.tensors.size());
+  std::vector<void*> dsts(s.tensors.size());
+  std::vector<Selection> sels(s.tensors.size());
+  for (std::size_t t = 0; t < s.tensors.size(); ++t) {
+    const TensorInfo& ti = s.tensors[t];
+    std::size_t i = 0;
+    while (i < m.size() && m[i].name != ti.name) ++i;
+    if (i == m.size()) return 14;
+    Selection sel;
+    if (part >= 0) {
+      const int dim = ti.shape.size() > 1 && m[i].shard_dim == 0 ? 1 : 0;
+      auto [start, len] = chunk_range(ti.shape[static_cast<std::size_t>(dim)], 2, part);
+      sel = Selection{dim, start, len};
+    }
+    sels[t] = sel;
+    want[t] = slice(late_full(m[i], i), ti.shape, esize(ti.dtype), sel.dim, sel.start, sel.length);
+    got[t].assign(want[t].size(), 0xEE);
+    dsts[t] = ti.name == "w" && part < 0 ? static_cast<void*>(w_dst) : got[t].data();
+  }
+  if (part >= 0)
+    c.read_into(dsts, sels);
+  else
+    c.read_into(dsts);
+  for (std::size_t t = 0; t < s.tensors.size(); ++t) {
+    const std::uint8_t* g = dsts[t] == w_dst ? w_dst : got[t].data();
+    if (std::memcmp(g, want[t].data(), want[t].size()) != 0) {
+      std::fprintf(stderr, "tensor %s differs\n", s.tensors[t].name.c_str());
+      return 13;
+    }
+  }
+  return 0;
+}
+
+enum class LateRead { kVisit, kReadInto, kReadIntoChecksums };
+
+void late_rank_round_trip(LateRead how) {
+  const std::string name = unique_name("late");
+  RegionGuard g{name};
+  const auto m = late_model(5000);  // rank 1: 4.9 MiB of "w", three chunks
+  const bool checksums = how == LateRead::kReadIntoChecksums;
+  Pipe tell;
+  // read_into(): rank 0 watches the whole-model worker's "w" (shared memory)
+  // until rank 1's first two chunks, rows [4000, 8096), are there.
+  const std::uint64_t w_bytes = numel(m[0].shape) * esize(m[0].dt);
+  auto* w_dst = static_cast<std::uint8_t*>(
+      ::mmap(nullptr, w_bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0));
+  ASSERT_NE(w_dst, MAP_FAILED);
+  std::memset(w_dst, 0xEE, w_bytes);
+  const auto w_full = late_full(m[0], 0);
+  const std::uint64_t lo = 4000 * kLateRow, hi = (4000 + 4096) * kLateRow;
+  std::function<bool()> go;
+  if (how == LateRead::kVisit) {
+    go = [&] { return tell.receive(10s) == 1; };
+  } else {
+    go = [&] {
+      const auto end = std::chrono::steady_clock::now() + 10s;
+      while (std::memcmp(w_dst + lo, w_full.data() + lo, hi - lo) != 0) {
+        if (std::chrono::steady_clock::now() > end) return false;
+        std::this_thread::sleep_for(200us);
+      }
+      return true;
+    };
+  }
+  const int consumers = how == LateRead::kVisit ? 1 : 2;
+  Child r0 = Child::spawn([&] { return late_rank(name, 0, m, checksums, consumers, go); });
+  Child r1 = Child::spawn([&] { return late_rank(name, 1, m, checksums, consumers, {}); });
+  std::vector<std::unique_ptr<Child>> readers;
+  if (how == LateRead::kVisit) {
+    readers.emplace_back(new Child(Child::spawn([&] { return late_visitor(name, m, &tell); })));
+  } else {
+    readers.emplace_back(new Child(Child::spawn([&] { return late_reader(name, m, w_dst, -1); })));
+    readers.emplace_back(new Child(Child::spawn([&] { return late_reader(name, m, nullptr, 1); })));
+  }
+  EXPECT_EQ(r0.wait(60s), 0) << "rank 0 was not told that rank 1's chunks were read while its first was missing";
+  EXPECT_EQ(r1.wait(60s), 0);
+  for (auto& c : readers) EXPECT_EQ(c->wait(60s), 0);
+  ::munmap(w_dst, w_bytes);
+}
+
+}  // namespace
+
+TEST(ShardedLateRank, VisitReadsTheOtherRanksChunksFirst) { late_rank_round_trip(LateRead::kVisit); }
+TEST(ShardedLateRank, ReadIntoReadsTheOtherRanksChunksFirst) { late_rank_round_trip(LateRead::kReadInto); }
+TEST(ShardedLateRank, ReadIntoWithChecksumsReadsTheOtherRanksChunksFirst) {
+  late_rank_round_trip(LateRead::kReadIntoChecksums);
+}
+
+// Rank 1 is killed after its first two chunks were read out of order and
+// while rank 0's first is still missing: the sync fails for the consumer
+// (PeerDied: a rank that owes chunks is dead; or Aborted by rank 0) and for
+// rank 0 (PeerDied), never tears.
+TEST(ShardedLateRank, RankKilledWhileAnotherIsLateFailsTheSync) {
+  const std::string name = unique_name("latekill");
+  RegionGuard g{name};
+  const auto m = late_model(5000);
+  Pipe tell, go;
+  Child r0 = Child::spawn([&] {
+    try {
+      return late_rank(name, 0, m, false, 1, [&] { return go.receive(20s) == 1; });
+    } catch (const Error& e) {
+      std::fprintf(stderr, "rank 0: %s\n", e.what());
+      return errc_exit(e);
+    }
+  });
+  Child r1 = Child::spawn([&] { return late_rank(name, 1, m, false, 1, {}); });
+  Child c = Child::spawn([&] {
+    try {
+      return late_visitor(name, m, &tell);
+    } catch (const Error& e) {
+      std::fprintf(stderr, "consumer: %s\n", e.what());
+      return errc_exit(e);
+    }
+  });
+  ASSERT_EQ(tell.receive(20s), 1) << "the consumer did not read rank 1's chunks while rank 0's first was missing";
+  r1.kill9();  // it waits for the slot of seq 6 by now, or is about to
+  EXPECT_EQ(r1.wait(10s), 128 + SIGKILL);
+  go.send(1);
+  const int died = 20 + static_cast<int>(Errc::kPeerDied), aborted = 20 + static_cast<int>(Errc::kAborted);
+  EXPECT_EQ(r0.wait(60s), died) << "rank 0 must see rank 1 die";
+  const int rc = c.wait(60s);
+  EXPECT_TRUE(rc == died || rc == aborted) << "consumer exit " << rc << ": the sync must fail, never tear";
+}
+
+// Rank 1 flips a byte of its first chunk after publishing it; rank 0 is late.
+// The consumer reads that chunk first and fails on its checksum before rank 0
+// has written anything, and tells rank 0 so.
+TEST(ShardedLateRank, ChecksumFailureOfAChunkReadOutOfOrderIsDetected) {
+  const std::string name = unique_name("latesum");
+  RegionGuard g{name};
+  const auto m = late_model(3000);  // rank 1: 2.9 MiB of "w", two chunks (the ring holds the whole sync)
+  Pipe flipped, result;
+  const int checksum = 20 + static_cast<int>(Errc::kChecksum);
+  Child r0 = Child::spawn([&] {
+    int got = -1;
+    const int rc = late_rank(name, 0, m, true, 1, [&] {
+      got = result.receive(10s);
+      return got >= 0;
+    });
+    return rc != 0 ? rc : got == checksum ? 0 : 72;
+  });
+  Child r1 = Child::spawn([&] {
+    return late_rank(name, 1, m, true, 1, {}, [&] {
+      ProducerOptions o = rank_opts(1, 2);
+      shmcast::detail::Geometry geo{};
+      shmcast::detail::compute_geometry(o.max_consumers, o.slots, o.slot_bytes, o.manifest_bytes, &geo, 2);
+      const int fd = ::open(region_path(name).c_str(), O_RDWR | O_CLOEXEC);
+      const off_t at = static_cast<off_t>(geo.data_offset + 1 * geo.slot_bytes + 100);  // seq 2: slot 1
+      std::uint8_t b = 0;
+      if (fd < 0 || ::pread(fd, &b, 1, at) != 1) return;
+      b ^= 0x5a;
+      if (::pwrite(fd, &b, 1, at) == 1) flipped.send(1);
+      ::close(fd);
+    });
+  });
+  Child c = Child::spawn([&] {
+    try {
+      Consumer cons = Consumer::open(name, late_copts());
+      const SyncInfo& s = cons.wait_sync(30s);
+      if (flipped.receive(20s) != 1) return 73;
+      std::vector<std::vector<std::uint8_t>> got;
+      std::vector<void*> dsts;
+      for (const TensorInfo& t : s.tensors) got.emplace_back(t.nbytes);
+      for (auto& v : got) dsts.push_back(v.data());
+      cons.read_into(dsts);
+      result.send(0);
+      return 0;
+    } catch (const Error& e) {
+      result.send(errc_exit(e));
+      return errc_exit(e);
+    }
+  });
+  EXPECT_EQ(c.wait(60s), checksum);
+  EXPECT_EQ(r0.wait(60s), 0) << "rank 0 was not told of the checksum failure while its chunks were missing";
+  EXPECT_EQ(r1.wait(60s), 0);
 }

@@ -199,7 +199,7 @@ struct Piece {
   const std::byte* data;       // in the shared region
   std::uint64_t bytes;
   std::uint64_t tensor_bytes;  // size of the whole tensor
-  bool chunk_end = false;      // last piece of its slot: the slot is released after fn returns
+  bool chunk_end = false;      // last piece of its slot: the slot may be released after fn returns
   std::size_t shard = 0;       // index into TensorInfo::shards
   bool whole() const noexcept { return offset == 0 && bytes == tensor_bytes; }
 };
@@ -428,7 +428,9 @@ class SHMCAST_API Consumer {
   const SyncInfo& wait_sync(Duration timeout);
 
   // Reads the sync into caller memory: dsts[i] receives tensor i (nullptr
-  // skips it). Releases each slot as soon as it has been copied out.
+  // skips it). Releases each slot as soon as it and every slot of the sync
+  // before it have been copied out (with several producer ranks, chunks are
+  // read in the order they are ready, not in the ring's order).
   void read_into(std::span<void* const> dsts);
   // The same, reading only a part of some tensors: selections[i] (empty span:
   // whole tensors) picks rows along one dim; dsts[i] then holds that slice,
@@ -436,6 +438,8 @@ class SHMCAST_API Consumer {
   void read_into(std::span<void* const> dsts, std::span<const Selection> selections);
   // Zero-copy: calls fn for every piece of every tensor, in stream order,
   // while its slot is held. A tensor no larger than a slot is one piece.
+  // With several producer ranks, each rank's pieces come in its sub-stream's
+  // order, and the ranks' chunks in the order they are ready.
   void visit(const std::function<void(const Piece&)>& fn);
   // Releases the rest of the sync without reading it (store regions: lets
   // go of the version, and of views()).
