@@ -182,15 +182,38 @@ class Hasher {
     cv_.notify_all();
     t_.join();
   }
+  // Starts hashing [p, p + n); the caller must wait() before the bytes may
+  // go (Job does it on every path). A job still running is waited for first.
   void start(const std::byte* p, std::uint64_t n) {
     {
-      std::lock_guard<std::mutex> g(mu_);
+      std::unique_lock<std::mutex> g(mu_);
+      cv_.wait(g, [this] { return !busy_; });
       p_ = p;
       n_ = n;
       busy_ = true;
     }
     cv_.notify_all();
   }
+  // A hash in flight over a buffer: the destructor waits for it, so no path
+  // (an exception from the copy included) hands the buffer back while it is
+  // still being read.
+  class Job {
+   public:
+    Job(Hasher& h, const std::byte* p, std::uint64_t n) : h_(h) { h_.start(p, n); }
+    Job(const Job&) = delete;
+    Job& operator=(const Job&) = delete;
+    ~Job() {
+      if (!done_) (void)h_.wait();
+    }
+    std::uint64_t sum() {
+      done_ = true;
+      return h_.wait();
+    }
+
+   private:
+    Hasher& h_;
+    bool done_ = false;
+  };
   std::uint64_t wait() {
     std::unique_lock<std::mutex> g(mu_);
     cv_.wait(g, [this] { return !busy_; });
@@ -342,8 +365,8 @@ struct Relay::Impl {
   std::vector<EpFailure> ep_failures;
   // Upstream workers of ended connections, kept until their requests finish.
   struct Retired {
+    std::unique_ptr<EpArg> arg;     // declared first: destroyed after the worker (and its progress thread)
     std::unique_ptr<ucx::Worker> w;
-    std::unique_ptr<EpArg> arg;
     std::int64_t since_ns = 0;
   };
   std::vector<Retired> retired;
@@ -496,6 +519,12 @@ struct Relay::Impl {
   }
 
   ~Impl() {
+    // run() may have failed before shutdown(): no progress thread may
+    // outlive the sink, the ops or the wake fd.
+    if (lw) lw->stop_progress();
+    if (up.w) up.w->stop_progress();
+    for (Retired& r : retired)
+      if (r.w) r.w->stop_progress();
     if (wake_fd >= 0) ::close(wake_fd);
   }
 
@@ -1014,7 +1043,7 @@ struct Relay::Impl {
     if (up.ep) close_ep(w, up.ep, true, 0);
     up.ep = nullptr;
     ++up.gen;
-    retired.push_back(Retired{std::move(up.w), std::move(up.arg), mono_ns()});
+    retired.push_back(Retired{std::move(up.arg), std::move(up.w), mono_ns()});
     up.ctrl.clear();
     up.ctrl_busy = false;
   }
@@ -1150,7 +1179,14 @@ struct Relay::Impl {
         case Type::kSync: {
           if (in.plan) return;  // the previous sync is still being received
           auto plan = std::make_shared<SyncPlan>(wire::decode_sync(r));
-          if (!ensure_bufs(plan->chunk_bytes)) return;  // chunk size changed: wait for the buffers
+          bool ready = false;
+          try {
+            ready = ensure_bufs(plan->chunk_bytes);  // false: the chunk size changed, wait for the buffers
+          } catch (const Error& e) {  // an upstream's chunk size this node cannot hold
+            fail_upstream(std::string("cannot take the upstream's sync: ") + e.what());
+            return;
+          }
+          if (!ready) return;
           begin_in(plan);
           break;
         }
@@ -1373,7 +1409,10 @@ struct Relay::Impl {
         if (op->status != UCS_OK) {
           ch.got[op->frag] = 2;
           ch.ok = false;
-          if (op->status != UCS_ERR_CANCELED) fail_upstream("chunk receive failed: " + ucx::status_str(op->status));
+          // Only an abort (discard) cancels on purpose; anything else loses
+          // the chunk, and the sync with it.
+          if (op->status != UCS_ERR_CANCELED || !in.discard)
+            fail_upstream("chunk receive failed: " + ucx::status_str(op->status));
           return;
         }
         if (op->length != op->bytes) {
@@ -1837,10 +1876,10 @@ struct Relay::Impl {
             // Hash on the hasher thread while copying all but the last 4 KiB
             // of tensor bytes; write those only once the sum matched.
             if (!ws.hasher) ws.hasher = std::make_unique<Hasher>();
-            ws.hasher->start(c.data, c.len);
+            Hasher::Job job(*ws.hasher, c.data, c.len);
             const std::uint64_t held = data_end(ws, c), tail = held > 4096 ? held - 4096 : 0;
             write_chunk(ws, c, 0, tail);
-            if (ws.hasher->wait() != c.sum) throw Error(Errc::kChecksum, bad);
+            if (job.sum() != c.sum) throw Error(Errc::kChecksum, bad);
             write_chunk(ws, c, tail, c.len);
           } else {
             if (XXH3_64bits(c.data, c.len) != c.sum) throw Error(Errc::kChecksum, bad);
@@ -2118,14 +2157,22 @@ struct Relay::Impl {
     take_writer_returns();
     if (listener) ucp_listener_destroy(listener);
     listener = nullptr;
-    // No callback may run once the ops are gone.
+    // No callback may run once the ops are gone: stop the progress thread,
+    // destroy the worker (which may still call back for requests it drops),
+    // then free the ops.
     if (lw) lw->stop_progress();
-    // Requests of the listener worker still alive are UCX's to finish.
     for (auto& [p, op] : ops)
-      if (op->done && op->req) ucp_request_free(op->req);
+      if (op->done && op->req) {
+        ucp_request_free(op->req);
+        op->req = nullptr;
+      }
+    lw.reset();
     ops.clear();
     completed.clear();
-    lw.reset();
+    {
+      std::lock_guard<std::mutex> g(sink.mu);
+      sink.completed.clear();
+    }
     if (ctx) free_bufs();
     ctx.reset();
     set_state(fatal ? "failed" : "stopped");

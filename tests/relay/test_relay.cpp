@@ -357,6 +357,25 @@ TEST(RelayFaults, TrainerAbortMidSyncReachesEveryNodeAndTheNextSyncArrives) {
   }
 }
 
+// A relay that cannot listen (its port is taken by another relay) fails
+// cleanly: exit 1 with the reason, no crash (its UCX worker's progress
+// thread is stopped before what it uses goes), and the relay holding the
+// port goes on.
+TEST(RelayFaults, ListenPortInUseFailsCleanly) {
+  Cluster c(2, "port");
+  Proc& trainer = c.peer("trainer", 0, {"produce", c.region(), "--syncs", "1", "--go", c.file("go"), "--report",
+                                        c.file("trainer.txt")});
+  ASSERT_TRUE(c.wait_line(c.file("trainer.txt"), "ready"));
+  Proc& first = c.relay(0, 0, true);
+  const int port = c.listen_port(0);
+  ASSERT_NE(port, 0);
+  Proc& second = c.relay(1, port, true, kKey, port, {"--status", c.file("second.json")});
+  EXPECT_EQ(second.wait(60s), 1) << second.output();
+  EXPECT_NE(second.output().find("failed"), std::string::npos) << second.output();
+  EXPECT_TRUE(first.running());
+  EXPECT_TRUE(trainer.running());
+}
+
 // A middle relay of four nodes is killed mid-sync and restarted: its own
 // workers see their producer die (PeerDied) and reopen the new region, the
 // two nodes behind it abort the sync, and the next sync reaches all three.
