@@ -274,9 +274,10 @@ def sharded_model(seed: int) -> list:
     ]
 
 
-def sharded_items(seed: int, rank: int, world: int) -> list:
+def sharded_items(seed: int, rank: int, world: int, device: str = "cpu") -> list:
     out = []
     for name, t, (how, arg) in sharded_model(seed):
+        t = t.to(device)
         if how == "own":
             if arg % world == rank:
                 out.append((name, t.clone()))
@@ -303,7 +304,8 @@ def tp_slice(t: torch.Tensor, how, part: int, parts: int = 2):
     return (dim, start, min(n, start + c) - start)
 
 
-def role_sharded_rank(q, region, rank, world, seed, n_syncs=2, consumers=0, timeout=30.0, skip_send=False):
+def role_sharded_rank(q, region, rank, world, seed, n_syncs=2, consumers=0, timeout=30.0, skip_send=False,
+                      device="cpu"):
     versions = []
     with shmcast.Producer(region, rank=rank, world_size=world, slot_bytes=SLOT, slots=2 * world, max_consumers=4,
                           pin=False, rank_timeout=timeout) as p:
@@ -314,15 +316,16 @@ def role_sharded_rank(q, region, rank, world, seed, n_syncs=2, consumers=0, time
             time.sleep(timeout)
             return {"versions": versions}
         for k in range(n_syncs):
-            versions.append(p.send(sharded_items(seed + k, rank, world)))
+            versions.append(p.send(sharded_items(seed + k, rank, world, device)))
         if rank == 0:
             p.wait_drained(timeout)
     return {"versions": versions}
 
 
-def role_sharded_consumer(q, region, seed, kind, part=0, n_syncs=2, timeout=30.0):
+def role_sharded_consumer(q, region, seed, kind, part=0, n_syncs=2, timeout=30.0, device="cpu"):
     problems = []
-    with shmcast.Consumer(region, open_timeout=timeout) as c:
+    devices = set()
+    with shmcast.Consumer(region, device, open_timeout=timeout) as c:
         q.put({"ready": True})
         for k in range(n_syncs):
             model = sharded_model(seed + k)
@@ -344,11 +347,12 @@ def role_sharded_consumer(q, region, seed, kind, part=0, n_syncs=2, timeout=30.0
                     got = dict(c.receive(timeout=timeout, slices=sl))
                     got = [(n, got[n]) for n, _ in want]
                 else:  # into: preallocated destinations of the slices' shapes
-                    dst = {n: torch.full_like(w.contiguous(), 7) for n, w in want}
+                    dst = {n: torch.full_like(w.contiguous(), 7, device=device) for n, w in want}
                     c.receive_into(dst, timeout=timeout, slices=sl)
                     got = [(n, dst[n]) for n, _ in want]
+            devices |= {str(t.device) for _, t in got}
             problems += compare(got, want)
-    return {"problems": problems}
+    return {"problems": problems, "devices": sorted(devices)}
 
 
 # ---------------------------------------------------------------- FSDP2 (2 GPUs)

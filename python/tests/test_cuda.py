@@ -259,3 +259,25 @@ def test_store_from_gpu_to_late_joiners_on_gpu_and_views(region, procs):
                 on_gpu = [(n, t.to("cuda:0")) for n, t in view]
                 assert view.valid()
             assert roles.compare(on_gpu, want[1]) == []
+
+
+def test_sharded_ranks_on_one_gpu_to_cuda_consumers_whole_sliced_and_into(region, procs):
+    # Two producer ranks write CUDA shards (D2H on the CUDA engine); consumers
+    # on the same GPU read the whole model, TP slices and receive_into CUDA
+    # tensors (H2D completions that may finish out of order: the consumer
+    # reads whichever rank's chunk is ready first and releases only the
+    # copied prefix), and one CPU consumer a subset of names. Bit-exact.
+    seed, world = 300, 2
+    kinds = [("full", 0, "cuda:0"), ("slice", 1, "cuda:0"), ("into", 0, "cuda:0"), ("names", 0, "cpu")]
+    ranks = [procs.start("sharded_rank", region=region, rank=r, world=world, seed=seed, consumers=len(kinds),
+                         device="cuda:0", env=EXPANDABLE) for r in range(world)]
+    procs.ready(ranks[0])
+    cons = [procs.start("sharded_consumer", region=region, seed=seed, kind=k, part=p, device=d) for k, p, d in kinds]
+    for c in cons:
+        procs.ready(c)
+    procs.ready(ranks[1])
+    assert [procs.get(r)["versions"] for r in ranks] == [[1, 2]] * world
+    for c, (kind, _, dev) in zip(cons, kinds):
+        res = procs.get(c)
+        assert res["problems"] == [], kind
+        assert res["devices"] == [dev], (kind, res["devices"])
