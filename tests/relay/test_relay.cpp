@@ -265,6 +265,19 @@ struct Chain {
 
 class ChainOf : public ::testing::TestWithParam<int> {};
 
+// shmcast-inspect ARGS in node `node`'s region directory; its stdout.
+std::string run_inspect(Cluster& c, int node, std::vector<std::string> args) {
+  static int runs = 0;  // a log file of its own per run (logs are appended to)
+  args.insert(args.end(), {"--dir", c.dir(node)});
+  Proc& p = c.start("inspect" + std::to_string(node) + "-" + std::to_string(++runs), [&] {
+    std::vector<std::string> argv = {SHMCAST_INSPECT_BIN};
+    argv.insert(argv.end(), args.begin(), args.end());
+    return argv;
+  }(), node);
+  EXPECT_EQ(p.wait(60s), 0) << p.output();
+  return p.output();
+}
+
 }  // namespace
 
 // Three syncs of multi-slot manifests (tensors from empty to three slots)
@@ -285,6 +298,29 @@ TEST_P(ChainOf, SyncsArriveBitExactOnEveryNode) {
   EXPECT_EQ(last.value("syncs_aborted", -1), 0);
   const json src = c.wait_status(0, [](const json& j) { return j.value("syncs", 0) == 3; });
   EXPECT_EQ(src.value("syncs_skipped", -1), 0);
+  // shmcast-inspect show puts the relay's state next to the region, on the
+  // source node and on the first downstream one.
+  for (int node : {0, 1}) {
+    const std::string out = run_inspect(c, node, {"show", c.region(), "--json"});
+    json j;
+    ASSERT_NO_THROW(j = json::parse(out)) << out;
+    const json& r = j["relay"];
+    EXPECT_EQ(r.value("status", ""), "ok") << r.dump();
+    EXPECT_FALSE(r.value("stale", true)) << r.dump();
+    EXPECT_EQ(r["relay"].value("role", ""), node == 0 ? "source" : "relay") << r.dump();
+    EXPECT_EQ(r["relay"].value("syncs", 0), 3) << r.dump();
+    if (node == 1) {
+      EXPECT_EQ(r["relay"]["upstream"].value("state", ""), "connected") << r.dump();
+      EXPECT_EQ(r["relay"]["region_state"].value("version", 0), 3) << r.dump();
+    }
+    if (n > 2 || node == 0) {
+      ASSERT_EQ(r["relay"]["downstream"].size(), 1u) << r.dump();
+      EXPECT_GT(r["relay"]["downstream"][0].value("bytes_sent", 0ull), 0ull) << r.dump();
+    }
+    const std::string text = run_inspect(c, node, {"show", c.region()});
+    EXPECT_NE(text.find(node == 0 ? "role source" : "role relay"), std::string::npos) << text;
+    EXPECT_NE(text.find("last sync   version 3"), std::string::npos) << text;
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Nodes, ChainOf, ::testing::Values(2, 3, 4),

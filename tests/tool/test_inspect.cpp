@@ -472,6 +472,120 @@ TEST(Tool, StoreRegionShowsItsModeBanksAndHolders) {
   EXPECT_NE(t.out.find("newest 2"), std::string::npos) << t.out;
 }
 
+// The state file shmcast-relay keeps next to a region is shown by `show`,
+// and treated as untrusted input: stale when not rewritten, ignored when
+// others may write it or it is a link, refused when a field has the wrong
+// type, and never able to put control characters on the terminal.
+TEST(Tool, ShowReportsTheRelayStatusAndDistrustsBadFiles) {
+  TempDir dir;
+  const std::string name = "relayed";
+  Producer p = Producer::create(name, small_opts());
+  const std::string path = dir.path + "/shmcast-relay." + name + ".json";
+  const auto now_ns = [] {
+    return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::system_clock::now().time_since_epoch())
+        .count();
+  };
+  auto write = [&](const std::string& text, mode_t mode = 0600) {
+    ::unlink(path.c_str());
+    std::ofstream(path) << text;
+    ::chmod(path.c_str(), mode);
+  };
+  auto status = [&](std::int64_t updated_ns, const std::string& last_error = "") {
+    json j = {{"region", name}, {"role", "relay"}, {"pid", ::getpid()}, {"state", "connected"},
+              {"updated_unix_ns", updated_ns}, {"listen", "0.0.0.0:7000"}, {"checksums", true}, {"syncs", 12},
+              {"syncs_aborted", 1}, {"syncs_skipped", 0}, {"bytes_in", 6171877376ull}, {"bytes_out", 6171877376ull},
+              {"last_sync", {{"version", 57}, {"bytes", 6171877376ull}, {"seconds", 1.9}, {"gbps", 3.2}}},
+              {"last_error", last_error},
+              {"region_state", {{"ready", true}, {"slot_bytes", 268435456}, {"version", 57}, {"syncs", 12},
+                                {"failed", 0}, {"consumers", 2}, {"last_error", ""}}},
+              {"upstream", {{"address", "node0:7000"}, {"state", "connected"}, {"connection", 3}, {"connects", 2},
+                            {"since_unix_ns", updated_ns}, {"last_error", ""}}},
+              {"downstream", json::array({{{"connection", 1}, {"peer", "10.0.0.7:51234"}, {"state", "ready"},
+                                           {"syncs", 12}, {"bytes_sent", 6171877376ull}, {"since_unix_ns", 1}}})},
+              {"downstream_ready", 1}, {"refused", 0}};
+    return j.dump();
+  };
+
+  // No file: nothing in the text, "none" in JSON.
+  Result r0 = tool({"show", name, "--json", "--dir", dir.path});
+  ASSERT_EQ(r0.rc, 0) << r0.err;
+  EXPECT_EQ(r0.j().at("relay").at("status"), "none");
+  EXPECT_EQ(tool({"show", name, "--dir", dir.path}).out.find("RELAY"), std::string::npos);
+
+  // A live relay's file.
+  write(status(now_ns()));
+  Result r1 = tool({"show", name, "--json", "--dir", dir.path});
+  ASSERT_EQ(r1.rc, 0) << r1.err;
+  const json rel = r1.j().at("relay");
+  EXPECT_EQ(rel.at("status"), "ok") << rel;
+  EXPECT_FALSE(rel.at("stale").get<bool>()) << rel;
+  EXPECT_EQ(rel.at("relay").at("upstream").at("address"), "node0:7000");
+  EXPECT_EQ(rel.at("relay").at("downstream").at(0).at("peer"), "10.0.0.7:51234");
+  EXPECT_EQ(rel.at("relay").at("last_sync").at("version"), 57);
+  Result t1 = tool({"show", name, "--dir", dir.path});
+  ASSERT_EQ(t1.rc, 0) << t1.err;
+  for (const char* want : {"role relay, state connected", "upstream    node0:7000 connected (connection 3, 2 connects)",
+                           "listening on 0.0.0.0:7000; 1 ready of 1, 0 refused", "#1 10.0.0.7:51234 ready, 12 syncs",
+                           "last sync   version 57", "12 (1 aborted, 0 skipped)"})
+    EXPECT_NE(t1.out.find(want), std::string::npos) << want << "\n" << t1.out;
+  EXPECT_EQ(t1.out.find("STALE"), std::string::npos) << t1.out;
+
+  // Not rewritten for a minute: stale.
+  write(status(now_ns() - 60'000'000'000ll));
+  Result r2 = tool({"show", name, "--json", "--dir", dir.path});
+  EXPECT_TRUE(r2.j().at("relay").at("stale").get<bool>()) << r2.out;
+  EXPECT_NE(tool({"show", name, "--dir", dir.path}).out.find("[STALE: not updated for"), std::string::npos);
+
+  // Control characters in a string are escaped on the terminal.
+  write(status(now_ns(), "\x1b[2Jgone\x07"));
+  Result t3 = tool({"show", name, "--dir", dir.path});
+  EXPECT_EQ(t3.out.find('\x1b'), std::string::npos) << t3.out;
+  EXPECT_EQ(t3.out.find('\x07'), std::string::npos) << t3.out;
+  EXPECT_NE(t3.out.find("gone"), std::string::npos) << t3.out;
+
+  // Writable by others, a symbolic link, a FIFO: ignored, never read.
+  write(status(now_ns()), 0666);
+  Result r4 = tool({"show", name, "--json", "--dir", dir.path});
+  EXPECT_EQ(r4.j().at("relay").at("status"), "untrusted") << r4.out;
+  EXPECT_NE(r4.j().at("relay").at("why").get<std::string>().find("writable by others"), std::string::npos);
+  write(status(now_ns()));
+  ::rename(path.c_str(), (path + ".real").c_str());
+  ASSERT_EQ(::symlink((path + ".real").c_str(), path.c_str()), 0);
+  EXPECT_EQ(tool({"show", name, "--json", "--dir", dir.path}).j().at("relay").at("status"), "untrusted");
+  ::unlink(path.c_str());
+  ASSERT_EQ(::mkfifo(path.c_str(), 0600), 0);
+  Result r5 = tool({"show", name, "--json", "--dir", dir.path}, 10s);
+  ASSERT_EQ(r5.rc, 0) << r5.err;  // never blocks on the FIFO
+  EXPECT_EQ(r5.j().at("relay").at("status"), "untrusted");
+  ::unlink(path.c_str());
+  if (::geteuid() == 0) {  // another user's file
+    write(status(now_ns()));
+    ASSERT_EQ(::chown(path.c_str(), 65534, 65534), 0);
+    Result r6 = tool({"show", name, "--json", "--dir", dir.path});
+    EXPECT_EQ(r6.j().at("relay").at("status"), "untrusted") << r6.out;
+    EXPECT_NE(r6.j().at("relay").at("why").get<std::string>().find("owned by uid 65534"), std::string::npos);
+  }
+
+  // Not JSON, a field of the wrong type, an oversized list: unreadable, and
+  // the region itself is still shown (exit 0).
+  for (const std::string& bad :
+       {std::string("{\"syncs\": 1,"), std::string("{\"syncs\": \"many\"}"), std::string("{\"last_sync\": [1]}"),
+        std::string("{\"last_sync\": {\"seconds\": -1}}"), std::string("[1, 2, 3]"),
+        "{\"downstream\": [" + [] {
+          std::string s;
+          for (int i = 0; i < 1100; ++i) s += (i ? ",{}" : "{}");
+          return s;
+        }() + "]}"}) {
+    write(bad);
+    Result rb = tool({"show", name, "--json", "--dir", dir.path});
+    ASSERT_EQ(rb.rc, 0) << bad << "\n" << rb.err;
+    EXPECT_EQ(rb.j().at("relay").at("status"), "unreadable") << bad << "\n" << rb.out;
+    Result tb = tool({"show", name, "--dir", dir.path});
+    EXPECT_NE(tb.out.find("unreadable: "), std::string::npos) << bad << "\n" << tb.out;
+  }
+  ::unlink(path.c_str());
+}
+
 TEST(Tool, DeadOwnerIsReportedAndGcRemovesOnlyIt) {
   TempDir dir;
   Signal ready;

@@ -1,5 +1,6 @@
 // list, show, watch (read-only) and gc, rm (act).
 #include "commands.hpp"
+#include "relay_status.hpp"
 
 #include <fcntl.h>
 #include <signal.h>
@@ -213,14 +214,17 @@ int cmd_show(const Common& c, const std::string& name, std::size_t limit) {
     return fail(c, "show", kExitFailure, e.what());
   }
   const int exit = probe::state_is_damaged(r.state) ? kExitDamaged : kExitOk;
+  const RelayStatus relay = read_relay_status(c.dir, name);
   if (c.json) {
     json j = doc("show");
     j["dir"] = c.dir;
     j["exit_code"] = exit;
     region_detail_json(r, limit, &j);
+    j["relay"] = relay_status_json(relay);
     print_json(j);
   } else {
     print_region_detail(std::cout, r, limit);
+    print_relay_status(std::cout, relay);
   }
   return exit;
 }
