@@ -529,6 +529,12 @@ Producer Producer::create(std::string_view name, const ProducerOptions& o) {
   impl->opts = o;
   impl->rank = o.rank;
   impl->world = o.world_size;
+  // The engine (and a required pin's CUDA) before the region exists: a
+  // create refused for want of a GPU leaves nothing a consumer could open.
+  const bool cuda = o.engine == CopyEngine::kCuda || (o.engine == CopyEngine::kAuto && cuda_available());
+  impl->engine = cuda ? make_cuda_producer_engine() : make_host_producer_engine();
+  if (o.pin == Pin::kYes && !cuda_available())
+    throw Error(Errc::kCudaUnavailable, "cannot pin region '" + impl->name + "': " + cuda_unavailable_reason());
   if (o.rank > 0) {
     attach_rank(impl.get(), name, o);
   } else {
@@ -560,8 +566,6 @@ Producer Producer::create(std::string_view name, const ProducerOptions& o) {
   }
   impl->ring.emplace(&impl->view, ProducerRingOptions{o.stall_policy, o.consumer_timeout.count(), o.rank, o.world_size,
                                                       impl->view.geo().store});
-  const bool cuda = o.engine == CopyEngine::kCuda || (o.engine == CopyEngine::kAuto && cuda_available());
-  impl->engine = cuda ? make_cuda_producer_engine() : make_host_producer_engine();
   impl->create_s = static_cast<double>(mono_ns() - t0) * 1e-9;
   if (o.pin != Pin::kNo) {
     impl->pin = cuda_pin(impl->view.file().data(), impl->view.file().size());
