@@ -427,6 +427,7 @@ struct Relay::Impl {
     std::uint32_t fwd_frag = 0;
     bool ended = false, aborted = false, discard = false;
     std::int64_t start_ns = 0;
+    std::int64_t progress_ns = 0;  // the last fragment or control message of this sync
   } in;
   std::uint64_t in_serial = 0;
   std::vector<Buffer> bufs;
@@ -1172,6 +1173,7 @@ struct Relay::Impl {
 
   // Acts on queued upstream control messages, in order.
   void process_up_ctrl() {
+    if (!up.ctrl.empty() && in.plan) in.progress_ns = mono_ns();
     while (!up.ctrl.empty()) {
       std::vector<std::uint8_t>& msg = up.ctrl.front();
       wire::Reader r(msg, true);
@@ -1238,7 +1240,7 @@ struct Relay::Impl {
     in.chunks.resize(plan->data_chunks.size());
     in.limit = plan->data_chunks.size();
     in.limit_frags = plan->total_frags();
-    in.start_ns = mono_ns();
+    in.start_ns = in.progress_ns = mono_ns();
     up.chunk_bytes = plan->chunk_bytes;
     push_writer(WCmd{WCmd::kBegin, plan, -1, 0, nullptr, 0, 0, plan->chunk_bytes, {}});
     const int n = forward_begin(plan);
@@ -1423,6 +1425,7 @@ struct Relay::Impl {
           return;
         }
         ch.got[op->frag] = 1;
+        in.progress_ns = mono_ns();
         return;
       }
       case Op::kCtrlRecv: {
@@ -1519,6 +1522,12 @@ struct Relay::Impl {
         drop_down(*d, "took no chunk for " + std::to_string(o.peer_timeout.count() / 1000000) + " ms (stalled)");
     }
     if (!source) {
+      // An upstream that sends nothing mid-sync (a stalled or broken relay;
+      // the source itself gives up on its trainer after 60 s) is dropped:
+      // the sync aborts here and downstream, and the relay reconnects.
+      if (in.plan && up.state == Up::kAuthed && now - in.progress_ns > o.upstream_timeout.count())
+        fail_upstream("sent nothing for " + std::to_string(o.upstream_timeout.count() / 1000000) +
+                      " ms in the middle of sync " + std::to_string(in.plan->version) + " (stalled)");
       if (up.state == Up::kIdle && now >= up.retry_at_ns && !stopping) connect_upstream();
       if ((up.state == Up::kConnecting || up.state == Up::kAwaitWelcome) && now > up.deadline_ns)
         fail_upstream("no handshake from the upstream in time");

@@ -393,6 +393,42 @@ TEST(RelayFaults, TrainerAbortMidSyncReachesEveryNodeAndTheNextSyncArrives) {
   }
 }
 
+// An upstream that goes quiet in the middle of a sync (here the source
+// relay, whose trainer paused) is dropped after --upstream-timeout: the
+// downstream aborts the sync (its worker gets Aborted), reconnects by itself,
+// and takes the next sync whole.
+TEST(RelayFaults, QuietUpstreamMidSyncIsDroppedAndTheNextSyncArrives) {
+  Cluster c(2, "quiet");
+  Proc& trainer = c.peer("trainer", 0, {"produce", c.region(), "--syncs", "3", "--go", c.file("go"), "--report",
+                                        c.file("trainer.txt"), "--pause-sync", "2", "--resume", c.file("resume")});
+  ASSERT_TRUE(c.wait_line(c.file("trainer.txt"), "ready"));
+  c.relay(0, 0, true);
+  const int p0 = c.listen_port(0);
+  c.wait_status(0, [](const json& j) { return j["region_state"].value("ready", false); });
+  c.relay(1, p0, false, kKey, 0, {"--upstream-timeout", "1.5"});
+  c.wait_status(1, [](const json& j) { return upstream_connected(j); });
+  c.wait_status(0, [](const json& j) { return downstream_ready(j); });
+  const std::string rep = c.file("worker1.txt");
+  Proc& w = c.peer("worker1", 1, {"consume", c.region(), "--syncs", "2", "--report", rep});
+  ASSERT_TRUE(c.wait_line(rep, "attached"));
+  c.touch(c.file("go.1"));
+  ASSERT_TRUE(c.wait_line(rep, "ok 1"));
+  c.touch(c.file("go.2"));
+  ASSERT_TRUE(c.wait_line(c.file("trainer.txt"), "paused 2"));
+  ASSERT_TRUE(c.wait_line(rep, "error 2 Aborted"));  // the trainer is still paused: the timeout did it
+  const json s1 = c.wait_status(1, [](const json& j) {
+    return j["upstream"].value("connects", 0) >= 2 && upstream_connected(j);
+  });
+  EXPECT_NE(s1.value("last_error", "").find("sent nothing"), std::string::npos) << s1.dump();
+  c.wait_status(0, [](const json& j) { return downstream_ready(j); });
+  c.touch(c.file("resume"));
+  ASSERT_TRUE(c.wait_line(c.file("trainer.txt"), "sent 2"));
+  c.touch(c.file("go.3"));
+  EXPECT_EQ(w.wait(), 0) << slurp(rep);
+  EXPECT_TRUE(has_line(rep, "ok 3")) << slurp(rep);
+  EXPECT_TRUE(trainer.running());
+}
+
 // A relay that cannot listen (its port is taken by another relay) fails
 // cleanly: exit 1 with the reason, no crash (its UCX worker's progress
 // thread is stopped before what it uses goes), and the relay holding the

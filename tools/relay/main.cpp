@@ -63,7 +63,7 @@ int main(int argc, char** argv) {
   std::string region, from, listen, key_file, status, slot_bytes_s, frag_s = "1M", stall = "fail";
   bool no_checksums = false, region_checksums = false, group_access = false, inline_progress = false;
   std::uint32_t slots = 2, max_consumers = 8, buffers = 4;
-  double consumer_timeout = 60, peer_timeout = 20, handshake_timeout = 10;
+  double consumer_timeout = 60, peer_timeout = 20, handshake_timeout = 10, upstream_timeout = 90;
   app.add_option("region", region, "Region name (the same on every node)")->required();
   app.add_option("--from", from, "Upstream relay HOST:PORT (omit on the source node)");
   app.add_option("--listen", listen, "Accept downstream relays on HOST:PORT (port 0: any free port)");
@@ -76,6 +76,9 @@ int main(int argc, char** argv) {
   app.add_flag("--no-progress-threads", inline_progress,
                "Progress UCX on the relay's own thread instead of one thread per direction");
   app.add_option("--peer-timeout", peer_timeout, "Seconds a downstream may take no chunk before it is dropped")
+      ->check(CLI::Range(0.1, 86400.0));
+  app.add_option("--upstream-timeout", upstream_timeout,
+                 "Seconds the upstream may send nothing in the middle of a sync before it is dropped")
       ->check(CLI::Range(0.1, 86400.0));
   app.add_option("--handshake-timeout", handshake_timeout, "Seconds for a connection's key handshake")
       ->check(CLI::Range(0.1, 3600.0));
@@ -113,6 +116,7 @@ int main(int argc, char** argv) {
   auto secs = [](double s) { return std::chrono::nanoseconds(static_cast<std::int64_t>(s * 1e9)); };
   o.peer_timeout = secs(peer_timeout);
   o.handshake_timeout = secs(handshake_timeout);
+  o.upstream_timeout = secs(upstream_timeout);
   o.region_options.slots = slots;
   o.region_options.max_consumers = max_consumers;
   o.region_options.stall_policy = stall == "evict" ? shmcast::StallPolicy::kEvict : shmcast::StallPolicy::kFail;

@@ -80,6 +80,11 @@ struct RelayOptions {
   // dropped (it rejoins at a later sync), so it cannot hold the others, nor
   // the source region's producer, past its consumer_timeout.
   Duration peer_timeout = std::chrono::seconds(20);
+  // An upstream relay that sends nothing (no fragment, no control message)
+  // for this long in the middle of a sync is dropped: the sync aborts here
+  // and downstream, and the relay reconnects. Longer than the 60 s a source
+  // relay waits for its trainer's next chunk.
+  Duration upstream_timeout = std::chrono::seconds(90);
   // Reconnecting to the upstream: first delay, doubled up to the maximum.
   Duration reconnect_min = std::chrono::milliseconds(100);
   Duration reconnect_max = std::chrono::seconds(2);
