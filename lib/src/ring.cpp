@@ -512,10 +512,13 @@ ConsumerRing::AnyWait ConsumerRing::wait_any(std::uint64_t version, std::int64_t
       int n = 0;
       for (const Candidate& c : cands)
         if (c.readable) which += (n++ == 0 ? "" : ", ") + std::to_string(c.seq);
-      throw Error(Errc::kTimeout,
-                  (n == 0 ? std::string("no chunk") : (n == 1 ? "chunk " : "chunks ") + which) +
-                      " of sync " + std::to_string(version) +
-                      " did not arrive in time; the producer is alive but stalled");
+      if (n == 0)  // every chunk left is past the window: our own earlier copies never completed
+        throw Error(Errc::kTimeout, "sync " + std::to_string(version) +
+                                        ": this consumer's own copies of earlier chunks did not complete in time "
+                                        "(a CUDA stream blocked behind other work?), so no further chunk could be "
+                                        "read");
+      throw Error(Errc::kTimeout, (n == 1 ? "chunk " : "chunks ") + which + " of sync " + std::to_string(version) +
+                                      " did not arrive in time; the producer is alive but stalled");
     }
   }
   const std::uint64_t seq = got.c.seq;

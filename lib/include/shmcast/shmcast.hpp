@@ -291,7 +291,10 @@ struct ConsumerOptions {
   // How long open() waits for the region to exist, be initialised and have a
   // live producer (for example while the trainer restarts).
   Duration open_timeout = std::chrono::seconds(30);
-  // How long one slot may take to arrive, mid-sync, while the producer is alive.
+  // How long one wait for the next chunk may take, mid-sync, while the
+  // producer is alive. While a slot fills progressively (host producers
+  // without checksums), each wait is for more of its bytes: a producer that
+  // keeps adding bytes does not time out.
   Duration chunk_timeout = std::chrono::seconds(60);
   Pin pin = Pin::kAuto;
   bool verify_checksums = true;  // when the producer writes them
