@@ -56,7 +56,8 @@ struct Producer::Impl {
   std::uint64_t sync_payload = 0;  // the whole sync's (rank 0)
   std::size_t next_tensor = 0;
   std::uint64_t part_done = 0;
-  bool lent = false;  // store regions: fill_spans() lent the bank to the caller  // bytes of specs[next_tensor] written by write_part()
+  bool lent = false;         // store regions: fill_spans() lent the bank to the caller
+  bool lent_chunks = false;  // ring regions: lend_chunk() lent slots to the caller
   ChunkWriter writer;  // the sync's chunks
   SyncLayout layout;   // of the sync in progress or the last one begun
   std::int64_t sync_start_ns = 0;
@@ -86,6 +87,9 @@ struct Producer::Impl {
     if (lent)
       throw Error(Errc::kInvalidArgument, "write() in a sync whose tensors were lent out by fill_spans(): fill the "
                                           "spans, then end_sync()");
+    if (lent_chunks)
+      throw Error(Errc::kInvalidArgument, "write() in a sync whose slots were lent out by lend_chunk(): fill them, "
+                                          "publish_chunks(), then end_sync()");
     try {
       write_tensor_in_sync(index, src, stream, from, len);
     } catch (const std::exception& e) {
@@ -676,6 +680,7 @@ std::uint64_t Producer::begin_sync(std::span<const TensorSpec> tensors, std::uin
   m.in_sync = true;
   m.next_tensor = 0;
   m.part_done = 0;
+  m.lent_chunks = false;
   return m.version;
 }
 
@@ -820,6 +825,7 @@ std::uint64_t Producer::Impl::begin_sharded() {
   in_sync = true;
   next_tensor = 0;
   part_done = 0;
+  lent_chunks = false;
   return version;
 }
 
@@ -862,6 +868,60 @@ std::vector<std::span<std::byte>> Producer::fill_spans() {
   m.lent = true;
   m.next_tensor = m.specs.size();  // end_sync() publishes them all
   return out;
+}
+
+std::span<std::byte> Producer::lend_chunk(std::uint64_t c) {
+  Impl& m = *impl_;
+  m.require_open();
+  if (m.view.geo().store)
+    throw Error(Errc::kInvalidArgument, "lend_chunk() needs a ring region: a store region lends its bank with "
+                                        "fill_spans()");
+  if (m.world > 1)
+    throw Error(Errc::kInvalidArgument, "lend_chunk() is for a producer of one rank: sharded ranks write()");
+  if (!m.in_sync) throw Error(Errc::kInvalidArgument, "lend_chunk() outside a sync: call begin_sync() first");
+  if (!m.lent_chunks && (m.next_tensor != 0 || m.part_done != 0))
+    throw Error(Errc::kInvalidArgument, "lend_chunk() after tensors of this sync were written: a sync is filled "
+                                        "either by write() or by lend_chunk()");
+  const std::uint64_t n = m.writer.chunks(), first = m.writer.published(), k = m.view.geo().slot_count;
+  if (c >= n)
+    throw Error(Errc::kInvalidArgument, "lend_chunk(" + std::to_string(c) + "): the sync has " + std::to_string(n) +
+                                            " chunks");
+  if (c < first)
+    throw Error(Errc::kInvalidArgument, "lend_chunk(" + std::to_string(c) + "): that chunk is already published");
+  if (c - first >= k)
+    throw Error(Errc::kInvalidArgument, "lend_chunk(" + std::to_string(c) + "): at most slots() = " +
+                                            std::to_string(k) + " chunks can be lent ahead of the first unpublished "
+                                            "one (" + std::to_string(first) + "): publish_chunks() first");
+  try {
+    std::uint64_t room = 0;
+    std::byte* p = m.writer.claim(c * m.view.geo().slot_bytes, &room);
+    m.lent_chunks = true;
+    m.next_tensor = m.specs.size();  // no write(); end_sync() publishes the rest
+    return {p, room};
+  } catch (const std::exception& e) {
+    m.abort(e.what());
+    throw;
+  }
+}
+
+void Producer::publish_chunks(std::uint64_t end) {
+  Impl& m = *impl_;
+  m.require_open();
+  if (!m.in_sync || !m.lent_chunks)
+    throw Error(Errc::kInvalidArgument, "publish_chunks() with no chunk lent in this sync: call lend_chunk() first");
+  const std::uint64_t n = m.writer.chunks();
+  if (end > n)
+    throw Error(Errc::kInvalidArgument, "publish_chunks(" + std::to_string(end) + "): the sync has " +
+                                            std::to_string(n) + " chunks");
+  if (end > m.writer.acquired())
+    throw Error(Errc::kInvalidArgument, "publish_chunks(" + std::to_string(end) + "): chunk " +
+                                            std::to_string(m.writer.acquired()) + " was never lent");
+  try {
+    m.complete_below(end == n ? m.stream_bytes : end * m.view.geo().slot_bytes);
+  } catch (const std::exception& e) {
+    m.abort(e.what());
+    throw;
+  }
 }
 
 void Producer::end_sync() {

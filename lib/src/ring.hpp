@@ -198,6 +198,8 @@ class ChunkWriter {
   std::uint64_t next_seq() const { return first_seq_ + chunks_ * R_; }  // after the whole sync
   std::uint64_t seq_of(std::uint64_t c) const { return first_seq_ + c * R_ + rank_; }
   std::uint64_t slot_bytes() const { return S_; }
+  std::uint64_t published() const { return published_; }  // chunks handed to publish, in order
+  std::uint64_t acquired() const { return acquired_; }    // chunks claimed, in order
   // Acquires this rank's first chunk now (a store region's one chunk: its
   // bank's manifest may be rewritten only once it is acquired).
   void claim_first() {

@@ -104,3 +104,98 @@ TEST(Transfer, ThreeConsumersBitExact) {
   EXPECT_EQ(c3.wait(), 0);
   EXPECT_EQ(prod.wait(), 0);
 }
+
+namespace {
+
+// lend_chunk(): the producer's caller fills the slots itself (a relay
+// receiving from the network), several chunks lent at once and filled in
+// reverse order, published in two steps per group.
+int run_lending_producer(const std::string& name, int syncs, std::uint64_t seed, int count) {
+  Producer p = Producer::create(name, small_opts(4));
+  p.wait_for_consumers(2, 20s);
+  const std::uint64_t S = p.slot_bytes();
+  for (int s = 0; s < syncs; ++s) {
+    auto specs = random_manifest(seed + s, kSlot, count);
+    const std::uint64_t version = static_cast<std::uint64_t>(s) + 1;
+    if (p.begin_sync(specs) != version) return 3;
+    const SyncLayout& l = p.last_layout();
+    std::vector<std::uint8_t> stream(l.stream_bytes, 0x5A);
+    for (std::size_t i = 0; i < specs.size(); ++i)
+      fill_pattern(stream.data() + l.offsets[i], specs[i].nbytes(), seed_of(version, i));
+    const std::uint64_t n = l.chunks;
+    for (std::uint64_t c0 = 0; c0 < n; c0 += 3) {
+      const std::uint64_t c1 = std::min<std::uint64_t>(n, c0 + 3);
+      std::vector<std::span<std::byte>> spans;
+      for (std::uint64_t c = c0; c < c1; ++c) {
+        spans.push_back(p.lend_chunk(c));
+        if (spans.back().size() != std::min(S, l.stream_bytes - c * S)) return 4;
+      }
+      for (std::uint64_t c = c1; c-- > c0;) std::memcpy(spans[c - c0].data(), stream.data() + c * S, spans[c - c0].size());
+      p.publish_chunks(c1 - 1);
+      p.publish_chunks(c1);
+    }
+    p.end_sync();
+  }
+  p.wait_drained(20s);
+  return 0;
+}
+
+Errc code_of(const std::function<void()>& fn) {
+  try {
+    fn();
+  } catch (const Error& e) {
+    return e.code();
+  }
+  return Errc{};
+}
+
+}  // namespace
+
+TEST(Transfer, LentChunksFilledByTheCallerArriveBitExact) {
+  const std::string name = unique_name("lend");
+  RegionGuard g{name};
+  Child prod = Child::spawn([&] { return run_lending_producer(name, 4, 99, 30); });
+  Child c1 = Child::spawn([&] { return run_consumer(name, 4, 99, 30, false); });
+  Child c2 = Child::spawn([&] { return run_consumer(name, 4, 99, 30, true); });
+  EXPECT_EQ(c1.wait(), 0);
+  EXPECT_EQ(c2.wait(), 0);
+  EXPECT_EQ(prod.wait(), 0);
+}
+
+// What lend_chunk() refuses, and that a lent chunk stays invisible to
+// consumers until it is published.
+TEST(Transfer, LendChunkRefusalsAndUnpublishedChunksStayHidden) {
+  const std::string name = unique_name("lend-refuse");
+  RegionGuard g{name};
+  Producer p = Producer::create(name, small_opts(2));
+  ConsumerOptions co;
+  co.pin = Pin::kNo;
+  co.chunk_timeout = 300ms;
+  Consumer c = Consumer::open(name, co);
+  EXPECT_EQ(code_of([&] { p.lend_chunk(0); }), Errc::kInvalidArgument);  // outside a sync
+  PatternSync s(3, 3 * kSlot / 2, 1);                                     // 4.5 slots: 5 chunks
+  ASSERT_EQ(p.begin_sync(s.specs), 1u);
+  EXPECT_EQ(code_of([&] { p.publish_chunks(1); }), Errc::kInvalidArgument);  // nothing lent
+  EXPECT_EQ(code_of([&] { p.lend_chunk(5); }), Errc::kInvalidArgument);      // the sync has 5
+  EXPECT_EQ(code_of([&] { p.lend_chunk(2); }), Errc::kInvalidArgument);      // 2 slots: at most chunks 0 and 1
+  std::span<std::byte> c0 = p.lend_chunk(0);
+  ASSERT_EQ(c0.size(), kSlot);
+  std::memcpy(c0.data(), s.ptrs[0], kSlot);
+  EXPECT_EQ(code_of([&] { p.write(0, s.ptrs[0]); }), Errc::kInvalidArgument);
+  EXPECT_EQ(code_of([&] { p.publish_chunks(2); }), Errc::kInvalidArgument);  // chunk 1 never lent
+  ASSERT_EQ(c.wait_sync(5s).version, 1u);
+  // Chunk 0 is filled but not published: the reader waits for it and times out.
+  std::vector<std::vector<std::uint8_t>> got(3);
+  std::vector<void*> dst;
+  for (auto& v : got) {
+    v.assign(3 * kSlot / 2, 0);
+    dst.push_back(v.data());
+  }
+  EXPECT_EQ(code_of([&] { c.read_into(dst); }), Errc::kTimeout);
+  p.abort_sync("test");
+  // Lending after write() is refused too; a sync filled by write() still works.
+  ASSERT_EQ(p.begin_sync(s.specs), 2u);
+  p.write(0, s.ptrs[0]);
+  EXPECT_EQ(code_of([&] { p.lend_chunk(0); }), Errc::kInvalidArgument);
+  p.abort_sync("test");
+}

@@ -366,6 +366,18 @@ class SHMCAST_API Producer {
   // after begin_sync(); end_sync() then publishes what the spans hold, and
   // abort_sync() drops it. write() is refused for the rest of that sync.
   std::vector<std::span<std::byte>> fill_spans();
+  // Ring regions, one rank: lends the slot of chunk c of the sync in
+  // progress (stream bytes [c * slot_bytes(), +span size)) for the caller to
+  // fill itself, from any thread, instead of write(): a relay receives the
+  // network's bytes straight into it. Waits as write() does for the
+  // consumers to release the slot (claiming every chunk before c too). At
+  // most slots() chunks may be lent ahead of the first unpublished one.
+  // Consumers see a chunk only once publish_chunks() passes it. write() is
+  // refused for the rest of the sync; end_sync() publishes what is left.
+  std::span<std::byte> lend_chunk(std::uint64_t c);
+  // Publishes every chunk below `end` not yet published, in order: their
+  // bytes are final. Each must have been lent.
+  void publish_chunks(std::uint64_t end);
   // Publishes the last slot and returns once every slot of the sync has been
   // filled (all D2H copies done). Consumers may still be reading.
   void end_sync();
