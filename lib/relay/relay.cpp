@@ -146,6 +146,40 @@ struct Buffer {
   int refs = 0;  // 0: free
 };
 
+// How many UCX operations (receives, forwarding sends) use each slot of
+// this node's region, shared by the network thread, which counts, and the
+// region writer, which lends a slot (or recreates the region) only once
+// nothing reads or writes the old bytes any more.
+class SlotUse {
+ public:
+  void add(const std::byte* p, int n) {
+    std::lock_guard<std::mutex> g(mu_);
+    refs_[p] += n;
+    if (refs_[p] <= 0) {
+      refs_.erase(p);
+      cv_.notify_all();
+    }
+  }
+  // False when `p` (nullptr: every slot) was still in use at the deadline
+  // or once stop() was called.
+  bool wait_free(const std::byte* p, std::chrono::steady_clock::time_point deadline) {
+    std::unique_lock<std::mutex> g(mu_);
+    const bool free = cv_.wait_until(g, deadline, [&] { return stop_ || (p ? refs_.count(p) == 0 : refs_.empty()); });
+    return free && (p ? refs_.count(p) == 0 : refs_.empty());
+  }
+  void stop() {
+    std::lock_guard<std::mutex> g(mu_);
+    stop_ = true;
+    cv_.notify_all();
+  }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::map<const std::byte*, int> refs_;
+  bool stop_ = false;
+};
+
 // A downstream relay connected to our listener.
 struct Down {
   enum State { kHandshake, kReady, kActive, kClosing };
@@ -414,12 +448,21 @@ struct Relay::Impl {
       std::uint32_t left = 0;      // fragments not yet received or failed
       bool have_sum = false, ok = true;
       std::uint64_t len = 0, sum = 0;
+      // Direct receive: 1 asked the writer for the chunk's slot, 2 lent
+      // (slot_p), 3 refused (a receive buffer instead).
+      int lend = 0;
+      std::byte* slot_p = nullptr;
+      std::uint64_t slot_gen = 0;
     };
     std::uint64_t serial = 0;
     std::vector<Chunk> chunks;  // per data_chunks position
     // posted/processed/limit count chunk positions; limit_frags: fragments
     // the upstream sends (all, or what an abort says it sent).
     std::size_t posted = 0, processed = 0, limit = 0;
+    // Direct receive into this node's region (its slots are the chunks):
+    // positions below `asked` were asked of the writer.
+    bool direct = false;
+    std::size_t asked = 0;
     std::uint64_t limit_frags = 0;
     // Forwarding cursor: fragments go downstream in order, each as soon as
     // it and every fragment before it are here.
@@ -432,6 +475,25 @@ struct Relay::Impl {
   std::uint64_t in_serial = 0;
   std::vector<Buffer> bufs;
   std::uint64_t buf_bytes = 0;
+  // Slots of this node's region used as receive buffers (direct receive):
+  // buffer index kSlotBase + i, registered with UCX per region generation.
+  static constexpr int kSlotBase = 1 << 20;
+  struct SlotBuf {
+    Buffer b;
+    std::uint64_t gen = 0;
+  };
+  std::vector<SlotBuf> sbufs;
+  SlotUse slot_use;
+  // Lends the writer answered: (serial, position, slot or nullptr, gen).
+  struct LendReply {
+    std::uint64_t serial = 0;
+    std::size_t pos = 0;
+    std::byte* p = nullptr;
+    std::uint64_t gen = 0;
+  };
+  std::vector<LendReply> lend_replies;  // under wmu
+  std::atomic<std::uint32_t> region_slots{0};  // of this node's region (0: none yet)
+  std::atomic<std::uint64_t> region_slot_bytes{0};
 
   // ---- source reader <-> network thread
   struct SrcCmd {
@@ -462,13 +524,15 @@ struct Relay::Impl {
 
   // ---- region writer (nodes with `from`)
   struct WCmd {
-    enum T { kOpen, kBegin, kChunk, kEnd, kAbort } t;
+    enum T { kOpen, kBegin, kChunk, kEnd, kAbort, kLend } t;
     std::shared_ptr<const SyncPlan> plan;
     int buf = -1;
     std::uint32_t chunk = 0;
     const std::byte* data = nullptr;
     std::uint64_t len = 0, sum = 0, chunk_bytes = 0;
     std::string why;
+    std::uint64_t serial = 0;  // kLend: the incoming sync
+    std::size_t pos = 0;       // kLend: its position in data_chunks
   };
   std::mutex wmu;
   std::condition_variable wcv;
@@ -848,7 +912,7 @@ struct Relay::Impl {
       if (d->pending_data++ == 0) d->progress_ns = mono_ns();
       ++d->frags_sent;
       ucp_request_param_t prm = send_param(op, memh);
-      if (buf >= 0) ++bufs[static_cast<std::size_t>(buf)].refs;
+      add_ref(buf);
       track(op, ucp_tag_send_nbx(d->ep, p, len, wire::tag(wire::kData, out.plan->version, out.plan->frag_tag(c, j)),
                                  &prm));
       ++n;
@@ -918,10 +982,40 @@ struct Relay::Impl {
 
   // ------------------------------------------------------------ buffers
 
+  Buffer& bref(int b) {
+    return b >= kSlotBase ? sbufs[static_cast<std::size_t>(b - kSlotBase)].b : bufs[static_cast<std::size_t>(b)];
+  }
+  void add_ref(int b) {
+    if (b < 0) return;
+    Buffer& buf = bref(b);
+    ++buf.refs;
+    if (b >= kSlotBase) slot_use.add(buf.p, 1);
+  }
   void release_buf(int b) {
     if (b < 0) return;
-    Buffer& buf = bufs[static_cast<std::size_t>(b)];
-    if (--buf.refs < 0) buf.refs = 0;
+    Buffer& buf = bref(b);
+    if (buf.refs <= 0) return;
+    --buf.refs;
+    if (b >= kSlotBase) slot_use.add(buf.p, -1);
+  }
+  // The slot buffer for a lent slot at `p` of region generation `gen`
+  // (registered with UCX once per generation; older ones are dropped: the
+  // writer recreated the region only once none of them was in use).
+  int slot_buf(std::byte* p, std::uint64_t gen) {
+    if (!sbufs.empty() && sbufs.front().gen != gen &&
+        std::all_of(sbufs.begin(), sbufs.end(), [](const SlotBuf& sb) { return sb.b.refs == 0; })) {
+      for (SlotBuf& sb : sbufs) ucx::unregister_memory(ctx->get(), &sb.b.reg);
+      sbufs.clear();
+    }
+    for (std::size_t i = 0; i < sbufs.size(); ++i)
+      if (sbufs[i].b.p == p && sbufs[i].gen == gen) return kSlotBase + static_cast<int>(i);
+    SlotBuf sb;
+    sb.gen = gen;
+    sb.b.p = p;
+    sb.b.cap = region_slot_bytes.load();
+    sb.b.reg = ucx::register_memory(ctx->get(), p, sb.b.cap);
+    sbufs.push_back(sb);
+    return kSlotBase + static_cast<int>(sbufs.size() - 1);
   }
   int free_buf() const {
     for (std::size_t i = 0; i < bufs.size(); ++i)
@@ -1240,6 +1334,7 @@ struct Relay::Impl {
     in.chunks.resize(plan->data_chunks.size());
     in.limit = plan->data_chunks.size();
     in.limit_frags = plan->total_frags();
+    in.direct = o.direct_receive && local_slot_bytes(plan->chunk_bytes) == plan->chunk_bytes;
     in.start_ns = in.progress_ns = mono_ns();
     up.chunk_bytes = plan->chunk_bytes;
     push_writer(WCmd{WCmd::kBegin, plan, -1, 0, nullptr, 0, 0, plan->chunk_bytes, {}});
@@ -1248,7 +1343,7 @@ struct Relay::Impl {
     log("sync " + std::to_string(plan->version) + " from upstream: " + std::to_string(plan->specs.size()) +
         " tensors, " + fmt_bytes(plan->payload_bytes) + ", " + std::to_string(plan->data_chunks.size()) +
         " chunks of " + std::to_string(plan->total_frags()) + " fragments; forwarding to " + std::to_string(n) +
-        " downstream");
+        " downstream" + (in.direct ? "; receiving into this node's slots" : ""));
   }
 
   // The upstream abandoned the sync after sending `sent` fragments: those
@@ -1282,14 +1377,34 @@ struct Relay::Impl {
   void pump_in() {
     if (!in.plan || up.state != Up::kAuthed) return;
     const SyncPlan& p = *in.plan;
+    take_lend_replies();
+    // Direct receive: ask the writer to lend the slots of the next chunks,
+    // as far ahead as this node's region allows (the writer publishes the
+    // chunks handed to it in order, so chunk data_chunks[processed - 1] and
+    // all before it are published by the time it reads the request).
+    const std::uint64_t K = region_slots.load();
+    while (in.direct && !in.discard && in.asked < in.limit && K > 0) {
+      const std::uint64_t pub = in.processed > 0 ? p.data_chunks[in.processed - 1] + 1ull : 0;
+      if (p.data_chunks[in.asked] >= pub + K) break;
+      in.chunks[in.asked].lend = 1;
+      push_writer(WCmd{WCmd::kLend, in.plan, -1, p.data_chunks[in.asked], nullptr, 0, 0, 0, {}, in.serial, in.asked});
+      ++in.asked;
+    }
     while (in.posted < in.limit) {
-      const int b = free_buf();
-      if (b < 0) break;
       const std::size_t pos = in.posted;
-      const std::uint32_t c = p.data_chunks[pos];
       In::Chunk& ch = in.chunks[pos];
-      Buffer& buf = bufs[static_cast<std::size_t>(b)];
-      buf.refs = 1;  // the chunk's
+      int b = -1;
+      if (ch.lend == 1) break;  // the writer has not answered yet
+      if (ch.lend == 2) {
+        b = slot_buf(ch.slot_p, ch.slot_gen);
+      } else {
+        if (in.direct && pos >= in.asked && !in.discard) break;  // not asked yet
+        b = free_buf();
+        if (b < 0) break;
+      }
+      const std::uint32_t c = p.data_chunks[pos];
+      Buffer& buf = bref(b);
+      add_ref(b);  // the chunk's
       ch.buf = b;
       ch.len = p.chunk_len(c);
       const std::uint32_t nf = p.frags(c);
@@ -1313,7 +1428,7 @@ struct Relay::Impl {
         op->frag = j;
         op->version = p.version;
         op->bytes = p.frag_len(c, j);
-        ++buf.refs;  // the receive's
+        add_ref(b);  // the receive's
         ch.ops[j] = op;
         ucp_request_param_t prm = recv_param(op, buf.reg.memh);
         track(op, ucp_tag_recv_nbx(up.w->get(), buf.p + static_cast<std::uint64_t>(j) * p.frag_bytes, op->bytes,
@@ -1329,7 +1444,7 @@ struct Relay::Impl {
       }
       if (ch.got[in.fwd_frag] != 1) break;
       const std::uint32_t c = p.data_chunks[in.fwd_pos];
-      const Buffer& b = bufs[static_cast<std::size_t>(ch.buf)];
+      const Buffer& b = bref(ch.buf);
       forward_frag(c, in.fwd_frag, b.p + static_cast<std::uint64_t>(in.fwd_frag) * p.frag_bytes,
                    p.frag_len(c, in.fwd_frag), b.reg.memh, ch.buf);
       ++in.fwd_frag;
@@ -1340,10 +1455,11 @@ struct Relay::Impl {
       if (!in.discard && !ch.have_sum) break;
       const std::uint32_t c = p.data_chunks[in.processed];
       if (!in.discard && ch.ok) {
-        const Buffer& b = bufs[static_cast<std::size_t>(ch.buf)];
+        const Buffer& b = bref(ch.buf);
         forward_sum(c, ch.len, ch.sum);
-        ++bufs[static_cast<std::size_t>(ch.buf)].refs;  // the writer's
-        push_writer(WCmd{WCmd::kChunk, in.plan, ch.buf, c, b.p, ch.len, ch.sum, p.chunk_bytes, {}});
+        add_ref(ch.buf);  // the writer's
+        push_writer(WCmd{WCmd::kChunk, in.plan, ch.buf, c, b.p, ch.len, ch.sum, p.chunk_bytes, {}, in.serial,
+                         in.processed});
         std::lock_guard<std::mutex> g(smu);
         st.bytes_in += ch.len;
       }
@@ -1765,6 +1881,27 @@ struct Relay::Impl {
     wcv.notify_one();
   }
 
+  void take_lend_replies() {
+    std::vector<LendReply> got;
+    {
+      std::lock_guard<std::mutex> g(wmu);
+      got.swap(lend_replies);
+    }
+    for (const LendReply& r : got) {
+      if (!in.plan || r.serial != in.serial || r.pos >= in.chunks.size()) continue;  // a sync that is over
+      In::Chunk& ch = in.chunks[r.pos];
+      if (ch.lend != 1) continue;
+      if (r.p) {
+        ch.lend = 2;
+        ch.slot_p = r.p;
+        ch.slot_gen = r.gen;
+      } else {
+        ch.lend = 3;  // the local sync failed: receive buffers from here on
+        in.direct = false;
+      }
+    }
+  }
+
   void take_writer_returns() {
     std::vector<int> done;
     {
@@ -1776,6 +1913,8 @@ struct Relay::Impl {
 
   struct WriterState {
     std::optional<Producer> prod;
+    std::uint64_t gen = 0;  // regions created
+    bool direct = false;    // the sync in progress is received into lent slots
     std::unique_ptr<Hasher> hasher;
     std::shared_ptr<const SyncPlan> plan;
     bool ok = false;  // the local sync is live
@@ -1831,16 +1970,27 @@ struct Relay::Impl {
     }
   }
 
+  std::uint64_t local_slot_bytes(std::uint64_t chunk_bytes) const {
+    return align_slot(o.region_options.slot_bytes ? o.region_options.slot_bytes : chunk_bytes);
+  }
   void ensure_region(WriterState& ws, std::uint64_t chunk_bytes, bool fresh) {
-    const std::uint64_t want = align_slot(o.region_options.slot_bytes ? o.region_options.slot_bytes : chunk_bytes);
+    const std::uint64_t want = local_slot_bytes(chunk_bytes);
     if (ws.prod && ws.prod->slot_bytes() == want && !fresh) return;
     if (ws.prod) {
+      // No receive or forwarding send may still use the old slots.
+      if (!slot_use.wait_free(nullptr, std::chrono::steady_clock::now() + o.peer_timeout + std::chrono::seconds(5)))
+        throw Error(Errc::kTimeout, "the region cannot be recreated: network operations still use its slots after "
+                                    "peer_timeout; restart the relay");
       ws.prod->close();
       ws.prod.reset();
     }
     ProducerOptions po = o.region_options;
     po.slot_bytes = want;
     ws.prod.emplace(Producer::create(o.region, po));
+    ++ws.gen;
+    region_slot_bytes = ws.prod->slot_bytes();
+    region_slots = ws.prod->slots();
+    wake();
     log(std::string(fresh ? "region recreated: " : "region created: ") + o.region + " in " + region_dir() + ", " +
         std::to_string(ws.prod->slots()) + " slots of " + fmt_bytes(ws.prod->slot_bytes()));
     std::lock_guard<std::mutex> g(smu);
@@ -1864,6 +2014,7 @@ struct Relay::Impl {
         ws.plan = c.plan;
         ws.cursor = 0;
         ws.ok = false;
+        ws.direct = o.direct_receive && ws.prod->slot_bytes() == c.plan->chunk_bytes;
         try {
           ws.prod->begin_sync(c.plan->specs, c.plan->version);
           ws.ok = true;
@@ -1877,7 +2028,14 @@ struct Relay::Impl {
         const std::string bad = "chunk " + std::to_string(c.chunk) + " of sync " + std::to_string(c.plan->version) +
                                 " fails its XXH3 checksum across the hop";
         try {
-          if (!o.checksums) {
+          if (ws.direct) {
+            // Received straight into the slot lend_chunk() gave: verify,
+            // then publish (consumers never see a chunk that fails).
+            if (c.buf < kSlotBase) throw Error(Errc::kInvalidArgument, "chunk " + std::to_string(c.chunk) +
+                                                                           " did not arrive in its slot");
+            if (o.checksums && XXH3_64bits(c.data, c.len) != c.sum) throw Error(Errc::kChecksum, bad);
+            ws.prod->publish_chunks(c.chunk + 1ull);
+          } else if (!o.checksums) {
             write_chunk(ws, c, 0, c.len);
           } else if (ws.prod->slot_bytes() == c.plan->chunk_bytes) {
             // This chunk is exactly one slot here, published once the last
@@ -1895,8 +2053,8 @@ struct Relay::Impl {
             write_chunk(ws, c, 0, c.len);
           }
         } catch (const Error& e) {
-          if (e.code() == Errc::kChecksum) ws.prod->abort_sync(e.what());
-          ws.ok = false;  // write_part() aborted the sync already
+          if (e.code() == Errc::kChecksum || e.code() == Errc::kInvalidArgument) ws.prod->abort_sync(e.what());
+          ws.ok = false;  // write_part() and publish_chunks() aborted the sync already
           local_failure(e.what());
         }
         return;
@@ -1905,7 +2063,8 @@ struct Relay::Impl {
         if (!ws.ok || ws.plan != c.plan) return;
         try {
           const SyncPlan& p = *ws.plan;
-          for (; ws.cursor < p.specs.size(); ++ws.cursor) ws.prod->write_part(ws.cursor, 0, nullptr, 0);
+          if (!ws.direct)
+            for (; ws.cursor < p.specs.size(); ++ws.cursor) ws.prod->write_part(ws.cursor, 0, nullptr, 0);
           ws.prod->end_sync();
           std::lock_guard<std::mutex> g(smu);
           ++st.region_syncs;
@@ -1920,6 +2079,33 @@ struct Relay::Impl {
       case WCmd::kAbort: {
         if (ws.ok && ws.prod) ws.prod->abort_sync(c.why);
         ws.ok = false;
+        return;
+      }
+      case WCmd::kLend: {
+        // The network thread receives chunk c.chunk straight into its slot.
+        std::byte* got = nullptr;
+        if (ws.ok && ws.plan == c.plan && ws.direct) {
+          try {
+            const std::span<std::byte> sp = ws.prod->lend_chunk(c.chunk);  // waits for this node's consumers
+            // ...and for forwarding sends of the slot's previous chunk.
+            if (!slot_use.wait_free(sp.data(), std::chrono::steady_clock::now() + o.peer_timeout +
+                                                   std::chrono::seconds(5))) {
+              const std::string why = "slot of chunk " + std::to_string(c.chunk) +
+                                      " is still being forwarded downstream after peer_timeout";
+              ws.prod->abort_sync(why);
+              throw Error(Errc::kTimeout, why);
+            }
+            got = sp.data();
+          } catch (const Error& e) {
+            ws.ok = false;  // lend_chunk() aborted the sync already
+            local_failure(e.what());
+          }
+        }
+        {
+          std::lock_guard<std::mutex> g(wmu);
+          lend_replies.push_back(LendReply{c.serial, c.pos, got, ws.gen});
+        }
+        wake();
         return;
       }
     }
@@ -2157,18 +2343,12 @@ struct Relay::Impl {
       reap_retired();
       if (!retired.empty()) std::this_thread::sleep_for(1ms);
     }
-    {
-      std::lock_guard<std::mutex> g(wmu);
-      writer_exit = true;
-    }
-    wcv.notify_all();
-    if (writer.joinable()) writer.join();
-    take_writer_returns();
     if (listener) ucp_listener_destroy(listener);
     listener = nullptr;
     // No callback may run once the ops are gone: stop the progress thread,
     // destroy the worker (which may still call back for requests it drops),
-    // then free the ops.
+    // then free the ops. All before the writer closes this node's region:
+    // a forwarding send may read from its slots until its worker is gone.
     if (lw) lw->stop_progress();
     for (auto& [p, op] : ops)
       if (op->done && op->req) {
@@ -2182,7 +2362,19 @@ struct Relay::Impl {
       std::lock_guard<std::mutex> g(sink.mu);
       sink.completed.clear();
     }
-    if (ctx) free_bufs();
+    slot_use.stop();  // a lend waiting on a forwarding send that is gone
+    {
+      std::lock_guard<std::mutex> g(wmu);
+      writer_exit = true;
+    }
+    wcv.notify_all();
+    if (writer.joinable()) writer.join();
+    take_writer_returns();
+    if (ctx) {
+      free_bufs();
+      for (SlotBuf& sb : sbufs) ucx::unregister_memory(ctx->get(), &sb.b.reg);
+      sbufs.clear();
+    }
     ctx.reset();
     set_state(fatal ? "failed" : "stopped");
     write_status(true);

@@ -245,8 +245,12 @@ struct Chain {
     relays[0] = &c.relay(0, 0, true, kKey, 0, source_extra);
     ports[0] = c.listen_port(0);
     c.wait_status(0, [](const json& j) { return j["region_state"].value("ready", false); });
+    // Node 2 receives into buffers and copies into its region; the others
+    // receive straight into their region's slots (the default).
     for (int i = 1; i < n; ++i) {
-      relays[static_cast<std::size_t>(i)] = &c.relay(i, ports[static_cast<std::size_t>(i - 1)], i + 1 < n);
+      relays[static_cast<std::size_t>(i)] =
+          &c.relay(i, ports[static_cast<std::size_t>(i - 1)], i + 1 < n, kKey, 0,
+                   i == 2 ? std::vector<std::string>{"--no-direct-receive"} : std::vector<std::string>{});
       if (i + 1 < n) ports[static_cast<std::size_t>(i)] = c.listen_port(i);
       c.wait_status(i, [](const json& j) { return upstream_connected(j); });
     }
@@ -292,6 +296,11 @@ TEST_P(ChainOf, SyncsArriveBitExactOnEveryNode) {
   for (int i = 1; i < n; ++i) {
     EXPECT_EQ(ch.workers[static_cast<std::size_t>(i - 1)]->wait(), 0) << ch.workers[static_cast<std::size_t>(i - 1)]->output();
     for (int v = 1; v <= 3; ++v) EXPECT_TRUE(has_line(ch.report(i), "ok " + std::to_string(v))) << slurp(ch.report(i));
+  }
+  // Each node received the way it was told to.
+  for (int i = 1; i < n; ++i) {
+    const std::string log = ch.relays[static_cast<std::size_t>(i)]->output();
+    EXPECT_EQ(log.find("receiving into this node's slots") != std::string::npos, i != 2) << log;
   }
   const json last = c.wait_status(n - 1, [](const json& j) { return j["region_state"].value("syncs", 0) == 3; });
   EXPECT_EQ(last["region_state"].value("version", 0), 3);

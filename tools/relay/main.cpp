@@ -61,18 +61,23 @@ int main(int argc, char** argv) {
   CLI::App app{"shmcast-relay: carry a region's syncs to other nodes over UCX (docs/relay.md)"};
   app.footer(kFooter);
   std::string region, from, listen, key_file, status, slot_bytes_s, frag_s = "1M", stall = "fail";
-  bool no_checksums = false, region_checksums = false, group_access = false, inline_progress = false;
-  std::uint32_t slots = 2, max_consumers = 8, buffers = 4;
+  bool no_checksums = false, region_checksums = false, group_access = false, inline_progress = false,
+       no_direct = false;
+  std::uint32_t slots = 4, max_consumers = 8, buffers = 4;
   double consumer_timeout = 60, peer_timeout = 20, handshake_timeout = 10, upstream_timeout = 90;
   app.add_option("region", region, "Region name (the same on every node)")->required();
   app.add_option("--from", from, "Upstream relay HOST:PORT (omit on the source node)");
   app.add_option("--listen", listen, "Accept downstream relays on HOST:PORT (port 0: any free port)");
   app.add_option("--key-file", key_file, "File holding the pre-shared key (else $SHMCAST_RELAY_KEY)");
   app.add_flag("--no-checksums", no_checksums, "Do not send and check an XXH3 checksum per chunk across hops");
-  app.add_option("--buffers", buffers, "Receive buffers of one chunk each (chunks in flight per hop)")
+  app.add_option("--buffers", buffers,
+                 "Receive buffers of one chunk each, used when a chunk cannot go straight into its slot")
       ->check(CLI::Range(2, 1024));
   app.add_option("--fragment-bytes", frag_s,
                  "Source node: size of the messages a chunk travels in, a power of two from 64K to 2M (default 1M)");
+  app.add_flag("--no-direct-receive", no_direct,
+               "Receive chunks into buffers and copy them into this node's region, instead of straight into its "
+               "slots");
   app.add_flag("--no-progress-threads", inline_progress,
                "Progress UCX on the relay's own thread instead of one thread per direction");
   app.add_option("--peer-timeout", peer_timeout, "Seconds a downstream may take no chunk before it is dropped")
@@ -85,7 +90,7 @@ int main(int argc, char** argv) {
   app.add_option("--status", status, "Status file (default: next to the region; - for none)");
   auto* g = "This node's region (with --from)";
   app.add_option("--slot-bytes", slot_bytes_s, "Slot size, e.g. 256M (default: the source region's)")->group(g);
-  app.add_option("--slots", slots, "Slots (2: double buffering)")->check(CLI::Range(2, 4096))->group(g);
+  app.add_option("--slots", slots, "Slots: the chunks in flight on the hop into this node (default 4)")->check(CLI::Range(2, 4096))->group(g);
   app.add_option("--max-consumers", max_consumers, "Consumer seats")->check(CLI::Range(1, 64))->group(g);
   app.add_option("--stall-policy", stall, "A local consumer that stalls: fail the local sync, or evict it")
       ->check(CLI::IsMember({"fail", "evict"}))
@@ -127,6 +132,7 @@ int main(int argc, char** argv) {
     if (!slot_bytes_s.empty()) o.region_options.slot_bytes = parse_size(slot_bytes_s);
     o.fragment_bytes = parse_size(frag_s);
     o.progress_threads = !inline_progress;
+    o.direct_receive = !no_direct;
     try {
       o.key = shmcast::relay::load_key(key_file);
     } catch (const shmcast::Error& e) {

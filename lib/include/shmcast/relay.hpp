@@ -75,6 +75,12 @@ struct RelayOptions {
   // then receives and sends on two cores instead of one. False: the relay's
   // network thread progresses both.
   bool progress_threads = true;
+  // Nodes with `from`: receive each chunk straight into its slot of this
+  // node's region (Producer::lend_chunk), verify it there and publish it, so
+  // no byte is copied on the way in. Needs the region's slot size to equal
+  // the source's (region_options.slot_bytes 0); otherwise, and after a
+  // local sync failed, chunks go through the receive buffers and are copied.
+  bool direct_receive = true;
   Duration handshake_timeout = std::chrono::seconds(10);
   // A downstream relay that takes no byte of a chunk for this long is
   // dropped (it rejoins at a later sync), so it cannot hold the others, nor
