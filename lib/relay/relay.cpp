@@ -377,6 +377,70 @@ std::string default_status_path(std::string_view name) {
 
 // ---------------------------------------------------------------- the relay
 
+// Checks chunks received straight into slots (XXH3 against the sum the
+// upstream sent) on a thread of its own, so that neither the network thread
+// nor the region writer, which may wait for this node's consumers, holds
+// the next chunk up. Results are collected with take().
+class Verifier {
+ public:
+  struct Job {
+    std::uint64_t serial = 0;
+    std::size_t pos = 0;
+    const std::byte* p = nullptr;
+    std::uint64_t n = 0, sum = 0;
+    int buf = -1;  // the relay's reference to the slot, held until take()
+    bool ok = false;
+  };
+  explicit Verifier(std::function<void()> done) : done_(std::move(done)), t_([this] { run(); }) {}
+  Verifier(const Verifier&) = delete;
+  Verifier& operator=(const Verifier&) = delete;
+  // Returns once no job is running: the slots may go.
+  ~Verifier() {
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      exit_ = true;
+    }
+    cv_.notify_all();
+    t_.join();
+  }
+  void submit(const Job& j) {
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      q_.push_back(j);
+    }
+    cv_.notify_all();
+  }
+  std::vector<Job> take() {
+    std::lock_guard<std::mutex> g(mu_);
+    std::vector<Job> out;
+    out.swap(out_);
+    return out;
+  }
+
+ private:
+  void run() {
+    std::unique_lock<std::mutex> g(mu_);
+    for (;;) {
+      cv_.wait(g, [this] { return !q_.empty() || exit_; });
+      if (exit_) return;
+      Job j = q_.front();
+      q_.pop_front();
+      g.unlock();
+      j.ok = XXH3_64bits(j.p, j.n) == j.sum;
+      g.lock();
+      out_.push_back(j);
+      done_();
+    }
+  }
+  std::function<void()> done_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<Job> q_;
+  std::vector<Job> out_;
+  bool exit_ = false;
+  std::thread t_;
+};
+
 struct Relay::Impl {
   RelayOptions o;
   bool source = false;
@@ -451,6 +515,7 @@ struct Relay::Impl {
       // Direct receive: 1 asked the writer for the chunk's slot, 2 lent
       // (slot_p), 3 refused (a receive buffer instead).
       int lend = 0;
+      int verify = 0;  // direct receive with checksums: 1 being checked, 2 good, 3 bad
       std::byte* slot_p = nullptr;
       std::uint64_t slot_gen = 0;
     };
@@ -484,6 +549,7 @@ struct Relay::Impl {
   };
   std::vector<SlotBuf> sbufs;
   SlotUse slot_use;
+  std::unique_ptr<Verifier> verifier;  // created with the first direct chunk
   // Lends the writer answered: (serial, position, slot or nullptr, gen).
   struct LendReply {
     std::uint64_t serial = 0;
@@ -533,6 +599,7 @@ struct Relay::Impl {
     std::string why;
     std::uint64_t serial = 0;  // kLend: the incoming sync
     std::size_t pos = 0;       // kLend: its position in data_chunks
+    bool verified = false;     // kChunk: its checksum matched (Verifier); why "bad": it did not
   };
   std::mutex wmu;
   std::condition_variable wcv;
@@ -584,6 +651,7 @@ struct Relay::Impl {
   }
 
   ~Impl() {
+    verifier.reset();  // its thread wakes the network thread through wake_fd
     // run() may have failed before shutdown(): no progress thread may
     // outlive the sink, the ops or the wake fd.
     if (lw) lw->stop_progress();
@@ -1378,6 +1446,7 @@ struct Relay::Impl {
     if (!in.plan || up.state != Up::kAuthed) return;
     const SyncPlan& p = *in.plan;
     take_lend_replies();
+    take_verified();
     // Direct receive: ask the writer to lend the slots of the next chunks,
     // as far ahead as this node's region allows (the writer publishes the
     // chunks handed to it in order, so chunk data_chunks[processed - 1] and
@@ -1449,17 +1518,30 @@ struct Relay::Impl {
                    p.frag_len(c, in.fwd_frag), b.reg.memh, ch.buf);
       ++in.fwd_frag;
     }
+    // Chunks received into slots are checked off this thread, as they complete.
+    if (o.checksums && !in.discard) {
+      take_verified();
+      for (std::size_t i = in.processed; i < in.posted; ++i) {
+        In::Chunk& ch = in.chunks[i];
+        if (ch.verify != 0 || ch.left > 0 || !ch.have_sum || !ch.ok || ch.buf < kSlotBase) continue;
+        if (!verifier) verifier = std::make_unique<Verifier>([this] { wake(); });
+        add_ref(ch.buf);  // the check's: the slot stays until its result is taken
+        verifier->submit(Verifier::Job{in.serial, i, bref(ch.buf).p, ch.len, ch.sum, ch.buf, false});
+        ch.verify = 1;
+      }
+    }
     while (in.processed < in.posted) {
       In::Chunk& ch = in.chunks[in.processed];
       if (ch.left > 0) break;
       if (!in.discard && !ch.have_sum) break;
+      if (!in.discard && ch.verify == 1) break;  // being checked
       const std::uint32_t c = p.data_chunks[in.processed];
       if (!in.discard && ch.ok) {
         const Buffer& b = bref(ch.buf);
         forward_sum(c, ch.len, ch.sum);
         add_ref(ch.buf);  // the writer's
-        push_writer(WCmd{WCmd::kChunk, in.plan, ch.buf, c, b.p, ch.len, ch.sum, p.chunk_bytes, {}, in.serial,
-                         in.processed});
+        push_writer(WCmd{WCmd::kChunk, in.plan, ch.buf, c, b.p, ch.len, ch.sum, p.chunk_bytes,
+                         ch.verify == 3 ? "bad" : "", in.serial, in.processed, ch.verify == 2});
         std::lock_guard<std::mutex> g(smu);
         st.bytes_in += ch.len;
       }
@@ -1881,6 +1963,15 @@ struct Relay::Impl {
     wcv.notify_one();
   }
 
+  void take_verified() {
+    if (!verifier) return;
+    for (const Verifier::Job& j : verifier->take()) {
+      release_buf(j.buf);
+      if (in.plan && j.serial == in.serial && j.pos < in.chunks.size() && in.chunks[j.pos].verify == 1)
+        in.chunks[j.pos].verify = j.ok ? 2 : 3;
+    }
+  }
+
   void take_lend_replies() {
     std::vector<LendReply> got;
     {
@@ -2033,7 +2124,8 @@ struct Relay::Impl {
             // then publish (consumers never see a chunk that fails).
             if (c.buf < kSlotBase) throw Error(Errc::kInvalidArgument, "chunk " + std::to_string(c.chunk) +
                                                                            " did not arrive in its slot");
-            if (o.checksums && XXH3_64bits(c.data, c.len) != c.sum) throw Error(Errc::kChecksum, bad);
+            if (o.checksums && (!c.why.empty() || (!c.verified && XXH3_64bits(c.data, c.len) != c.sum)))
+              throw Error(Errc::kChecksum, bad);
             ws.prod->publish_chunks(c.chunk + 1ull);
           } else if (!o.checksums) {
             write_chunk(ws, c, 0, c.len);
@@ -2362,7 +2454,10 @@ struct Relay::Impl {
       std::lock_guard<std::mutex> g(sink.mu);
       sink.completed.clear();
     }
-    slot_use.stop();  // a lend waiting on a forwarding send that is gone
+    if (verifier) {
+      verifier.reset();  // no check may read a slot once the region can go
+    }
+    slot_use.stop();   // a lend waiting on a forwarding send that is gone
     {
       std::lock_guard<std::mutex> g(wmu);
       writer_exit = true;
