@@ -13,7 +13,7 @@
 # Results in $OUT: relay_device.log, env.log, build.log, relay*.json.
 # Environment: REPS (10), BYTES (2G), CHUNK (32M), NODES (2,4), RUNS (the
 # relay_bench runs: "default"; "nocsum": --no-checksums; "inline":
-# --no-progress-threads; "nodirect": --no-direct-receive; "none"), TESTS (1: the relay test tier first).
+# --no-progress-threads; "direct": --direct-receive; "none"), TESTS (1: the relay test tier first).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/out}
@@ -56,7 +56,7 @@ for run in ${RUNS:-default nocsum}; do
   extra=()
   [ "$run" = nocsum ] && extra=(--relay-arg=--no-checksums --perftest 1M:sleep)
   [ "$run" = inline ] && extra=(--relay-arg=--no-progress-threads --perftest 1M:sleep)
-  [ "$run" = nodirect ] && extra=(--relay-arg=--no-direct-receive --perftest 1M:sleep)
+  [ "$run" = direct ] && extra=(--relay-arg=--direct-receive --perftest 1M:sleep)
   log "relay_bench ($run)"
   timeout ${BENCH_TIMEOUT:-400} python3 bench/relay_bench.py --build $B --bytes ${BYTES:-2G} --chunk ${CHUNK:-32M} \
     --reps ${REPS:-10} --nodes ${NODES:-2,4} --json "$OUT/relay-$run.json" "${extra[@]}" ${BENCH_ARGS:-}

@@ -245,12 +245,12 @@ struct Chain {
     relays[0] = &c.relay(0, 0, true, kKey, 0, source_extra);
     ports[0] = c.listen_port(0);
     c.wait_status(0, [](const json& j) { return j["region_state"].value("ready", false); });
-    // Node 2 receives into buffers and copies into its region; the others
-    // receive straight into their region's slots (the default).
+    // Nodes 1 and 3 receive straight into their region's slots; node 2
+    // into buffers that it copies into its region (the default).
     for (int i = 1; i < n; ++i) {
       relays[static_cast<std::size_t>(i)] =
           &c.relay(i, ports[static_cast<std::size_t>(i - 1)], i + 1 < n, kKey, 0,
-                   i == 2 ? std::vector<std::string>{"--no-direct-receive"} : std::vector<std::string>{});
+                   i != 2 ? std::vector<std::string>{"--direct-receive"} : std::vector<std::string>{});
       if (i + 1 < n) ports[static_cast<std::size_t>(i)] = c.listen_port(i);
       c.wait_status(i, [](const json& j) { return upstream_connected(j); });
     }

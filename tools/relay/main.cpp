@@ -62,7 +62,7 @@ int main(int argc, char** argv) {
   app.footer(kFooter);
   std::string region, from, listen, key_file, status, slot_bytes_s, frag_s = "1M", stall = "fail";
   bool no_checksums = false, region_checksums = false, group_access = false, inline_progress = false,
-       no_direct = false;
+       direct = false;
   std::uint32_t slots = 4, max_consumers = 8, buffers = 4;
   double consumer_timeout = 60, peer_timeout = 20, handshake_timeout = 10, upstream_timeout = 90;
   app.add_option("region", region, "Region name (the same on every node)")->required();
@@ -75,9 +75,9 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(2, 1024));
   app.add_option("--fragment-bytes", frag_s,
                  "Source node: size of the messages a chunk travels in, a power of two from 64K to 2M (default 1M)");
-  app.add_flag("--no-direct-receive", no_direct,
-               "Receive chunks into buffers and copy them into this node's region, instead of straight into its "
-               "slots");
+  app.add_flag("--direct-receive", direct,
+               "Receive chunks straight into this node's region's slots instead of into buffers that are then "
+               "copied (needs the source's slot size)");
   app.add_flag("--no-progress-threads", inline_progress,
                "Progress UCX on the relay's own thread instead of one thread per direction");
   app.add_option("--peer-timeout", peer_timeout, "Seconds a downstream may take no chunk before it is dropped")
@@ -132,7 +132,7 @@ int main(int argc, char** argv) {
     if (!slot_bytes_s.empty()) o.region_options.slot_bytes = parse_size(slot_bytes_s);
     o.fragment_bytes = parse_size(frag_s);
     o.progress_threads = !inline_progress;
-    o.direct_receive = !no_direct;
+    o.direct_receive = direct;
     try {
       o.key = shmcast::relay::load_key(key_file);
     } catch (const shmcast::Error& e) {

@@ -80,7 +80,9 @@ struct RelayOptions {
   // no byte is copied on the way in. Needs the region's slot size to equal
   // the source's (region_options.slot_bytes 0); otherwise, and after a
   // local sync failed, chunks go through the receive buffers and are copied.
-  bool direct_receive = true;
+  // Off by default: on the 16-core bench machine (docs/benchmarks.md) it
+  // saved a core per node but did not raise the rate over TCP.
+  bool direct_receive = false;
   Duration handshake_timeout = std::chrono::seconds(10);
   // A downstream relay that takes no byte of a chunk for this long is
   // dropped (it rejoins at a later sync), so it cannot hold the others, nor
