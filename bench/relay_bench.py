@@ -111,7 +111,7 @@ def machine_busy():
     return sum(v) - idle, sum(v)
 
 
-def perftest(args, env, exe, msg, wait):
+def perftest(args, env, exe, msg, wait, outstanding=None):
     """One ucx_perftest tag_bw run per repetition; GB/s (10^9 bytes) each.
     wait: "poll" (busy, perftest's default) or "sleep" (waits for events,
     as the relay does)."""
@@ -125,7 +125,9 @@ def perftest(args, env, exe, msg, wait):
             try:
                 time.sleep(0.2 * (attempt + 1))  # the server's bootstrap socket (no handshake to wait on)
                 r = subprocess.run([exe, "127.0.0.1", "-p", str(port), "-t", "tag_bw", "-s", str(msg),
-                                    "-n", str(iters), "-w", "2", "-E", wait], env=env, capture_output=True, text=True,
+                                    "-n", str(iters), "-w", "2", "-E", wait] +
+                                   (["-O", str(outstanding)] if outstanding else []), env=env, capture_output=True,
+                                   text=True,
                                    timeout=300)
             finally:
                 try:
@@ -253,7 +255,8 @@ def main():
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--nodes", default="2,4")
     ap.add_argument("--perftest", default="chunk:poll,chunk:sleep,1M:sleep",
-                    help="ucx_perftest runs, SIZE:WAIT (SIZE: chunk or a size; WAIT: poll or sleep); "
+                    help="ucx_perftest runs, SIZE:WAIT[:OUTSTANDING] (SIZE: chunk or a size; WAIT: poll or sleep; "
+                         "OUTSTANDING: perftest's -O, sends in flight); "
                          "the best median is the ceiling")
     ap.add_argument("--tls", default="tcp")
     ap.add_argument("--devices", default="lo")
@@ -305,11 +308,12 @@ def main():
 
     result["perftest_runs"] = []
     for spec in args.perftest.split(","):
-        sz, wait = spec.split(":")
+        sz, wait, *rest = spec.split(":")
+        outstanding = int(rest[0]) if rest else None
         msg = args.chunk if sz == "chunk" else size(sz)
-        pt = perftest(args, env, perf, msg, wait)
-        run = {"args": f"-t tag_bw -s {msg} -n {max(4, args.bytes // msg)} -w 2 -E {wait}", "gbs": stats(pt),
-               "all": pt}
+        pt = perftest(args, env, perf, msg, wait, outstanding)
+        run = {"args": f"-t tag_bw -s {msg} -n {max(4, args.bytes // msg)} -w 2 -E {wait}" +
+                       (f" -O {outstanding}" if outstanding else ""), "gbs": stats(pt), "all": pt}
         result["perftest_runs"].append(run)
         print(f"ucx_perftest {run['args']}: {fmt(run['gbs'])}")
     result["perftest"] = max(result["perftest_runs"], key=lambda r: r["gbs"]["median"])

@@ -5,6 +5,9 @@
 #include <atomic>
 #include <chrono>
 #include <cstring>
+#include <condition_variable>
+#include <memory>
+#include <mutex>
 #include <optional>
 #include <thread>
 
@@ -26,6 +29,70 @@ namespace {
 
 // kViews: a store version handed out by views(), held until skip().
 enum class State { kIdle, kManifest, kReading, kViews };
+
+// visit_chunks(): hands each chunk to the caller with a release function the
+// caller runs when it is done with the slot (from any thread). drain()
+// waits for every one; afterwards (also after an error) a late call does
+// nothing, since the reader it would release for is gone.
+class DeferredEngine final : public ConsumerEngine {
+ public:
+  using Fn = std::function<void(std::uint64_t, const std::byte*, std::uint64_t, std::function<void()>)>;
+  DeferredEngine(const Fn& fn, std::int64_t timeout_ns) : fn_(fn), timeout_ns_(timeout_ns) {}
+  ~DeferredEngine() override { close(); }
+  void copy(const Buffer&, std::uint64_t, const std::byte*, std::uint64_t) override {
+    throw Error(Errc::kInvalidArgument, "visit_chunks() copies nothing");
+  }
+  // The next chunk's bytes (one range per chunk: no progressive fill).
+  void set_chunk(std::uint64_t index, const std::byte* data, std::uint64_t bytes) {
+    index_ = index;
+    data_ = data;
+    bytes_ = bytes;
+  }
+  void chunk_done(std::function<void()> release) override {
+    std::shared_ptr<State> st = st_;
+    {
+      std::lock_guard<std::mutex> g(st->mu);
+      ++st->held;
+    }
+    auto once = std::make_shared<std::atomic<bool>>(false);
+    auto rel = std::make_shared<std::function<void()>>(std::move(release));
+    fn_(index_, data_, bytes_, [st, once, rel] {
+      if (once->exchange(true)) return;
+      std::lock_guard<std::mutex> g(st->mu);
+      if (st->closed) return;
+      (*rel)();
+      --st->held;
+      st->cv.notify_all();
+    });
+  }
+  // Every chunk handed out released, or kTimeout after chunk_timeout.
+  void drain() override {
+    std::unique_lock<std::mutex> g(st_->mu);
+    const bool ok = st_->cv.wait_for(g, std::chrono::nanoseconds(timeout_ns_), [&] { return st_->held == 0; });
+    const std::uint64_t held = st_->held;
+    st_->closed = true;
+    if (!ok)
+      throw Error(Errc::kTimeout, std::to_string(held) + " chunk(s) handed out by visit_chunks() were not released "
+                                  "within chunk_timeout: call each chunk's release function once you are done with it");
+  }
+  void close() {
+    std::lock_guard<std::mutex> g(st_->mu);
+    st_->closed = true;
+  }
+
+ private:
+  struct State {
+    std::mutex mu;
+    std::condition_variable cv;
+    std::uint64_t held = 0;
+    bool closed = false;
+  };
+  const Fn& fn_;
+  std::int64_t timeout_ns_;
+  std::shared_ptr<State> st_ = std::make_shared<State>();
+  std::uint64_t index_ = 0, bytes_ = 0;
+  const std::byte* data_ = nullptr;
+};
 
 
 }  // namespace
@@ -415,6 +482,25 @@ void Consumer::visit(const std::function<void(const Piece&)>& fn) {
              });
     if (!chunk.empty()) chunk.back().chunk_end = true;
     for (const Piece& p : chunk) fn(p);
+  });
+}
+
+void Consumer::visit_chunks(
+    const std::function<void(std::uint64_t, const std::byte*, std::uint64_t, std::function<void()>)>& fn) {
+  Impl& m = *impl_;
+  m.require_open();
+  if (m.state == State::kManifest && m.info.world_size > 1)
+    throw Error(Errc::kInvalidArgument, "visit_chunks() reads a sync of one producer rank; a sharded sync's chunks "
+                                        "hold pieces of several ranks: use visit()");
+  DeferredEngine e(fn, m.opts.chunk_timeout.count());
+  const std::uint64_t S = m.view.geo().slot_bytes;
+  const std::uint64_t stream = m.info.stream_bytes;
+  std::uint64_t chunk = ~0ull;
+  m.for_each_chunk(e, [&](const std::byte* data, std::uint32_t, std::uint64_t start, std::uint64_t) {
+    if (start / S == chunk) return;  // a later range of the same chunk
+    chunk = start / S;
+    const std::uint64_t at = chunk * S;
+    e.set_chunk(chunk, data - (start - at), std::min(S, stream - at));
   });
 }
 

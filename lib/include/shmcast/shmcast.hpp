@@ -456,6 +456,16 @@ class SHMCAST_API Consumer {
   // With several producer ranks, each rank's pieces come in its sub-stream's
   // order, and the ranks' chunks in the order they are ready.
   void visit(const std::function<void(const Piece&)>& fn);
+  // Zero-copy, for a reader that hands slots to something asynchronous (a
+  // relay's network sends): fn(c, data, bytes, release) gets chunk c of the
+  // sync, stream bytes [c * slot_bytes(), + bytes), in order, and returns at
+  // once; the slot stays held until release() is called (once, from any
+  // thread). Several chunks may be held at once (at most the region's
+  // slots). Returns when every chunk was released; kTimeout when one is not
+  // within chunk_timeout. After it returns or throws, a late release() does
+  // nothing and the bytes may be overwritten. One producer rank only.
+  void visit_chunks(
+      const std::function<void(std::uint64_t, const std::byte*, std::uint64_t, std::function<void()>)>& fn);
   // Releases the rest of the sync without reading it (store regions: lets
   // go of the version, and of views()).
   void skip();
