@@ -569,6 +569,7 @@ struct Relay::Impl {
     const std::byte* base = nullptr;
     std::uint64_t len = 0, sum = 0, ticket = 0;
     std::string why;
+    std::function<void()> release;  // kChunk: lets go of the source slot
   };
   std::mutex cmd_mu;
   std::condition_variable cmd_cv;
@@ -578,13 +579,15 @@ struct Relay::Impl {
   bool net_done = false;
   // network thread's view of the source
   std::uint64_t src_slot_bytes = 0;
+  // Source chunks being sent, several at once (Consumer::visit_chunks):
+  // each slot is released once every downstream has it and its sum went.
   struct SrcChunk {
-    std::uint64_t ticket = 0;
     int pending = 0;
     bool sum_sent = false;
-    std::uint32_t chunk = 0;
-    std::uint64_t len = 0, version = 0;
-  } src_chunk;
+    std::uint64_t version = 0;
+    std::function<void()> release;
+  };
+  std::map<std::uint32_t, SrcChunk> src_chunks;
   std::map<const std::byte*, ucx::Registration> slot_regs;
   std::thread reader;
 
@@ -1593,10 +1596,12 @@ struct Relay::Impl {
             drop_down(d, "chunk send failed: " + ucx::status_str(op->status));
           }
         }
-        if (source && src_chunk.pending > 0 && op->chunk == src_chunk.chunk && op->version == src_chunk.version) {
-          --src_chunk.pending;
-          maybe_reply_chunk();
-        }
+        if (source)
+          if (auto it = src_chunks.find(op->chunk);
+              it != src_chunks.end() && it->second.pending > 0 && it->second.version == op->version) {
+            --it->second.pending;
+            maybe_release(it);
+          }
         return;
       }
       case Op::kDataRecv: {
@@ -1755,16 +1760,19 @@ struct Relay::Impl {
           } catch (const Error& e) {
             log(std::string("cannot register a slot with UCX (sending it unregistered): ") + e.what());
           }
-          src_chunk = SrcChunk{c.ticket, 0, false, c.chunk, c.len, out.plan ? out.plan->version : 0};
-          src_chunk.pending = forward_chunk(c.chunk, c.base, memh);
+          SrcChunk& sc = src_chunks[c.chunk];
+          sc = SrcChunk{0, false, out.plan ? out.plan->version : 0, std::move(c.release)};
+          sc.pending = forward_chunk(c.chunk, c.base, memh);
           std::lock_guard<std::mutex> g(smu);
           st.bytes_in += c.len;
           break;
         }
         case SrcCmd::kSum:
           forward_sum(c.chunk, c.len, c.sum);
-          src_chunk.sum_sent = true;
-          maybe_reply_chunk();
+          if (auto it = src_chunks.find(c.chunk); it != src_chunks.end()) {
+            it->second.sum_sent = true;
+            maybe_release(it);
+          }
           break;
         case SrcCmd::kEnd: forward_end(); break;
         case SrcCmd::kAbort: {
@@ -1789,11 +1797,16 @@ struct Relay::Impl {
     slot_regs.emplace(base, r);
     return r.memh;
   }
-  void maybe_reply_chunk() {
-    if (src_chunk.ticket != 0 && src_chunk.pending == 0 && src_chunk.sum_sent) {
-      reply(src_chunk.ticket, 0);
-      src_chunk.ticket = 0;
-    }
+  void maybe_release(std::map<std::uint32_t, SrcChunk>::iterator it) {
+    if (it->second.pending > 0 || !it->second.sum_sent) return;
+    if (it->second.release) it->second.release();
+    src_chunks.erase(it);
+  }
+  // Shutdown: whatever is still out (its sends are finished or cancelled).
+  void release_src_chunks() {
+    for (auto& [c, sc] : src_chunks)
+      if (sc.release) sc.release();
+    src_chunks.clear();
   }
   void reply(std::uint64_t ticket, std::int64_t value) {
     {
@@ -1851,7 +1864,7 @@ struct Relay::Impl {
         st.region_slot_bytes = S;
       }
       try {
-        post(SrcCmd{SrcCmd::kOpened, nullptr, 0, nullptr, S, 0, 0, {}}, true);
+        post(SrcCmd{SrcCmd::kOpened, nullptr, 0, nullptr, S, 0, 0, {}, {}}, true);
         set_state("idle");
         read_syncs(*cons, S);
       } catch (const Error& e) {
@@ -1862,7 +1875,7 @@ struct Relay::Impl {
         st.region_ready = false;
       }
       try {
-        post(SrcCmd{SrcCmd::kClosed, nullptr, 0, nullptr, 0, 0, 0, {}}, true);
+        post(SrcCmd{SrcCmd::kClosed, nullptr, 0, nullptr, 0, 0, 0, {}, {}}, true);
       } catch (const Error&) {
       }
       cons.reset();
@@ -1879,6 +1892,15 @@ struct Relay::Impl {
         if (e.code() == Errc::kTimeout) continue;
         throw;  // PeerDied, Closed, Evicted, Corrupt...: reattach
       }
+      if (info->world_size > 1) {
+        cons.skip();
+        log("sync " + std::to_string(info->version) + " skipped: it comes from " +
+            std::to_string(info->world_size) + " sharded producer ranks, and the relay forwards syncs of one "
+            "producer (publish the full tensors from one rank into the region the relay reads)");
+        std::lock_guard<std::mutex> g(smu);
+        ++st.skipped;
+        continue;
+      }
       auto plan = std::make_shared<SyncPlan>();
       plan->version = info->version;
       plan->chunk_bytes = S;
@@ -1891,7 +1913,7 @@ struct Relay::Impl {
         plan->nbytes.push_back(t.nbytes);
       }
       plan->index_chunks();
-      const std::int64_t active = post(SrcCmd{SrcCmd::kBegin, plan, 0, nullptr, 0, 0, 0, {}}, true);
+      const std::int64_t active = post(SrcCmd{SrcCmd::kBegin, plan, 0, nullptr, 0, 0, 0, {}, {}}, true);
       if (active == 0) {
         cons.skip();
         log("sync " + std::to_string(plan->version) + " skipped: no downstream relay is connected and ready");
@@ -1901,28 +1923,24 @@ struct Relay::Impl {
       }
       set_state("syncing");
       try {
-        std::int64_t chunk = -1;
-        const std::byte* base = nullptr;
-        cons.visit([&](const Piece& pc) {
-          if (pc.bytes == 0) return;
-          const std::uint64_t pos = info->tensors[pc.tensor].stream_offset + pc.offset;
-          const std::int64_t c = static_cast<std::int64_t>(pos / S);
-          if (c != chunk) {
-            chunk = c;
-            base = pc.data - (pos - static_cast<std::uint64_t>(c) * S);
-          }
-          if (!pc.chunk_end) return;
-          // The whole slot goes at once, straight from the region; the slot is
-          // released when this returns, after every downstream has it.
+        // Each slot goes whole, straight from the region, and is released
+        // once every downstream has it; the next ones go meanwhile.
+        cons.visit_chunks([&](std::uint64_t c, const std::byte* base, std::uint64_t, std::function<void()> release) {
           const auto cu = static_cast<std::uint32_t>(c);
-          const std::uint64_t len = plan->chunk_len(cu);
-          if (stopping) throw Error(Errc::kAborted, "the relay is stopping");
-          post_chunk(cu, base, len);
+          if (!std::binary_search(plan->data_chunks.begin(), plan->data_chunks.end(), cu)) {
+            release();  // padding only: not sent
+            return;
+          }
+          if (stopping) {
+            release();
+            throw Error(Errc::kAborted, "the relay is stopping");
+          }
+          post_chunk(cu, base, plan->chunk_len(cu), std::move(release));
         });
-        post(SrcCmd{SrcCmd::kEnd, plan, 0, nullptr, 0, 0, 0, {}}, false);
+        post(SrcCmd{SrcCmd::kEnd, plan, 0, nullptr, 0, 0, 0, {}, {}}, false);
         set_state("idle");
       } catch (const Error& e) {
-        post(SrcCmd{SrcCmd::kAbort, plan, 0, nullptr, 0, 0, 0, std::string("source sync aborted: ") + e.what()},
+        post(SrcCmd{SrcCmd::kAbort, plan, 0, nullptr, 0, 0, 0, std::string("source sync aborted: ") + e.what(), {}},
              false);
         log("sync " + std::to_string(plan->version) + " aborted at the source: " + e.what());
         if (e.code() == Errc::kAborted || e.code() == Errc::kTimeout || e.code() == Errc::kChecksum) {
@@ -1934,23 +1952,24 @@ struct Relay::Impl {
     }
   }
   // Sends chunk c from the slot; the checksum is computed while the bytes
-  // travel; returns once every downstream has them.
-  void post_chunk(std::uint32_t c, const std::byte* base, std::uint64_t len) {
-    std::unique_lock<std::mutex> g(cmd_mu);
-    const std::uint64_t t = next_ticket++;
-    cmds.push_back(SrcCmd{SrcCmd::kChunk, nullptr, c, base, len, 0, t, {}});
-    g.unlock();
+  // travel. The network thread calls `release` once every downstream has
+  // them (or at shutdown).
+  void post_chunk(std::uint32_t c, const std::byte* base, std::uint64_t len, std::function<void()> release) {
+    {
+      std::lock_guard<std::mutex> g(cmd_mu);
+      if (net_done) {
+        release();
+        throw Error(Errc::kAborted, "the relay is stopping");
+      }
+      cmds.push_back(SrcCmd{SrcCmd::kChunk, nullptr, c, base, len, 0, 0, {}, std::move(release)});
+    }
     wake();
     const std::uint64_t sum = o.checksums ? XXH3_64bits(base, len) : 0;
-    g.lock();
-    cmds.push_back(SrcCmd{SrcCmd::kSum, nullptr, c, nullptr, len, sum, 0, {}});
-    g.unlock();
-    wake();
-    g.lock();
-    while (replied_ticket < t) {
-      if (net_done) throw Error(Errc::kAborted, "the relay is stopping");
-      cmd_cv.wait_for(g, 100ms);
+    {
+      std::lock_guard<std::mutex> g(cmd_mu);
+      cmds.push_back(SrcCmd{SrcCmd::kSum, nullptr, c, nullptr, len, sum, 0, {}, {}});
     }
+    wake();
   }
 
   // ------------------------------------------------------------ region writer
@@ -2419,9 +2438,15 @@ struct Relay::Impl {
       process_completions();
       if (n == 0) std::this_thread::sleep_for(1ms);
     }
+    // The source's reader waits for its slots: what is still out, and what
+    // it posted that this thread will not take any more.
+    release_src_chunks();
     {
       std::lock_guard<std::mutex> g(cmd_mu);
       net_done = true;
+      for (SrcCmd& c : cmds)
+        if (c.release) c.release();
+      cmds.clear();
     }
     cmd_cv.notify_all();
     if (reader.joinable()) reader.join();
