@@ -1228,8 +1228,14 @@ struct Relay::Impl {
         it->w->stop_progress();
         (void)it->w.release();
         (void)it->arg.release();
+        // Its progress is stopped, so nothing lands in their buffers any
+        // more: give the buffers (and this node's slots) back.
         for (auto& [p, op] : ops)
-          if (op->worker == w) op->worker = nullptr;
+          if (op->worker == w) {
+            op->worker = nullptr;
+            release_buf(op->buf);
+            op->buf = -1;
+          }
       }
       it = retired.erase(it);
     }
@@ -1838,6 +1844,10 @@ struct Relay::Impl {
     ConsumerOptions co;
     co.pin = Pin::kNo;
     co.open_timeout = 1s;
+    // Slots handed to the network stay held until every downstream has them
+    // or was dropped (peer_timeout): visit_chunks() must not give them back
+    // to the producer (nor the region be unmapped) before.
+    co.chunk_timeout = std::max<Duration>(60s, o.peer_timeout + 10s);
     while (!stopping) {
       std::optional<Consumer> cons;
       set_state("attaching");
@@ -2025,6 +2035,7 @@ struct Relay::Impl {
     std::optional<Producer> prod;
     std::uint64_t gen = 0;  // regions created
     bool direct = false;    // the sync in progress is received into lent slots
+    bool lent = false;      // ...and a slot of it was lent (write_part is refused from then on)
     std::unique_ptr<Hasher> hasher;
     std::shared_ptr<const SyncPlan> plan;
     bool ok = false;  // the local sync is live
@@ -2125,6 +2136,7 @@ struct Relay::Impl {
         ws.cursor = 0;
         ws.ok = false;
         ws.direct = o.direct_receive && ws.prod->slot_bytes() == c.plan->chunk_bytes;
+        ws.lent = false;
         try {
           ws.prod->begin_sync(c.plan->specs, c.plan->version);
           ws.ok = true;
@@ -2174,7 +2186,8 @@ struct Relay::Impl {
         if (!ws.ok || ws.plan != c.plan) return;
         try {
           const SyncPlan& p = *ws.plan;
-          if (!ws.direct)
+          // A sync with no data chunk (only empty tensors) lent nothing.
+          if (!ws.lent)
             for (; ws.cursor < p.specs.size(); ++ws.cursor) ws.prod->write_part(ws.cursor, 0, nullptr, 0);
           ws.prod->end_sync();
           std::lock_guard<std::mutex> g(smu);
@@ -2182,6 +2195,7 @@ struct Relay::Impl {
           st.region_version = p.version;
           status_dirty = true;
         } catch (const Error& e) {
+          ws.prod->abort_sync(e.what());  // no sync may stay open: the next begin_sync would be refused
           local_failure(e.what());
         }
         ws.ok = false;
@@ -2207,6 +2221,7 @@ struct Relay::Impl {
               throw Error(Errc::kTimeout, why);
             }
             got = sp.data();
+            ws.lent = true;
           } catch (const Error& e) {
             ws.ok = false;  // lend_chunk() aborted the sync already
             local_failure(e.what());

@@ -68,6 +68,7 @@ class DeferredEngine final : public ConsumerEngine {
   // Every chunk handed out released, or kTimeout after chunk_timeout.
   void drain() override {
     std::unique_lock<std::mutex> g(st_->mu);
+    if (st_->closed) return;  // drained (or timed out) already: the error path calls it again
     const bool ok = st_->cv.wait_for(g, std::chrono::nanoseconds(timeout_ns_), [&] { return st_->held == 0; });
     const std::uint64_t held = st_->held;
     st_->closed = true;

@@ -3,11 +3,13 @@
 //
 //   relay_peer produce NAME --syncs N [--tensors T] [--slot-bytes B] [--seed S]
 //                           [--consumers C] [--go PREFIX] [--pause-sync V --resume FILE] [--abort-sync V]
+//                           [--empty-sync V] --report FILE
+//   relay_peer consume NAME --syncs N [--tensors T] [--slot-bytes B] [--seed S] [--stall] [--empty-sync V]
 //                           --report FILE
-//   relay_peer consume NAME --syncs N [--tensors T] [--slot-bytes B] [--seed S] [--stall] --report FILE
 //
 // Sync v carries random_manifest(seed + v, slot_bytes, T) (multi-slot and
 // empty tensors included); tensor i holds fill_pattern(seed_of(v, i)).
+// --empty-sync V: sync V has the same names but every tensor is empty.
 // produce: creates the region, reports "ready", waits for C consumers, then
 // for each sync v waits for the file PREFIX.v when --go is given, sends it
 // and reports "sent v". With --pause-sync V, sync V stops after half its
@@ -37,7 +39,7 @@ namespace {
 
 struct Args {
   std::string role, name, report, go, resume;
-  int syncs = 3, tensors = 12, pause_sync = 0, abort_sync = 0;
+  int syncs = 3, tensors = 12, pause_sync = 0, abort_sync = 0, empty_sync = 0;
   std::uint32_t consumers = 1;
   std::uint64_t slot_bytes = 2 << 20, seed = 7;
   bool stall = false;
@@ -60,7 +62,10 @@ bool wait_file(const std::string& path, std::chrono::seconds timeout) {
 }
 
 std::vector<TensorSpec> manifest(const Args& a, std::uint64_t v) {
-  return random_manifest(a.seed + v, a.slot_bytes, a.tensors);
+  std::vector<TensorSpec> specs = random_manifest(a.seed + v, a.slot_bytes, a.tensors);
+  if (static_cast<int>(v) == a.empty_sync)
+    for (TensorSpec& t : specs) t.shape = {0};
+  return specs;
 }
 
 int produce(const Args& a) {
@@ -183,6 +188,7 @@ int main(int argc, char** argv) {
     else if (k == "--pause-sync") a.pause_sync = std::stoi(v);
     else if (k == "--resume") a.resume = v;
     else if (k == "--abort-sync") a.abort_sync = std::stoi(v);
+    else if (k == "--empty-sync") a.empty_sync = std::stoi(v);
     else if (k == "--report") a.report = v;
     else {
       std::fprintf(stderr, "relay_peer: unknown option %s\n", k.c_str());

@@ -235,7 +235,7 @@ struct Chain {
   Proc* trainer = nullptr;
 
   Chain(Cluster& cl, int n, int syncs, std::vector<std::string> trainer_extra = {}, int worker_syncs = -1,
-        std::vector<std::string> source_extra = {})
+        std::vector<std::string> source_extra = {}, std::vector<std::string> worker_extra = {})
       : c(cl), nodes(n), ports(static_cast<std::size_t>(n), 0), relays(static_cast<std::size_t>(n), nullptr) {
     std::vector<std::string> targs = {"produce", c.region(), "--syncs", std::to_string(syncs), "--go", c.file("go"),
                                       "--report", c.file("trainer.txt")};
@@ -257,9 +257,10 @@ struct Chain {
     for (int i = 0; i + 1 < n; ++i) c.wait_status(i, [](const json& j) { return downstream_ready(j); });
     for (int i = 1; i < n; ++i) {
       const std::string rep = c.file("worker" + std::to_string(i) + ".txt");
-      workers.push_back(&c.peer("worker" + std::to_string(i), i,
-                                {"consume", c.region(), "--syncs", std::to_string(worker_syncs < 0 ? syncs : worker_syncs),
-                                 "--report", rep}));
+      std::vector<std::string> wargs = {"consume", c.region(), "--syncs",
+                                        std::to_string(worker_syncs < 0 ? syncs : worker_syncs), "--report", rep};
+      wargs.insert(wargs.end(), worker_extra.begin(), worker_extra.end());
+      workers.push_back(&c.peer("worker" + std::to_string(i), i, wargs));
       c.wait_line(rep, "attached");
     }
   }
@@ -334,6 +335,23 @@ TEST_P(ChainOf, SyncsArriveBitExactOnEveryNode) {
 
 INSTANTIATE_TEST_SUITE_P(Nodes, ChainOf, ::testing::Values(2, 3, 4),
                          [](const auto& info) { return std::to_string(info.param) + "Nodes"; });
+
+// A sync whose tensors are all empty has no chunk to send: node 1 (direct
+// receive, so nothing is lent) and node 2 (buffered) publish it, and the
+// syncs after it still arrive (a region left with a sync open would refuse
+// them).
+TEST(Relay, SyncOfEmptyTensorsThenFullSyncsArrive) {
+  Cluster c(3, "empty");
+  Chain ch(c, 3, 3, {"--empty-sync", "2"}, -1, {}, {"--empty-sync", "2"});
+  ASSERT_FALSE(HasFailure());
+  for (int v = 1; v <= 3; ++v) ch.go(v);
+  for (int i = 1; i < 3; ++i) {
+    EXPECT_EQ(ch.workers[static_cast<std::size_t>(i - 1)]->wait(), 0) << ch.workers[static_cast<std::size_t>(i - 1)]->output();
+    for (int v = 1; v <= 3; ++v) EXPECT_TRUE(has_line(ch.report(i), "ok " + std::to_string(v))) << slurp(ch.report(i));
+  }
+  const json last = c.wait_status(1, [](const json& j) { return j["region_state"].value("syncs", 0) == 3; });
+  EXPECT_EQ(last["region_state"].value("failed", -1), 0) << last.dump();
+}
 
 // The source relay is killed while sync 2 is half sent: both downstream
 // regions abort sync 2 (their workers get Aborted, never torn bytes); the

@@ -374,9 +374,12 @@ class SHMCAST_API Producer {
   // most slots() chunks may be lent ahead of the first unpublished one.
   // Consumers see a chunk only once publish_chunks() passes it. write() is
   // refused for the rest of the sync; end_sync() publishes what is left.
+  // Chunks skipped over (lent implicitly when a later one is) and chunks
+  // never lent are published as the slot holds them: fill every chunk
+  // that holds tensor bytes.
   std::span<std::byte> lend_chunk(std::uint64_t c);
   // Publishes every chunk below `end` not yet published, in order: their
-  // bytes are final. Each must have been lent.
+  // bytes are final. Each must have been claimed (lent, or skipped over).
   void publish_chunks(std::uint64_t end);
   // Publishes the last slot and returns once every slot of the sync has been
   // filled (all D2H copies done). Consumers may still be reading.
