@@ -188,4 +188,14 @@ inline bool check_pattern(const std::vector<std::vector<std::uint8_t>>& got, std
 
 inline int errc_exit(const shmcast::Error& e) { return 20 + static_cast<int>(e.code()); }
 
+// The Errc that fn() throws (a value-initialized Errc when it throws none).
+inline shmcast::Errc code_of(const std::function<void()>& fn) {
+  try {
+    fn();
+  } catch (const shmcast::Error& e) {
+    return e.code();
+  }
+  return shmcast::Errc{};
+}
+
 }  // namespace shmcast_test

@@ -70,15 +70,6 @@ ProducerOptions ring_opts() {
 }
 
 // The Errc fn throws, or Errc{} when it does not.
-Errc code_of(const std::function<void()>& fn) {
-  try {
-    fn();
-  } catch (const Error& e) {
-    return e.code();
-  }
-  return Errc{};
-}
-
 // Runs `body` in a child. The body calls crash() once it is in the state
 // the test wants; the child is SIGKILLed there (a crash: nothing closed).
 // A body that returns instead exits with its value (a failure here).

@@ -140,14 +140,18 @@ int run_lending_producer(const std::string& name, int syncs, std::uint64_t seed,
   return 0;
 }
 
-Errc code_of(const std::function<void()>& fn) {
-  try {
-    fn();
-  } catch (const Error& e) {
-    return e.code();
-  }
-  return Errc{};
-}
+// A producer with a consumer in this process whose reads time out fast.
+struct QuickPair {
+  Producer p;
+  Consumer c;
+  explicit QuickPair(const std::string& name)
+      : p(Producer::create(name, small_opts(2))), c(Consumer::open(name, [] {
+          ConsumerOptions co;
+          co.pin = Pin::kNo;
+          co.chunk_timeout = 300ms;
+          return co;
+        }())) {}
+};
 
 }  // namespace
 
@@ -167,11 +171,9 @@ TEST(Transfer, LentChunksFilledByTheCallerArriveBitExact) {
 TEST(Transfer, LendChunkRefusalsAndUnpublishedChunksStayHidden) {
   const std::string name = unique_name("lend-refuse");
   RegionGuard g{name};
-  Producer p = Producer::create(name, small_opts(2));
-  ConsumerOptions co;
-  co.pin = Pin::kNo;
-  co.chunk_timeout = 300ms;
-  Consumer c = Consumer::open(name, co);
+  QuickPair q(name);
+  Producer& p = q.p;
+  Consumer& c = q.c;
   EXPECT_EQ(code_of([&] { p.lend_chunk(0); }), Errc::kInvalidArgument);  // outside a sync
   PatternSync s(3, 3 * kSlot / 2, 1);                                     // 4.5 slots: 5 chunks
   ASSERT_EQ(p.begin_sync(s.specs), 1u);
@@ -294,11 +296,9 @@ TEST(Transfer, VisitChunksHoldsSeveralSlotsReleasedFromAnotherThread) {
 TEST(Transfer, VisitChunksTimesOutOnAChunkNeverReleased) {
   const std::string name = unique_name("defer-stuck");
   RegionGuard g{name};
-  Producer p = Producer::create(name, small_opts(2));
-  ConsumerOptions co;
-  co.pin = Pin::kNo;
-  co.chunk_timeout = 300ms;
-  Consumer c = Consumer::open(name, co);
+  QuickPair q(name);
+  Producer& p = q.p;
+  Consumer& c = q.c;
   PatternSync s(1, kSlot / 2, 1);  // one chunk
   p.send(s.specs, s.ptrs);
   ASSERT_EQ(c.wait_sync(5s).version, 1u);
