@@ -1529,7 +1529,6 @@ struct Relay::Impl {
     }
     // Chunks received into slots are checked off this thread, as they complete.
     if (o.checksums && !in.discard) {
-      take_verified();
       for (std::size_t i = in.processed; i < in.posted; ++i) {
         In::Chunk& ch = in.chunks[i];
         if (ch.verify != 0 || ch.left > 0 || !ch.have_sum || !ch.ok || ch.buf < kSlotBase) continue;
