@@ -19,6 +19,16 @@ UCX_TLS/UCX_NET_DEVICES as given (default: TCP over loopback):
    has checked every byte of the previous one. A node's time for a sync is
    from the trainer's begin_sync to its worker's read_into returning
    (CLOCK_MONOTONIC, one clock for all processes); its rate is bytes / time.
+With --link RATE (root, iproute2): emulated links instead of loopback.
+Every node gets a network namespace of its own with one veth to a bridge,
+shaped with tbf to RATE in each direction: a node's NIC of RATE, full
+duplex, behind a switch. The relays and ucx_perftest run inside the nodes'
+namespaces over UCX's TCP on those veths; the trainer and the workers stay
+where they are (they use no network). On one machine the loopback "link" is
+the CPUs and memory every hop shares, so a longer chain slows every hop;
+with links slower than that, the link is the bottleneck, as between real
+nodes, and the chain's pipelining is measured against it.
+
 3. Per-hop costs besides the network (memcpy into the region, XXH3 of a
    chunk), and memcpy on up to 8 threads at once (the machine's memory
    bandwidth for copies), from ``shmcast-relay-bench-peer costs``.
@@ -111,20 +121,98 @@ def machine_busy():
     return sum(v) - idle, sum(v)
 
 
-def perftest(args, env, exe, msg, wait, outstanding=None):
+class Links:
+    """Emulated links (--link RATE): node i in network namespace NS-n<i>,
+    address 10.77.0.<i+1>/24 on its eth0, a veth to bridge br0 in NS-sw;
+    tbf at RATE on both ends of every veth (what node i sends, and what the
+    bridge sends to node i). Needs root and iproute2 (ip, tc)."""
+
+    NS = "shmcast-bench"
+
+    def __init__(self, nodes, rate, mtu):
+        self.nodes, self.rate, self.mtu = nodes, rate, mtu
+        self.sw = f"{self.NS}-sw"
+        self.up = False
+
+    @staticmethod
+    def ip(*argv):
+        r = subprocess.run(["ip"] + [str(a) for a in argv], capture_output=True, text=True)
+        if r.returncode != 0:
+            raise RuntimeError(f"ip {' '.join(map(str, argv))}: {r.stderr.strip()}")
+
+    @staticmethod
+    def tc(*argv):
+        r = subprocess.run(["tc"] + [str(a) for a in argv], capture_output=True, text=True)
+        if r.returncode != 0:
+            raise RuntimeError(f"tc {' '.join(map(str, argv))}: {r.stderr.strip()}")
+
+    def ns(self, i):
+        return f"{self.NS}-n{i}"
+
+    def host(self, i):
+        return f"10.77.0.{i + 1}"
+
+    def prefix(self, i):
+        return ["ip", "netns", "exec", self.ns(i)]
+
+    def existing(self):
+        r = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True)
+        return [l.split()[0] for l in r.stdout.splitlines() if l.startswith(self.NS + "-")]
+
+    def setup(self):
+        for ns in self.existing():  # left behind by a killed run
+            subprocess.run(["ip", "netns", "del", ns])
+        self.up = True
+        # Bucket: 2 ms at RATE, and never less than two 64 KiB GSO packets.
+        rate_bps = self.rate
+        burst = max(2 * 65536 + 2 * self.mtu, rate_bps // 8 // 500)
+        shape = ["root", "tbf", "rate", f"{rate_bps}bit", "burst", str(burst), "latency", "20ms"]
+        self.ip("netns", "add", self.sw)
+        self.ip("-n", self.sw, "link", "set", "lo", "up")
+        self.ip("-n", self.sw, "link", "add", "br0", "type", "bridge")
+        self.ip("-n", self.sw, "link", "set", "br0", "up")
+        for i in range(self.nodes):
+            ns = self.ns(i)
+            self.ip("netns", "add", ns)
+            self.ip("-n", ns, "link", "set", "lo", "up")
+            self.ip("-n", ns, "link", "add", "eth0", "mtu", self.mtu, "type", "veth", "peer", "name", f"p{i}",
+                    "mtu", self.mtu, "netns", self.sw)
+            self.ip("-n", ns, "addr", "add", f"{self.host(i)}/24", "dev", "eth0")
+            self.ip("-n", ns, "link", "set", "eth0", "up")
+            self.ip("-n", self.sw, "link", "set", f"p{i}", "master", "br0", "up")
+            self.tc("-n", ns, "qdisc", "add", "dev", "eth0", *shape)
+            self.tc("-n", self.sw, "qdisc", "add", "dev", f"p{i}", *shape)
+        self.shape = " ".join(shape)
+
+    def close(self):
+        if self.up:
+            for ns in self.existing():
+                subprocess.run(["ip", "netns", "del", ns])
+            self.up = False
+
+
+def rate_bits(s):
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)([KMG]?)bit", s)
+    if not m:
+        raise argparse.ArgumentTypeError(f"bad rate {s!r} (e.g. 10Gbit)")
+    return int(float(m.group(1)) * {"": 1, "K": 1e3, "M": 1e6, "G": 1e9}[m.group(2)])
+
+
+def perftest(args, env, exe, msg, wait, outstanding=None, links=None):
     """One ucx_perftest tag_bw run per repetition; GB/s (10^9 bytes) each.
     wait: "poll" (busy, perftest's default) or "sleep" (waits for events,
-    as the relay does)."""
+    as the relay does). With links: server on node 0, client on node 1."""
     iters = max(4, args.bytes // msg)
     out = []
+    srv_pre, cli_pre, host = ([], [], "127.0.0.1") if not links else (links.prefix(0), links.prefix(1), links.host(0))
     for _ in range(args.reps):
         for attempt in range(20):
             port = free_port()
-            server = subprocess.Popen([exe, "-p", str(port), "-E", wait], env=env, stdout=subprocess.DEVNULL,
+            server = subprocess.Popen(srv_pre + [exe, "-p", str(port), "-E", wait], env=env, stdout=subprocess.DEVNULL,
                                       stderr=subprocess.DEVNULL)
             try:
                 time.sleep(0.2 * (attempt + 1))  # the server's bootstrap socket (no handshake to wait on)
-                r = subprocess.run([exe, "127.0.0.1", "-p", str(port), "-t", "tag_bw", "-s", str(msg),
+                r = subprocess.run(cli_pre + [exe, host, "-p", str(port), "-t", "tag_bw", "-s", str(msg),
                                     "-n", str(iters), "-w", "2", "-E", wait] +
                                    (["-O", str(outstanding)] if outstanding else []), env=env, capture_output=True,
                                    text=True,
@@ -146,8 +234,8 @@ def perftest(args, env, exe, msg, wait, outstanding=None):
 
 
 class Chain:
-    def __init__(self, args, n, env, tools):
-        self.args, self.n, self.env, self.tools = args, n, env, tools
+    def __init__(self, args, n, env, tools, links=None):
+        self.args, self.n, self.env, self.tools, self.links = args, n, env, tools, links
         self.root = tempfile.mkdtemp(prefix=f"shmcast-relay-bench-{n}-")
         self.procs = []
         self.region = "relay-bench"
@@ -155,7 +243,13 @@ class Chain:
     def dir(self, i):
         return os.path.join(self.root, f"node{i}")
 
-    def start(self, tag, argv, node):
+    def host(self, i):
+        return self.links.host(i) if self.links else "127.0.0.1"
+
+    def start(self, tag, argv, node, net=False):
+        """net: a relay, which runs in node's namespace under --link."""
+        if net and self.links:
+            argv = self.links.prefix(node) + argv
         env = dict(self.env, SHMCAST_DIR=self.dir(node), SHMCAST_RELAY_KEY=KEY)
         log = open(os.path.join(self.root, tag + ".log"), "w")
         p = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -185,10 +279,10 @@ class Chain:
         for i in range(n):
             argv = [relay, self.region] + self.args.relay_args
             if i > 0:
-                argv += ["--from", f"127.0.0.1:{ports[i - 1]}"]
+                argv += ["--from", f"{self.host(i - 1)}:{ports[i - 1]}"]
             if i + 1 < n:
-                argv += ["--listen", "127.0.0.1:0"]
-            self.start(f"relay{i}", argv, i)
+                argv += ["--listen", f"{self.host(i)}:0"]
+            self.start(f"relay{i}", argv, i, net=True)
             if i + 1 < n:
                 s = self.wait_status(i, lambda s: s.get("listen"), "listening")
                 ports[i] = int(s["listen"].rsplit(":", 1)[1])
@@ -260,6 +354,9 @@ def main():
                          "the best median is the ceiling")
     ap.add_argument("--tls", default="tcp")
     ap.add_argument("--devices", default="lo")
+    ap.add_argument("--link", type=rate_bits, help="emulated links of this rate (e.g. 10Gbit), a network namespace "
+                    "per node (root, iproute2); the transport is then TCP over those links")
+    ap.add_argument("--mtu", type=int, default=9000, help="MTU of the emulated links")
     ap.add_argument("--relay-arg", dest="relay_args", action="append", default=[],
                     help="extra argument for every relay (repeat), e.g. --relay-arg=--no-checksums")
     ap.add_argument("--json")
@@ -278,6 +375,22 @@ def main():
     perf = shutil.which("ucx_perftest")
     if not perf:
         sys.exit("relay_bench: ucx_perftest is missing (apt install ucx-utils)")
+    links = None
+    if args.link:
+        if os.geteuid() != 0 or not shutil.which("ip") or not shutil.which("tc"):
+            sys.exit("relay_bench: --link needs root and iproute2 (ip, tc)")
+        args.devices = "eth0"
+        links = Links(max(int(x) for x in args.nodes.split(",")), args.link, args.mtu)
+    try:
+        if links:
+            links.setup()  # inside the try: a setup that fails halfway is undone too
+        return run_bench(args, tools, perf, links)
+    finally:
+        if links:
+            links.close()
+
+
+def run_bench(args, tools, perf, links):
     env = dict(os.environ, UCX_TLS=args.tls, UCX_NET_DEVICES=args.devices, UCX_WARN_UNUSED_ENV_VARS="n")
     ucx_version = subprocess.run(["ucx_info", "-v"], capture_output=True, text=True).stdout.splitlines()[:1]
     result = {
@@ -285,7 +398,9 @@ def main():
         "command": " ".join([os.path.basename(sys.argv[0])] + sys.argv[1:]),
         "machine": {"cpus": os.cpu_count(), "cpu": platform.processor() or platform.machine(),
                     "kernel": platform.release(), "loadavg_before": os.getloadavg()},
-        "ucx": ucx_version, "transport": {"UCX_TLS": args.tls, "UCX_NET_DEVICES": args.devices},
+        "ucx": ucx_version, "transport": {"UCX_TLS": args.tls, "UCX_NET_DEVICES": args.devices,
+                                          "links": None if not links else {"rate_bit_s": args.link, "mtu": args.mtu,
+                                                                            "tbf": links.shape}},
         "relay_args": args.relay_args, "payload_bytes": args.payload, "chunk_bytes": args.chunk, "tensors": args.tensors, "reps": args.reps,
     }
     try:
@@ -311,7 +426,7 @@ def main():
         sz, wait, *rest = spec.split(":")
         outstanding = int(rest[0]) if rest else None
         msg = args.chunk if sz == "chunk" else size(sz)
-        pt = perftest(args, env, perf, msg, wait, outstanding)
+        pt = perftest(args, env, perf, msg, wait, outstanding, links)
         run = {"args": f"-t tag_bw -s {msg} -n {max(4, args.bytes // msg)} -w 2 -E {wait}" +
                        (f" -O {outstanding}" if outstanding else ""), "gbs": stats(pt), "all": pt}
         result["perftest_runs"].append(run)
@@ -321,7 +436,7 @@ def main():
     ok = True
     result["chains"] = {}
     for n in [int(x) for x in args.nodes.split(",")]:
-        chain = Chain(args, n, env, tools)
+        chain = Chain(args, n, env, tools, links)
         try:
             rates, relays = chain.run()
         except Exception as e:  # noqa: BLE001 (report, keep the logs, fail)

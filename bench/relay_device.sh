@@ -13,7 +13,12 @@
 # Results in $OUT: relay_device.log, env.log, build.log, relay*.json.
 # Environment: REPS (10), BYTES (2G), CHUNK (32M), NODES (2,4), RUNS (the
 # relay_bench runs: "default"; "nocsum": --no-checksums; "inline":
-# --no-progress-threads; "direct": --direct-receive; "none"), TESTS (1: the relay test tier first).
+# --no-progress-threads; "direct": --direct-receive; "link:RATE": emulated
+# links of RATE, e.g. link:10Gbit, see relay_bench.py --link; "none"),
+# TESTS (1: the relay test tier first).
+# iproute2 (ip, tc) for link:RATE comes from .deb/net when the machine lacks it
+#   (mkdir -p .deb/net && cd .deb/net && apt-get download iproute2 libbpf1 libelf1 \
+#     libmnl0 libcap2 libxtables12 libbsd0 libmd0).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/out}
@@ -29,6 +34,19 @@ for f in .deb/ucx/*.deb; do
   esac
   dpkg -x "$f" $PFX && echo "unpacked $f" >>"$OUT/env.log"
 done
+if ! command -v tc >/dev/null || ! command -v ip >/dev/null; then
+  mkdir -p $PFX/net
+  for f in .deb/net/*.deb; do dpkg -x "$f" $PFX/net && echo "unpacked $f" >>"$OUT/env.log"; done
+  # Wrappers: the carried libraries for ip and tc (and what ip netns exec runs).
+  mkdir -p $PFX/netbin
+  for t in ip tc; do
+    printf '#!/bin/sh\nLD_LIBRARY_PATH=%s${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH} exec %s "$@"\n' \
+      "$PFX/net/lib/x86_64-linux-gnu:$PFX/net/usr/lib/x86_64-linux-gnu" "$(ls $PFX/net/{usr/,}{s,}bin/$t 2>/dev/null | head -1)" \
+      >$PFX/netbin/$t
+    chmod +x $PFX/netbin/$t
+  done
+  export PATH=$PATH:$PFX/netbin
+fi
 # UCX's CMake package names its prefix outright: point it at /tmp/pfx.
 for f in $PFX/usr/lib/x86_64-linux-gnu/cmake/ucx/ucx-targets.cmake; do
   [ -f "$f" ] && sed -i "s#^set(prefix \"/usr\")#set(prefix \"$PFX/usr\")#" "$f"
@@ -57,9 +75,10 @@ for run in ${RUNS:-default nocsum}; do
   [ "$run" = nocsum ] && extra=(--relay-arg=--no-checksums --perftest 1M:sleep)
   [ "$run" = inline ] && extra=(--relay-arg=--no-progress-threads --perftest 1M:sleep)
   [ "$run" = direct ] && extra=(--relay-arg=--direct-receive --perftest 1M:sleep)
+  case $run in link:*) extra=(--link "${run#link:}") ;; esac
   log "relay_bench ($run)"
   timeout ${BENCH_TIMEOUT:-400} python3 bench/relay_bench.py --build $B --bytes ${BYTES:-2G} --chunk ${CHUNK:-32M} \
-    --reps ${REPS:-10} --nodes ${NODES:-2,4} --json "$OUT/relay-$run.json" "${extra[@]}" ${BENCH_ARGS:-}
+    --reps ${REPS:-10} --nodes ${NODES:-2,4} --json "$OUT/relay-${run/:/-}.json" "${extra[@]}" ${BENCH_ARGS:-}
   log "relay_bench ($run) rc=$?"
 done
 log done
