@@ -12,6 +12,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <functional>
@@ -157,11 +158,16 @@ class Cluster {
     return e;
   }
 
-  Proc& start(const std::string& tag, std::vector<std::string> argv, int node, const std::string& key = kKey) {
+  Proc& start(const std::string& tag, std::vector<std::string> argv, int node, const std::string& key = kKey,
+              const std::map<std::string, std::string>& extra_env = {}) {
     if (!wrapper_.empty()) argv.insert(argv.begin(), wrapper_.begin(), wrapper_.end());
-    procs_.push_back(Proc::start(argv, env(node, key), file(tag + ".log")));
+    auto e = env(node, key);
+    for (const auto& [k, v] : extra_env) e[k] = v;
+    procs_.push_back(Proc::start(argv, e, file(tag + ".log")));
     return *procs_.back();
   }
+  // Extra environment for the relays of `node` started from now on.
+  void relay_env(int node, std::map<std::string, std::string> e) { relay_env_[node] = std::move(e); }
   // The trainer on node 0 (relay_peer produce) or a worker (consume).
   Proc& peer(const std::string& tag, int node, std::vector<std::string> args) {
     std::vector<std::string> argv = {kPeer};
@@ -176,7 +182,9 @@ class Cluster {
     if (listen) argv.insert(argv.end(), {"--listen", "127.0.0.1:" + std::to_string(listen_port)});
     argv.insert(argv.end(), {"--handshake-timeout", "30"});
     argv.insert(argv.end(), extra.begin(), extra.end());
-    return start("relay" + std::to_string(node), argv, node, key);
+    const auto e = relay_env_.find(node);
+    return start("relay" + std::to_string(node), argv, node, key,
+                 e == relay_env_.end() ? std::map<std::string, std::string>{} : e->second);
   }
   // Commands run under `wrapper` (e.g. a seccomp runner) from now on.
   void wrap(std::vector<std::string> wrapper) { wrapper_ = std::move(wrapper); }
@@ -217,6 +225,7 @@ class Cluster {
   std::string root_, region_;
   std::vector<std::unique_ptr<Proc>> procs_;
   std::vector<std::string> wrapper_;
+  std::map<int, std::map<std::string, std::string>> relay_env_;
 };
 
 bool upstream_connected(const json& j) {
@@ -537,6 +546,72 @@ TEST(RelaySecurity, WrongKeyIsRefusedAndNothingIsWritten) {
   EXPECT_EQ(w.wait(), 0) << w.output();
   EXPECT_TRUE(trainer.running());
 }
+
+// One bit flipped on the wire between node `sender` and the next (below
+// TCP's checksum: tests/relay/flip_send.c, preloaded into that relay) in
+// sync 2 of a 4-node chain. The receiving node's XXH3 check catches it:
+// no node behind the flip publishes sync 2 (its worker gets Aborted or
+// never sees it, never the flipped bytes), the nodes before it get sync 2
+// whole, and sync 3 arrives everywhere. Node 1 receives straight into its slots, node 2 into
+// buffers (Chain), so sender 0 and sender 1 check both receive paths.
+static void bit_flipped_on_the_wire(int sender) {
+  Cluster c(4, "flip" + std::to_string(sender));
+  const std::string arm = c.file("flip");
+  std::map<std::string, std::string> e = {{"LD_PRELOAD", RELAY_FLIP_SEND_LIB}, {"SHMCAST_TEST_FLIP_FILE", arm}};
+#if defined(__SANITIZE_ADDRESS__)
+  // The shim comes first in the library list; ASan's runtime checks that
+  // it does. It still intercepts what it must (the shim calls on into it).
+  const char* asan = std::getenv("ASAN_OPTIONS");
+  e["ASAN_OPTIONS"] = std::string(asan ? asan : "") + (asan && *asan ? ":" : "") + "verify_asan_link_order=0";
+#endif
+  c.relay_env(sender, e);
+  Chain ch(c, 4, 3, {}, 2);
+  ASSERT_FALSE(::testing::Test::HasFailure());
+  ch.go(1);
+  for (int i = 1; i < 4; ++i) ASSERT_TRUE(c.wait_line(ch.report(i), "ok 1"));
+  c.touch(arm);
+  ch.go(2);
+  // Every node behind the flip ends sync 2 without publishing it: the node
+  // that received the flipped bytes fails its check; the ones after it fail
+  // theirs (the bytes were forwarded as they came) or take the abort. (A
+  // worker may or may not see sync 2 begin before it ends, so its report is
+  // checked for what it must not hold, below.)
+  for (int i = sender + 1; i < 4; ++i)
+    ASSERT_FALSE(c.wait_status(i, [](const json& j) {
+                    return j["region_state"].value("failed", 0) + j.value("syncs_aborted", 0) >= 1;
+                  }).is_null());
+  EXPECT_TRUE(std::filesystem::exists(arm + ".sent")) << "the flip never went out: the test proved nothing";
+  EXPECT_FALSE(std::filesystem::exists(arm));
+  ASSERT_TRUE(c.wait_line(c.file("trainer.txt"), "sent 2"));
+  ch.go(3);
+  for (int i = 1; i < 4; ++i) {
+    const std::string rep = ch.report(i);
+    EXPECT_EQ(ch.workers[static_cast<std::size_t>(i - 1)]->wait(), 0) << slurp(rep);
+    EXPECT_TRUE(has_line(rep, "ok 1")) << slurp(rep);
+    EXPECT_FALSE(has_line(rep, "bad 2")) << slurp(rep);
+    if (i <= sender) {
+      EXPECT_TRUE(has_line(rep, "ok 2")) << slurp(rep);  // before the flip: whole
+    } else {
+      EXPECT_FALSE(has_line(rep, "ok 2")) << slurp(rep);
+      EXPECT_TRUE(has_line(rep, "ok 3")) << slurp(rep);
+    }
+  }
+  // The node that received the flipped bytes says why it failed sync 2; no
+  // node behind the flip published it.
+  for (int i = sender + 1; i < 4; ++i) {
+    const json s = c.wait_status(i, [](const json& j) { return j["region_state"].value("version", 0) == 3; });
+    EXPECT_EQ(s["region_state"].value("syncs", 0), 2) << s.dump();  // 1 and 3
+    if (i == sender + 1) {
+      EXPECT_NE(s["region_state"].value("last_error", "").find("fails its XXH3 checksum across the hop"),
+                std::string::npos)
+          << s.dump();
+      EXPECT_EQ(s["region_state"].value("failed", 0), 1) << s.dump();
+    }
+  }
+}
+
+TEST(RelayFaults, BitFlippedOnTheWireIntoDirectReceiveIsCaught) { bit_flipped_on_the_wire(0); }
+TEST(RelayFaults, BitFlippedOnTheWireIntoBufferedReceiveIsCaught) { bit_flipped_on_the_wire(1); }
 
 // A worker that attaches and never reads stalls only its own node: with
 // --stall-policy evict its relay evicts it after --consumer-timeout, and the
