@@ -13,7 +13,12 @@
  * wire, the file PATH.sent says so (the test checks it: a flip that never
  * happened cannot pass for one that was caught). A sendmsg() that ends
  * before that byte re-creates the file, so the next one tries again.
- * Without the variable, every call goes straight through. */
+ * Without the variable, every call goes straight through.
+ *
+ * With gcc's sanitizers (shared runtimes) the shim comes first and calls on
+ * into their interceptors. A build whose sanitizer runtime is linked into
+ * the executable (clang's default) intercepts sendmsg() before the shim:
+ * then no flip goes out and the test fails, saying so; it never passes. */
 #define _GNU_SOURCE
 #include <dlfcn.h>
 #include <errno.h>
@@ -29,6 +34,10 @@ enum { kPayload = 64 * 1024, kMaxIov = 64 };
 
 typedef ssize_t (*sendmsg_fn)(int, const struct msghdr*, int);
 
+static sendmsg_fn real_sendmsg;
+
+__attribute__((constructor)) static void find_real(void) { real_sendmsg = (sendmsg_fn)dlsym(RTLD_NEXT, "sendmsg"); }
+
 static void touch(const char* path, const char* text) {
   const int fd = open(path, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
   if (fd < 0) return;
@@ -38,8 +47,7 @@ static void touch(const char* path, const char* text) {
 }
 
 ssize_t sendmsg(int fd, const struct msghdr* m, int flags) {
-  static sendmsg_fn real;
-  if (!real) real = (sendmsg_fn)dlsym(RTLD_NEXT, "sendmsg");
+  const sendmsg_fn real = real_sendmsg;
   const char* arm = getenv("SHMCAST_TEST_FLIP_FILE");
   if (!arm || !m || m->msg_iovlen == 0 || m->msg_iovlen > kMaxIov) return real(fd, m, flags);
   size_t b = m->msg_iovlen, before = 0;
@@ -50,8 +58,11 @@ ssize_t sendmsg(int fd, const struct msghdr* m, int flags) {
       break;
     }
   }
-  if (b == m->msg_iovlen || unlink(arm) != 0) return real(fd, m, flags);
   const int saved = errno;
+  if (b == m->msg_iovlen || unlink(arm) != 0) {
+    errno = saved;
+    return real(fd, m, flags);
+  }
   const size_t len = m->msg_iov[b].iov_len;
   unsigned char* copy = malloc(len);
   if (!copy) {

@@ -580,9 +580,16 @@ static void bit_flipped_on_the_wire(int sender) {
     ASSERT_FALSE(c.wait_status(i, [](const json& j) {
                     return j["region_state"].value("failed", 0) + j.value("syncs_aborted", 0) >= 1;
                   }).is_null());
-  EXPECT_TRUE(std::filesystem::exists(arm + ".sent")) << "the flip never went out: the test proved nothing";
+  // The shim notes the flip once its sendmsg() returned, which may be after
+  // the receivers failed the check: wait for the note.
+  const auto until = std::chrono::steady_clock::now() + 60s;
+  while (slurp(arm + ".sent").find("flipped") == std::string::npos && std::chrono::steady_clock::now() < until)
+    std::this_thread::sleep_for(2ms);
+  ASSERT_NE(slurp(arm + ".sent").find("flipped"), std::string::npos)
+      << "the flip never went out: the test proved nothing";
   EXPECT_FALSE(std::filesystem::exists(arm));
   ASSERT_TRUE(c.wait_line(c.file("trainer.txt"), "sent 2"));
+  for (int i = 1; i <= sender; ++i) ASSERT_TRUE(c.wait_line(ch.report(i), "ok 2"));
   ch.go(3);
   for (int i = 1; i < 4; ++i) {
     const std::string rep = ch.report(i);
