@@ -159,9 +159,27 @@ class Links:
         r = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True)
         return [l.split()[0] for l in r.stdout.splitlines() if l.startswith(self.NS + "-")]
 
-    def setup(self):
-        for ns in self.existing():  # left behind by a killed run
+    def delete_all(self):
+        for ns in self.existing():
+            # Whatever still runs in it first (a relay of a killed run).
+            r = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True)
+            for pid in r.stdout.split():
+                try:
+                    os.kill(int(pid), signal.SIGKILL)
+                except (ProcessLookupError, ValueError):
+                    pass
             subprocess.run(["ip", "netns", "del", ns])
+
+    def setup(self):
+        # One emulated network per machine: a second run would delete this
+        # one's namespaces. The lock goes with the process.
+        import fcntl
+        self.lock = open(os.path.join(tempfile.gettempdir(), "shmcast-relay-bench-links.lock"), "w")
+        try:
+            fcntl.flock(self.lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            raise RuntimeError("another relay_bench.py --link run holds the emulated network on this machine")
+        self.delete_all()  # left behind by a killed run
         self.up = True
         # Bucket: 2 ms at RATE, and never less than two 64 KiB GSO packets.
         rate_bps = self.rate
@@ -186,8 +204,7 @@ class Links:
 
     def close(self):
         if self.up:
-            for ns in self.existing():
-                subprocess.run(["ip", "netns", "del", ns])
+            self.delete_all()
             self.up = False
 
 
@@ -379,12 +396,19 @@ def main():
     if args.link:
         if os.geteuid() != 0 or not shutil.which("ip") or not shutil.which("tc"):
             sys.exit("relay_bench: --link needs root and iproute2 (ip, tc)")
+        if args.tls != "tcp":
+            sys.exit("relay_bench: --link emulates network links: --tls must be tcp (shared memory would bypass them)")
         args.devices = "eth0"
         links = Links(max(int(x) for x in args.nodes.split(",")), args.link, args.mtu)
+    # SIGTERM (timeout, a killed job) unwinds like Ctrl-C: the finally
+    # clauses stop the relays and delete the namespaces.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
         if links:
             links.setup()  # inside the try: a setup that fails halfway is undone too
         return run_bench(args, tools, perf, links)
+    except RuntimeError as e:
+        sys.exit(f"relay_bench: {e}")
     finally:
         if links:
             links.close()
@@ -443,9 +467,9 @@ def run_bench(args, tools, perf, links):
             print(f"relay_bench: {n} nodes: {e} (logs in {chain.root})", file=sys.stderr)
             args.keep = True
             ok = False
-            chain.close()
             continue
-        chain.close()
+        finally:
+            chain.close()  # also on Ctrl-C or SIGTERM: no relay outlives its chain (or its namespace)
         entry = {"nodes": {str(i): stats(r) for i, r in rates.items()}, "all": rates,
                  "cores_busy": chain.cores, "relay_status": relays}
         entry["last"] = entry["nodes"][str(n - 1)]

@@ -37,10 +37,12 @@ done
 if ! command -v tc >/dev/null || ! command -v ip >/dev/null; then
   mkdir -p $PFX/net
   for f in .deb/net/*.deb; do dpkg -x "$f" $PFX/net && echo "unpacked $f" >>"$OUT/env.log"; done
-  # Wrappers: the carried libraries for ip and tc (and what ip netns exec runs).
+  # Wrappers: ip and tc with the carried libraries, through the dynamic
+  # loader's --library-path, so that what ip netns exec runs (the relays,
+  # ucx_perftest) does not inherit them.
   mkdir -p $PFX/netbin
   for t in ip tc; do
-    printf '#!/bin/sh\nLD_LIBRARY_PATH=%s${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH} exec %s "$@"\n' \
+    printf '#!/bin/sh\nexec /lib64/ld-linux-x86-64.so.2 --library-path %s${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH} %s "$@"\n' \
       "$PFX/net/lib/x86_64-linux-gnu:$PFX/net/usr/lib/x86_64-linux-gnu" "$(ls $PFX/net/{usr/,}{s,}bin/$t 2>/dev/null | head -1)" \
       >$PFX/netbin/$t
     chmod +x $PFX/netbin/$t
