@@ -77,6 +77,13 @@ SyncPlan decode_sync(Reader& r) {
     throw ProtocolError("sync fragment size " + std::to_string(p.frag_bytes) +
                         " is not a power of two between 64 KiB and 2 MiB");
   if (n > limits::kMaxTensors) throw ProtocolError("sync has too many tensors");
+  // A tensor takes at least 23 bytes here (name length, dtype, rank, size,
+  // offset): a count the message cannot hold is refused before anything is
+  // allocated for it.
+  constexpr std::size_t kMinTensorBytes = 4 + 2 + 1 + 8 + 8;
+  if (n > r.left() / kMinTensorBytes)
+    throw ProtocolError("sync message is truncated: " + std::to_string(n) + " tensors cannot fit in " +
+                        std::to_string(r.left()) + " bytes");
   p.specs.resize(n);
   p.offsets.resize(n);
   p.nbytes.resize(n);

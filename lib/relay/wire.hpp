@@ -111,6 +111,7 @@ class Reader {
     at_ += N;
   }
   bool done() const { return at_ == end_; }
+  std::size_t left() const { return end_ - at_; }
   void expect_done() const {
     if (!done()) throw ProtocolError(std::string(type_name(type_)) + " message has trailing bytes");
   }
