@@ -40,6 +40,7 @@ Exit 1 when a worker saw a wrong byte or a step did not finish in time.
 
 import argparse
 import datetime
+import fcntl
 import json
 import os
 import platform
@@ -135,16 +136,17 @@ class Links:
         self.up = False
 
     @staticmethod
-    def ip(*argv):
-        r = subprocess.run(["ip"] + [str(a) for a in argv], capture_output=True, text=True)
+    def cmd(*argv):
+        argv = [str(a) for a in argv]
+        r = subprocess.run(argv, capture_output=True, text=True)
         if r.returncode != 0:
-            raise RuntimeError(f"ip {' '.join(map(str, argv))}: {r.stderr.strip()}")
+            raise RuntimeError(f"{' '.join(argv)}: {r.stderr.strip()}")
 
-    @staticmethod
-    def tc(*argv):
-        r = subprocess.run(["tc"] + [str(a) for a in argv], capture_output=True, text=True)
-        if r.returncode != 0:
-            raise RuntimeError(f"tc {' '.join(map(str, argv))}: {r.stderr.strip()}")
+    def ip(self, *argv):
+        self.cmd("ip", *argv)
+
+    def tc(self, *argv):
+        self.cmd("tc", *argv)
 
     def ns(self, i):
         return f"{self.NS}-n{i}"
@@ -173,7 +175,6 @@ class Links:
     def setup(self):
         # One emulated network per machine: a second run would delete this
         # one's namespaces. The lock goes with the process.
-        import fcntl
         self.lock = open(os.path.join(tempfile.gettempdir(), "shmcast-relay-bench-links.lock"), "w")
         try:
             fcntl.flock(self.lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -182,9 +183,8 @@ class Links:
         self.delete_all()  # left behind by a killed run
         self.up = True
         # Bucket: 2 ms at RATE, and never less than two 64 KiB GSO packets.
-        rate_bps = self.rate
-        burst = max(2 * 65536 + 2 * self.mtu, rate_bps // 8 // 500)
-        shape = ["root", "tbf", "rate", f"{rate_bps}bit", "burst", str(burst), "latency", "20ms"]
+        burst = max(2 * 65536 + 2 * self.mtu, self.rate // 8 // 500)
+        shape = ["root", "tbf", "rate", f"{self.rate}bit", "burst", str(burst), "latency", "20ms"]
         self.ip("netns", "add", self.sw)
         self.ip("-n", self.sw, "link", "set", "lo", "up")
         self.ip("-n", self.sw, "link", "add", "br0", "type", "bridge")

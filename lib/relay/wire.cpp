@@ -51,6 +51,22 @@ void SyncPlan::index_chunks() {
   for (std::uint32_t c : data_chunks) frag_base.push_back(frag_base.back() + frags(c));
 }
 
+SyncPlan plan_for(const std::vector<TensorSpec>& specs, std::uint64_t version, std::uint64_t chunk_bytes,
+                  std::uint64_t frag_bytes) {
+  SyncPlan p;
+  p.version = version;
+  p.chunk_bytes = chunk_bytes;
+  p.frag_bytes = frag_bytes;
+  p.specs = specs;
+  const SyncLayout l = stream_layout(specs, chunk_bytes);
+  p.offsets = l.offsets;
+  p.stream_bytes = l.stream_bytes;
+  p.payload_bytes = l.payload_bytes;
+  for (const TensorSpec& t : specs) p.nbytes.push_back(t.nbytes());
+  p.index_chunks();
+  return p;
+}
+
 void encode_sync(Writer& w, const SyncPlan& p) {
   w.u64(p.version).u64(p.chunk_bytes).u64(p.frag_bytes).u64(p.stream_bytes).u64(p.payload_bytes);
   w.u32(static_cast<std::uint32_t>(p.specs.size()));

@@ -183,6 +183,12 @@ struct SyncPlan {
   std::uint64_t total_frags() const { return frag_base.empty() ? 0 : frag_base.back(); }
 };
 
+// The plan for `specs` at shmcast's packing with these chunk and fragment
+// sizes (what decode_sync accepts). Throws shmcast::Error for specs that
+// shmcast cannot pack.
+SyncPlan plan_for(const std::vector<TensorSpec>& specs, std::uint64_t version, std::uint64_t chunk_bytes,
+                  std::uint64_t frag_bytes);
+
 void encode_sync(Writer& w, const SyncPlan& p);
 // Decodes and checks a kSync body: the layout must be the one shmcast
 // packs for these tensors and this chunk size. Throws ProtocolError.

@@ -326,23 +326,6 @@ void safetensors_corpus() {
 
 namespace w = shmcast::relay::wire;
 
-// The plan a source relay would send for `specs`: shmcast's packing.
-w::SyncPlan plan_of(const std::vector<TensorSpec>& specs, std::uint64_t version, std::uint64_t chunk,
-                    std::uint64_t frag) {
-  w::SyncPlan p;
-  p.version = version;
-  p.chunk_bytes = chunk;
-  p.frag_bytes = frag;
-  p.specs = specs;
-  const shmcast::SyncLayout l = shmcast::stream_layout(specs, chunk);
-  p.offsets = l.offsets;
-  p.stream_bytes = l.stream_bytes;
-  p.payload_bytes = l.payload_bytes;
-  for (const TensorSpec& t : specs) p.nbytes.push_back(t.nbytes());
-  p.index_chunks();
-  return p;
-}
-
 void wire_seed(const std::string& name, std::uint8_t sel, std::vector<std::uint8_t> msg) {
   msg.insert(msg.begin(), sel);
   emit("relay_wire", name, msg.data(), msg.size());
@@ -358,29 +341,29 @@ std::vector<std::uint8_t> sync_msg(const w::SyncPlan& p, bool mac) {
 
 void relay_wire_corpus() {
   const std::uint64_t two = 2ull << 20;
-  wire_seed("sync_one_f32", 0, sync_msg(plan_of({{"w", DType::kF32, {2, 3}}}, 1, two, 1 << 20), false));
-  wire_seed("sync_with_mac", 1, sync_msg(plan_of({{"w", DType::kBF16, {4096, 300}}}, 7, two, 256 << 10), true));
+  wire_seed("sync_one_f32", 0, sync_msg(w::plan_for({{"w", DType::kF32, {2, 3}}}, 1, two, 1 << 20), false));
+  wire_seed("sync_with_mac", 1, sync_msg(w::plan_for({{"w", DType::kBF16, {4096, 300}}}, 7, two, 256 << 10), true));
   wire_seed("sync_empty_and_scalar", 0,
-            sync_msg(plan_of({{"step", DType::kI64, {}}, {"empty", DType::kF32, {0, 5}}}, 2, two, 64 << 10), false));
-  wire_seed("sync_no_tensors", 0, sync_msg(plan_of({}, 3, two, 2 << 20), false));
-  wire_seed("sync_random", 0, sync_msg(plan_of(random_specs(4, two, 12), 9, two, 1 << 20), false));
+            sync_msg(w::plan_for({{"step", DType::kI64, {}}, {"empty", DType::kF32, {0, 5}}}, 2, two, 64 << 10), false));
+  wire_seed("sync_no_tensors", 0, sync_msg(w::plan_for({}, 3, two, 2 << 20), false));
+  wire_seed("sync_random", 0, sync_msg(w::plan_for(random_specs(4, two, 12), 9, two, 1 << 20), false));
   wire_seed("sync_random_big_chunks", 1,
-            sync_msg(plan_of(random_specs(5, 64ull << 20, 20), 11, 64ull << 20, 2 << 20), true));
+            sync_msg(w::plan_for(random_specs(5, 64ull << 20, 20), 11, 64ull << 20, 2 << 20), true));
   wire_seed("sync_long_name_eight_dims", 0,
-            sync_msg(plan_of({{std::string(1024, 'n'), DType::kU8, {1, 2, 1, 2, 1, 2, 1, 2}}}, 1, two, 1 << 20), false));
+            sync_msg(w::plan_for({{std::string(1024, 'n'), DType::kU8, {1, 2, 1, 2, 1, 2, 1, 2}}}, 1, two, 1 << 20), false));
   // Near misses, one check each.
   {
-    w::SyncPlan p = plan_of(random_specs(6, two, 6), 4, two, 1 << 20);
+    w::SyncPlan p = w::plan_for(random_specs(6, two, 6), 4, two, 1 << 20);
     p.offsets.back() += 256;  // not shmcast's packing
     wire_seed("near_layout", 0, sync_msg(p, false));
-    p = plan_of(random_specs(6, two, 6), 4, two, 3 << 18);  // fragment size not a power of two
+    p = w::plan_for(random_specs(6, two, 6), 4, two, 3 << 18);  // fragment size not a power of two
     wire_seed("near_frag_size", 0, sync_msg(p, false));
-    p = plan_of(random_specs(6, two, 6), 0, two, 1 << 20);  // version 0
+    p = w::plan_for(random_specs(6, two, 6), 0, two, 1 << 20);  // version 0
     wire_seed("near_version0", 0, sync_msg(p, false));
-    std::vector<std::uint8_t> b = sync_msg(plan_of(random_specs(7, two, 4), 5, two, 1 << 20), false);
+    std::vector<std::uint8_t> b = sync_msg(w::plan_for(random_specs(7, two, 4), 5, two, 1 << 20), false);
     b.resize(b.size() - 5);  // truncated
     wire_seed("near_truncated", 0, b);
-    b = sync_msg(plan_of({{"w", DType::kF32, {2}}}, 5, two, 1 << 20), false);
+    b = sync_msg(w::plan_for({{"w", DType::kF32, {2}}}, 5, two, 1 << 20), false);
     const std::uint32_t many = 1u << 20;  // a count the message cannot hold
     std::memcpy(b.data() + w::kHeaderBytes + 40, &many, 4);
     wire_seed("near_count", 0, b);

@@ -174,17 +174,8 @@ TEST(RelayCore, WritePartRefusesGapsAndAbortsTheSync) {
 }
 
 TEST(RelayWire, SyncPlanRoundTripsAndIsChecked) {
-  relay::wire::SyncPlan p;
-  p.version = 12;
-  p.chunk_bytes = 2 << 20;
-  p.frag_bytes = 256 << 10;
-  p.specs = random_manifest(5, p.chunk_bytes, 20);
+  const relay::wire::SyncPlan p = relay::wire::plan_for(random_manifest(5, 2 << 20, 20), 12, 2 << 20, 256 << 10);
   const SyncLayout l = stream_layout(p.specs, p.chunk_bytes);
-  p.offsets = l.offsets;
-  p.stream_bytes = l.stream_bytes;
-  p.payload_bytes = l.payload_bytes;
-  for (const auto& s : p.specs) p.nbytes.push_back(s.nbytes());
-  p.index_chunks();
   relay::wire::Writer w(relay::wire::Type::kSync);
   relay::wire::encode_sync(w, p);
   std::vector<std::uint8_t> bytes = w.buffer();
