@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Runs the multiprocess, fault and relay tiers once more while the machine is busy:
+# Runs the multiprocess, fault, relay and attack tiers once more while the machine is busy:
 # stress-ng keeps more CPU hogs running than there are cores, and the tests
 # run at a lower priority than the hogs (nice), so peers are preempted at
 # arbitrary points, start late and wake late. A test that takes "some time
@@ -19,7 +19,7 @@
 #   BUILD_DIR        build directory (build)
 #   LOAD_CPU         stress-ng CPU workers (2 x cores, at least 4)
 #   LOAD_NICE        niceness of the tests (10)
-#   LOAD_LABELS      ctest label regex (multiprocess|fault|relay)
+#   LOAD_LABELS      ctest label regex (multiprocess|fault|relay|attack)
 #   LOAD_CTEST_JOBS  parallel ctest jobs (2)
 #   LOAD_TIMEOUT_S   per-test ctest timeout (600)
 # Output: one line, e.g.
@@ -27,7 +27,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 build=${BUILD_DIR:-build}
-labels=${LOAD_LABELS:-multiprocess|fault|relay}
+labels=${LOAD_LABELS:-multiprocess|fault|relay|attack}
 jobs=${LOAD_CTEST_JOBS:-2}
 cores=$(nproc)
 cpu=${LOAD_CPU:-$((2 * cores < 4 ? 4 : 2 * cores))}
