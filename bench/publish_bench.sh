@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The checkpoint publish bench (docs/benchmarks.md, "Checkpoint publish"):
+# The checkpoint publish bench (docs/benchmarks-log.md, "Checkpoint publish"):
 # shmcast-publish of a safetensors checkpoint into a region, next to the
 # references measured in the same run, every figure REPS (10) times,
 # reported as min / median / max:

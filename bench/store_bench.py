@@ -1,4 +1,4 @@
-"""Store-region bench (issue #14, docs/benchmarks.md "Store regions"), on one GPU.
+"""Store-region bench (issue #14, docs/benchmarks-log.md "Store regions"), on one GPU.
 
 A trainer process keeps a Qwen2.5-3B-shaped bf16 model (434 tensors,
 6,171,877,376 bytes) on cuda:0 and stores it in a store region

@@ -26,7 +26,7 @@
 //   checksums, hashes the slot): it never calls CUDA.
 //   SHMCAST_CUDA_CALLBACKS=inline queues the host functions on the copy stream
 //   itself instead (one stream; the copies stall behind each host function).
-//   Measured on an H200 (docs/benchmarks.md): 41.8 GB/s inline against 43.4
+//   Measured on an H200 (docs/benchmarks-log.md): 41.8 GB/s inline against 43.4
 //   with the callback stream, so the callback stream is the default.
 // * SHMCAST_CUDA_D2H_STREAMS / SHMCAST_CUDA_H2D_STREAMS (1..4, default 1) give
 //   an engine several copy streams; pieces of 8 MiB or more are then split
