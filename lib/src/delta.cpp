@@ -11,6 +11,7 @@
 #include <thread>
 
 #include "checks.hpp"
+#include "delta_launch.hpp"
 #include "selection.hpp"
 
 namespace shmcast::detail::delta {
@@ -651,6 +652,34 @@ void apply(std::span<const std::byte> blob, std::uint32_t w, const SliceMap& m, 
 void apply(std::span<const std::byte> blob, std::uint32_t w, std::uint64_t n, void* dst, std::uint64_t dst_bytes,
            bool verify) {
   apply(blob, w, whole_map(n), dst, dst_bytes, verify);
+}
+
+void throw_for_status(std::uint32_t st) {
+  if (st == 0) return;
+  if (st & (kStPlanMismatch | kStOutTooSmall))
+    throw Error(Errc::kInvalidArgument,
+                std::string("CUDA delta codec: encode ") +
+                    (st & kStOutTooSmall ? "had an output smaller than the planned blob, or a head that is not a plan "
+                                           "of this tensor (nothing written)"
+                                         : "found other changes than plan counted: the tensors changed between plan "
+                                           "and encode (the base is partly updated: send a full sync)"));
+  std::string why;
+  auto add = [&](std::uint32_t bit, const char* text) {
+    if (st & bit) why += std::string(why.empty() ? "" : "; ") + text;
+  };
+  add(kStBadHeader, "a header field is wrong (magic, format, width, block size, element or block count, payload size)");
+  add(kStBadTable, "a table entry is wrong (reserved field, count, or offset)");
+  add(kStBadIndices, "sparse indices not strictly increasing or past their block");
+  add(kStBadBitmap, "a bitmap with bits past its block or another number of bits than its count");
+  add(kStBadPadding, "a non-zero padding byte");
+  add(kStBadChanged, "the counts do not add up to the header's");
+  if (st & kStRejected)
+    throw Error(Errc::kCorrupt, "delta blob rejected: " + why +
+                                    " (the delta is damaged or not one for this tensor: ask the producer for a full "
+                                    "sync; the destination was not written)");
+  throw Error(Errc::kCorrupt,
+              "delta result rejected: the checksum of the applied tensor is not the delta's (the destination did not "
+              "hold the delta's base, or bytes were damaged): ask the producer for a full sync");
 }
 
 }  // namespace shmcast::detail::delta

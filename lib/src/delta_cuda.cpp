@@ -13,6 +13,7 @@
 
 #include "cuda_driver.hpp"
 #include "delta.hpp"
+#include "delta_launch.hpp"
 #include "engine.hpp"
 #include "shmcast/shmcast.hpp"
 
@@ -22,10 +23,6 @@ extern const unsigned char kDeltaPtx[];
 extern const std::size_t kDeltaPtxBytes;
 
 namespace {
-
-constexpr unsigned kThreads = 256;      // kernels/delta.cu
-constexpr unsigned kScanThreads = 1024;
-constexpr std::uint64_t kMaxGrid = 32768;  // grid-stride beyond it
 
 constexpr const char* kNoKernels =
     "this shmcast was built without the CUDA delta kernels (nvcc was not found at build time): rebuild with the CUDA "
@@ -153,10 +150,6 @@ const Module& module_for(const cu::Api& d, CUcontext ctx) {
   return mods->emplace(ctx, mod).first->second;
 }
 
-unsigned grid_for(std::uint64_t blocks) {
-  return static_cast<unsigned>(blocks == 0 ? 1 : (blocks < kMaxGrid ? blocks : kMaxGrid));
-}
-
 void require_width(std::uint32_t w) {
   if (!valid_width(w)) bad_arg("element width " + std::to_string(w) + " is not 1, 2, 4 or 8 bytes");
 }
@@ -201,7 +194,7 @@ struct CudaCodec::Impl {
         const Module* m = &module_for(*i.d, i.ctx);
         if (i.scratch == 0)
           SHMCAST_DCK(*i.d, i.d->cuMemAlloc(&i.scratch, sizeof(Scratch)), "cuMemAlloc of 32 bytes");
-        launch(m->reset, 1, 1, ResetArgs{i.scratch, 1}, "reset");
+        launch(m->reset, 1, 1, ResetArgs{i.scratch, 1}, "reset");  // (i.mod is not set yet)
         SHMCAST_DCK(*i.d, i.d->cuStreamSynchronize(s), "waiting for the stream (cuStreamSynchronize)");
         i.mod = m;
       }
@@ -211,6 +204,22 @@ struct CudaCodec::Impl {
       void* params[1] = {const_cast<A*>(&args)};
       const CUresult e = i.d->cuLaunchKernel(f, grid, 1, 1, block, 1, 1, 0, s, params, nullptr);
       if (e != CUDA_SUCCESS) cuda_fail(*i.d, e, std::string("launching the ") + what + " kernel");
+    }
+    // The launcher of delta_launch.hpp.
+    template <class A>
+    void launch(Kernel k, std::uint32_t w, unsigned grid, unsigned block, const A& args) {
+      const Module& m = *i.mod;
+      const int wi = width_index(w);
+      switch (k) {
+        case Kernel::kCount: return launch(m.count[wi], grid, block, args, "count");
+        case Kernel::kScan: return launch(m.scan, grid, block, args, "scan");
+        case Kernel::kEncode: return launch(m.encode[wi], grid, block, args, "encode");
+        case Kernel::kValidate: return launch(m.validate[wi], grid, block, args, "validate");
+        case Kernel::kApply: return launch(m.apply[wi], grid, block, args, "apply");
+        case Kernel::kChecksum: return launch(m.checksum, grid, block, args, "checksum");
+        case Kernel::kFinish: return launch(m.finish, grid, block, args, "checksum finish");
+        case Kernel::kReset: return launch(m.reset, grid, block, args, "reset");
+      }
     }
   };
 
@@ -248,11 +257,7 @@ void CudaCodec::plan(const void* base, const void* next, std::uint32_t w, std::u
   require_aligned(next, 8, "next");
   require_aligned(head, 8, "head");
   Impl::Use u(*impl_, stream);
-  const std::uint64_t blocks = block_count(n);
-  if (blocks > 0)
-    u.launch(u.i.mod->count[width_index(w)], grid_for(blocks), kThreads,
-             CountArgs{addr(base), addr(next), addr(head) + kHeaderBytes, n, blocks}, "count");
-  u.launch(u.i.mod->scan, 1, kScanThreads, ScanArgs{addr(head), n, blocks, w}, "scan");
+  launch_plan(u, addr(base), addr(next), w, n, addr(head));
 }
 
 void CudaCodec::encode(void* base, const void* next, std::uint32_t w, std::uint64_t n, const void* head, void* out,
@@ -268,8 +273,7 @@ void CudaCodec::encode(void* base, const void* next, std::uint32_t w, std::uint6
     bad_arg("the output holds " + std::to_string(out_bytes) + " bytes, less than the blob's header and table (" +
             std::to_string(head_bytes_for(blocks)) + ")");
   Impl::Use u(*impl_, stream);
-  u.launch(u.i.mod->encode[width_index(w)], grid_for(blocks), kThreads,
-           EncodeArgs{addr(base), addr(next), addr(head), addr(out), out_bytes, n, blocks, u.i.scratch}, "encode");
+  launch_encode(u, addr(base), addr(next), w, n, addr(head), addr(out), out_bytes, u.i.scratch);
 }
 
 void CudaCodec::apply(const void* blob, std::uint64_t blob_bytes, std::uint32_t w, const SliceMap& map, void* dst,
@@ -290,64 +294,22 @@ void CudaCodec::apply(const void* blob, std::uint64_t blob_bytes, std::uint32_t 
                                     " elements (the delta is damaged or not one for this tensor: ask the producer "
                                     "for a full sync)");
   Impl::Use u(*impl_, stream);
-  const unsigned wi = static_cast<unsigned>(width_index(w));
-  u.launch(u.i.mod->reset, 1, 1, ResetArgs{u.i.scratch, 0}, "reset");
-  u.launch(u.i.mod->validate[wi], grid_for(blocks), kThreads,
-           ValidateArgs{addr(blob), blob_bytes, map.n, blocks, u.i.scratch}, "validate");
-  ApplyArgs a{addr(blob), map.n, blocks, addr(dst), u.i.scratch, map};
-  u.launch(u.i.mod->apply[wi], grid_for(blocks), kThreads, a, "apply");
-  if (verify) {
-    const std::uint64_t bytes = map.n * w;
-    const std::uint64_t data = addr(dst) + map.dst0 * w;
-    const std::uint64_t words = bytes / 8;
-    u.launch(u.i.mod->checksum, grid_for(words / (kThreads * 8) + 1), kThreads, ChecksumArgs{data, bytes, u.i.scratch},
-             "checksum");
-    u.launch(u.i.mod->finish, 1, 1, FinishArgs{u.i.scratch, bytes, 0, addr(blob)}, "checksum finish");
-  }
+  launch_apply(u, addr(blob), blob_bytes, w, map, addr(dst), verify, u.i.scratch);
 }
 
 void CudaCodec::checksum(const void* data, std::uint64_t bytes, void* out, void* stream) {
   require_aligned(out, 8, "out");
   Impl::Use u(*impl_, stream);
-  u.launch(u.i.mod->reset, 1, 1, ResetArgs{u.i.scratch, 0}, "reset");
-  const std::uint64_t words = bytes / 8;
-  u.launch(u.i.mod->checksum, grid_for(words / (kThreads * 8) + 1), kThreads,
-           ChecksumArgs{addr(data), bytes, u.i.scratch}, "checksum");
-  u.launch(u.i.mod->finish, 1, 1, FinishArgs{u.i.scratch, bytes, addr(out), 0}, "checksum finish");
+  launch_checksum(u, addr(data), bytes, addr(out), 0, u.i.scratch, true);
 }
 
 void CudaCodec::finish(void* stream) {
   Impl::Use u(*impl_, stream);
   Scratch sc{};
   SHMCAST_DCK(*u.i.d, u.i.d->cuMemcpyDtoHAsync(&sc, u.i.scratch, sizeof sc, u.s), "cuMemcpyDtoHAsync of the status");
-  u.launch(u.i.mod->reset, 1, 1, ResetArgs{u.i.scratch, 1}, "reset");
+  launch_reset(u, u.i.scratch, true);
   SHMCAST_DCK(*u.i.d, u.i.d->cuStreamSynchronize(u.s), "waiting for the stream (cuStreamSynchronize)");
-  const std::uint32_t st = sc.status;
-  if (st == 0) return;
-  if (st & (kStPlanMismatch | kStOutTooSmall))
-    throw Error(Errc::kInvalidArgument,
-                std::string("CUDA delta codec: encode ") +
-                    (st & kStOutTooSmall ? "had an output smaller than the planned blob, or a head that is not a plan "
-                                           "of this tensor (nothing written)"
-                                         : "found other changes than plan counted: the tensors changed between plan "
-                                           "and encode (the base is partly updated: send a full sync)"));
-  std::string why;
-  auto add = [&](std::uint32_t bit, const char* text) {
-    if (st & bit) why += std::string(why.empty() ? "" : "; ") + text;
-  };
-  add(kStBadHeader, "a header field is wrong (magic, format, width, block size, element or block count, payload size)");
-  add(kStBadTable, "a table entry is wrong (reserved field, count, or offset)");
-  add(kStBadIndices, "sparse indices not strictly increasing or past their block");
-  add(kStBadBitmap, "a bitmap with bits past its block or another number of bits than its count");
-  add(kStBadPadding, "a non-zero padding byte");
-  add(kStBadChanged, "the counts do not add up to the header's");
-  if (st & kStRejected)
-    throw Error(Errc::kCorrupt, "delta blob rejected: " + why +
-                                    " (the delta is damaged or not one for this tensor: ask the producer for a full "
-                                    "sync; the destination was not written)");
-  throw Error(Errc::kCorrupt,
-              "delta result rejected: the checksum of the applied tensor is not the delta's (the destination did not "
-              "hold the delta's base, or bytes were damaged): ask the producer for a full sync");
+  throw_for_status(sc.status);
 }
 
 Header CudaCodec::read_header(const void* head, void* stream) {
