@@ -639,8 +639,8 @@ void apply(std::span<const std::byte> blob, std::uint32_t w, const SliceMap& m, 
     });
   });
   if (moved.load()) corrupt("it changed while it was applied (the destination is partly written)");
-  if (verify && m.n > 0) {
-    const std::uint64_t got = checksum(d + m.dst0 * w, m.n * w);
+  if (verify) {  // an empty piece too: its checksum is checksum_final(0, 0)
+    const std::uint64_t got = checksum(m.n > 0 ? d + m.dst0 * w : nullptr, m.n * w);
     if (got != h.checksum)
       throw Error(Errc::kCorrupt, "delta result rejected: the checksum of the applied tensor is " +
                                       printf_u64("%016llx, the delta's %016llx", got, h.checksum) +
