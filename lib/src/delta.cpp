@@ -115,7 +115,7 @@ void count_block(const u8* base, const u8* next, std::uint64_t n, std::uint64_t 
   for (std::uint64_t k = 0; k < words; ++k) {
     const std::uint64_t x = load64(pn + 8 * k), y = load64(pb + 8 * k);
     s += checksum_term(word0 + k, x);
-    if (x != y) c += static_cast<std::uint32_t>(lanes_nonzero<W>(x ^ y));
+    c += static_cast<std::uint32_t>(lanes_nonzero<W>(x ^ y));  // no branch: changes fall anywhere
   }
   if (const unsigned tail = static_cast<unsigned>(bytes % 8)) {
     const std::uint64_t x = load_partial(pn + 8 * words, tail), y = load_partial(pb + 8 * words, tail);
@@ -148,12 +148,9 @@ void for_changed(const u8* base, const u8* next, std::uint64_t n, std::uint64_t 
     const unsigned have = static_cast<unsigned>(std::min<std::uint64_t>(8, bytes - 8 * k));
     const std::uint64_t x = have == 8 ? load64(next + byte0 + 8 * k) : load_partial(next + byte0 + 8 * k, have);
     const std::uint64_t y = have == 8 ? load64(base + byte0 + 8 * k) : load_partial(base + byte0 + 8 * k, have);
-    if (x == y) continue;
-    const std::uint64_t d = x ^ y;
-    for (unsigned l = 0; l < per && l * W < have; ++l) {
-      const std::uint64_t lane = W == 8 ? d : (d >> (8 * W * l)) & ((1ull << (8 * W)) - 1);
-      if (lane != 0) fn(k * per + l);
-    }
+    // The changed lanes' top bits, lowest lane first.
+    for (std::uint64_t m = lane_mask<W>(x ^ y); m != 0; m &= m - 1)
+      fn(k * per + static_cast<unsigned>(__builtin_ctzll(m)) / (8 * W));
   }
 }
 

@@ -106,20 +106,31 @@ SHMCAST_HD int popcount64(uint64_t x) {
 #endif
 }
 
-// How many of the w-byte lanes of `x` (a little-endian 8-byte word) are
-// non-zero: with x = new ^ base, how many elements of the word changed.
-// Padding lanes of a partial word are zero and count for nothing.
+// The w-byte lanes of `x` (a little-endian 8-byte word) that are not zero,
+// as the top bit of each such lane: with x = new ^ base, the elements of the
+// word that changed. Padding lanes of a partial word are zero.
 template <int W>
-SHMCAST_HD int lanes_nonzero(uint64_t x) {
+SHMCAST_HD uint64_t lane_mask(uint64_t x) {
   if constexpr (W == 8) {
-    return x != 0 ? 1 : 0;
+    return x != 0 ? 1ull << 63 : 0;
   } else {
     // Per lane: (low bits + 0x7f..) carries into the lane's top bit unless
     // the low bits are zero, and no lane carries into the next.
     constexpr uint64_t low = W == 1 ? 0x7f7f7f7f7f7f7f7full : W == 2 ? 0x7fff7fff7fff7fffull : 0x7fffffff7fffffffull;
-    const uint64_t m = (((x & low) + low) | x) & ~low;
-    return popcount64(m);
+    return (((x & low) + low) | x) & ~low;
   }
+}
+// How many of them. On the host without a popcount instruction in the
+// baseline ISA (x86-64), a multiply adds the lanes' flags into the top lane.
+template <int W>
+SHMCAST_HD int lanes_nonzero(uint64_t x) {
+#if defined(__CUDA_ARCH__) || defined(__POPCNT__) || defined(__aarch64__)
+  return popcount64(lane_mask<W>(x));
+#else
+  constexpr int bits = 8 * W;
+  constexpr uint64_t ones = W == 1 ? 0x0101010101010101ull : W == 2 ? 0x0001000100010001ull : W == 4 ? 0x0000000100000001ull : 1;
+  return static_cast<int>(((lane_mask<W>(x) >> (bits - 1)) * ones) >> (64 - bits));
+#endif
 }
 
 // ---------------------------------------------------------------- checksum
