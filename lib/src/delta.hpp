@@ -64,8 +64,8 @@ struct Plan {
 // or size.
 Plan plan(const void* base, const void* next, std::uint32_t w, std::uint64_t n);
 // Writes the blob of `p` into out[0, out_bytes) (out_bytes must be
-// p.blob_bytes()) and makes `base` equal to `next` (only the changed
-// elements are written). `base` and `next` must hold what plan() saw: if
+// p.blob_bytes()) and makes `base` equal to `next` (writing its changed
+// elements, or a dense block's whole bytes). `base` and `next` must hold what plan() saw: if
 // they changed in between, throws kInvalidArgument, with `base` partly
 // updated and `out` not a blob.
 void encode(const Plan& p, void* base, const void* next, void* out, std::uint64_t out_bytes);

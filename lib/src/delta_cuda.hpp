@@ -20,6 +20,11 @@
 // thread, and one stream at a time (its status words are shared by the
 // calls it enqueues).
 //
+// The first call in a process JIT-compiles the kernels for the device
+// (ptxas takes about 3 s for them on the 2-core development VM); the driver
+// caches the result (~/.nv/ComputeCache, CUDA_CACHE_PATH), so later
+// processes load it at once unless that cache is off or not kept.
+//
 // Costs: plan = one read of base and next (the count kernel) plus a scan of
 // the block table in one CUDA block (for a 6 GB bf16 model's largest tensor,
 // 76 K entries); encode reads the blocks that changed; apply reads the blob
@@ -61,7 +66,8 @@ class CudaCodec {
               std::uint64_t out_bytes, void* stream);
   // Applies `blob` (blob_bytes, in device memory) to `dst` as
   // delta::apply does on the host (the same map, the same checks). A blob
-  // that fails validation writes nothing, and finish() throws kCorrupt; with
+  // that fails validation writes nothing, and finish() throws kCorrupt (one
+  // too short for its header and table: apply throws it at once); with
   // `verify` (covers_piece(map) only), so does a result whose checksum is
   // not the blob's.
   void apply(const void* blob, std::uint64_t blob_bytes, std::uint32_t w, const SliceMap& map, void* dst,

@@ -59,6 +59,11 @@ enum Kind : uint32_t {
   kDense = 3,      // the block's new bytes | pad
 };
 
+// CUDA threads per block of the kernels (kernels/delta.cu) and of their
+// launches (delta_launch.hpp): every kernel but the scan, and the scan.
+inline constexpr unsigned kKernelThreads = 256;
+inline constexpr unsigned kScanThreads = 1024;
+
 SHMCAST_HD uint64_t align16(uint64_t x) { return (x + (kAlign - 1)) & ~(kAlign - 1); }
 SHMCAST_HD uint64_t block_count(uint64_t n) { return n / kBlockElems + (n % kBlockElems != 0 ? 1 : 0); }
 // Elements of block b (the last one may be short).

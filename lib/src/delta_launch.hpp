@@ -17,8 +17,6 @@ namespace shmcast::detail::delta {
 
 enum class Kernel { kCount, kScan, kEncode, kValidate, kApply, kChecksum, kFinish, kReset };
 
-inline constexpr unsigned kKernelThreads = 256;  // every kernel but the scan (kernels/delta.cu)
-inline constexpr unsigned kScanThreads = 1024;
 inline constexpr std::uint64_t kMaxGrid = 32768;  // the kernels grid-stride beyond it
 
 inline unsigned grid_for(std::uint64_t units) {

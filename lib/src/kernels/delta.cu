@@ -22,7 +22,7 @@ typedef unsigned long long ull;
 
 namespace {
 
-constexpr unsigned kThreads = 256;
+constexpr unsigned kThreads = kKernelThreads;  // the launches use the same constant (delta_launch.hpp)
 constexpr unsigned kWarps = kThreads / 32;
 constexpr unsigned kPerThread = kBlockElems / kThreads;  // 16
 static_assert(kPerThread == 16, "a thread owns 16 elements: one u16 of a bitmap");
@@ -137,10 +137,10 @@ extern "C" __global__ void __launch_bounds__(kThreads) shmcast_delta_count_w8(Co
 // One CUDA block of 1024 threads: each thread takes a contiguous run of
 // table entries; sizes from counts (kind_of), an exclusive scan into the
 // offsets, the checksum terms and counts summed; thread 0 writes the header.
-extern "C" __global__ void __launch_bounds__(1024) shmcast_delta_scan(ScanArgs a) {
-  __shared__ ull size_sh[1024];
-  __shared__ ull sum_sh[1024];
-  __shared__ ull changed_sh[1024];
+extern "C" __global__ void __launch_bounds__(kScanThreads) shmcast_delta_scan(ScanArgs a) {
+  __shared__ ull size_sh[kScanThreads];
+  __shared__ ull sum_sh[kScanThreads];
+  __shared__ ull changed_sh[kScanThreads];
   __shared__ ull total_sh;
   unsigned char* head = reinterpret_cast<unsigned char*>(a.head);
   Entry* table = reinterpret_cast<Entry*>(head + kHeaderBytes);
