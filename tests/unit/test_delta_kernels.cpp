@@ -7,9 +7,9 @@
 // real GPU.
 //
 // The emulator runs one CUDA block at a time, its threads as fibers on the
-// calling thread (makecontext for the first switch, _setjmp/_longjmp after),
-// switching only at __syncthreads and at warp shuffles (which wait for the
-// warp's other lanes). What it cannot show: races between blocks (blocks run
+// calling thread (made once with makecontext, switched with _setjmp and
+// _longjmp) that switch only at __syncthreads and at warp shuffles (which
+// wait for the warp's other lanes). What it cannot show: races between blocks (blocks run
 // one after another), memory-model effects, misaligned device accesses and
 // the GPU's speed. Not run under ASan or TSan: they do not follow stack
 // switches made this way.
@@ -123,14 +123,19 @@ T shfl(T v, int delta, bool down) {
   return r;
 }
 
+// A fiber's life: it runs the block's body, reports that it is done, and
+// waits in its jmp_buf until the scheduler starts it again for the next
+// block (or launch); so each fiber is made once per process.
 inline void entry() {
-  State& s = st();
-  s.body();
-  s.fibers[s.current].done = true;
-  --s.live;
-  --s.warp_live[s.current / 32];
-  release_waiters();
-  _longjmp(s.sched, 1);
+  for (;;) {
+    State& s = st();
+    s.body();
+    s.fibers[s.current].done = true;
+    --s.live;
+    --s.warp_live[s.current / 32];
+    release_waiters();
+    if (!_setjmp(s.fibers[s.current].jb)) _longjmp(s.sched, 1);
+  }
 }
 
 inline void run_block() {
@@ -143,7 +148,8 @@ inline void run_block() {
   for (unsigned w = 0; w < n / 32; ++w) s.warp_arrived[w] = 0, s.warp_live[w] = 32;
   for (unsigned t = 0; t < n; ++t) {
     Fiber& f = s.fibers[t];
-    f.started = f.done = false;
+    f.done = false;
+    if (f.started) continue;  // waiting at the end of entry()'s loop
     getcontext(&f.uc);
     f.uc.uc_stack.ss_sp = s.stacks.get() + t * kStack;
     f.uc.uc_stack.ss_size = kStack;
@@ -333,8 +339,8 @@ TEST(DeltaKernels, EncodeMakesTheHostBlobAndApplyTheHostResult) {
   EmuCodec c;
   int cases = 0;
   for (std::uint32_t w : {1u, 2u, 4u, 8u})
-    for (std::uint64_t n : {0ull, 1ull, 7ull, 65ull, 4095ull, 4097ull, 2 * 4096ull + 17})
-      for (double f : {0.0, 0.005, 0.02, 0.3, 1.0}) {
+    for (std::uint64_t n : {0ull, 1ull, 65ull, 4097ull, 2 * 4096ull + 17})
+      for (double f : {0.0, 0.02, 0.3, 1.0}) {
         SCOPED_TRACE("w=" + std::to_string(w) + " n=" + std::to_string(n) + " f=" + std::to_string(f));
         c.l.max_grid = cases % 3 == 0 ? 1 : ~0u;  // one CUDA block strides over every delta block
         const Bytes base = random_bytes(n * w, rng);
@@ -349,7 +355,7 @@ TEST(DeltaKernels, EncodeMakesTheHostBlobAndApplyTheHostResult) {
         ASSERT_EQ(dst, next);
         ++cases;
       }
-  EXPECT_EQ(cases, 4 * 7 * 5);
+  EXPECT_EQ(cases, 4 * 5 * 4);
 }
 
 TEST(DeltaKernels, SlicesApplyLikeTheHost) {
