@@ -15,7 +15,7 @@
 #
 # Environment:
 #   FUZZ_SECONDS   total fuzzing time in seconds, split across targets (60)
-#   FUZZ_TARGETS   targets to run (header manifest region safetensors relay_wire)
+#   FUZZ_TARGETS   targets to run (header manifest region safetensors relay_wire delta)
 #   FUZZ_TIMEOUT   per-input timeout in seconds (10)
 #   BUILD_DIR      build directory (build-fuzz)
 #   CC_FUZZ, CXX_FUZZ  compilers (clang, clang++; clang-14 on Debian 12)
@@ -28,7 +28,7 @@ cd "$(dirname "$0")/.."
 build=${BUILD_DIR:-build-fuzz}
 total=${FUZZ_SECONDS:-60}
 timeout_s=${FUZZ_TIMEOUT:-10}
-read -r -a targets <<<"${FUZZ_TARGETS:-header manifest region safetensors relay_wire}"
+read -r -a targets <<<"${FUZZ_TARGETS:-header manifest region safetensors relay_wire delta}"
 cc=${CC_FUZZ:-clang}
 cxx=${CXX_FUZZ:-clang++}
 

@@ -23,7 +23,8 @@
 
 namespace shmcast::detail::cu {
 
-// Resolved after cuInit (the first three are resolved before it).
+// Resolved after cuInit (the first three are resolved before it). The module
+// and launch functions run the delta codec's kernels (delta_cuda.cpp).
 #define SHMCAST_CU_FUNCTIONS(X) \
   X(cuGetErrorName)             \
   X(cuGetErrorString)           \
@@ -53,7 +54,10 @@ namespace shmcast::detail::cu {
   X(cuMemHostRegister)          \
   X(cuMemHostUnregister)        \
   X(cuMemAlloc)                 \
-  X(cuMemFree)
+  X(cuMemFree)                  \
+  X(cuModuleLoadDataEx)         \
+  X(cuModuleGetFunction)        \
+  X(cuLaunchKernel)
 
 // One pointer per function, named as in cuda.h (the member's name expands
 // like the function's: api.cuMemAlloc(...) calls cuMemAlloc_v2).

@@ -12,6 +12,7 @@
 #include <random>
 #include <vector>
 
+#include "delta.hpp"
 #include "fuzz_support.hpp"
 #include "manifest.hpp"
 #include "ring.hpp"
@@ -385,6 +386,96 @@ void relay_wire_corpus() {
   }
 }
 
+// ---------------------------------------------------------------- delta
+
+namespace dl = shmcast::detail::delta;
+
+// The blob of base -> next (w-byte elements), behind the selector byte.
+std::vector<std::uint8_t> delta_blob(std::vector<std::uint8_t> base, const std::vector<std::uint8_t>& next,
+                                     std::uint32_t w) {
+  const dl::Plan p = dl::plan(base.data(), next.data(), w, base.size() / w);
+  std::vector<std::uint8_t> blob(p.blob_bytes());
+  dl::encode(p, base.data(), next.data(), blob.data(), blob.size());
+  return blob;
+}
+
+void delta_seed(const std::string& name, std::uint8_t sel, std::vector<std::uint8_t> blob) {
+  blob.insert(blob.begin(), sel);
+  emit("delta", name, blob.data(), blob.size());
+}
+
+// The base fuzz_delta applies to (its base_pattern), so that seeds decode
+// into real changes.
+std::vector<std::uint8_t> delta_base(std::uint64_t bytes) {
+  std::vector<std::uint8_t> v(bytes);
+  std::uint64_t x = 0x243f6a8885a308d3ull;
+  for (std::uint64_t i = 0; i < bytes; ++i) {
+    x = x * 6364136223846793005ull + 1442695040888963407ull;
+    v[i] = static_cast<std::uint8_t>(x >> 56);
+  }
+  return v;
+}
+
+void delta_corpus() {
+  std::mt19937_64 rng(31);
+  // Valid blobs: each width, a short block and a block and a half, few,
+  // many and all elements changed (every seed at most 8 KiB, fuzz.sh's -max_len).
+  const std::uint8_t wsel[9] = {0, 0, 1, 0, 2, 0, 0, 0, 3};
+  for (std::uint32_t w : {1u, 2u, 4u, 8u})
+    for (std::uint64_t n : {100ull, 4096ull + 50})
+      for (double f : {0.0, 0.02, 0.3, 1.0}) {
+        if (n * w * f > 6000) continue;
+        const std::vector<std::uint8_t> base = delta_base(n * w);
+        std::vector<std::uint8_t> next = base;
+        std::bernoulli_distribution pick(f);
+        for (std::uint64_t e = 0; e < n; ++e)
+          if (pick(rng)) next[e * w + rng() % w] ^= static_cast<std::uint8_t>(1 + rng() % 255);
+        const std::string name = "w" + std::to_string(w) + "_n" + std::to_string(n) + "_f" +
+                                 std::to_string(static_cast<int>(f * 100));
+        delta_seed(name, static_cast<std::uint8_t>(wsel[w] | (n == 100 ? 4 : 0)), delta_blob(base, next, w));
+      }
+  // Every kind in one blob (w = 1, n = 3 * 4096 + 50): sparse, bitmap,
+  // dense, and a short bitmap block with head padding; then near misses.
+  const std::uint64_t n = 3 * 4096 + 50;
+  const std::vector<std::uint8_t> base = delta_base(n);
+  std::vector<std::uint8_t> next = base;
+  auto change = [&](std::uint64_t e) { next[e] = static_cast<std::uint8_t>(~next[e]); };
+  change(7), change(100), change(4000);
+  for (std::uint64_t j = 0; j < 500; ++j) change(4096 + 8 * j);
+  for (std::uint64_t j = 0; j < 4096; ++j) change(2 * 4096 + j);
+  for (std::uint64_t j = 0; j < 20; ++j) change(3 * 4096 + 2 * j + 1);
+  const std::vector<std::uint8_t> all = delta_blob(base, next, 1);
+  delta_seed("all_kinds", 0, all);
+  const std::uint64_t head = dl::head_bytes(n);
+  auto area = [&](std::uint64_t b) {
+    dl::Entry e;
+    std::memcpy(&e, all.data() + dl::kHeaderBytes + b * dl::kEntryBytes, sizeof e);
+    return head + e.offset;
+  };
+  auto miss = [&](const std::string& name, std::uint64_t off, std::uint8_t x) {
+    std::vector<std::uint8_t> v = all;
+    v[off] ^= x;
+    delta_seed("miss_" + name, 0, v);
+  };
+  miss("magic", 0, 1);
+  miss("width", 6, 3);
+  miss("elems", 16, 1);
+  miss("payload", 32, 16);
+  miss("changed", 48, 1);
+  miss("entry_reserved", dl::kHeaderBytes + 12, 1);
+  miss("entry_offset", dl::kHeaderBytes + 16, 16);
+  miss("entry_count", dl::kHeaderBytes + 8, 1);
+  miss("sparse_order", area(0), 0x80);
+  miss("sparse_padding", area(0) + 6, 1);
+  miss("bitmap_bit", area(1), 1);
+  miss("bitmap_past_end", area(3) + 6, 0x80);
+  miss("bitmap_padding", area(3) + 8, 1);
+  miss("checksum", 40, 1);
+  std::vector<std::uint8_t> cut = all;
+  cut.resize(head - 8);
+  delta_seed("miss_truncated", 0, cut);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -398,6 +489,7 @@ int main(int argc, char** argv) {
   region_corpus();
   safetensors_corpus();
   relay_wire_corpus();
+  delta_corpus();
   std::printf("wrote %d seeds, %llu bytes, under %s\n", g_files, static_cast<unsigned long long>(g_bytes), argv[1]);
   return 0;
 }

@@ -3,6 +3,8 @@
 // in the same producer and consumer. Skips where a GPU is usable.
 #include <gtest/gtest.h>
 
+#include "delta.hpp"
+#include "delta_cuda.hpp"
 #include "support.hpp"
 
 using namespace shmcast;
@@ -144,6 +146,32 @@ TEST(NoGpu, PinYesFailsWithCudaUnavailable) {
     o.pin = Pin::kNo;
     Producer p = Producer::create(name, o);
     return p.pinned() ? 4 : 0;
+  });
+  EXPECT_EQ(c.wait(60s), 0);
+}
+
+TEST(NoGpu, CudaDeltaCodecIsCudaUnavailableWithTheReason) {
+  if (gpu_present()) GTEST_SKIP() << "a GPU is present";
+  Child c = Child::spawn([] {
+    namespace dl = shmcast::detail::delta;
+    std::string why;
+    if (dl::cuda_codec_available(&why)) return 1;
+    std::fprintf(stderr, "cuda_codec_available: %s\n", why.c_str());
+    if (why.find("CUDA") == std::string::npos) return 2;
+    dl::CudaCodec codec;
+    alignas(8) static std::uint8_t a[64], b[64], head[128];
+    try {
+      codec.plan(a, b, 2, 32, head, nullptr);
+      return 3;
+    } catch (const Error& e) {
+      std::fprintf(stderr, "CudaCodec::plan: [%s] %s\n", errc_name(e.code()), e.what());
+      if (e.code() != Errc::kCudaUnavailable) return 4;
+      if (std::string(e.what()).find("CUDA") == std::string::npos) return 5;
+    }
+    // The host codec is there all the same.
+    b[3] = 1;
+    const dl::Plan p = dl::plan(a, b, 2, 32);
+    return p.changed == 1 ? 0 : 6;
   });
   EXPECT_EQ(c.wait(60s), 0);
 }

@@ -1,0 +1,455 @@
+// The CUDA delta kernels (lib/src/kernels/delta.cu) compiled for the host
+// and run by a small emulator, through the codec's own launch sequences
+// (delta_launch.hpp) and status handling, against the host codec: so the
+// kernels' logic (indexing, block-wide scans and sums, compaction, padding,
+// validation, slice mapping, grid-stride loops) is tested on every machine,
+// GPU or not. tests/gpu/test_delta_gpu.cpp runs the same comparisons on a
+// real GPU.
+//
+// The emulator runs one CUDA block at a time, its threads as fibers on the
+// calling thread (made once with makecontext, switched with _setjmp and
+// _longjmp) that switch only at __syncthreads and at warp shuffles (which
+// wait for the warp's other lanes). What it cannot show: races between blocks (blocks run
+// one after another), memory-model effects, misaligned device accesses and
+// the GPU's speed. Not run under ASan or TSan: they do not follow stack
+// switches made this way.
+#include <gtest/gtest.h>
+#include <ucontext.h>
+
+#include <csetjmp>
+#include <cstdlib>
+#include <functional>
+#include <memory>
+#include <type_traits>
+#include <vector>
+
+#include "delta_launch.hpp"
+#include "delta_support.hpp"
+
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+#define SHMCAST_EMU_SANITIZED 1
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer) || __has_feature(thread_sanitizer)
+#define SHMCAST_EMU_SANITIZED 1
+#endif
+#endif
+
+// ---------------------------------------------------------------- emulator
+
+namespace emu {
+
+struct Dim3 {
+  unsigned x = 0, y = 0, z = 0;
+};
+
+constexpr std::size_t kStack = 64 * 1024;
+constexpr unsigned kMaxThreads = 1024;
+
+struct Fiber {
+  ucontext_t uc;
+  jmp_buf jb;
+  bool started = false, done = false;
+};
+
+struct State {
+  unsigned threads = 0, current = 0, live = 0;
+  std::vector<Fiber> fibers = std::vector<Fiber>(kMaxThreads);
+  std::unique_ptr<char[]> stacks{new char[kMaxThreads * kStack]};  // untouched pages cost nothing
+  jmp_buf sched;
+  ucontext_t sched_uc;
+  std::function<void()> body;
+  unsigned bar_arrived = 0, bar_gen = 0;
+  unsigned warp_arrived[kMaxThreads / 32] = {}, warp_gen[kMaxThreads / 32] = {}, warp_live[kMaxThreads / 32] = {};
+  unsigned long long slot[kMaxThreads] = {};
+  std::uint64_t switches = 0;
+};
+
+inline State& st() {
+  static State* s = new State;  // leaked: fibers' stacks live in it
+  return *s;
+}
+
+inline Dim3 g_block_idx, g_block_dim, g_grid_dim;
+inline Dim3 thread_idx() { return Dim3{st().current, 0, 0}; }
+
+inline void yield() {
+  State& s = st();
+  if (++s.switches > 4'000'000'000ull) {
+    std::fprintf(stderr, "emulator: no progress (a barrier some threads never reach?)\n");
+    std::abort();
+  }
+  if (!_setjmp(s.fibers[s.current].jb)) _longjmp(s.sched, 1);
+}
+
+inline void release_waiters() {
+  State& s = st();
+  if (s.bar_arrived > 0 && s.bar_arrived >= s.live) s.bar_arrived = 0, ++s.bar_gen;
+  const unsigned w = s.current / 32;
+  if (s.warp_arrived[w] > 0 && s.warp_arrived[w] >= s.warp_live[w]) s.warp_arrived[w] = 0, ++s.warp_gen[w];
+}
+
+inline void syncthreads() {
+  State& s = st();
+  const unsigned gen = s.bar_gen;
+  if (++s.bar_arrived >= s.live) {
+    s.bar_arrived = 0;
+    ++s.bar_gen;
+    return;
+  }
+  while (s.bar_gen == gen) yield();
+}
+
+inline void syncwarp() {
+  State& s = st();
+  const unsigned w = s.current / 32, gen = s.warp_gen[w];
+  if (++s.warp_arrived[w] >= s.warp_live[w]) {
+    s.warp_arrived[w] = 0;
+    ++s.warp_gen[w];
+    return;
+  }
+  while (s.warp_gen[w] == gen) yield();
+}
+
+template <class T>
+T shfl(T v, int delta, bool down) {
+  State& s = st();
+  const unsigned t = s.current, lane = t % 32;
+  s.slot[t] = static_cast<unsigned long long>(v);
+  syncwarp();
+  T r = v;
+  if (down && lane + static_cast<unsigned>(delta) < 32) r = static_cast<T>(s.slot[t + delta]);
+  if (!down && lane >= static_cast<unsigned>(delta)) r = static_cast<T>(s.slot[t - delta]);
+  syncwarp();
+  return r;
+}
+
+// A fiber's life: it runs the block's body, reports that it is done, and
+// waits in its jmp_buf until the scheduler starts it again for the next
+// block (or launch); so each fiber is made once per process.
+inline void entry() {
+  for (;;) {
+    State& s = st();
+    s.body();
+    s.fibers[s.current].done = true;
+    --s.live;
+    --s.warp_live[s.current / 32];
+    release_waiters();
+    if (!_setjmp(s.fibers[s.current].jb)) _longjmp(s.sched, 1);
+  }
+}
+
+inline void run_block() {
+  State& s = st();
+  const unsigned n = g_block_dim.x;
+  if (n == 0 || n > kMaxThreads || n % 32 != 0) std::abort();  // every launch uses whole warps (or 1 thread)
+  s.threads = n;
+  s.live = n;
+  s.bar_arrived = 0;
+  for (unsigned w = 0; w < n / 32; ++w) s.warp_arrived[w] = 0, s.warp_live[w] = 32;
+  for (unsigned t = 0; t < n; ++t) {
+    Fiber& f = s.fibers[t];
+    f.done = false;
+    if (f.started) continue;  // waiting at the end of entry()'s loop
+    getcontext(&f.uc);
+    f.uc.uc_stack.ss_sp = s.stacks.get() + t * kStack;
+    f.uc.uc_stack.ss_size = kStack;
+    f.uc.uc_link = nullptr;
+    makecontext(&f.uc, entry, 0);
+  }
+  while (s.live > 0) {
+    static unsigned t;  // not a local: read after _setjmp returns again
+    for (t = 0; t < n; ++t) {
+      if (s.fibers[t].done) continue;
+      s.current = t;
+      if (!_setjmp(s.sched)) {
+        if (!s.fibers[t].started) {
+          s.fibers[t].started = true;
+          swapcontext(&s.sched_uc, &s.fibers[t].uc);
+        } else {
+          _longjmp(s.fibers[t].jb, 1);
+        }
+      }
+    }
+  }
+}
+
+// One thread (reset, finish) runs as a warp of 32 whose other lanes return
+// at once: the kernels' single-thread paths check threadIdx.x.
+inline void launch(unsigned grid, unsigned block, std::function<void()> body) {
+  st().body = std::move(body);
+  g_grid_dim = Dim3{grid, 1, 1};
+  g_block_dim = Dim3{block == 1 ? 32 : block, 1, 1};
+  for (unsigned b = 0; b < grid; ++b) {
+    g_block_idx = Dim3{b, 0, 0};
+    run_block();
+  }
+}
+
+}  // namespace emu
+
+// What delta.cu needs of CUDA, on the host.
+#define __global__
+#define __device__
+#define __forceinline__ inline
+#define __launch_bounds__(...)
+#define __shared__ static
+#define threadIdx (::emu::thread_idx())
+#define blockIdx (::emu::g_block_idx)
+#define blockDim (::emu::g_block_dim)
+#define gridDim (::emu::g_grid_dim)
+inline void __syncthreads() { emu::syncthreads(); }
+template <class T>
+T __shfl_down_sync(unsigned, T v, int d) {
+  return emu::shfl(v, d, true);
+}
+template <class T>
+T __shfl_up_sync(unsigned, T v, int d) {
+  return emu::shfl(v, d, false);
+}
+inline int __popc(unsigned x) { return __builtin_popcount(x); }
+inline int __popcll(unsigned long long x) { return __builtin_popcountll(x); }
+inline unsigned atomicOr(unsigned* p, unsigned v) {
+  const unsigned o = *p;
+  *p = o | v;
+  return o;
+}
+inline unsigned long long atomicAdd(unsigned long long* p, unsigned long long v) {
+  const unsigned long long o = *p;
+  *p = o + v;
+  return o;
+}
+
+#include "kernels/delta.cu"
+
+#undef threadIdx
+#undef blockIdx
+#undef blockDim
+#undef gridDim
+
+// ---------------------------------------------------------------- launcher
+
+using namespace delta_test;
+using shmcast::Errc;
+using shmcast::Error;
+namespace d = shmcast::detail::delta;
+
+namespace {
+
+// Runs the launches of delta_launch.hpp on the emulator. max_grid < the
+// requested grid exercises the kernels' grid-stride loops.
+struct EmuLauncher {
+  unsigned max_grid = ~0u;
+  int launches = 0;
+  template <class A>
+  void launch(d::Kernel k, std::uint32_t w, unsigned grid, unsigned threads, const A& args) {
+    if (grid > max_grid) grid = max_grid;
+    ++launches;
+    const int wi = w == 1 ? 0 : w == 2 ? 1 : w == 4 ? 2 : 3;
+    std::function<void()> body;
+    if constexpr (std::is_same_v<A, d::CountArgs>) {
+      void (*const fs[4])(d::CountArgs) = {shmcast_delta_count_w1, shmcast_delta_count_w2, shmcast_delta_count_w4,
+                                           shmcast_delta_count_w8};
+      body = [f = fs[wi], args] { f(args); };
+    } else if constexpr (std::is_same_v<A, d::EncodeArgs>) {
+      void (*const fs[4])(d::EncodeArgs) = {shmcast_delta_encode_w1, shmcast_delta_encode_w2, shmcast_delta_encode_w4,
+                                            shmcast_delta_encode_w8};
+      body = [f = fs[wi], args] { f(args); };
+    } else if constexpr (std::is_same_v<A, d::ValidateArgs>) {
+      void (*const fs[4])(d::ValidateArgs) = {shmcast_delta_validate_w1, shmcast_delta_validate_w2,
+                                              shmcast_delta_validate_w4, shmcast_delta_validate_w8};
+      body = [f = fs[wi], args] { f(args); };
+    } else if constexpr (std::is_same_v<A, d::ApplyArgs>) {
+      void (*const fs[4])(d::ApplyArgs) = {shmcast_delta_apply_w1, shmcast_delta_apply_w2, shmcast_delta_apply_w4,
+                                           shmcast_delta_apply_w8};
+      body = [f = fs[wi], args] { f(args); };
+    } else if constexpr (std::is_same_v<A, d::ScanArgs>) {
+      body = [args] { shmcast_delta_scan(args); };
+    } else if constexpr (std::is_same_v<A, d::ChecksumArgs>) {
+      body = [args] { shmcast_delta_checksum(args); };
+    } else if constexpr (std::is_same_v<A, d::FinishArgs>) {
+      body = [args] { shmcast_delta_finish(args); };
+    } else {
+      static_assert(std::is_same_v<A, d::ResetArgs>);
+      body = [args] { shmcast_delta_reset(args); };
+    }
+    (void)k;
+    emu::launch(grid, threads, std::move(body));
+  }
+};
+
+std::uint64_t addr(const void* p) { return reinterpret_cast<std::uintptr_t>(p); }
+
+// An emulated device codec: memory is the host's; the status words live here.
+struct EmuCodec {
+  EmuLauncher l;
+  alignas(16) d::Scratch scratch{};
+  std::uint64_t sc() { return addr(&scratch); }
+  void finish() {
+    const std::uint32_t status = scratch.status;
+    d::launch_reset(l, sc(), true);
+    d::throw_for_status(status);
+  }
+  // Plan and encode as the GPU test does; returns the blob, leaves base == next.
+  Bytes blob(Bytes& base, const Bytes& next, std::uint32_t w, bool in_place) {
+    const std::uint64_t n = base.size() / w;
+    std::vector<std::uint64_t> head_buf((d::max_blob_bytes(w, n) + 7) / 8);  // 8-aligned, room for in-place
+    std::vector<std::uint64_t> out_buf;
+    d::launch_plan(l, addr(base.data()), addr(next.data()), w, n, addr(head_buf.data()));
+    d::Header h;
+    std::memcpy(&h, head_buf.data(), sizeof h);
+    const std::uint64_t size = d::head_bytes(n) + h.payload_bytes;
+    void* out = head_buf.data();
+    if (!in_place) {
+      out_buf.assign((size + 7) / 8, 0x5a5a5a5a5a5a5a5aull);
+      out = out_buf.data();
+    }
+    d::launch_encode(l, addr(base.data()), addr(next.data()), w, n, addr(head_buf.data()), addr(out), size, sc());
+    finish();
+    const auto* p = static_cast<const std::uint8_t*>(out);
+    return Bytes(p, p + size);
+  }
+  void apply(const Bytes& blob, std::uint32_t w, const d::SliceMap& m, Bytes& dst, bool verify) {
+    std::vector<std::uint64_t> dblob((blob.size() + 7) / 8 + 1);  // the codec needs an 8-aligned blob
+    std::memcpy(dblob.data(), blob.data(), blob.size());
+    d::launch_apply(l, addr(dblob.data()), blob.size(), w, m, addr(dst.data()), verify, sc());
+    finish();
+  }
+};
+
+Errc error_of(const std::function<void()>& fn) {
+  try {
+    fn();
+  } catch (const Error& e) {
+    return e.code();
+  }
+  return static_cast<Errc>(0);
+}
+
+#ifdef SHMCAST_EMU_SANITIZED
+#define SKIP_UNDER_SANITIZERS() GTEST_SKIP() << "the fiber emulator does not run under ASan or TSan"
+#else
+#define SKIP_UNDER_SANITIZERS() (void)0
+#endif
+
+}  // namespace
+
+TEST(DeltaKernels, EncodeMakesTheHostBlobAndApplyTheHostResult) {
+  SKIP_UNDER_SANITIZERS();
+  std::mt19937_64 rng(31);
+  EmuCodec c;
+  int cases = 0;
+  for (std::uint32_t w : {1u, 2u, 4u, 8u})
+    for (std::uint64_t n : {0ull, 1ull, 65ull, 4097ull, 2 * 4096ull + 17})
+      for (double f : {0.0, 0.02, 0.3, 1.0}) {
+        SCOPED_TRACE("w=" + std::to_string(w) + " n=" + std::to_string(n) + " f=" + std::to_string(f));
+        c.l.max_grid = cases % 3 == 0 ? 1 : ~0u;  // one CUDA block strides over every delta block
+        const Bytes base = random_bytes(n * w, rng);
+        const Bytes next = mutate(base, w, f, rng);
+        const Bytes want = host_blob(base, next, w);
+        Bytes dbase = base;
+        const Bytes got = c.blob(dbase, next, w, cases % 2 == 0);
+        ASSERT_EQ(got, want);
+        ASSERT_EQ(dbase, next);
+        Bytes dst = base;
+        c.apply(want, w, d::whole_map(n), dst, true);
+        ASSERT_EQ(dst, next);
+        ++cases;
+      }
+  EXPECT_EQ(cases, 4 * 5 * 4);
+}
+
+TEST(DeltaKernels, SlicesApplyLikeTheHost) {
+  SKIP_UNDER_SANITIZERS();
+  std::mt19937_64 rng(11);
+  EmuCodec c;
+  for (int iter = 0; iter < 60; ++iter) {
+    c.l.max_grid = iter % 2 == 0 ? 1 : ~0u;
+    const std::uint32_t w = 1u << (rng() % 4);
+    const std::vector<std::int64_t> shape = random_shape(rng, iter % 4 == 0);
+    std::int64_t total = 1;
+    for (auto x : shape) total *= x;
+    const Selection piece = random_rows(rng, shape, 3), sel = random_rows(rng, shape, 3);
+    const Bytes full_old = random_bytes(static_cast<std::size_t>(total) * w, rng);
+    const double fracs[] = {0.02, 0.3, 1.0, 0.0};
+    const Bytes full_new = mutate(full_old, w, fracs[iter % 4], rng);
+    const Bytes blob = host_blob(piece_bytes(shape, w, full_old, piece), piece_bytes(shape, w, full_new, piece), w);
+    const d::SliceMap m = d::slice_map(shape, w, piece, sel);
+    Bytes host_dst = reference_slice(shape, w, full_old, full_old, Selection{}, sel);
+    Bytes emu_dst = host_dst;
+    const bool verify = d::covers_piece(m) && iter % 3 != 0;
+    d::apply(as_span(blob), w, m, host_dst.data(), host_dst.size(), verify);
+    c.apply(blob, w, m, emu_dst, verify);
+    ASSERT_EQ(emu_dst, host_dst) << "iter " << iter;
+    ASSERT_EQ(emu_dst, reference_slice(shape, w, full_old, full_new, piece, sel)) << "iter " << iter;
+  }
+}
+
+TEST(DeltaKernels, ChecksumAtAnyAlignment) {
+  SKIP_UNDER_SANITIZERS();
+  std::mt19937_64 rng(17);
+  EmuCodec c;
+  const Bytes data = random_bytes(70000, rng);
+  alignas(8) std::uint64_t out = 0;
+  for (std::size_t off : {0u, 1u, 2u, 4u, 7u})
+    for (std::size_t len : {0u, 1u, 9u, 4096u, 69000u}) {
+      c.l.max_grid = off % 2 == 0 ? 1 : ~0u;
+      d::launch_checksum(c.l, addr(data.data() + off), len, addr(&out), 0, c.sc(), true);
+      c.finish();
+      EXPECT_EQ(out, reference_checksum(data.data() + off, len)) << off << " + " << len;
+    }
+}
+
+TEST(DeltaKernels, EveryMalformedBlobIsRejectedAndWritesNothing) {
+  SKIP_UNDER_SANITIZERS();
+  EmuCodec c;
+  const Sample s = make_sample();
+  Bytes ok = s.base;
+  c.apply(s.blob, 2, d::whole_map(s.n), ok, true);
+  ASSERT_EQ(ok, s.next);
+  const std::uint64_t head = d::head_bytes(s.n);
+  int on_device = 0;
+  for (const Damage& dm : damages(s)) {
+    SCOPED_TRACE(dm.name);
+    Bytes blob = s.blob;
+    dm.apply(blob);
+    if (blob.size() < head) continue;  // the CUDA codec refuses these on the host, before any launch
+    Bytes dst = s.base;
+    EXPECT_EQ(error_of([&] { c.apply(blob, 2, d::whole_map(s.n), dst, false); }), Errc::kCorrupt);
+    EXPECT_EQ(dst, s.base) << "the destination was written";
+    ++on_device;
+  }
+  EXPECT_EQ(on_device, 30);
+  // The wrong base fails verification (and the codec is clean afterwards).
+  Bytes wrong = s.base;
+  wrong[2 * 5001 + 1] ^= 0x10;
+  EXPECT_EQ(error_of([&] { c.apply(s.blob, 2, d::whole_map(s.n), wrong, true); }), Errc::kCorrupt);
+  Bytes again = s.base;
+  c.apply(s.blob, 2, d::whole_map(s.n), again, true);
+  EXPECT_EQ(again, s.next);
+}
+
+TEST(DeltaKernels, EncodeNoticesChangedInputsAndAShortOutput) {
+  SKIP_UNDER_SANITIZERS();
+  std::mt19937_64 rng(3);
+  EmuCodec c;
+  const std::uint64_t n = 3 * 4096;
+  Bytes base = random_bytes(n * 2, rng);
+  Bytes next = mutate(base, 2, 0.02, rng);
+  std::vector<std::uint64_t> head((d::head_bytes(n)) / 8);
+  d::launch_plan(c.l, addr(base.data()), addr(next.data()), 2, n, addr(head.data()));
+  d::Header h;
+  std::memcpy(&h, head.data(), sizeof h);
+  const std::uint64_t size = d::head_bytes(n) + h.payload_bytes;
+  // Too small: nothing written.
+  std::vector<std::uint64_t> small((size - 16) / 8, 0x5a5a5a5a5a5a5a5aull);
+  d::launch_encode(c.l, addr(base.data()), addr(next.data()), 2, n, addr(head.data()), addr(small.data()), size - 16,
+                   c.sc());
+  EXPECT_EQ(error_of([&] { c.finish(); }), Errc::kInvalidArgument);
+  for (std::uint64_t x : small) EXPECT_EQ(x, 0x5a5a5a5a5a5a5a5aull);
+  // Two more changes in block 1 after planning.
+  next[2 * 4097] ^= 0x40;
+  next[2 * 4099] ^= 0x40;
+  std::vector<std::uint64_t> out(size / 8 + 1);
+  d::launch_encode(c.l, addr(base.data()), addr(next.data()), 2, n, addr(head.data()), addr(out.data()), size, c.sc());
+  EXPECT_EQ(error_of([&] { c.finish(); }), Errc::kInvalidArgument);
+}
