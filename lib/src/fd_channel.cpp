@@ -693,9 +693,10 @@ struct Fetch {
     const bool alive = s && (::connect(s.get(), reinterpret_cast<const sockaddr*>(&addr), addr_len) == 0 ||
                              errno == EAGAIN);
     if (alive)
-      throw Error(Errc::kPermission, server_text() + " closed the connection without sending the slots: it does "
-                                     "not trust this process (" + describe_uid(::geteuid()) + ", gid " +
-                                     std::to_string(::getegid()) + "; the producer's log says why): run the "
+      throw Error(Errc::kPermission, server_text() + " closed the connection without sending the slots, and "
+                                     "still listens: it refused this process (" + describe_uid(::geteuid()) +
+                                     ", gid " + std::to_string(::getegid()) + "), most likely because it does not "
+                                     "trust this uid, or could not send (the producer's log says which): run the "
                                      "consumer as the producer's user, or have the producer trust this uid or share "
                                      "the region with a group the consumer is in");
     throw Error(Errc::kPeerDied, server_text() + " closed the connection without sending the slots and no longer "
