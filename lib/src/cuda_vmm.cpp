@@ -244,8 +244,12 @@ Mapping Mapping::import(int fd, std::uint64_t bytes, const Uuid& owner_uuid, int
   cu::check(d, d.cuMemMap(va, bytes, 0, mh, 0), "cuMemMap of the imported device slots (" + std::to_string(bytes) + " bytes)",
             "the size the producer announced is not its allocation's");
   m.mapped_ = true;
-  const CUmemAccessDesc a = access_for(device);
-  cu::check(d, d.cuMemSetAccess(va, bytes, &a, 1), "cuMemSetAccess (" + describe(d, device) + ")");
+  // Access for this process's device and, when the memory lives on another
+  // GPU, for that one too: a copy works whichever of the two runs it.
+  const CUmemAccessDesc a[2] = {access_for(device), access_for(owner)};
+  cu::check(d, d.cuMemSetAccess(va, bytes, a, owner == device ? 1 : 2),
+            "cuMemSetAccess (" + describe(d, device) + (owner == device ? "" : " and " + describe(d, owner)) + ")",
+            owner == device ? "" : "peer access was reported possible; is the GPUs' peer link disabled?");
   return m;
 }
 

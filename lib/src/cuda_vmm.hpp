@@ -20,8 +20,9 @@
 // Devices are this process's ordinals (CUDA_VISIBLE_DEVICES applies); a GPU
 // is named across processes by its UUID. A consumer on another GPU than the
 // memory's maps it with peer access (NVLink or PCIe P2P) when
-// cuDeviceCanAccessPeer allows it; otherwise import() throws kUnsupported
-// naming the reason and the alternative (a host-slot region).
+// cuDeviceCanAccessPeer allows it (access is set for both GPUs in this
+// process's mapping); otherwise import() throws kUnsupported naming the
+// reason and the alternative (a host-slot region).
 //
 // Every call runs in the device's primary context (the runtime's, torch's),
 // pushed for the call. Without CUDA (no toolkit at build time: the stub in
