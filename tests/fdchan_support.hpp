@@ -14,6 +14,7 @@
 #include <signal.h>
 #include <sys/wait.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdint>
 #include <cstdlib>
@@ -253,6 +254,24 @@ inline bool wait_stopped(pid_t pid, std::chrono::milliseconds timeout = std::chr
     std::this_thread::sleep_for(std::chrono::milliseconds(2));
   }
   return false;
+}
+
+// The command that runs `program`, built for this test's target: behind the
+// cross-compiling emulator when the tests run under one (the AArch64 stage:
+// SHMCAST_TEST_EMULATOR is "qemu-aarch64|-L|/", since an arm64 binary
+// cannot be exec'd on the host without binfmt_misc).
+inline std::vector<std::string> target_command(const std::string& program) {
+  std::vector<std::string> v;
+#ifdef SHMCAST_TEST_EMULATOR
+  const std::string e = SHMCAST_TEST_EMULATOR;
+  for (std::size_t at = 0; at <= e.size();) {
+    const std::size_t bar = std::min(e.find('|', at), e.size());
+    if (bar > at) v.push_back(e.substr(at, bar - at));
+    at = bar + 1;
+  }
+#endif
+  v.push_back(program);
+  return v;
 }
 
 // The exit code of a peer that threw `e` (tests/fdchan_peer.cpp).

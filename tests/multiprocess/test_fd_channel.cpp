@@ -24,15 +24,19 @@ struct Scene {
 
   std::vector<std::string> serve_args(const std::string& tag, std::uint64_t nonce, int fds = 3,
                                       std::size_t bytes = 256 << 10) const {
-    return {kPeer, "serve", "--dir", dir.path, "--name", name, "--nonce", std::to_string(nonce), "--fds",
-            std::to_string(fds), "--bytes", std::to_string(bytes), "--seed", std::to_string(nonce * 100),
-            "--ready", f(tag + ".ready"), "--log", f(tag + ".events")};
+    std::vector<std::string> v = target_command(kPeer);
+    v.insert(v.end(), {"serve", "--dir", dir.path, "--name", name, "--nonce", std::to_string(nonce), "--fds",
+                       std::to_string(fds), "--bytes", std::to_string(bytes), "--seed", std::to_string(nonce * 100),
+                       "--ready", f(tag + ".ready"), "--log", f(tag + ".events")});
+    return v;
   }
   std::vector<std::string> fetch_args(std::uint64_t nonce, int fds = 3, std::size_t bytes = 256 << 10,
                                       int timeout_ms = 30000) const {
-    return {kPeer, "fetch", "--dir", dir.path, "--name", name, "--nonce", std::to_string(nonce), "--fds",
-            std::to_string(fds), "--bytes", std::to_string(bytes), "--seed", std::to_string(nonce * 100),
-            "--timeout-ms", std::to_string(timeout_ms)};
+    std::vector<std::string> v = target_command(kPeer);
+    v.insert(v.end(), {"fetch", "--dir", dir.path, "--name", name, "--nonce", std::to_string(nonce), "--fds",
+                       std::to_string(fds), "--bytes", std::to_string(bytes), "--seed", std::to_string(nonce * 100),
+                       "--timeout-ms", std::to_string(timeout_ms)});
+    return v;
   }
   // Starts a server and waits for its "ready" line.
   Proc serve(const std::string& tag, std::uint64_t nonce) const {
