@@ -32,6 +32,7 @@ const char* errc_name(Errc c) noexcept {
     case Errc::kCuda: return "Cuda";
     case Errc::kCudaUnavailable: return "CudaUnavailable";
     case Errc::kSystem: return "System";
+    case Errc::kUnsupported: return "Unsupported";
   }
   return "Unknown";
 }

@@ -6,6 +6,9 @@
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
+#include <unordered_map>
+
+#include "shmcast/shmcast.hpp"
 
 namespace shmcast::detail::cu {
 
@@ -93,6 +96,11 @@ void load_into(State& s) {
             ": it is too old or not a complete CUDA driver (update the NVIDIA driver)";
     return;
   }
+#define SHMCAST_CU_RESOLVE_VMM(name)                                                              \
+  if (a.name == nullptr && !resolve(h, SHMCAST_CU_STR(name), a.name))                              \
+    a.vmm_missing += std::string(a.vmm_missing.empty() ? "" : ", ") + SHMCAST_CU_STR(name);
+  SHMCAST_CU_VMM_FUNCTIONS(SHMCAST_CU_RESOLVE_VMM)
+#undef SHMCAST_CU_RESOLVE_VMM
   s.ok = &a;
 }
 
@@ -122,5 +130,39 @@ std::string error_text(const Api& api, CUresult e) {
 }
 
 std::string version_text(int v) { return std::to_string(v / 1000) + "." + std::to_string(v % 1000 / 10); }
+
+void check(const Api& api, CUresult e, const std::string& what, const char* todo) {
+  if (e == CUDA_SUCCESS) return;
+  std::string msg = "CUDA: " + what + " failed: " + error_text(api, e);
+  if (todo != nullptr && *todo != 0) msg += std::string("; ") + todo;
+  throw Error(Errc::kCuda, msg);
+}
+
+CUcontext primary_context(const Api& d, int dev) {
+  static std::mutex* const mu = new std::mutex;  // leaked: used until exit
+  static auto* const ctxs = new std::unordered_map<int, CUcontext>;
+  std::lock_guard<std::mutex> lock(*mu);
+  const auto it = ctxs->find(dev);
+  if (it != ctxs->end()) return it->second;
+  CUdevice h = 0;
+  check(d, d.cuDeviceGet(&h, dev), "cuDeviceGet(" + std::to_string(dev) + ")");
+  CUcontext c = nullptr;
+  check(d, d.cuDevicePrimaryCtxRetain(&c, h), "cuDevicePrimaryCtxRetain (device " + std::to_string(dev) + ")",
+        "is the GPU in exclusive-process mode and used by another process, or out of memory?");
+  ctxs->emplace(dev, c);
+  return c;
+}
+
+CtxScope::CtxScope(const Api& d, CUcontext ctx) : api_(d) {
+  CUcontext cur = nullptr;
+  if (api_.cuCtxGetCurrent(&cur) == CUDA_SUCCESS && cur == ctx) return;
+  check(api_, api_.cuCtxPushCurrent(ctx), "cuCtxPushCurrent");
+  pushed_ = true;
+}
+
+CtxScope::~CtxScope() {
+  CUcontext popped = nullptr;
+  if (pushed_) (void)api_.cuCtxPopCurrent(&popped);
+}
 
 }  // namespace shmcast::detail::cu

@@ -57,16 +57,39 @@ namespace shmcast::detail::cu {
   X(cuMemFree)                  \
   X(cuModuleLoadDataEx)         \
   X(cuModuleGetFunction)        \
-  X(cuLaunchKernel)
+  X(cuLaunchKernel)             \
+  X(cuMemGetInfo)               \
+  X(cuDeviceCanAccessPeer)
+
+// The virtual memory management API and the GPU's UUID, for device slots
+// (cuda_vmm.{hpp,cpp}): resolved after the functions above, but optional,
+// so that a driver older than CUDA 11.4 (cuDeviceGetUuid_v2; the VMM API
+// came with 10.2) still runs the host path. Api::vmm_missing says which are
+// absent. Names checked against cuda.h 13.0: cuDeviceGetUuid is
+// cuDeviceGetUuid_v2, the others are not versioned.
+#define SHMCAST_CU_VMM_FUNCTIONS(X)      \
+  X(cuDeviceGetUuid)                     \
+  X(cuMemGetAllocationGranularity)       \
+  X(cuMemCreate)                         \
+  X(cuMemRelease)                        \
+  X(cuMemAddressReserve)                 \
+  X(cuMemAddressFree)                    \
+  X(cuMemMap)                            \
+  X(cuMemUnmap)                          \
+  X(cuMemSetAccess)                      \
+  X(cuMemExportToShareableHandle)        \
+  X(cuMemImportFromShareableHandle)
 
 // One pointer per function, named as in cuda.h (the member's name expands
 // like the function's: api.cuMemAlloc(...) calls cuMemAlloc_v2).
 struct Api {
 #define SHMCAST_CU_MEMBER(name) decltype(&::name) name = nullptr;
   SHMCAST_CU_FUNCTIONS(SHMCAST_CU_MEMBER)
+  SHMCAST_CU_VMM_FUNCTIONS(SHMCAST_CU_MEMBER)
 #undef SHMCAST_CU_MEMBER
-  int driver_version = 0;  // cuDriverGetVersion: 1000 * major + 10 * minor
-  std::string library;     // the file that was loaded
+  int driver_version = 0;   // cuDriverGetVersion: 1000 * major + 10 * minor
+  std::string library;      // the file that was loaded
+  std::string vmm_missing;  // the SHMCAST_CU_VMM_FUNCTIONS it lacks ("" when it has them all)
 };
 
 // The oldest driver whose CUDA version has every function above
@@ -85,5 +108,28 @@ std::string error_text(const Api& api, CUresult e);
 
 // "13.0" for 13000.
 std::string version_text(int v);
+
+// Throws Error(kCuda) "CUDA: <what> failed: <error_text>[; <todo>]" unless
+// `e` is CUDA_SUCCESS.
+void check(const Api& api, CUresult e, const std::string& what, const char* todo = "");
+
+// The primary context of device ordinal `dev` (the one the CUDA runtime, and
+// so torch, uses), retained on first use and kept for the life of the
+// process, as the runtime keeps it. Thread-safe.
+CUcontext primary_context(const Api& api, int dev);
+
+// Makes `ctx` the calling thread's current context for the scope (pushes it
+// unless it is current already), then restores the caller's.
+class CtxScope {
+ public:
+  CtxScope(const Api& api, CUcontext ctx);
+  ~CtxScope();
+  CtxScope(const CtxScope&) = delete;
+  CtxScope& operator=(const CtxScope&) = delete;
+
+ private:
+  const Api& api_;
+  bool pushed_ = false;
+};
 
 }  // namespace shmcast::detail::cu

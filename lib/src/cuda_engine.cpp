@@ -130,45 +130,8 @@ bool inline_callbacks() {
   return v;
 }
 
-// Makes `ctx` the calling thread's current context for the scope (pushes it
-// unless it is current already), then restores the caller's.
-class CtxScope {
- public:
-  CtxScope(const cu::Api& d, CUcontext ctx) : d_(d) {
-    CUcontext cur = nullptr;
-    if (d_.cuCtxGetCurrent(&cur) == CUDA_SUCCESS && cur == ctx) return;
-    SHMCAST_CK(d_.cuCtxPushCurrent(ctx), "cuCtxPushCurrent", "");
-    pushed_ = true;
-  }
-  ~CtxScope() {
-    CUcontext popped = nullptr;
-    if (pushed_) (void)d_.cuCtxPopCurrent(&popped);
-  }
-  CtxScope(const CtxScope&) = delete;
-  CtxScope& operator=(const CtxScope&) = delete;
-
- private:
-  const cu::Api& d_;
-  bool pushed_ = false;
-};
-
-// The primary context of device ordinal `dev`, retained on first use and kept
-// for the life of the process (the runtime keeps it too): the engines'
-// streams, staging buffers and the region's registration live in it.
-CUcontext primary_context(const cu::Api& d, int dev) {
-  static std::mutex* const mu = new std::mutex;  // leaked: used until exit
-  static auto* const ctxs = new std::unordered_map<int, CUcontext>;
-  std::lock_guard<std::mutex> lock(*mu);
-  const auto it = ctxs->find(dev);
-  if (it != ctxs->end()) return it->second;
-  CUdevice h = 0;
-  SHMCAST_CK(d.cuDeviceGet(&h, dev), "cuDeviceGet(" + std::to_string(dev) + ")", "");
-  CUcontext c = nullptr;
-  SHMCAST_CK(d.cuDevicePrimaryCtxRetain(&c, h), "cuDevicePrimaryCtxRetain (device " + std::to_string(dev) + ")",
-             "is the GPU in exclusive-process mode and used by another process, or out of memory?");
-  ctxs->emplace(dev, c);
-  return c;
-}
+using cu::CtxScope;         // cuda_driver.hpp
+using cu::primary_context;  // retained on first use, kept for the life of the process
 
 // The device of the calling thread's current context (the runtime makes the
 // primary context of its current device current: cudaSetDevice does since

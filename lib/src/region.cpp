@@ -337,14 +337,18 @@ bool in_my_groups(gid_t gid) {
 }
 }  // namespace
 
+bool uid_trusted(std::uint32_t uid, const TrustPolicy& policy) {
+  bool ok = uid == ::geteuid();
+  for (std::uint32_t u : policy.trusted_uids) ok = ok || uid == u;
+  return ok;
+}
+
 std::string trust_problem(const std::string& path, std::uint32_t uid, std::uint32_t gid, std::uint32_t mode_bits,
                           const TrustPolicy& policy) {
   char mode[8];
   std::snprintf(mode, sizeof mode, "%04o", mode_bits & 07777);
   const std::uint32_t me = ::geteuid();
-  bool owner_ok = uid == me;
-  for (std::uint32_t u : policy.trusted_uids) owner_ok = owner_ok || uid == u;
-  if (!owner_ok)
+  if (!uid_trusted(uid, policy))
     return "region " + path + " belongs to " + describe_uid(uid) + " (mode " + mode + "), not to this process (" +
            describe_uid(me) + "): refused, since anyone who owns it can change the tensors under you; run both "
            "sides as one user, or list that uid in trusted_uids if you trust it";
@@ -361,6 +365,29 @@ std::string trust_problem(const std::string& path, std::uint32_t uid, std::uint3
 
 std::string trust_problem(const MappedFile& f, const TrustPolicy& policy) {
   return trust_problem(f.path(), f.owner_uid(), f.owner_gid(), f.mode(), policy);
+}
+
+std::string peer_trust_problem(const PeerCred& peer, const TrustPolicy& policy, std::int64_t region_gid) {
+  if (uid_trusted(peer.uid, policy)) return {};
+  bool in_group = false;
+  if (policy.group_access && region_gid >= 0) {
+    const auto g = static_cast<std::uint32_t>(region_gid);
+    in_group = peer.gid == g;
+    for (std::uint32_t x : peer.groups) in_group = in_group || x == g;
+  }
+  if (in_group) return {};
+  std::string group_rule;
+  if (!policy.group_access)
+    group_rule = "the region is not shared with a group (group_access is off)";
+  else if (region_gid < 0)
+    group_rule = "no region group is known";
+  else
+    group_rule = "it is not in the region's group " + std::to_string(region_gid);
+  return "process " + std::to_string(peer.pid) + " runs as " + describe_uid(peer.uid) + " (gid " +
+         std::to_string(peer.gid) + "), which this producer (" + describe_uid(::geteuid()) +
+         ") does not trust: not its uid, not a trusted uid, and " + group_rule +
+         "; run the consumer as the producer's user, or share the region with a group (group_access) the consumer "
+         "is in";
 }
 
 }  // namespace shmcast::detail

@@ -102,12 +102,30 @@ class MappedFile {
   std::string path_;
 };
 
+// The owner part of the rule, for a file or for a process: is `uid` this
+// process's effective uid or one of policy.trusted_uids?
+bool uid_trusted(std::uint32_t uid, const TrustPolicy& policy);
+
 // Empty when `f` may be trusted under `policy`; else the reason, naming the
 // owner and mode, and what to do.
 std::string trust_problem(const MappedFile& f, const TrustPolicy& policy);
 // The same rule for any file: its owner, group and mode bits.
 std::string trust_problem(const std::string& path, std::uint32_t uid, std::uint32_t gid, std::uint32_t mode,
                           const TrustPolicy& policy);
+
+// A process at the other end of a Unix socket (SO_PEERCRED, SO_PEERGROUPS).
+struct PeerCred {
+  std::int32_t pid = 0;  // as this process's PID namespace sees it; 0 when it cannot
+  std::uint32_t uid = 0, gid = 0;
+  std::vector<std::uint32_t> groups;  // supplementary groups (may be empty when unknown)
+};
+// The same rule, applied by a region's producer to a process that asks it
+// for something only the region's readers may have: empty when the peer's
+// uid is trusted (uid_trusted: this process's euid or one of
+// policy.trusted_uids), or when policy.group_access is set and the peer
+// belongs to the region's group `region_gid` (-1: none); else the reason,
+// naming the peer, and what to do.
+std::string peer_trust_problem(const PeerCred& peer, const TrustPolicy& policy, std::int64_t region_gid);
 
 // Throws kInvalidArgument: `what` (a Producer, a Consumer) was inherited
 // from the process that made it through fork and cannot be used here.

@@ -45,6 +45,7 @@ from ._shmcast import (  # noqa: F401  (exceptions: shmcast.Error and one subcla
     SyncInfo,
     SystemFailure,
     Timeout,
+    Unsupported,
     VersionMismatch,
     cuda_available,
     cuda_unavailable_reason,
@@ -74,7 +75,7 @@ __all__ = [
     "Producer", "Consumer", "Shard", "Mismatch", "SyncInfo", "StoreView", "store_bytes_for",
     "Error", "InvalidArgument", "BadName", "Exists", "NotFound", "RegionFull", "Permission", "Corrupt",
     "VersionMismatch", "Timeout", "PeerDied", "Closed", "NoSeat", "Evicted", "Aborted", "Checksum", "CudaError",
-    "CudaUnavailable", "SystemFailure",
+    "CudaUnavailable", "SystemFailure", "Unsupported",
     "cuda_available", "cuda_unavailable_reason", "region_dir", "region_path", "unlink_region", "validate_name",
     "dtype_name", "torch_dtype", "supported_dtypes",
 ]

@@ -50,7 +50,7 @@ py::str text(std::string_view s, const char* errors = "backslashreplace") {
 
 // ------------------------------------------------------------------ errors
 
-constexpr int kMaxErrc = static_cast<int>(Errc::kSystem);
+constexpr int kMaxErrc = static_cast<int>(Errc::kUnsupported);
 std::array<PyObject*, kMaxErrc + 1> g_exc_by_code{};  // index: Errc value
 PyObject* g_exc_base = nullptr;
 
@@ -122,6 +122,9 @@ void register_exceptions(py::module_& m) {
       {Errc::kCuda, "CudaError", nullptr, "A CUDA call failed."},
       {Errc::kCudaUnavailable, "CudaUnavailable", nullptr, "Built without CUDA, or no GPU present."},
       {Errc::kSystem, "SystemFailure", PyExc_OSError, "Unexpected OS error (see .sys_errno)."},
+      {Errc::kUnsupported, "Unsupported", nullptr,
+       "This setup cannot do it (e.g. device slots on a GPU the consumer cannot reach); the message says why and "
+       "what to use instead."},
   };
   for (const Row& r : rows) {
     py::object t = r.extra ? make_exception(m, r.name, errc_name(r.code), {base.ptr(), r.extra}, r.doc)

@@ -16,7 +16,7 @@ import shmcast.roll as roll
 def test_class_hierarchy():
     names = ["InvalidArgument", "BadName", "Exists", "NotFound", "RegionFull", "Permission", "Corrupt",
              "VersionMismatch", "Timeout", "PeerDied", "Closed", "NoSeat", "Evicted", "Aborted", "Checksum",
-             "CudaError", "CudaUnavailable", "SystemFailure"]
+             "CudaError", "CudaUnavailable", "SystemFailure", "Unsupported"]
     for n in names:
         cls = getattr(shmcast, n)
         assert issubclass(cls, shmcast.Error) and cls.__module__ == "shmcast"
@@ -27,6 +27,7 @@ def test_class_hierarchy():
     assert issubclass(shmcast.Permission, PermissionError)
     assert issubclass(shmcast.InvalidArgument, ValueError) and issubclass(shmcast.BadName, ValueError)
     assert shmcast.Timeout.code == "Timeout" and shmcast.CudaError.code == "Cuda"
+    assert shmcast.Unsupported.code == "Unsupported"
 
 
 def test_bad_name():

@@ -62,6 +62,8 @@ enum class Errc : int {
   kCuda,                 // a CUDA call failed
   kCudaUnavailable,      // built without CUDA, or no GPU present
   kSystem,               // unexpected OS error (errno attached)
+  kUnsupported,          // this setup cannot do it (e.g. device slots on a GPU the consumer cannot
+                         // reach); the message names the reason and the alternative
 };
 
 SHMCAST_API const char* errc_name(Errc code) noexcept;
