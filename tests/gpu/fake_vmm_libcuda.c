@@ -380,3 +380,12 @@ CUresult cuMemHostRegister(void* p, size_t n, unsigned int f) { (void)p; (void)n
 CUresult cuMemHostUnregister(void* p) { (void)p; NS; }
 CUresult cuMemAlloc(CUdeviceptr* p, size_t n) { (void)p; (void)n; NS; }
 CUresult cuMemFree(CUdeviceptr p) { (void)p; NS; }
+CUresult cuModuleLoadDataEx(CUmodule* m, const void* image, unsigned int n, CUjit_option* o, void** v) {
+  (void)m; (void)image; (void)n; (void)o; (void)v; NS;
+}
+CUresult cuModuleGetFunction(CUfunction* f, CUmodule m, const char* name) { (void)f; (void)m; (void)name; NS; }
+CUresult cuLaunchKernel(CUfunction f, unsigned int gx, unsigned int gy, unsigned int gz, unsigned int bx, unsigned int by,
+                        unsigned int bz, unsigned int shared, CUstream s, void** params, void** extra) {
+  (void)f; (void)gx; (void)gy; (void)gz; (void)bx; (void)by; (void)bz; (void)shared; (void)s; (void)params; (void)extra;
+  NS;
+}
