@@ -272,19 +272,34 @@ void ProducerRing::begin_announce() {
   std::atomic_thread_fence(std::memory_order_release);
 }
 
+void (*g_announce_store_hook)(int) = nullptr;
+
 void ProducerRing::announce(const RecordSnapshot& rec) {
   Header& h = v_->header();
   SyncRecord& r = h.sync;
+  auto at = [](int i) {
+    if (void (*hook)(int) = g_announce_store_hook) hook(i);
+  };
+  at(0);
   begin_announce();
+  at(1);
   r.version.store(rec.version, std::memory_order_relaxed);
+  at(2);
   r.first_seq.store(rec.first_seq, std::memory_order_relaxed);
+  at(3);
   r.chunks.store(rec.chunks, std::memory_order_relaxed);
+  at(4);
   r.stream_bytes.store(rec.stream_bytes, std::memory_order_relaxed);
+  at(5);
   r.manifest_used.store(rec.manifest_used, std::memory_order_relaxed);
+  at(6);
   r.manifest_hash.store(rec.manifest_hash, std::memory_order_relaxed);
+  at(7);
   r.aborted.store(0, std::memory_order_relaxed);
+  at(8);
   // Even again (+1 from odd): ring() bumps the word and wakes sleepers.
   ring(r.announce);
+  at(9);
 }
 
 void ProducerRing::abort(std::uint64_t version) {

@@ -87,6 +87,14 @@ struct RecordSnapshot {
 // Returns false when the producer is writing the record right now.
 bool read_record(const Header& h, RecordSnapshot* out);
 
+// Test-only fault injection: when set, ProducerRing::announce() calls it
+// with i after its i-th store to the record (1: the seqlock word made odd,
+// 2..8: version, first_seq, chunks, stream_bytes, manifest_used,
+// manifest_hash, aborted; 9: the word even again) and with 0 before the
+// first. A test's producer child raises SIGSTOP or SIGKILL there to die
+// inside the flip. Null in production: one load of a pointer per store.
+extern void (*g_announce_store_hook)(int store);
+
 // Chunk c (0-based) of a sync covers stream bytes [c*S, min((c+1)*S, stream)).
 inline std::uint64_t chunk_count(std::uint64_t stream_bytes, std::uint64_t slot_bytes) {
   return (stream_bytes + slot_bytes - 1) / slot_bytes;
