@@ -323,9 +323,17 @@ Consumer Consumer::open(std::string_view name, const ConsumerOptions& o) {
           const Geometry g = checked_geometry(f, snap);
           const Alive a = peer_alive(f.fd(), kProducerLockByte, live.producer);
           // A store region keeps its newest version for readers after its
-          // producer closed or died: such a region is open for reading.
+          // producer closed or died: such a region is open for reading. One
+          // whose producer died inside its record flip left the record torn:
+          // the banks say what is kept.
           RecordSnapshot stored{};
-          const bool kept = g.store && init != kInitCreating && read_record(live, &stored) && stored.version > 0;
+          bool kept = false;
+          if (g.store && init != kInitCreating) {
+            if (read_record(live, &stored))
+              kept = stored.version > 0;
+            else if (a == Alive::kNo)
+              kept = recover_store_record(f.data(), g, &stored);
+          }
           if ((init == kInitReady && a != Alive::kNo) || kept) {
             impl->checksums = (snap.features & kFeatureChecksums) != 0;
             impl->view = RegionView(std::move(f), g);
