@@ -1,4 +1,5 @@
 // Layer 6: the public Consumer.
+#include <unistd.h>
 #include <xxhash.h>
 
 #include <algorithm>
@@ -107,6 +108,7 @@ struct Consumer::Impl {
   PinInfo pin;
   double open_s = 0;
   bool checksums = false;
+  bool read_only_views = false;  // store banks mapped PROT_READ in this process
 
   State state = State::kIdle;
   SyncInfo info;
@@ -375,8 +377,24 @@ Consumer Consumer::open(std::string_view name, const ConsumerOptions& o) {
   impl->ring.emplace(&impl->view);
   impl->ring->claim();
   impl->host_engine = make_host_consumer_engine();
+  // A store region's versions are shared by every reader, so this process
+  // maps them read-only: from its manifest areas (page-aligned) to the end,
+  // the banks included; header and seats stay writable. A write through
+  // views() then faults (SIGSEGV) instead of changing the kept version for
+  // everyone (docs/reliability.md).
+  MappedFile& file = impl->view.file();
+  std::uint64_t read_only_from = file.size();
+  if (impl->view.geo().store) {
+    const std::uint64_t page = static_cast<std::uint64_t>(::sysconf(_SC_PAGESIZE));
+    read_only_from = align_up(impl->view.geo().manifest_offset, page);
+    if (const int rc = file.protect_from(read_only_from, false); rc != 0)
+      throw Error(Errc::kSystem, "cannot map the store region's versions read-only (mprotect): " +
+                                     std::string(std::strerror(-rc)), -rc);
+    impl->read_only_views = true;
+  }
   if (o.pin != Pin::kNo) {
-    impl->pin = cuda_pin(impl->view.file().data(), impl->view.file().size());
+    impl->pin = cuda_pin(file.data(), file.size(), read_only_from);
+    if (impl->pin.pinned && read_only_from < file.size() && !impl->pin.read_only) impl->read_only_views = false;
     if (!impl->pin.pinned && o.pin == Pin::kYes)
       throw Error(Errc::kCudaUnavailable, "cannot pin region '" + impl->name + "': " + impl->pin.why);
   }
@@ -540,6 +558,8 @@ std::vector<const std::byte*> Consumer::views() {
   m.state = State::kViews;
   return out;
 }
+
+bool Consumer::views_read_only() const { return impl_->read_only_views; }
 
 bool Consumer::views_valid() const {
   const Impl& m = *impl_;

@@ -165,6 +165,15 @@ bool MappedFile::unlink_if_same() const {
   return still_at_path() && ::unlink(path_.c_str()) == 0;
 }
 
+int MappedFile::protect_from(std::uint64_t from, bool writable) {
+  if (base_ == nullptr || inherited()) return -EINVAL;
+  const std::uint64_t page = static_cast<std::uint64_t>(::sysconf(_SC_PAGESIZE));
+  from = (from + page - 1) / page * page;
+  if (from >= size_) return 0;
+  if (::mprotect(base_ + from, size_ - from, writable ? PROT_READ | PROT_WRITE : PROT_READ) != 0) return -errno;
+  return 0;
+}
+
 void MappedFile::take_stat(const struct stat& st) {
   inode_ = st.st_ino;
   dev_ = st.st_dev;

@@ -82,6 +82,9 @@ class MappedFile {
   bool still_at_path() const;
   // Removes the path if it still names this file. True when removed.
   bool unlink_if_same() const;
+  // Maps bytes [from, size()) read-only (mprotect PROT_READ), or read-write
+  // again with `writable`. `from` is rounded up to a page. 0 or -errno.
+  int protect_from(std::uint64_t from, bool writable);
 
   void unmap();
 
