@@ -794,8 +794,7 @@ PinInfo cuda_pin(void* base, std::uint64_t bytes, std::uint64_t read_only_from) 
           regs.pop_back();
         }
       };
-      std::string ro_err = "the driver cannot register read-only host memory on this GPU "
-                           "(CU_DEVICE_ATTRIBUTE_READ_ONLY_HOST_REGISTER_SUPPORTED is 0)";
+      std::string ro_err;  // why a read-only registration failed (the fallback below needs no reason)
       bool done = false;
       if (ro_ok) {
         done = reg(ro, bytes, flags | CU_MEMHOSTREGISTER_READ_ONLY, &ro_err);
@@ -820,7 +819,6 @@ PinInfo cuda_pin(void* base, std::uint64_t bytes, std::uint64_t read_only_from) 
           info.why = err + hint;
           return info;
         }
-        info.read_only_why = ro_err + "; the range was pinned writable, so a write through a view is not trapped";
       }
     }
     std::lock_guard<std::mutex> lock(pin_mutex());
