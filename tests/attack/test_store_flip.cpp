@@ -120,8 +120,8 @@ std::uint64_t late_joiner_reads(const std::string& name, std::uint64_t seed, std
         return 0;
       }
     }
-    if (std::chrono::steady_clock::now() - t0 > 5s) {
-      *why = "PeerDied took more than 5 s";
+    if (std::chrono::steady_clock::now() - t0 > 10s) {  // not the 20 s wait: at once, with margin for load
+      *why = "PeerDied took more than 10 s";
       return 0;
     }
     return version;
