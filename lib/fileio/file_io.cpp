@@ -1,5 +1,7 @@
 #include "file_io.hpp"
 
+#include "shmcast/files.hpp"
+
 #include <fcntl.h>
 #include <unistd.h>
 
@@ -63,8 +65,12 @@ const char* FileWriter::backend() const { return ring_ ? "io_uring" : "pwrite"; 
 
 int FileWriter::open(const std::string& path, bool allow_uring) {
   if (fd_ >= 0) return -EBUSY;
-  fd_ = ::open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, 0600);
-  if (fd_ < 0) return -errno;
+  // Created the way every file of the project is (shmcast/files.hpp).
+  try {
+    fd_ = shmcast::create_file(path, 0600);
+  } catch (const shmcast::Error& e) {
+    return e.sys_errno() != 0 ? -e.sys_errno() : -EIO;
+  }
   owns_fd_ = true;
   return setup_uring(allow_uring);
 }

@@ -18,8 +18,9 @@ class FileWriter {
   FileWriter(const FileWriter&) = delete;
   FileWriter& operator=(const FileWriter&) = delete;
 
-  // Creates `path` (O_EXCL, mode 0600) for writing. With `allow_uring`
-  // false, or SHMCAST_NO_URING=1, only pwrite is used.
+  // Creates `path` (a new file, mode 0600: shmcast::create_file) for
+  // writing. With `allow_uring` false, or SHMCAST_NO_URING=1, only pwrite is
+  // used.
   int open(const std::string& path, bool allow_uring = true);
   // Writes to an fd the caller opened and keeps owning (close() leaves it open).
   int attach(int fd, bool allow_uring = true);

@@ -4,6 +4,8 @@
 // node's region). docs/relay.md describes the protocol and the faults.
 #include "shmcast/relay.hpp"
 
+#include "shmcast/files.hpp"
+
 #include <fcntl.h>
 #include <poll.h>
 #include <sys/eventfd.h>
@@ -2334,15 +2336,18 @@ struct Relay::Impl {
     j["downstream"] = ds;
     j["downstream_ready"] = ready;
     j["refused"] = refused;
-    const std::string tmp = status_path + ".tmp";
-    {
-      std::ofstream f(tmp, std::ios::trunc);
-      if (!f) return;
-      f << j.dump() << "\n";
+    // A new file under a fresh name, then renamed over the status file
+    // (shmcast/files.hpp): a link or another user's file planted in the
+    // region directory is replaced, never written through or chmodded.
+    try {
+      replace_file(status_path, j.dump() + "\n", 0600);
+      status_failed = false;
+    } catch (const Error& e) {
+      if (!status_failed) log(std::string("cannot write the status file (will retry): ") + e.what());
+      status_failed = true;
     }
-    ::chmod(tmp.c_str(), 0600);
-    ::rename(tmp.c_str(), status_path.c_str());
   }
+  bool status_failed = false;  // the last write failed (logged once until one succeeds)
 
   // ------------------------------------------------------------ main loop
 

@@ -1,4 +1,5 @@
 // Layer 6: the public Consumer.
+#include <unistd.h>
 #include <xxhash.h>
 
 #include <algorithm>
@@ -107,6 +108,7 @@ struct Consumer::Impl {
   PinInfo pin;
   double open_s = 0;
   bool checksums = false;
+  bool read_only_views = false;  // store banks mapped PROT_READ in this process
 
   State state = State::kIdle;
   SyncInfo info;
@@ -323,9 +325,17 @@ Consumer Consumer::open(std::string_view name, const ConsumerOptions& o) {
           const Geometry g = checked_geometry(f, snap);
           const Alive a = peer_alive(f.fd(), kProducerLockByte, live.producer);
           // A store region keeps its newest version for readers after its
-          // producer closed or died: such a region is open for reading.
+          // producer closed or died: such a region is open for reading. One
+          // whose producer died inside its record flip left the record torn:
+          // the banks say what is kept.
           RecordSnapshot stored{};
-          const bool kept = g.store && init != kInitCreating && read_record(live, &stored) && stored.version > 0;
+          bool kept = false;
+          if (g.store && init != kInitCreating) {
+            if (read_record(live, &stored))
+              kept = stored.version > 0;
+            else if (a == Alive::kNo)
+              kept = recover_store_record(f.data(), g, &stored);
+          }
           if ((init == kInitReady && a != Alive::kNo) || kept) {
             impl->checksums = (snap.features & kFeatureChecksums) != 0;
             impl->view = RegionView(std::move(f), g);
@@ -367,8 +377,24 @@ Consumer Consumer::open(std::string_view name, const ConsumerOptions& o) {
   impl->ring.emplace(&impl->view);
   impl->ring->claim();
   impl->host_engine = make_host_consumer_engine();
+  // A store region's versions are shared by every reader, so this process
+  // maps them read-only: from its manifest areas (page-aligned) to the end,
+  // the banks included; header and seats stay writable. A write through
+  // views() then faults (SIGSEGV) instead of changing the kept version for
+  // everyone (docs/reliability.md).
+  MappedFile& file = impl->view.file();
+  std::uint64_t read_only_from = file.size();
+  if (impl->view.geo().store) {
+    const std::uint64_t page = static_cast<std::uint64_t>(::sysconf(_SC_PAGESIZE));
+    read_only_from = align_up(impl->view.geo().manifest_offset, page);
+    if (const int rc = file.protect_from(read_only_from, false); rc != 0)
+      throw Error(Errc::kSystem, "cannot map the store region's versions read-only (mprotect): " +
+                                     std::string(std::strerror(-rc)), -rc);
+    impl->read_only_views = true;
+  }
   if (o.pin != Pin::kNo) {
-    impl->pin = cuda_pin(impl->view.file().data(), impl->view.file().size());
+    impl->pin = cuda_pin(file.data(), file.size(), read_only_from);
+    if (impl->pin.pinned && read_only_from < file.size() && !impl->pin.read_only) impl->read_only_views = false;
     if (!impl->pin.pinned && o.pin == Pin::kYes)
       throw Error(Errc::kCudaUnavailable, "cannot pin region '" + impl->name + "': " + impl->pin.why);
   }
@@ -532,6 +558,8 @@ std::vector<const std::byte*> Consumer::views() {
   m.state = State::kViews;
   return out;
 }
+
+bool Consumer::views_read_only() const { return impl_->read_only_views; }
 
 bool Consumer::views_valid() const {
   const Impl& m = *impl_;

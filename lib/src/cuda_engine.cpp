@@ -67,6 +67,7 @@
 #include <sys/resource.h>
 
 #include <atomic>
+#include <cerrno>
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
@@ -74,6 +75,7 @@
 #include <mutex>
 #include <string>
 #include <unordered_map>
+#include <vector>
 
 #include "cuda_driver.hpp"
 #include "engine.hpp"
@@ -621,13 +623,18 @@ std::string memlock_text() {
 }
 
 // Which device's primary context registered each pinned region (by base
-// address), so that it is unregistered there.
+// address), and where each of its registrations starts, so that it is
+// unregistered there.
+struct PinRecord {
+  int device;
+  std::vector<std::byte*> regs;
+};
 std::mutex& pin_mutex() {
   static std::mutex* const m = new std::mutex;
   return *m;
 }
-std::unordered_map<void*, int>& pin_devices() {
-  static auto* const m = new std::unordered_map<void*, int>;
+std::unordered_map<void*, PinRecord>& pin_devices() {
+  static auto* const m = new std::unordered_map<void*, PinRecord>;
   return *m;
 }
 
@@ -669,7 +676,7 @@ std::unique_ptr<ConsumerEngine> make_cuda_consumer_engine() {
   return std::make_unique<CudaConsumerEngine>();
 }
 
-PinInfo cuda_pin(void* base, std::uint64_t bytes) {
+PinInfo cuda_pin(void* base, std::uint64_t bytes, std::uint64_t read_only_from) {
   PinInfo info;
   std::string why;
   if (!cuda_present(&why)) {
@@ -679,6 +686,32 @@ PinInfo cuda_pin(void* base, std::uint64_t bytes) {
   const cu::Api& d = drv();
   const auto t0 = std::chrono::steady_clock::now();
   std::byte* p = static_cast<std::byte*>(base);
+  const std::uint64_t ro = read_only_from < bytes ? read_only_from : bytes;
+  std::vector<std::byte*> regs;  // the base of each registration, for cuda_unpin
+  const unsigned flags = CU_MEMHOSTREGISTER_PORTABLE | CU_MEMHOSTREGISTER_DEVICEMAP;
+  // Registers [p + from, p + to) in calls of at most kPinChunk.
+  auto reg = [&](std::uint64_t from, std::uint64_t to, unsigned f, std::string* err) {
+    for (std::uint64_t done = from; done < to;) {
+      const std::uint64_t n = to - done < kPinChunk ? to - done : kPinChunk;
+      const CUresult e = d.cuMemHostRegister(p + done, n, f);
+      if (e != CUDA_SUCCESS) {
+        *err = "cuMemHostRegister of " + std::to_string(n) + " bytes at offset " + std::to_string(done) + " (of " +
+               std::to_string(bytes) + ((f & CU_MEMHOSTREGISTER_READ_ONLY) ? ", read-only" : "") +
+               ") failed: " + cu::error_text(d, e);
+        return false;
+      }
+      regs.push_back(p + done);
+      done += n;
+    }
+    return true;
+  };
+  auto unreg_all = [&] {
+    for (std::byte* r : regs) (void)d.cuMemHostUnregister(r);
+    regs.clear();
+  };
+  const std::string hint = ". Page-locking needs RLIMIT_MEMLOCK to cover the region (now " + memlock_text() +
+                           "; `ulimit -l unlimited`, or `--ulimit memlock=-1` for a container) and, in a container, "
+                           "a /dev/shm large enough for it; or use Pin::kNo (unpinned copies are slower)";
   try {
     // Registered in the current device's primary context (the runtime's
     // cudaHostRegister does the same); portable, so every context sees the
@@ -686,30 +719,75 @@ PinInfo cuda_pin(void* base, std::uint64_t bytes) {
     // unified addressing.
     const int dev = current_device(d);
     CtxScope scope(d, primary_context(d, dev));
+#ifndef MADV_POPULATE_READ
+#define MADV_POPULATE_READ 22
+#endif
 #ifndef MADV_POPULATE_WRITE
 #define MADV_POPULATE_WRITE 23
 #endif
-    // Map every page of the region into this process first, in one call, rather
-    // than have the registration fault them in. Older kernels say EINVAL: fine.
-    (void)::madvise(base, bytes, MADV_POPULATE_WRITE);
-    std::uint64_t done = 0;
-    while (done < bytes) {
-      const std::uint64_t n = bytes - done < kPinChunk ? bytes - done : kPinChunk;
-      const CUresult e = d.cuMemHostRegister(p + done, n, CU_MEMHOSTREGISTER_PORTABLE | CU_MEMHOSTREGISTER_DEVICEMAP);
-      if (e != CUDA_SUCCESS) {
-        for (std::uint64_t u = 0; u < done; u += kPinChunk) (void)d.cuMemHostUnregister(p + u);
-        info.why = "cuMemHostRegister of " + std::to_string(n) + " bytes at offset " + std::to_string(done) +
-                   " (of " + std::to_string(bytes) + ") failed: " + cu::error_text(d, e) +
-                   ". Page-locking needs RLIMIT_MEMLOCK to cover the region (now " + memlock_text() +
-                   "; `ulimit -l unlimited`, or `--ulimit memlock=-1` for a container) and, in a container, "
-                   "a /dev/shm large enough for it; or use Pin::kNo (unpinned copies are slower)";
-        return info;
+    // Map every page of the region into this process first, rather than
+    // have the registration fault them in. Older kernels say EINVAL: fine.
+    if (ro > 0) (void)::madvise(base, ro, MADV_POPULATE_WRITE);
+    if (ro < bytes) (void)::madvise(p + ro, bytes - ro, MADV_POPULATE_READ);
+    std::string err;
+    if (!reg(0, ro, flags, &err)) {
+      unreg_all();
+      info.why = err + hint;
+      return info;
+    }
+    if (ro < bytes) {
+      // The caller mapped [ro, bytes) read-only. The driver pins such memory
+      // only with CU_MEMHOSTREGISTER_READ_ONLY (which also keeps the GPU
+      // from writing it), or without the flag where the GPU uses the host's
+      // page tables; elsewhere (older drivers and GPUs) the range is made
+      // writable again and pinned as before.
+      CUdevice h = 0;
+      int ro_ok = 0, host_tables = 0;
+      if (d.cuDeviceGet(&h, dev) == CUDA_SUCCESS) {
+        if (d.cuDeviceGetAttribute(&ro_ok, CU_DEVICE_ATTRIBUTE_READ_ONLY_HOST_REGISTER_SUPPORTED, h) != CUDA_SUCCESS)
+          ro_ok = 0;
+        if (d.cuDeviceGetAttribute(&host_tables, CU_DEVICE_ATTRIBUTE_PAGEABLE_MEMORY_ACCESS_USES_HOST_PAGE_TABLES,
+                                   h) != CUDA_SUCCESS)
+          host_tables = 0;
       }
-      done += n;
+      const std::size_t before = regs.size();
+      auto drop_tail = [&] {
+        while (regs.size() > before) {
+          (void)d.cuMemHostUnregister(regs.back());
+          regs.pop_back();
+        }
+      };
+      std::string ro_err;  // why a read-only registration failed (the fallback below needs no reason)
+      bool done = false;
+      if (ro_ok) {
+        done = reg(ro, bytes, flags | CU_MEMHOSTREGISTER_READ_ONLY, &ro_err);
+        if (!done) drop_tail();
+      }
+      if (!done && host_tables) {
+        done = reg(ro, bytes, flags, &ro_err);
+        if (!done) drop_tail();
+      }
+      if (done) {
+        info.read_only = true;
+      } else {
+        if (::mprotect(p + ro, bytes - ro, PROT_READ | PROT_WRITE) != 0) {
+          const int e = errno;
+          unreg_all();
+          info.why = std::string("cannot map the store banks writable again to pin them: ") + std::strerror(e);
+          return info;
+        }
+        if (!reg(ro, bytes, flags, &err)) {
+          unreg_all();
+          (void)::mprotect(p + ro, bytes - ro, PROT_READ);  // unpinned: read-only again
+          info.why = err + hint;
+          return info;
+        }
+      }
     }
     std::lock_guard<std::mutex> lock(pin_mutex());
-    pin_devices()[base] = dev;
+    pin_devices()[base] = PinRecord{dev, std::move(regs)};
   } catch (const Error& e) {
+    unreg_all();
     info.why = e.what();
     return info;
   }
@@ -718,23 +796,22 @@ PinInfo cuda_pin(void* base, std::uint64_t bytes) {
   return info;
 }
 
-void cuda_unpin(void* base, std::uint64_t bytes) {
+void cuda_unpin(void* base, std::uint64_t) {
   const cu::Api* d = cu::load(nullptr);
   if (d == nullptr) return;
-  int dev = -1;
+  PinRecord rec{-1, {}};
   {
     std::lock_guard<std::mutex> lock(pin_mutex());
     const auto it = pin_devices().find(base);
     if (it != pin_devices().end()) {
-      dev = it->second;
+      rec = std::move(it->second);
       pin_devices().erase(it);
     }
   }
-  if (dev < 0) return;  // not registered here
+  if (rec.device < 0) return;  // not registered here
   try {
-    CtxScope scope(*d, primary_context(*d, dev));
-    std::byte* p = static_cast<std::byte*>(base);
-    for (std::uint64_t u = 0; u < bytes; u += kPinChunk) (void)d->cuMemHostUnregister(p + u);
+    CtxScope scope(*d, primary_context(*d, rec.device));
+    for (std::byte* r : rec.regs) (void)d->cuMemHostUnregister(r);
   } catch (...) {
     // A dead context or a driver shutting down: the registration goes with it.
   }

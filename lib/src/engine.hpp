@@ -81,12 +81,19 @@ std::unique_ptr<ConsumerEngine> make_cuda_consumer_engine();
 // Page-locks [base, base + bytes) with cudaHostRegister, in calls of at most
 // 64 GiB. Returns false (with `why`) when CUDA or a GPU is missing, or when
 // registration failed; never leaves a sticky CUDA error behind.
+// [read_only_from, bytes), which the caller has mapped read-only (a
+// consumer's store banks), is registered with CU_MEMHOSTREGISTER_READ_ONLY
+// where the device supports it (read_only true). Where it does not, that
+// range is mapped read-write again and pinned as the rest (read_only
+// false); when pinning fails it is left read-only.
 struct PinInfo {
   bool pinned = false;
   double seconds = 0;
   std::string why;
+  bool read_only = false;  // the read-only range stays read-only (and pinned so)
 };
-PinInfo cuda_pin(void* base, std::uint64_t bytes);
+PinInfo cuda_pin(void* base, std::uint64_t bytes, std::uint64_t read_only_from = ~0ull);
+// Unregisters what cuda_pin registered at `base` (bytes: unused, kept for symmetry).
 void cuda_unpin(void* base, std::uint64_t bytes);
 bool cuda_present(std::string* why);
 

@@ -200,7 +200,13 @@ struct alignas(64) SlotDesc {
   // before the chunk is published (while they are still in cache).
   std::atomic<std::uint64_t> fill_seq;  // 32
   std::atomic<std::uint64_t> filled;    // 40
-  std::uint8_t reserved[16];            // 48
+  // Store regions: the manifest of the version the bank holds, its size and
+  // XXH3-64, stored before `seq` (release) like version and bytes. With
+  // them the bank describes itself: a reader rebuilds the record from it
+  // when a producer died inside its record flip (docs/protocol.md §11).
+  // Ring regions (and store regions of older writers): 0.
+  std::atomic<std::uint64_t> manifest_used;  // 48
+  std::atomic<std::uint64_t> manifest_hash;  // 56
 };
 
 // One producer rank of a sharded producer (R > 1): ranks post their list of
@@ -259,6 +265,7 @@ static_assert(offsetof(Seat, released_seq) == 64);
 static_assert(offsetof(Seat, hold_seq) == 104 && offsetof(Seat, included_gen) == 128);
 static_assert(offsetof(Seat, error_text) == 192);
 static_assert(offsetof(SlotDesc, fill_seq) == 32 && offsetof(SlotDesc, filled) == 40);
+static_assert(offsetof(SlotDesc, manifest_used) == 48 && offsetof(SlotDesc, manifest_hash) == 56);
 static_assert(std::atomic<std::uint32_t>::is_always_lock_free);
 static_assert(std::atomic<std::uint64_t>::is_always_lock_free);
 static_assert(sizeof(std::atomic<std::uint64_t>) == 8 && sizeof(std::atomic<std::uint32_t>) == 4);

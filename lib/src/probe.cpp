@@ -105,6 +105,25 @@ bool read_record_any(const Header* live, RecordSnapshot* out, bool* stable) {
   return true;
 }
 
+// The record as read_record_any() gives it; for a store region whose
+// producer is dead and whose seqlock word stays odd (it died inside the
+// record flip), the record a consumer rebuilds from the banks
+// (recover_store_record, docs/protocol.md §11), *recovered set.
+bool read_record_or_recover(const Header* live, const Geometry& g, bool producer_dead, RecordSnapshot* out,
+                            bool* stable, bool* recovered) {
+  *recovered = false;
+  if (!read_record_any(live, out, stable)) return false;
+  if (*stable || !g.store || !producer_dead) return true;
+  RecordSnapshot rec{};
+  bool got = false;
+  if (!guarded([&] { got = recover_store_record(reinterpret_cast<const std::byte*>(live), g, &rec); })) return false;
+  if (got) {
+    *out = rec;
+    *recovered = true;
+  }
+  return true;
+}
+
 // ---------------------------------------------------------------- plain copies
 
 P::Alive pub(Alive a) {
@@ -567,8 +586,10 @@ void decode_current_manifest(P::Region* r, const Geometry& g, int fd, const std:
   for (int attempt = 0; attempt < 20; ++attempt) {
     if (attempt > 0) std::this_thread::sleep_for(std::chrono::milliseconds(2));
     RecordSnapshot rec{};
-    bool stable = false;
-    if (!read_record_any(live, &rec, &stable)) return invalid("the file shrank while it was read");
+    bool stable = false, recovered = false;
+    const bool dead = r->producer_alive == P::Alive::kNo;
+    if (!read_record_or_recover(live, g, dead, &rec, &stable, &recovered))
+      return invalid("the file shrank while it was read");
     if (rec.version == 0) {
       m.status = P::ManifestStatus::kNone;
       m.reason = "no sync has been announced yet";
@@ -584,8 +605,9 @@ void decode_current_manifest(P::Region* r, const Geometry& g, int fd, const std:
     const std::string why = stream_manifest(fd, moff, rec, g.slot_bytes, limit, &got, &hash, &shrank, g.store);
     if (shrank) return invalid(why);
     RecordSnapshot again{};
-    bool stable2 = false;
-    if (!read_record_any(live, &again, &stable2)) return invalid("the file shrank while it was read");
+    bool stable2 = false, recovered2 = false;
+    if (!read_record_or_recover(live, g, dead, &again, &stable2, &recovered2))
+      return invalid("the file shrank while it was read");
     if (stable2 != stable || again.word != rec.word || again.version != rec.version ||
         again.manifest_hash != rec.manifest_hash) {
       last_why = "a new sync was announced while the manifest was read";
@@ -630,9 +652,13 @@ bool read_tables(P::Region& r, const Geometry& g, int fd, const std::byte* base,
 
   // The sync record, under its seqlock, from the live header.
   RecordSnapshot rec{};
-  bool stable = false;
-  r.have_record = read_record_any(reinterpret_cast<const Header*>(base), &rec, &stable);
-  if (r.have_record) r.record = pub(rec, stable);
+  bool stable = false, recovered = false;
+  r.have_record = read_record_or_recover(reinterpret_cast<const Header*>(base), g,
+                                         r.producer_alive == P::Alive::kNo, &rec, &stable, &recovered);
+  if (r.have_record) {
+    r.record = pub(rec, stable);
+    r.record.recovered = recovered;
+  }
   if (!r.have_record) {
     r.sync_status = P::SyncStatus::kUnknown;
   } else if (rec.version == 0) {

@@ -711,6 +711,12 @@ std::uint64_t Producer::Impl::begin_store(std::uint64_t want) {
     store_rec.stream_bytes = stream_bytes;
     store_rec.manifest_used = used;
     store_rec.manifest_hash = XXH3_64bits(view.manifest_of(seq), used);
+    // The bank describes its own version too (published with its seq), so
+    // a reader can rebuild the record if this producer dies inside the
+    // record flip (docs/protocol.md §11).
+    SlotDesc& bank = view.slot(view.slot_of(seq));
+    bank.manifest_used.store(used, std::memory_order_relaxed);
+    bank.manifest_hash.store(store_rec.manifest_hash, std::memory_order_relaxed);
   } catch (const std::exception& e) {
     abort(e.what());
     throw;

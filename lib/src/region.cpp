@@ -14,11 +14,13 @@
 #include <cstdio>
 #include <cstring>
 #include <optional>
+#include <random>
 #include <utility>
 #include <vector>
 
 #include "checks.hpp"
 #include "liveness.hpp"
+#include "shmcast/files.hpp"
 #include "shmcast/shmcast.hpp"
 
 namespace bip = boost::interprocess;
@@ -83,6 +85,19 @@ std::string shm_size_hint(std::uint64_t need) {
 }
 
 }  // namespace
+
+int open_exclusive(const std::string& path, int access, unsigned mode) {
+  const int fd = ::open(path.c_str(), access | O_CREAT | O_EXCL | kOpenFlags, static_cast<mode_t>(mode));
+  if (fd < 0) return -errno;
+  // The exact mode whatever the umask, on the descriptor: never by path.
+  if (::fchmod(fd, static_cast<mode_t>(mode)) != 0) {
+    const int e = errno;
+    ::close(fd);
+    ::unlink(path.c_str());  // ours: O_EXCL made it, and a name we created is ours to remove
+    return -e;
+  }
+  return fd;
+}
 
 std::string trim_dir(std::string_view dir) {
   while (dir.size() > 1 && dir.back() == '/') dir.remove_suffix(1);
@@ -165,6 +180,15 @@ bool MappedFile::unlink_if_same() const {
   return still_at_path() && ::unlink(path_.c_str()) == 0;
 }
 
+int MappedFile::protect_from(std::uint64_t from, bool writable) {
+  if (base_ == nullptr || inherited()) return -EINVAL;
+  const std::uint64_t page = static_cast<std::uint64_t>(::sysconf(_SC_PAGESIZE));
+  from = (from + page - 1) / page * page;
+  if (from >= size_) return 0;
+  if (::mprotect(base_ + from, size_ - from, writable ? PROT_READ | PROT_WRITE : PROT_READ) != 0) return -errno;
+  return 0;
+}
+
 void MappedFile::take_stat(const struct stat& st) {
   inode_ = st.st_ino;
   dev_ = st.st_dev;
@@ -229,11 +253,11 @@ MappedFile MappedFile::create(const std::string& dir, std::string_view name, std
   int fd;
   {
     ForkGuard g;
-    fd = ::open(mf.path_.c_str(), O_RDWR | O_CREAT | O_EXCL | kOpenFlags, mode);
+    fd = open_exclusive(mf.path_, O_RDWR, mode);
     if (fd >= 0) track_fd(fd, g);
   }
   if (fd < 0) {
-    const int e = errno;
+    const int e = -fd;
     if (e == EEXIST) throw Error(Errc::kExists, "region " + mf.path_ + " exists", e);
     throw_open_error(e, mf.path_, "cannot create region");
   }
@@ -246,8 +270,6 @@ MappedFile MappedFile::create(const std::string& dir, std::string_view name, std
     mf.unlink_if_same();
     thrower();
   };
-  ::fchmod(fd, mode);  // exact mode whatever the umask (take_stat saw the umask's)
-  mf.mode_ = mode;
   if (lock_byte >= 0) {
     if (const int rc = detail::lock_byte(fd, lock_byte); rc != 0) {
       // Someone who found the name took the lock first: the name is theirs now.
@@ -391,3 +413,89 @@ std::string peer_trust_problem(const PeerCred& peer, const TrustPolicy& policy, 
 }
 
 }  // namespace shmcast::detail
+
+// ---------------------------------------------------------------- shmcast/files.hpp
+
+namespace shmcast {
+
+namespace {
+
+[[noreturn]] void throw_create_error(int e, const std::string& path) {
+  if (e == EEXIST)
+    throw Error(Errc::kExists, path + " exists (a file, a link or another object sits at the name): shmcast creates "
+                                      "files only under new names and never opens what it finds there",
+                e);
+  if (e == ENOENT) throw Error(Errc::kNotFound, "cannot create " + path + ": its directory does not exist", e);
+  if (e == EACCES || e == EPERM)
+    throw Error(Errc::kPermission, "cannot create " + path + ": " + std::strerror(e) +
+                                       " (the directory is not writable by this user)",
+                e);
+  detail::throw_errno(e, "cannot create " + path);
+}
+
+std::string random_suffix() {
+  static constexpr char kChars[] = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789";
+  std::random_device rd;
+  std::string s;
+  for (int i = 0; i < 12; ++i) s += kChars[rd() % (sizeof kChars - 1)];
+  return s;
+}
+
+}  // namespace
+
+int create_file(const std::string& path, unsigned mode) {
+  const int fd = detail::open_exclusive(path, O_RDWR, mode);
+  if (fd < 0) throw_create_error(-fd, path);
+  return fd;
+}
+
+int create_temp_file(const std::string& dir, std::string_view prefix, unsigned mode, std::string* path) {
+  std::string base = detail::trim_dir(dir.empty() ? std::string_view(".") : std::string_view(dir));
+  if (base.back() != '/') base += '/';
+  base += prefix;
+  int e = EEXIST;
+  for (int attempt = 0; attempt < 64 && e == EEXIST; ++attempt) {
+    std::string p = base + random_suffix();
+    const int fd = detail::open_exclusive(p, O_RDWR, mode);
+    if (fd >= 0) {
+      if (path) *path = std::move(p);
+      return fd;
+    }
+    e = -fd;
+  }
+  throw_create_error(e, base + "XXXXXXXXXXXX");
+}
+
+void replace_file(const std::string& path, std::string_view contents, unsigned mode) {
+  const std::size_t slash = path.rfind('/');
+  const std::string dir = slash == std::string::npos ? "." : (slash == 0 ? "/" : path.substr(0, slash));
+  const std::string name = slash == std::string::npos ? path : path.substr(slash + 1);
+  if (name.empty()) throw Error(Errc::kInvalidArgument, "replace_file: '" + path + "' names no file");
+  std::string tmp;
+  const int fd = create_temp_file(dir, "." + name + ".tmp.", mode, &tmp);
+  for (std::size_t done = 0; done < contents.size();) {
+    const ssize_t w = ::write(fd, contents.data() + done, contents.size() - done);
+    if (w > 0) {
+      done += static_cast<std::size_t>(w);
+    } else if (w < 0 && errno == EINTR) {
+      continue;
+    } else {
+      const int e = w < 0 ? errno : EIO;
+      ::close(fd);
+      ::unlink(tmp.c_str());
+      detail::throw_errno(e, "cannot write " + tmp);
+    }
+  }
+  if (::close(fd) != 0) {
+    const int e = errno;
+    ::unlink(tmp.c_str());
+    detail::throw_errno(e, "cannot write " + tmp);
+  }
+  if (::rename(tmp.c_str(), path.c_str()) != 0) {
+    const int e = errno;
+    ::unlink(tmp.c_str());
+    detail::throw_errno(e, "cannot rename " + tmp + " to " + path);
+  }
+}
+
+}  // namespace shmcast

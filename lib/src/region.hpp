@@ -33,6 +33,13 @@ std::string region_file(std::string_view dir, std::string_view name);
 // `dir` without trailing slashes ("/" stays "/").
 std::string trim_dir(std::string_view dir);
 
+// The one way the project creates a file (a region, a status file, a
+// dump; shmcast/files.hpp): open(O_CREAT|O_EXCL|O_NOFOLLOW|O_CLOEXEC|
+// O_NONBLOCK | access, mode) of a name that must not exist, so nothing at
+// the name (a planted link, a FIFO, another user's file) is ever opened,
+// then fchmod(mode) on the descriptor. Returns the descriptor or -errno.
+int open_exclusive(const std::string& path, int access, unsigned mode);
+
 // Who may have made a region this process trusts: its owner must be our
 // effective uid or one of `trusted_uids`; no other-write bit; group write
 // only with `group_access` and a group we belong to.
@@ -82,6 +89,9 @@ class MappedFile {
   bool still_at_path() const;
   // Removes the path if it still names this file. True when removed.
   bool unlink_if_same() const;
+  // Maps bytes [from, size()) read-only (mprotect PROT_READ), or read-write
+  // again with `writable`. `from` is rounded up to a page. 0 or -errno.
+  int protect_from(std::uint64_t from, bool writable);
 
   void unmap();
 

@@ -43,6 +43,37 @@ bool read_record(const Header& h, RecordSnapshot* out) {
   return true;
 }
 
+bool recover_store_record(const std::byte* base, const Geometry& g, RecordSnapshot* out) {
+  if (!g.store) return false;
+  const Header& h = *reinterpret_cast<const Header*>(base);
+  RecordSnapshot best{};
+  bool found = false;
+  for (std::uint32_t k = 0; k < g.slot_count; ++k) {
+    const SlotDesc& d = *reinterpret_cast<const SlotDesc*>(base + g.slots_offset + std::uint64_t{k} * kSlotDescBytes);
+    // seq (acquire) first: the fields stored before its release are then this fill's.
+    const std::uint64_t seq = d.seq.load(std::memory_order_acquire);
+    if (seq == 0 || seq > (1ull << 62) || (seq - 1) % g.slot_count != k) continue;
+    if (d.fill_seq.load(std::memory_order_acquire) != seq) continue;  // being refilled
+    RecordSnapshot r{};
+    r.version = d.version.load(std::memory_order_relaxed);
+    r.first_seq = seq;
+    r.chunks = 1;
+    r.stream_bytes = d.bytes.load(std::memory_order_relaxed);
+    r.manifest_used = d.manifest_used.load(std::memory_order_relaxed);
+    r.manifest_hash = d.manifest_hash.load(std::memory_order_relaxed);
+    r.aborted = false;
+    if (r.version == 0 || r.stream_bytes > g.slot_bytes || !record_problem(r, g).empty()) continue;
+    const std::byte* manifest = base + g.manifest_offset + std::uint64_t{k} * g.manifest_bytes;
+    if (XXH3_64bits(manifest, r.manifest_used) != r.manifest_hash) continue;
+    if (!found || r.first_seq > best.first_seq) best = r;
+    found = true;
+  }
+  if (!found) return false;
+  best.word = h.sync.announce.word.load(std::memory_order_acquire);
+  *out = best;
+  return true;
+}
+
 namespace {
 
 std::string seat_who(std::uint32_t i, const Seat& s) {
@@ -272,19 +303,34 @@ void ProducerRing::begin_announce() {
   std::atomic_thread_fence(std::memory_order_release);
 }
 
+void (*g_announce_store_hook)(int) = nullptr;
+
 void ProducerRing::announce(const RecordSnapshot& rec) {
   Header& h = v_->header();
   SyncRecord& r = h.sync;
+  auto at = [](int i) {
+    if (void (*hook)(int) = g_announce_store_hook) hook(i);
+  };
+  at(0);
   begin_announce();
+  at(1);
   r.version.store(rec.version, std::memory_order_relaxed);
+  at(2);
   r.first_seq.store(rec.first_seq, std::memory_order_relaxed);
+  at(3);
   r.chunks.store(rec.chunks, std::memory_order_relaxed);
+  at(4);
   r.stream_bytes.store(rec.stream_bytes, std::memory_order_relaxed);
+  at(5);
   r.manifest_used.store(rec.manifest_used, std::memory_order_relaxed);
+  at(6);
   r.manifest_hash.store(rec.manifest_hash, std::memory_order_relaxed);
+  at(7);
   r.aborted.store(0, std::memory_order_relaxed);
+  at(8);
   // Even again (+1 from odd): ring() bumps the word and wakes sleepers.
   ring(r.announce);
+  at(9);
 }
 
 void ProducerRing::abort(std::uint64_t version) {
@@ -374,7 +420,12 @@ RecordSnapshot ConsumerRing::wait_announce(std::uint64_t after_version, std::int
     };
     // A sync for us in the record now (the record is stable and new).
     auto take = [&] {
-      if (!read_record(h, &rec)) return false;
+      // A store producer that died inside its record flip left the word
+      // odd for good: the banks say which version is kept.
+      if (!read_record(h, &rec) &&
+          !(store && peer_alive(v_->fd(), kProducerLockByte, h.producer) == Alive::kNo &&
+            recover_store_record(v_->file().data(), v_->geo(), &rec)))
+        return false;
       seen = rec.word;
       if (store) return rec.version > after_version && !rec.aborted;  // what is stored, for everyone
       return rec.version > after_version && !rec.aborted && s.included_gen.load(std::memory_order_acquire) == gen_ &&

@@ -87,6 +87,26 @@ struct RecordSnapshot {
 // Returns false when the producer is writing the record right now.
 bool read_record(const Header& h, RecordSnapshot* out);
 
+// Store regions: the record of a producer that died inside its record
+// flip (the seqlock word odd for good), rebuilt from the banks
+// (docs/protocol.md §11, "a torn record"). A bank whose descriptor holds
+// seq == fill_seq != 0 in its own bank was published after every byte of
+// its version, manifest included, was in place; its version, bytes,
+// manifest_used and manifest_hash (stored before seq) describe that
+// version. Takes the newest such bank whose manifest bytes match its hash,
+// else the other one; `out->word` is the record's word now. False when no
+// bank qualifies. Call it only once the producer is known dead: a live
+// producer may be rewriting a bank. `base`: the mapped region.
+bool recover_store_record(const std::byte* base, const Geometry& g, RecordSnapshot* out);
+
+// Test-only fault injection: when set, ProducerRing::announce() calls it
+// with i after its i-th store to the record (1: the seqlock word made odd,
+// 2..8: version, first_seq, chunks, stream_bytes, manifest_used,
+// manifest_hash, aborted; 9: the word even again) and with 0 before the
+// first. A test's producer child raises SIGSTOP or SIGKILL there to die
+// inside the flip. Null in production: one load of a pointer per store.
+extern void (*g_announce_store_hook)(int store);
+
 // Chunk c (0-based) of a sync covers stream bytes [c*S, min((c+1)*S, stream)).
 inline std::uint64_t chunk_count(std::uint64_t stream_bytes, std::uint64_t slot_bytes) {
   return (stream_bytes + slot_bytes - 1) / slot_bytes;

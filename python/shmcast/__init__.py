@@ -58,6 +58,8 @@ from ._torch import (  # noqa: F401
     Consumer,
     Mismatch,
     Producer,
+    ReadOnly,
+    ReadOnlyTensor,
     Shard,
     StoreView,
     dtype_name,
@@ -72,7 +74,8 @@ except ImportError:  # pragma: no cover  (a package assembled without the build'
     __version__ = f"{_shmcast.version_major}.{_shmcast.version_minor}.0"
 
 __all__ = [
-    "Producer", "Consumer", "Shard", "Mismatch", "SyncInfo", "StoreView", "store_bytes_for",
+    "Producer", "Consumer", "Shard", "Mismatch", "SyncInfo", "StoreView", "ReadOnlyTensor", "ReadOnly",
+    "store_bytes_for",
     "Error", "InvalidArgument", "BadName", "Exists", "NotFound", "RegionFull", "Permission", "Corrupt",
     "VersionMismatch", "Timeout", "PeerDied", "Closed", "NoSeat", "Evicted", "Aborted", "Checksum", "CudaError",
     "CudaUnavailable", "SystemFailure", "Unsupported",

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import inspect
 import weakref
 import math
 import os
@@ -24,6 +25,8 @@ __all__ = [
     "Producer",
     "Consumer",
     "Mismatch",
+    "ReadOnly",
+    "ReadOnlyTensor",
     "dtype_name",
     "torch_dtype",
     "supported_dtypes",
@@ -1093,6 +1096,10 @@ class Consumer(_Closing):
     last_version = property(lambda self: self._c.last_version)
     last_sync = property(lambda self: self._c.sync, doc="SyncInfo of the last sync received")
     pinned = property(lambda self: self._c.pinned)
+    views_read_only = property(
+        lambda self: self._c.views_read_only,
+        doc="Store regions: True when this process maps the stored versions read-only, so that a write that "
+            "bypasses ReadOnlyTensor's checks faults; False where a GPU driver needed them pinned writable.")
 
     def __repr__(self):
         if self._c is None:
@@ -1137,6 +1144,129 @@ class _StoreLease:
             pass
 
 
+class ReadOnly(_C.Permission):
+    """An in-place write to a tensor of a StoreView: its bytes are the
+    version the store region keeps for every reader, so they are read-only.
+    Copy what you want to change (`t.clone()`), or receive() the version
+    (owned copies) instead of hold()ing it."""
+
+    code = "Permission"
+
+
+# In-place methods that change a tensor's metadata (shape, names, autograd
+# flags), never its bytes: allowed on a ReadOnlyTensor.
+_METADATA_INPLACE = frozenset({
+    "requires_grad_", "detach_", "rename_", "t_", "transpose_", "swapaxes_", "swapdims_", "squeeze_", "unsqueeze_",
+    "as_strided_",
+})
+_DUNDER_INPLACE = frozenset({
+    "__setitem__", "__iadd__", "__isub__", "__imul__", "__imatmul__", "__itruediv__", "__ifloordiv__", "__idiv__",
+    "__imod__", "__ipow__", "__ilshift__", "__irshift__", "__iand__", "__ixor__", "__ior__",
+})
+_INPLACE_PARAM: dict = {}  # func -> its signature when it takes `inplace` (torch.nn.functional), else None
+
+# The context that runs a torch function without calling __torch_function__
+# again (torch >= 2.0 has the subclass-only one).
+_NO_TORCH_FUNCTION = getattr(torch._C, "DisableTorchFunctionSubclass", None) or torch._C.DisableTorchFunction
+
+
+def _read_only_in(x) -> bool:
+    if isinstance(x, ReadOnlyTensor):
+        return True
+    if isinstance(x, (list, tuple)):
+        return any(isinstance(y, ReadOnlyTensor) for y in x)
+    return False
+
+
+def _writes_read_only(func, args, kwargs) -> str:
+    """The name of the write when `func(*args, **kwargs)` would write into a
+    ReadOnlyTensor's bytes, else ''."""
+    name = getattr(func, "__name__", "") or ""
+    first = args[0] if args else None
+    if name in _DUNDER_INPLACE or (name.endswith("_") and not name.endswith("__") and name not in _METADATA_INPLACE):
+        if _read_only_in(first):
+            return name
+    out = kwargs.get("out")
+    if out is not None and _read_only_in(out):
+        return f"{name}(out=...)"
+    if _read_only_in(first):
+        sig = _INPLACE_PARAM.get(func, 0)
+        if sig == 0:
+            sig = None
+            if getattr(func, "__module__", "") == "torch.nn.functional":
+                try:
+                    s = inspect.signature(func)
+                    if "inplace" in s.parameters:
+                        sig = s
+                except (TypeError, ValueError):
+                    pass
+            _INPLACE_PARAM[func] = sig
+        if sig is not None:
+            try:
+                if sig.bind(*args, **kwargs).arguments.get("inplace"):
+                    return f"{name}(inplace=True)"
+            except TypeError:
+                pass
+    return ""
+
+
+def _spans(args, kwargs) -> list:
+    found = []
+    for x in list(args) + list(kwargs.values()):
+        for y in (x if isinstance(x, (list, tuple)) else (x,)):
+            span = getattr(y, "_shmcast_span", None) if isinstance(y, ReadOnlyTensor) else None
+            if span is not None:
+                found.append(span)
+    return found
+
+
+def _rewrap(ret, spans):
+    """Tensors that view a read-only span stay read-only; every other result
+    (a copy: clone(), to(), arithmetic) is a plain tensor."""
+    if isinstance(ret, torch.Tensor):
+        p = ret.data_ptr() if ret.device.type == "cpu" else 0
+        span = next(((lo, hi) for lo, hi in spans if lo <= p < hi), None)
+        if span is not None:
+            if not isinstance(ret, ReadOnlyTensor):
+                ret = ret.as_subclass(ReadOnlyTensor)
+            ret._shmcast_span = span
+            return ret
+        if isinstance(ret, ReadOnlyTensor):
+            return ret.as_subclass(torch.Tensor)
+        return ret
+    if isinstance(ret, (list, tuple)) and type(ret) in (list, tuple):
+        return type(ret)(_rewrap(r, spans) for r in ret)
+    return ret
+
+
+class ReadOnlyTensor(torch.Tensor):
+    """A CPU tensor of a StoreView: its bytes are a version a store region
+    keeps for every reader. Reading works as for any tensor (it is one);
+    an in-place write raises ReadOnly before any byte changes: methods
+    ending in `_` (mul_, copy_, zero_, ...), `t[i] = x`, `t += x`, `out=t`,
+    `inplace=True`, and numpy() gives a read-only array. Views of it
+    (narrow, view, reshape, t[...], .data, detach()) are ReadOnlyTensors
+    too; results with memory of their own (clone(), to(), arithmetic) are
+    plain tensors. Writes that bypass torch's operators (a storage, a C
+    extension, data_ptr()) reach memory mapped read-only: the process gets
+    SIGSEGV (docs/python.md)."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        write = _writes_read_only(func, args, kwargs)
+        if write:
+            raise ReadOnly(
+                f"{write} would write into a StoreView tensor, whose bytes are the version the store region keeps "
+                "for every reader: copy it first (t.clone()), or receive() the version instead of hold()ing it")
+        with _NO_TORCH_FUNCTION():
+            ret = func(*args, **kwargs)
+            if getattr(func, "__name__", "") in ("numpy", "__array__") and hasattr(ret, "setflags"):
+                ret.setflags(write=False)
+                return ret
+            return _rewrap(ret, _spans(args, kwargs))
+
+
 class StoreView:
     """A version held in a store region, as CPU tensors that are views into
     the pinned region (no copy): hand them to a loader (vLLM's
@@ -1151,9 +1281,12 @@ class StoreView:
     'fail') or evicts this consumer and REWRITES THE BYTES UNDER THE TENSORS
     (stall_policy 'evict', the default for store regions; valid() turns
     False). After release() the tensors still point into the region but may
-    change at any time: never use them then. Do not write to them: other
-    readers share the bytes. A forked child cannot use them (the region is
-    not mapped in children). Hold briefly: load, then release.
+    change at any time: never use them then. They are read-only
+    (ReadOnlyTensor): every reader shares the bytes, so an in-place write
+    raises ReadOnly, and the pages are mapped read-only (a write that
+    bypasses torch faults; Consumer.views_read_only). Clone a tensor you
+    need to change. A forked child cannot use them (the region is not mapped
+    in children). Hold briefly: load, then release.
     """
 
     def __init__(self, lease: _StoreLease, info, ptrs):
@@ -1163,11 +1296,15 @@ class StoreView:
         for (name, dt, shape, nbytes, _off), ptr in zip(info.tensors, ptrs):
             dtype = torch_dtype(dt)
             if nbytes == 0:
-                t = torch.empty(shape, dtype=dtype)
+                t, span = torch.empty(shape, dtype=dtype), (0, 0)
             else:
                 raw = (ctypes.c_uint8 * nbytes).from_address(ptr)
                 raw._lease = lease  # the tensor keeps the hold and the mapping
-                t = torch.frombuffer(raw, dtype=torch.uint8).view(dtype).reshape(shape)
+                t, span = torch.frombuffer(raw, dtype=torch.uint8).view(dtype).reshape(shape), (ptr, ptr + nbytes)
+            # Every reader's bytes: in-place writes raise ReadOnly (and the
+            # pages are mapped read-only below that, where the library can).
+            t = t.as_subclass(ReadOnlyTensor)
+            t._shmcast_span = span
             tensors.append((name, t))
         self.tensors = tensors
 

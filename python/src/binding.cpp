@@ -858,6 +858,9 @@ class PyConsumer : Owned {
   bool views_valid() {
     return locked([](Consumer& c) { return c.views_valid(); });
   }
+  bool views_read_only() {
+    return locked([](Consumer& c) { return c.views_read_only(); });
+  }
   std::string mode() const { return mode_name(c_->mode()); }
 
   void close() {
@@ -1054,6 +1057,10 @@ PYBIND11_MODULE(_shmcast, m) {
            "Store regions: pointers (ints) to each tensor of the version wait_sync() returned, in the region; "
            "held until skip(), the next wait_sync() or close().")
       .def("views_valid", &PyConsumer::views_valid, "True while the viewed version is held and unchanged.")
+      .def_property_readonly("views_read_only", &PyConsumer::views_read_only,
+                             "Store regions: True when this process maps the stored versions read-only (a write "
+                             "through a view faults); False where a GPU driver needed them pinned writable, and "
+                             "for ring regions.")
       .def_property_readonly("mode", &PyConsumer::mode, "'ring' or 'store' (the region's)")
       .def("close", &PyConsumer::close, "Idempotent; does nothing in a forked child (the object is the parent's).")
       .def("check", &PyConsumer::check, "Raises Closed once closed, InvalidArgument in a forked child.")

@@ -202,3 +202,72 @@ def test_closing_a_consumer_whose_views_live_never_unmaps_under_them(region):
         gc.collect()
         assert p.consumers == 0
 
+
+
+def test_store_view_tensors_are_read_only_and_copies_are_not(region):
+    """A StoreView's tensors are every reader's bytes: each in-place form
+    raises shmcast.ReadOnly before a byte changes (views of them too), numpy()
+    is a read-only array, and copies (clone(), to(), arithmetic) are plain
+    tensors the reader may change. The pages are mapped read-only as well."""
+    import numpy as np
+
+    want = [("w", torch.arange(64, dtype=torch.float32).reshape(8, 8)), ("i", torch.arange(10)),
+            ("e", torch.empty(0))]
+    with store_producer(region, want) as p:
+        p.send(want)
+        with shmcast.Consumer(region, pin=False) as c:
+            assert c.views_read_only
+            with c.hold(timeout=0) as view:
+                w, i, e = (t for _, t in view)
+                assert all(isinstance(t, shmcast.ReadOnlyTensor) for t in (w, i, e))
+                writes = [
+                    lambda: w.mul_(-1000), lambda: w.add_(1), lambda: w.zero_(), lambda: w.copy_(torch.zeros(8, 8)),
+                    lambda: w.__setitem__(0, 1.0), lambda: w.__iadd__(1), lambda: torch.add(w, 1, out=w),
+                    lambda: w.data.fill_(3), lambda: w.detach().zero_(), lambda: w[2:4].neg_(),
+                    lambda: w.view(-1).index_fill_(0, torch.tensor([1]), 9.0), lambda: torch.nn.init.zeros_(w),
+                    lambda: torch.nn.functional.relu(w, inplace=True), lambda: torch._foreach_add_([w], 1),
+                    lambda: i.clamp_(0, 1), lambda: e.zero_(),
+                ]
+                for write in writes:
+                    with pytest.raises(shmcast.ReadOnly):
+                        write()
+                assert issubclass(shmcast.ReadOnly, (shmcast.Permission, PermissionError))
+                for a in (w.numpy(), np.asarray(i)):
+                    assert not a.flags.writeable
+                    with pytest.raises(ValueError):
+                        a[0] = 1
+                assert compare(list(view), want) == []  # nothing changed
+                assert isinstance(w.narrow(0, 0, 2), shmcast.ReadOnlyTensor)
+                assert isinstance(w.t(), shmcast.ReadOnlyTensor) and isinstance(w[1], shmcast.ReadOnlyTensor)
+                for copy in (w.clone(), w.to(torch.float64), w * 2, w + 0, torch.empty_like(w).copy_(w)):
+                    assert type(copy) is torch.Tensor
+                    copy.mul_(-1)  # the reader's own memory
+                dst = torch.zeros(8, 8)
+                dst.copy_(w)  # a view is a fine source
+                assert torch.equal(dst, want[0][1])
+                w.requires_grad_(False)  # metadata only: allowed
+        with shmcast.Consumer(region, pin=False) as late:
+            assert compare(late.receive(timeout=0), want) == []
+
+
+@pytest.mark.cuda
+def test_pinned_store_views_are_read_only_where_the_driver_can(region):
+    """On a GPU: a pinned consumer's banks are registered read-only where the
+    driver supports it (views_read_only; the fallback pins them writable);
+    either way in-place ops on the view raise ReadOnly, and receive() to the
+    GPU is bit-exact."""
+    want = build(SEED, ("dtypes", "shapes"))
+    with store_producer(region, want) as p:
+        p.send(want)
+        with shmcast.Consumer(region, pin=True, device="cuda:0") as c:
+            assert c.pinned
+            print("views_read_only:", c.views_read_only)
+            with c.hold(timeout=0) as view:
+                name, t = next((n, t) for n, t in view if t.numel() > 0)
+                with pytest.raises(shmcast.ReadOnly):
+                    t.mul_(-1000)
+                assert compare(list(view), want) == []
+        with shmcast.Consumer(region, pin=True, device="cuda:0") as late:
+            got = late.receive(timeout=0)
+            assert all(t.is_cuda for _, t in got)
+            assert compare([(n, t.cpu()) for n, t in got], want) == []

@@ -410,3 +410,77 @@ TEST(Gpu, BadDevicePointerIsACleanError) {
   });
   EXPECT_EQ(prod.wait(60s), 0);
 }
+
+// A store region's banks on a real GPU (issue 27, item 5): a pinned consumer
+// maps them read-only and registers them with CU_MEMHOSTREGISTER_READ_ONLY
+// where the device supports it (views_read_only(); printed). H2D copies out
+// of them are bit-exact either way. Where they are read-only, a write through
+// views() kills its process with SIGSEGV and a later reader still gets the
+// producer's bytes.
+TEST(Gpu, StoreBanksArePinnedReadOnlyAndStillCopyBitExact) {
+  SHMCAST_REQUIRE_GPU();
+  const std::string name = unique_name("gpu-store-ro");
+  RegionGuard g{name};
+  constexpr std::size_t kN = 3 << 20;
+  const std::vector<TensorSpec> specs = {{"a", DType::kU8, {static_cast<std::int64_t>(kN)}},
+                                         {"b", DType::kU8, {4096}}};
+  SharedFlags* f = SharedFlags::make();
+  Child prod = Child::spawn([&] {
+    ProducerOptions o = gpu_opts();
+    o.mode = RegionMode::kStore;
+    o.store_bytes = store_bytes_needed(specs);
+    Producer p = Producer::create(name, o);
+    if (!p.pinned()) return 20;
+    const auto ha = pattern(kN, 91), hb = pattern(4096, 92);
+    DevBuf da(kN);
+    da.upload(ha.data(), kN);
+    p.begin_sync(specs);
+    p.write_device(0, da.p, nullptr);
+    p.write(1, hb.data());
+    p.end_sync();
+    f->v[0].store(1);
+    f->wait(1, 1, 120s);  // the readers are done
+    return 0;
+  });
+  ASSERT_TRUE(f->wait(0, 1, 60s)) << "producer exit " << prod.wait(1s);
+  // Reads the version to the device and through views(), bit-exact; exit 0
+  // with read-only banks, 1 with writable ones (the driver's fallback).
+  auto reader = [&] {
+    Consumer c = Consumer::open(name, gpu_copts());
+    if (!c.pinned()) return 30;
+    std::fprintf(stderr, "consumer: views_read_only %d\n", c.views_read_only() ? 1 : 0);
+    c.wait_sync(0s);
+    const std::vector<const std::byte*> v = c.views();
+    const auto ha = pattern(kN, 91), hb = pattern(4096, 92);
+    if (std::memcmp(v[0], ha.data(), kN) != 0 || std::memcmp(v[1], hb.data(), 4096) != 0) return 31;
+    Consumer d = Consumer::open(name, gpu_copts());
+    d.wait_sync(0s);
+    DevBuf da(kN), db(4096);
+    std::vector<void*> dst = {da.p, db.p};
+    d.read_into_device(dst, nullptr);
+    ck(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+    if (first_diff(download(da.p, kN), ha) >= 0 || first_diff(download(db.p, 4096), hb) >= 0) return 32;
+    return c.views_read_only() ? 0 : 1;
+  };
+  Child first = Child::spawn(reader);
+  const int rc = first.wait(120s);
+  ASSERT_TRUE(rc == 0 || rc == 1) << "reader exit " << rc;
+  if (rc == 1) {
+    std::fprintf(stderr, "this GPU's driver cannot register read-only host memory: the banks were pinned writable "
+                         "(the documented fallback); the write-fault check is skipped\n");
+  } else {
+    Child writer = Child::spawn([&] {
+      Consumer c = Consumer::open(name, gpu_copts());
+      c.wait_sync(0s);
+      ::signal(SIGSEGV, SIG_DFL);  // die of the fault itself, sanitizer or not
+      auto* p = const_cast<volatile std::uint8_t*>(reinterpret_cast<const volatile std::uint8_t*>(c.views()[0]));
+      p[0] = static_cast<std::uint8_t>(p[0] ^ 0xff);
+      return 40;
+    });
+    EXPECT_EQ(writer.wait(120s), 128 + SIGSEGV) << "a write through a pinned read-only view did not fault";
+    Child again = Child::spawn(reader);
+    EXPECT_EQ(again.wait(120s), 0) << "a later reader did not get the producer's bytes";
+  }
+  f->v[1].store(1);
+  EXPECT_EQ(prod.wait(60s), 0);
+}

@@ -2,8 +2,15 @@
 #include <gtest/gtest.h>
 #include <sys/stat.h>
 #include <sys/statvfs.h>
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+#include <sstream>
 
 #include "region.hpp"
+#include "shmcast/files.hpp"
 #include "ring.hpp"
 #include "support.hpp"
 
@@ -170,4 +177,95 @@ TEST(Errors, CarryCodeAndAdvice) {
   EXPECT_EQ(e.code(), Errc::kRegionFull);
   EXPECT_EQ(e.sys_errno(), 28);
   EXPECT_NE(std::string(e.what()).find("RegionFull"), std::string::npos);
+}
+
+// ---------------------------------------------------------------- shmcast/files.hpp
+
+namespace {
+
+struct ScratchDir {
+  std::string path;
+  ScratchDir() {
+    char templ[] = "/tmp/shmcast-files-XXXXXX";
+    path = ::mkdtemp(templ);
+  }
+  ~ScratchDir() {
+    std::error_code ec;
+    std::filesystem::remove_all(path, ec);
+  }
+  std::string file(const std::string& n) const { return path + "/" + n; }
+};
+
+std::string read_text(const std::string& p) {
+  std::ifstream f(p);
+  std::stringstream ss;
+  ss << f.rdbuf();
+  return ss.str();
+}
+
+std::size_t entries(const std::string& dir) {
+  std::size_t n = 0;
+  for (const auto& e : std::filesystem::directory_iterator(dir)) {
+    (void)e;
+    ++n;
+  }
+  return n;
+}
+
+}  // namespace
+
+// The one rule every created file follows: a new name only (a link, a FIFO
+// or a file at it is refused, never opened), the exact mode whatever the
+// umask, set on the descriptor.
+TEST(Files, CreateFileRefusesAnythingAtTheNameAndSetsTheExactMode) {
+  ScratchDir d;
+  const std::string target = d.file("target");
+  std::ofstream(target) << "keep";
+  ASSERT_EQ(::symlink(target.c_str(), d.file("link").c_str()), 0);
+  ASSERT_EQ(::symlink("/nonexistent/x", d.file("dangling").c_str()), 0);
+  ASSERT_EQ(::mkfifo(d.file("fifo").c_str(), 0600), 0);
+  for (const char* n : {"link", "dangling", "fifo", "target"})
+    EXPECT_EQ(code_of([&] { ::close(create_file(d.file(n), 0600)); }), Errc::kExists) << n;
+  EXPECT_EQ(read_text(target), "keep");
+  EXPECT_EQ(code_of([&] { ::close(create_file(d.file("missing/x"), 0600)); }), Errc::kNotFound);
+  const mode_t old = ::umask(077);
+  const int fd = create_file(d.file("new"), 0640);
+  ::umask(old);
+  struct stat st {};
+  ASSERT_EQ(::fstat(fd, &st), 0);
+  EXPECT_EQ(st.st_mode & 07777, 0640u);
+  EXPECT_NE(::fcntl(fd, F_GETFD) & FD_CLOEXEC, 0);
+  ::close(fd);
+  std::string p1, p2;
+  const int a = create_temp_file(d.path, ".x.tmp.", 0600, &p1), b = create_temp_file(d.path + "/", ".x.tmp.", 0600, &p2);
+  EXPECT_NE(p1, p2);
+  EXPECT_EQ(p1.rfind(d.path + "/.x.tmp.", 0), 0u) << p1;
+  EXPECT_EQ(p1.size(), (d.path + "/.x.tmp.").size() + 12);
+  ::close(a);
+  ::close(b);
+}
+
+// replace_file() over a link replaces the name; the link's target is not
+// written or chmodded, and no temporary file is left, also when it fails.
+TEST(Files, ReplaceFileReplacesALinkAtTheNameNeverItsTarget) {
+  ScratchDir d;
+  const std::string target = d.file("target"), status = d.file("status.json");
+  std::ofstream(target) << "keep";
+  ASSERT_EQ(::chmod(target.c_str(), 0644), 0);
+  ASSERT_EQ(::symlink(target.c_str(), status.c_str()), 0);
+  ASSERT_EQ(::symlink(target.c_str(), (status + ".tmp").c_str()), 0);
+  replace_file(status, "{\"v\":1}\n", 0600);
+  replace_file(status, "{\"v\":2}\n", 0600);
+  struct stat st {};
+  ASSERT_EQ(::lstat(status.c_str(), &st), 0);
+  EXPECT_TRUE(S_ISREG(st.st_mode));
+  EXPECT_EQ(st.st_mode & 07777, 0600u);
+  EXPECT_EQ(read_text(status), "{\"v\":2}\n");
+  EXPECT_EQ(read_text(target), "keep");
+  ASSERT_EQ(::stat(target.c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 07777, 0644u);
+  EXPECT_EQ(entries(d.path), 3u);  // target, status.json, the untouched status.json.tmp link
+  EXPECT_EQ(code_of([&] { replace_file(d.file("missing/status.json"), "x", 0600); }), Errc::kNotFound);
+  EXPECT_EQ(code_of([&] { replace_file(d.path + "/", "x", 0600); }), Errc::kInvalidArgument);
+  EXPECT_EQ(entries(d.path), 3u);
 }

@@ -35,6 +35,7 @@
 #include "commands.hpp"
 #include "file_io.hpp"
 #include "format.hpp"
+#include "shmcast/files.hpp"
 
 namespace shmcast::inspect {
 
@@ -307,33 +308,35 @@ int cmd_dump(const Common& c, const std::string& name, const std::string& out, d
       }
     }
 
-    // ---- temp file in the same directory, then rename
+    // ---- temp file in the same directory, then rename (shmcast/files.hpp:
+    // a new name, O_EXCL|O_NOFOLLOW, fchmod on the descriptor; the rename
+    // replaces whatever is at the output name, never writes through it).
     TempFile tmp;
-    std::string templ = (out_dir / ("." + out_path.filename().string() + ".tmp.XXXXXX")).string();
-    std::vector<char> buf(templ.begin(), templ.end());
-    buf.push_back('\0');
+    const mode_t mask = ::umask(0);
+    ::umask(mask);
     // No last-words handler between creating the file and recording its name.
     sigset_t block, saved;
     sigemptyset(&block);
     for (int sig : {SIGINT, SIGTERM, SIGHUP, SIGALRM}) sigaddset(&block, sig);
     ::sigprocmask(SIG_BLOCK, &block, &saved);
-    tmp.fd = ::mkostemp(buf.data(), O_CLOEXEC);
-    if (tmp.fd >= 0) {
-      tmp.path = buf.data();
+    std::string create_error;
+    try {
+      std::string path;
+      tmp.fd = shmcast::create_temp_file(out_dir.string(), "." + out_path.filename().string() + ".tmp.", 0666 & ~mask,
+                                         &path);
+      tmp.path = std::move(path);
       if (tmp.path.size() < sizeof g_tmp_path) {
         std::memcpy(g_tmp_path, tmp.path.c_str(), tmp.path.size() + 1);
         g_tmp_set = 1;
       }
+    } catch (const Error& e) {
+      create_error = e.what();
     }
     ::sigprocmask(SIG_SETMASK, &saved, nullptr);
     if (tmp.fd < 0) {
-      const int e = errno;
       consumer.skip();
-      return bail(kExitFailure, "cannot create a temporary file in " + out_dir.string() + ": " + std::strerror(e));
+      return bail(kExitFailure, "cannot create a temporary file in " + out_dir.string() + ": " + create_error);
     }
-    const mode_t mask = ::umask(0);
-    ::umask(mask);
-    ::fchmod(tmp.fd, 0666 & ~mask);
     const int fa = ::posix_fallocate(tmp.fd, 0, static_cast<off_t>(file_bytes));
     if (fa == ENOSPC || fa == EFBIG) {
       consumer.skip();

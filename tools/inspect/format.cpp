@@ -292,6 +292,7 @@ void region_detail_json(const probe::Region& r, std::size_t limit, json* out) {
     s["manifest_hash"] = hex64(rec.manifest_hash);
     s["aborted"] = rec.aborted;
     s["record_stable"] = r.record.stable;
+    s["record_recovered"] = r.record.recovered;
     j["sync"] = s;
   } else {
     j["sync"] = nullptr;
@@ -487,7 +488,9 @@ void print_region_detail(std::ostream& os, const probe::Region& r, std::size_t l
     const probe::SyncRecord& rec = r.record;
     kv.row({"sync", "version " + std::to_string(rec.version) + " (" + probe::state_name(r.sync_status) + ", " +
                         std::to_string(r.chunks_published) + "/" + std::to_string(rec.chunks) + " chunks), stream " +
-                        human_bytes(rec.stream_bytes) + ", first chunk " + std::to_string(rec.first_seq)});
+                        human_bytes(rec.stream_bytes) + ", first chunk " + std::to_string(rec.first_seq) +
+                        (rec.recovered ? "; record rebuilt from its bank (the producer died while announcing it)"
+                                       : "")});
   }
   if (r.header_valid && r.fixed.store) {
     // Which versions the banks hold: complete ones (seq set), or one being written.

@@ -124,6 +124,10 @@ struct SyncRecord {
   bool stable = false;  // the seqlock gave a consistent copy (else a best-effort one)
   std::uint64_t version = 0, first_seq = 0, chunks = 0, stream_bytes = 0, manifest_used = 0, manifest_hash = 0;
   bool aborted = false;
+  // A store region whose producer died inside its record flip: the record
+  // was rebuilt from the newest complete bank, as a consumer does
+  // (docs/protocol.md §11); `stable` is false.
+  bool recovered = false;
 };
 
 struct Seat {

@@ -481,9 +481,20 @@ class SHMCAST_API Consumer {
   // that a producer with StallPolicy::kEvict evicts this consumer and may
   // rewrite the bytes under the pointers (views_valid() turns false), one
   // with kFail fails its sync. Hold views briefly: load them, then skip().
+  // The bytes are every reader's: this process maps them read-only (see
+  // views_read_only()), so a write through a pointer (after a const_cast)
+  // kills the process with SIGSEGV rather than change the kept version. To
+  // change the tensors, copy them (read_into()).
   std::vector<const std::byte*> views();
   // True while the version views() points at is still held and unchanged.
   bool views_valid() const;
+  // Store regions: true when this process maps the stored versions (the
+  // banks) read-only, so that a write through views() faults. Always on the
+  // host; with pinning (Pin::kYes, kAuto on a GPU machine) only where the
+  // GPU driver registers read-only memory (CU_MEMHOSTREGISTER_READ_ONLY);
+  // elsewhere the banks are pinned writable and this is false. False for a
+  // ring region.
+  bool views_read_only() const;
 
   // H2D (needs CUDA): dsts[i] is a device pointer for tensor i (nullptr
   // skips). Copies run on a library stream; `cuda_stream` is made to wait for
