@@ -214,3 +214,45 @@ CUresult cuMemFree(CUdeviceptr p) {
   (void)p;
   return CUDA_ERROR_NOT_SUPPORTED;
 }
+/* The delta codec's module functions, the memory query and peer access:
+ * the loader requires them (cuda_driver.hpp); this driver only pins. */
+CUresult cuModuleLoadDataEx(CUmodule* m, const void* image, unsigned int n, CUjit_option* o, void** v) {
+  (void)m;
+  (void)image;
+  (void)n;
+  (void)o;
+  (void)v;
+  return CUDA_ERROR_NOT_SUPPORTED;
+}
+CUresult cuModuleGetFunction(CUfunction* f, CUmodule m, const char* name) {
+  (void)f;
+  (void)m;
+  (void)name;
+  return CUDA_ERROR_NOT_SUPPORTED;
+}
+CUresult cuLaunchKernel(CUfunction f, unsigned int gx, unsigned int gy, unsigned int gz, unsigned int bx, unsigned int by,
+                        unsigned int bz, unsigned int shared, CUstream s, void** params, void** extra) {
+  (void)f;
+  (void)gx;
+  (void)gy;
+  (void)gz;
+  (void)bx;
+  (void)by;
+  (void)bz;
+  (void)shared;
+  (void)s;
+  (void)params;
+  (void)extra;
+  return CUDA_ERROR_NOT_SUPPORTED;
+}
+CUresult cuMemGetInfo(size_t* free_bytes, size_t* total) {
+  if (free_bytes != NULL) *free_bytes = (size_t)1 << 30;
+  if (total != NULL) *total = (size_t)1 << 30;
+  return CUDA_SUCCESS;
+}
+CUresult cuDeviceCanAccessPeer(int* can, CUdevice d, CUdevice peer) {
+  (void)d;
+  (void)peer;
+  *can = 0;
+  return CUDA_SUCCESS;
+}
