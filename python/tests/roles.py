@@ -378,7 +378,7 @@ def role_sharded_steps(q, region, rank, world, seed, n_steps=7, fault=None, faul
                         items.append(("bad", torch.zeros(4, 4).to_sparse()))
                     elif fault == "shard":
                         items.append(("bad", shmcast.Shard(torch.zeros(3, 4), (4, 4), 0, 2)))  # raises ValueError
-                results[step] = ["ok", p.send(items, version=step if named else None)]
+                results[step] = ["ok", p.send(items, version=step) if named else p.send(items)]
             except Exception as e:  # the trainer logs it and goes on with the next step
                 results[step] = [type(e).__name__, str(e)]
         if rank == 0:
@@ -398,6 +398,8 @@ def role_sharded_checker(q, region, seed, until, timeout=30.0):
                 got = c.receive(timeout=timeout)
             except shmcast.Aborted:
                 continue
+            except shmcast.Closed:
+                break  # the trainer is done: report what arrived
             v = c.last_version
             versions.append(v)
             full = {n: t for n, t, _ in sharded_model(seed + v)}

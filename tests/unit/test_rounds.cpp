@@ -199,8 +199,12 @@ class Model {
 
   // A canonical key of the state (field by field: no padding bytes).
   std::uint64_t key(const State& s) const {
-    std::string b;
-    auto put = [&](const void* p, std::size_t n) { b.append(static_cast<const char*>(p), n); };
+    unsigned char b[1024];
+    std::size_t used = 0;
+    auto put = [&](const void* p, std::size_t n) {
+      std::memcpy(b + used, p, n);
+      used += n;
+    };
     put(&s.opened, 8);
     put(&s.ended, 8);
     put(&s.done, 8);
@@ -217,7 +221,7 @@ class Model {
     }
     put(&s.faults, sizeof s.faults);
     put(&s.fault_step, sizeof s.fault_step);
-    return XXH3_64bits(b.data(), b.size());
+    return XXH3_64bits(b, used);
   }
 
   // Which deadlines may pass in this step: none (probing whether anything
