@@ -17,7 +17,7 @@
 namespace shmcast::detail {
 
 inline constexpr std::uint64_t kMagic = 0x0054534143'4d4853ull;  // "SHMCAST\0" (LE)
-inline constexpr std::uint32_t kLayoutVersion = 2;  // 2: producer ranks (sharded syncs)
+inline constexpr std::uint32_t kLayoutVersion = 3;  // 2: producer ranks (sharded syncs); 3: rounds with identity
 inline constexpr std::uint64_t kHeaderBytes = 4096;
 inline constexpr std::uint64_t kSeatBytes = 512;
 inline constexpr std::uint64_t kSlotDescBytes = 64;
@@ -64,6 +64,11 @@ inline constexpr std::int64_t seat_lock_byte(std::uint32_t seat) { return 1 + se
 inline constexpr std::int64_t rank_lock_byte(std::uint32_t rank) {
   return rank == 0 ? kProducerLockByte : 1 + std::int64_t{kMaxConsumers} + rank;
 }
+// Held by a producer that takes over a stale region, from before it locks
+// byte 0 of the old file until the old name is gone: a rank that sees byte 0
+// held but this byte free knows the lock on byte 0 is the region's own rank
+// 0, not a takeover in progress (docs/protocol.md §8).
+inline constexpr std::int64_t kTakeoverLockByte = 1 + std::int64_t{kMaxConsumers} + kMaxRanks;
 
 // A futex word and a count of its sleepers ("wake only when someone waits").
 struct alignas(8) Bell {
@@ -131,8 +136,8 @@ struct alignas(64) Header {
   Identity producer;                      // 136
   std::atomic<std::uint64_t> generation;  // 160 bumped by every producer that creates
   std::atomic<std::uint64_t> evictions;   // 168 seats the producer evicted
-  std::atomic<std::uint64_t> round;       // 176 last sync round rank 0 answered (R > 1)
-  std::uint8_t reserved1[8];              // 184
+  std::atomic<std::uint64_t> round;       // 176 last round rank 0 ended: answered or failed (R > 1)
+  std::atomic<std::uint64_t> round_open;  // 184 the round rank 0 has begun (R > 1)
 
   // ---- [192, 256) sync record (producer writes, consumers read)
   SyncRecord sync;                        // 192
@@ -149,8 +154,9 @@ struct alignas(64) Header {
   // ---- [320, 384) consumer -> producer (consumers ring it on release/ack/attach)
   Bell release;                              // 320
   Bell rank_post;                            // 328 ranks -> rank 0: a rank list was posted
-  Bell rank_reply;                           // 336 rank 0 -> ranks: a round was answered
-  std::uint8_t reserved3[40];                // 344
+  Bell rank_reply;                           // 336 rank 0 -> ranks: a round was answered or completed
+  std::atomic<std::uint64_t> round_done;     // 344 fate of the last sync round: round << 1 (completed) | 1 (abandoned)
+  std::uint8_t reserved3[32];                // 352
 
   // ---- [384, 640) producer error text, NUL-terminated
   char error_text[kErrorTextBytes];          // 384
@@ -221,13 +227,14 @@ struct alignas(64) RankSeat {
   std::atomic<std::uint64_t> syncs_done;     // 48
   std::atomic<std::uint64_t> bytes_done;     // 56
 
-  // ---- [64, 128) the rank's post, written by the rank
-  std::atomic<std::uint64_t> posted_round;   // 64 round whose list is in the rank's list area (release)
-  std::atomic<std::uint64_t> posted_bytes;   // 72 bytes of that list
+  // ---- [64, 128) the rank's post, written by the rank (rank 0 CASes `post` to take it)
+  std::atomic<std::uint64_t> post;           // 64 round << 3 | state (rounds.hpp: PostState)
+  std::atomic<std::uint64_t> posted_bytes;   // 72 bytes in the rank's list area: its list, or why it dropped the round
   std::atomic<std::uint64_t> posted_hash;    // 80 XXH3-64 of them
   std::atomic<std::uint32_t> error_code;     // 88 the rank's last error (Errc), 0 = none
-  std::uint32_t reserved0;                   // 92
-  std::uint8_t reserved1[32];                // 96
+  std::atomic<std::uint32_t> left_code;      // 92 why the rank left round left_round on its own (Errc)
+  std::atomic<std::uint64_t> left_round;     // 96 last round the rank gave up or dropped, 0 = none
+  std::uint8_t reserved1[24];                // 104
 
   // ---- [128, 192) rank 0's answer, reply_round written last (release)
   std::atomic<std::uint64_t> reply_round;    // 128
@@ -248,10 +255,12 @@ static_assert(sizeof(Header) == kHeaderBytes);
 static_assert(sizeof(Seat) == kSeatBytes);
 static_assert(sizeof(SlotDesc) == kSlotDescBytes);
 static_assert(sizeof(RankSeat) == kRankSeatBytes);
-static_assert(offsetof(RankSeat, posted_round) == 64 && offsetof(RankSeat, reply_round) == 128);
+static_assert(offsetof(RankSeat, post) == 64 && offsetof(RankSeat, reply_round) == 128);
+static_assert(offsetof(RankSeat, left_code) == 92 && offsetof(RankSeat, left_round) == 96);
 static_assert(offsetof(RankSeat, error_text) == 192);
 static_assert(offsetof(HeaderFixed, world_size) == 96 && offsetof(HeaderFixed, ranks_offset) == 104);
-static_assert(offsetof(Header, round) == 176);
+static_assert(offsetof(Header, round) == 176 && offsetof(Header, round_open) == 184);
+static_assert(offsetof(Header, round_done) == 344);
 static_assert(offsetof(Header, rank_post) == 328 && offsetof(Header, rank_reply) == 336);
 static_assert(offsetof(Header, init_state) == 128);
 static_assert(offsetof(Header, producer) == 136);

@@ -3,6 +3,7 @@
 #include <unistd.h>
 #include <xxhash.h>
 
+#include <algorithm>
 #include <cstring>
 #include <optional>
 #include <thread>
@@ -15,6 +16,7 @@
 #include "manifest.hpp"
 #include "region.hpp"
 #include "ring.hpp"
+#include "rounds.hpp"
 #include "shmcast/shmcast.hpp"
 
 namespace shmcast {
@@ -37,11 +39,12 @@ struct Producer::Impl {
 
   // sharded producers
   std::uint32_t rank = 0, world = 1;
-  std::uint64_t round = 0;       // syncs begun (rank 0 answers each round)
+  std::uint64_t round = 0;       // the last round this rank took (its id is that sync's version)
   std::uint64_t rank_chunks = 0; // chunks per rank of the sync in progress
   std::uint64_t first_seq = 0;   // of the sync in progress
   bool leader() const { return rank == 0; }
-  std::uint64_t begin_sharded();
+  std::uint64_t begin_sharded(std::uint64_t n, std::uint64_t used);
+  std::uint64_t lead_round(std::uint64_t n, std::uint64_t used);
   std::uint64_t begin_store(std::uint64_t version);
   RecordSnapshot store_rec{};  // store regions: the record end_sync() announces
 
@@ -92,6 +95,9 @@ struct Producer::Impl {
                                           "publish_chunks(), then end_sync()");
     try {
       write_tensor_in_sync(index, src, stream, from, len);
+    } catch (const Error& e) {
+      abort(e.what(), e.code());
+      throw;
     } catch (const std::exception& e) {
       abort(e.what());
       throw;
@@ -167,92 +173,150 @@ struct Producer::Impl {
     h.error_code.store(static_cast<std::uint32_t>(code), std::memory_order_release);
   }
 
-  // ---- sharded producers: the round in which rank 0 merges the ranks' posts
+  // ---- sharded producers: rounds (rounds.hpp, docs/protocol.md §9)
 
-  // Rank 0 gives up on round `r`: every rank's begin_sync() throws `code`.
-  void fail_round(std::uint64_t r, Errc code, const std::string& why) {
-    for (std::uint32_t k = 1; k < world; ++k) {
-      RankSeat& rs = view.rank_seat(k);
-      write_error_text(rs.error_text, why);
-      rs.reply_status.store(static_cast<std::uint32_t>(code), std::memory_order_relaxed);
-      rs.reply_round.store(r, std::memory_order_release);
-    }
-    view.header().round.store(r, std::memory_order_release);
+  rounds::Words words() const {
+    Header& h = view.header();
+    return rounds::Words{&h.round_open, &h.round, &h.round_done, &view.rank_seat(0), world};
+  }
+
+  static Errc errc_of(std::uint32_t v, Errc otherwise) {
+    return v >= static_cast<std::uint32_t>(Errc::kInvalidArgument) && v <= static_cast<std::uint32_t>(Errc::kSystem)
+               ? static_cast<Errc>(v)
+               : otherwise;
+  }
+
+  // Rank 0 ends round `n` with a failure: every rank's begin_sync() of that
+  // round throws `code` (a rank that posts it later hears it at once).
+  void fail_round(std::uint64_t n, Errc code, const std::string& why) {
+    rounds::fail(words(), n, code, why);
     detail::ring(view.header().rank_reply);
   }
 
-  // A sharded begin_sync() that fails on this rank before it posts its list
-  // (an invalid spec, a manifest too large) still takes its round and fails
-  // it for every rank: rank 0 answers the round with the error; a rank posts
-  // an empty list (posted_bytes 0) with the reason, which fails the round at
-  // rank 0 at once. Otherwise this rank's round count would fall behind the
-  // others' and every later round would wait for a round nobody posts.
-  void drop_round(const Error& e) noexcept {
-    const std::uint64_t r = ++round;
+  // A sharded begin_sync() (or skip_sync()) that fails on this rank before
+  // it posts its list still takes its round and fails it for every rank:
+  // rank 0 fails the round; a rank drops it (its post says so, its list
+  // area says why), which fails the round at rank 0 at once. So the ranks'
+  // rounds stay in step, and nothing of the failed round reaches the next.
+  void drop_round(std::uint64_t n, Errc code, const std::string& what) noexcept {
+    round = n;
+    // A region cut by another process is not written to (its pages may be
+    // gone: SIGBUS); the other ranks see this rank fail some other way.
+    if (view.file().size_now() != view.geo().total_bytes) return;
     const std::string why = "producer rank " + std::to_string(rank) + " could not begin sync round " +
-                            std::to_string(r) + ": " + e.what();
+                            std::to_string(n) + ": " + what;
     if (leader()) {
-      fail_round(r, e.code(), why);
+      rounds::open(words(), n);
+      fail_round(n, code, why);
       return;
     }
-    RankSeat& rs = view.rank_seat(rank);
-    write_error_text(rs.error_text, why);
-    rs.error_code.store(static_cast<std::uint32_t>(e.code()), std::memory_order_relaxed);
-    rs.posted_bytes.store(0, std::memory_order_relaxed);
-    rs.posted_hash.store(0, std::memory_order_relaxed);
-    rs.posted_round.store(r, std::memory_order_release);
+    const std::uint64_t len = std::min<std::uint64_t>(why.size(), view.geo().manifest_bytes);
+    std::memcpy(view.rank_list(rank), why.data(), len);
+    rounds::drop(view.rank_seat(rank), n, code, len);
     detail::ring(view.header().rank_post);
   }
 
-  // Writes this rank's list of pieces for round `r` into its list area.
-  void post(std::uint64_t r, std::uint64_t used) {
-    RankSeat& rs = view.rank_seat(rank);
-    rs.posted_bytes.store(used, std::memory_order_relaxed);
-    rs.posted_hash.store(XXH3_64bits(view.rank_list(rank), used), std::memory_order_relaxed);
-    rs.posted_round.store(r, std::memory_order_release);
-    detail::ring(view.header().rank_post);
-  }
-
-  // Rank 0: waits for every rank's post of round `r` and decodes them.
-  std::vector<SyncInfo> gather(std::uint64_t r) {
+  // Rank 0: takes every rank's list of round `n` (rounds::look), and decodes
+  // them; `used0` bytes of rank 0's own list are in its list area. Any post
+  // that says a rank left the round fails it at once; a missing rank fails
+  // it at rank_timeout (Timeout naming it) or when it dies (PeerDied).
+  std::vector<SyncInfo> gather(std::uint64_t n, std::uint64_t used0) {
     Header& h = view.header();
     const std::int64_t deadline = mono_ns() + opts.rank_timeout.count();
-    auto missing = [&]() -> int {
-      for (std::uint32_t k = 1; k < world; ++k)
-        if (view.rank_seat(k).posted_round.load(std::memory_order_acquire) != r) return static_cast<int>(k);
-      return -1;
+    const std::string round_n = "sync round " + std::to_string(n);
+    auto fail = [&](Errc code, const std::string& why, const std::string& remedy) {
+      fail_round(n, code, why);
+      throw Error(code, why + remedy);
+    };
+    const std::string in_step = ": every rank must call begin_sync()/send() for every sync, within rank_timeout (" +
+                                std::to_string(opts.rank_timeout.count() / 1000000) + " ms) of the others";
+    // One look at every rank: the first rank whose list is missing, or -1.
+    auto pass = [&]() -> int {
+      int missing = -1;
+      for (std::uint32_t k = 1; k < world; ++k) {
+        RankSeat& rs = view.rank_seat(k);
+        const rounds::Look l = rounds::look(rs, n);
+        const std::string who = "producer rank " + std::to_string(k);
+        switch (l.seen) {
+          case rounds::Seen::kTaken:
+            break;
+          case rounds::Seen::kStale:
+            rounds::refuse(rs, l.round, Errc::kInvalidArgument,
+                           "rank 0 never began sync round " + std::to_string(l.round) + ": it is at " + round_n +
+                               " (a rank skipped a sync, or the ranks name versions differently)");
+            detail::ring(h.rank_reply);
+            [[fallthrough]];
+          case rounds::Seen::kMissing:
+            if (missing < 0) missing = static_cast<int>(k);
+            break;
+          case rounds::Seen::kGaveUp:
+            fail(Errc::kTimeout,
+                 who + " gave up waiting for " + round_n + ": this rank (rank 0) began it more than rank_timeout late",
+                 in_step);
+            break;
+          case rounds::Seen::kDropped: {
+            const std::uint64_t len = std::min<std::uint64_t>(rs.posted_bytes.load(std::memory_order_relaxed), 1024);
+            std::string why(reinterpret_cast<const char*>(view.rank_list(k)), len);
+            if (why.empty()) why = who + " could not begin " + round_n;
+            fail(errc_of(static_cast<std::uint32_t>(l.code), Errc::kAborted), why, "");
+            break;
+          }
+          case rounds::Seen::kAhead:
+            if (l.skipped)
+              fail(Errc::kInvalidArgument,
+                   who + " is at sync round " + std::to_string(l.round) + " and this rank (rank 0) at " +
+                       std::to_string(n) + ": it never began round " + std::to_string(n) +
+                       " (its caller skipped that sync, or the ranks name versions differently)",
+                   in_step);
+            if (l.code == Errc::kTimeout)
+              fail(Errc::kTimeout,
+                   who + " gave up waiting for " + round_n + " and went on to round " + std::to_string(l.round) +
+                       ": this rank (rank 0) began it more than rank_timeout late",
+                   in_step);
+            fail(errc_of(static_cast<std::uint32_t>(l.code), Errc::kAborted),
+                 who + " failed " + round_n + " (" + errc_name(errc_of(static_cast<std::uint32_t>(l.code), Errc::kAborted)) +
+                     ") and went on to round " + std::to_string(l.round),
+                 "");
+        }
+      }
+      return missing;
+    };
+    std::vector<std::uint64_t> seen(world);
+    auto changed = [&] {
+      for (std::uint32_t j = 1; j < world; ++j)
+        if (view.rank_seat(j).post.load(std::memory_order_acquire) != seen[j]) return true;
+      return false;
     };
     for (;;) {
-      const WaitResult w = wait_until(h.rank_post, [&] { return missing() < 0; }, deadline, kLivenessPollNs);
-      const int k = missing();
+      // The posts as they are before the pass: a post that changes during
+      // the pass, after its rank was looked at, ends the wait below at once.
+      for (std::uint32_t j = 1; j < world; ++j) seen[j] = view.rank_seat(j).post.load(std::memory_order_acquire);
+      const int k = pass();
       if (k < 0) break;
-      const auto kr = static_cast<std::uint32_t>(k);
-      const bool attached = seat_state(view.rank_seat(kr).word.load(std::memory_order_acquire)) == kSeatActive;
-      if (attached && rank_dead(view, kr)) {
-        const std::string why = rank_who(view, kr) + " died before beginning sync round " + std::to_string(r);
-        fail_round(r, Errc::kPeerDied, why);
-        throw Error(Errc::kPeerDied, why + ": restart the trainer's ranks together");
+      for (std::uint32_t j = 1; j < world; ++j) {
+        const bool attached = seat_state(view.rank_seat(j).word.load(std::memory_order_acquire)) == kSeatActive;
+        if (attached && rounds::post_round(view.rank_seat(j).post.load(std::memory_order_acquire)) <= n &&
+            rank_dead(view, j))
+          fail(Errc::kPeerDied, rank_who(view, j) + " died before beginning " + round_n,
+               ": restart the trainer's ranks together");
       }
-      if (w == WaitResult::kTimeout || mono_ns() >= deadline) {
-        const std::string why = "producer rank " + std::to_string(k) +
-                                (attached ? " is attached but did not begin the sync"
-                                          : " never attached to the region") +
-                                " within rank_timeout (" + std::to_string(opts.rank_timeout.count() / 1000000) + " ms)";
-        fail_round(r, Errc::kTimeout, why);
-        throw Error(Errc::kTimeout, why + ": every rank must call begin_sync()/send() for every sync");
+      if (mono_ns() >= deadline) {
+        const auto kr = static_cast<std::uint32_t>(k);
+        const bool attached = seat_state(view.rank_seat(kr).word.load(std::memory_order_acquire)) == kSeatActive;
+        fail(Errc::kTimeout,
+             "producer rank " + std::to_string(k) +
+                 (attached ? " is attached but did not begin " : " never attached to the region for ") + round_n +
+                 " within rank_timeout (" + std::to_string(opts.rank_timeout.count() / 1000000) + " ms)",
+             in_step);
       }
+      (void)wait_until(h.rank_post, changed, deadline, kLivenessPollNs);
     }
     std::vector<SyncInfo> posts(world);
     std::vector<std::byte> bytes;
     for (std::uint32_t k = 0; k < world; ++k) {
       RankSeat& rs = view.rank_seat(k);
-      const std::uint64_t used = rs.posted_bytes.load(std::memory_order_relaxed);
+      const std::uint64_t used = k == 0 ? used0 : rs.posted_bytes.load(std::memory_order_relaxed);
       std::string why;
-      if (used == 0 && k != 0) {  // the rank's begin_sync() failed before it posted (drop_round)
-        why = read_error_text(rs.error_text);
-        fail_round(r, Errc::kInvalidArgument, why);
-        throw Error(Errc::kInvalidArgument, why);
-      }
       if (used < sizeof(ManifestHeader) || used > view.geo().manifest_bytes) {
         why = "posted a list of bad size";
       } else {
@@ -260,42 +324,78 @@ struct Producer::Impl {
         std::memcpy(bytes.data(), view.rank_list(k), used);
         ManifestHeader mh;
         std::memcpy(&mh, bytes.data(), sizeof mh);
-        if (XXH3_64bits(bytes.data(), used) != rs.posted_hash.load(std::memory_order_relaxed))
+        // The copy is the rank's list of round n only if the post is still
+        // ours: a rank that withdrew may be writing its next list.
+        if (k != 0 && !rounds::still_taken(rs, n))
+          fail(Errc::kTimeout,
+               "producer rank " + std::to_string(k) + " gave up waiting for " + round_n +
+                   " while rank 0 read its list: this rank (rank 0) answered too late",
+               in_step);
+        if (k != 0 && XXH3_64bits(bytes.data(), used) != rs.posted_hash.load(std::memory_order_relaxed))
           why = "posted a list that does not match its hash";
         else
-          why = decode_manifest(bytes, r, mh.stream_bytes, view.geo().slot_bytes, &posts[k], true,
+          why = decode_manifest(bytes, n, mh.stream_bytes, view.geo().slot_bytes, &posts[k], true,
                                 ManifestCheck::kRankPost);
       }
       if (!why.empty()) {
         why = "the list of pieces of producer rank " + std::to_string(k) + " is invalid: " + why;
-        fail_round(r, Errc::kCorrupt, why);
-        throw Error(Errc::kCorrupt, why);
+        fail(Errc::kCorrupt, why, "");
       }
     }
     return posts;
   }
 
-  // Ranks 1..: waits for rank 0's answer to round `r`.
-  void await_reply(std::uint64_t r) {
+  // Ranks 1..: posts this rank's list of round `n` (`used` bytes in its list
+  // area) and waits for rank 0's answer. At rank_timeout without one, the
+  // rank withdraws its post (rank 0 can no longer take it) and throws
+  // Timeout naming rank 0; if rank 0 has begun the round by then, its answer
+  // is coming, and the rank waits once more (rank_timeout +
+  // consumer_timeout: rank 0 waits for the consumers to ack the last sync
+  // and for the other ranks) before it gives up the same way.
+  rounds::Answer join_round(std::uint64_t n, std::uint64_t used) {
     Header& h = view.header();
     RankSeat& rs = view.rank_seat(rank);
-    const std::int64_t deadline = mono_ns() + opts.rank_timeout.count();
+    rounds::post(rs, n, used, XXH3_64bits(view.rank_list(rank), used));
+    detail::ring(h.rank_post);
+    const std::string round_n = "sync round " + std::to_string(n);
+    std::int64_t deadline = mono_ns() + opts.rank_timeout.count();
+    bool extended = false;
+    rounds::Answer a;
     for (;;) {
-      auto ready = [&] { return rs.reply_round.load(std::memory_order_acquire) >= r; };
-      const WaitResult w = wait_until(h.rank_reply, ready, deadline, kLivenessPollNs);
-      if (ready()) break;
+      switch (rounds::hear(rs, n, &a)) {
+        case rounds::Heard::kGo:
+          return a;
+        case rounds::Heard::kFailed:
+          throw Error(errc_of(static_cast<std::uint32_t>(a.status), Errc::kCorrupt), a.why);
+        case rounds::Heard::kOver:
+          throw Error(Errc::kTimeout, round_n + " is over: rank 0 ended it before this rank (producer rank " +
+                                          std::to_string(rank) + ") began it, more than rank_timeout late (or the "
+                                          "ranks name versions differently): every rank must call begin_sync()/send() "
+                                          "for every sync");
+        case rounds::Heard::kNothing:
+          break;
+      }
+      const std::uint64_t seen = rs.reply_round.load(std::memory_order_acquire);
+      (void)wait_until(h.rank_reply, [&] { return rs.reply_round.load(std::memory_order_acquire) != seen; },
+                       deadline, kLivenessPollNs);
+      if (rs.reply_round.load(std::memory_order_acquire) != seen) continue;
       if (h.init_state.load(std::memory_order_acquire) == kInitClosed)
         throw Error(Errc::kClosed, "producer rank 0 closed the region");
       if (rank_dead(view, 0))
         throw Error(Errc::kPeerDied, rank_who(view, 0) + " died: restart the trainer's ranks together");
-      if (w == WaitResult::kTimeout || mono_ns() >= deadline)
-        throw Error(Errc::kTimeout, "producer rank 0 did not begin sync round " + std::to_string(r) +
-                                        " within rank_timeout: every rank must call begin_sync()/send() for every sync");
+      if (mono_ns() < deadline) continue;
+      if (rounds::give_up(words(), rank, n, extended) == rounds::GiveUp::kBegun) {
+        extended = true;
+        deadline = mono_ns() + opts.rank_timeout.count() + opts.consumer_timeout.count();
+        continue;
+      }
+      throw Error(Errc::kTimeout,
+                  extended ? "producer rank 0 began " + round_n + " but did not answer within rank_timeout + "
+                                 "consumer_timeout: is it stuck?"
+                           : "producer rank 0 did not begin " + round_n + " within rank_timeout (" +
+                                 std::to_string(opts.rank_timeout.count() / 1000000) +
+                                 " ms): every rank must call begin_sync()/send() for every sync");
     }
-    if (rs.reply_round.load(std::memory_order_acquire) != r)
-      throw Error(Errc::kCorrupt, "rank 0 answered another round than this rank's: the ranks are out of step");
-    if (const std::uint32_t st = rs.reply_status.load(std::memory_order_relaxed); st != 0)
-      throw Error(static_cast<Errc>(st), read_error_text(rs.error_text));
   }
 
   // Rank 0, at end_sync: waits until every rank published its last chunk.
@@ -320,6 +420,17 @@ struct Producer::Impl {
       const auto kr = static_cast<std::uint32_t>(k);
       if (rank_dead(view, kr))
         throw Error(Errc::kPeerDied, rank_who(view, kr) + " died in the middle of sync " + std::to_string(version));
+      // A rank that gave up on the round before it heard the answer (or a
+      // process that took its place since) will never write its chunks.
+      if (!rounds::still_taken(view.rank_seat(kr), version)) {
+        const std::uint64_t p = view.rank_seat(kr).post.load(std::memory_order_acquire);
+        if (rounds::post_state(p) == rounds::PostState::kWithdrawn && rounds::post_round(p) == version)
+          throw Error(Errc::kTimeout, "producer rank " + std::to_string(k) + " gave up waiting for sync round " +
+                                          std::to_string(version) + " before rank 0's answer reached it: rank 0 "
+                                          "answered more than rank_timeout late");
+        throw Error(Errc::kPeerDied, "producer rank " + std::to_string(k) + " left sync " + std::to_string(version) +
+                                         " (it was restarted, or closed): restart the trainer's ranks together");
+      }
       std::uint64_t now = 0;
       for (std::uint32_t j = 1; j < world; ++j) now += view.rank_seat(j).published_seq.load(std::memory_order_relaxed);
       if (now != progress) {
@@ -332,9 +443,66 @@ struct Producer::Impl {
     }
   }
 
-  void abort(std::string_view why) {
+  // Ranks 1.., at end_sync: every chunk of this rank is published; waits
+  // until rank 0 completed the sync (every rank's chunks are in: the sync
+  // is the consumers' now), so that a rank's end_sync() returns only for a
+  // sync that completed. The sync aborted (by any rank), rank 0 dead or the
+  // region closed: the error; no progress of any rank for rank_timeout +
+  // consumer_timeout: Timeout naming rank 0.
+  void await_done() {
+    Header& h = view.header();
+    const rounds::Words w = words();
+    const std::int64_t budget = opts.rank_timeout.count() + opts.consumer_timeout.count();
+    std::int64_t deadline = mono_ns() + budget;
+    auto progress_now = [&] {
+      std::uint64_t p = h.published_seq.load(std::memory_order_relaxed);
+      for (std::uint32_t j = 1; j < world; ++j) p += view.rank_seat(j).published_seq.load(std::memory_order_relaxed);
+      return p;
+    };
+    std::uint64_t progress = progress_now();
+    for (;;) {
+      auto ready = [&] {
+        return rounds::completed(w, version) || rounds::abandoned(w, version) || ring->aborted_now() ||
+               h.init_state.load(std::memory_order_acquire) == kInitClosed;
+      };
+      const WaitResult r = wait_until(h.rank_reply, ready, deadline, kLivenessPollNs);
+      if (rounds::completed(w, version)) return;
+      ring->check_aborted();
+      if (rounds::abandoned(w, version))
+        throw Error(Errc::kAborted, "sync " + std::to_string(version) + " was abandoned by another rank: " +
+                                        read_error_text(h.error_text));
+      if (h.init_state.load(std::memory_order_acquire) == kInitClosed)
+        throw Error(Errc::kClosed, "producer rank 0 closed the region in the middle of sync " + std::to_string(version));
+      if (rank_dead(view, 0))
+        throw Error(Errc::kPeerDied, rank_who(view, 0) + " died before sync " + std::to_string(version) +
+                                         " was complete: the sync is lost; restart the trainer's ranks together");
+      if (const std::uint64_t p = progress_now(); p != progress) {
+        progress = p;
+        deadline = mono_ns() + budget;
+      } else if (r == WaitResult::kTimeout || mono_ns() >= deadline) {
+        if (!rounds::abandon(w, version)) return;  // rank 0 completed it just now
+        throw Error(Errc::kTimeout, rank_who(view, 0) + " did not complete sync " + std::to_string(version) +
+                                        " and no rank published anything for rank_timeout + consumer_timeout: is "
+                                        "it stuck?");
+      }
+    }
+  }
+
+  // Ends the sync in progress unfinished: consumers get Aborted with `why`,
+  // the other ranks `code` when it names a culprit (Timeout, PeerDied), else
+  // Aborted. The next sync starts clean: nothing here outlives this sync.
+  void abort(std::string_view why, Errc code = Errc::kAborted) {
     if (!in_sync) return;
-    set_error_text(Errc::kAborted, std::string(why));
+    // Sharded: the sync's fate is decided once; rank 0 may have completed
+    // it already (every chunk is in), and then there is nothing to abort.
+    if (world > 1 && !rounds::abandon(words(), version)) {
+      ring->clear_sync();
+      next_seq = writer.next_seq();
+      in_sync = false;
+      return;
+    }
+    // A sync another rank aborted keeps that rank's reason.
+    if (!(world > 1 && ring->aborted_now())) set_error_text(code, std::string(why));
     try {
       engine->drain();
     } catch (...) {
@@ -343,6 +511,7 @@ struct Producer::Impl {
     // A store region announced nothing: the next sync refills the same bank
     // (the other one holds the version readers see).
     if (!view.geo().store) next_seq = writer.next_seq();
+    ring->clear_sync();
     in_sync = false;
   }
 
@@ -390,13 +559,16 @@ struct Producer::Impl {
   }
 };
 
-namespace {
-
 // A region of this name exists. Takes it over when its producer is proven
 // dead (its lock byte is free and we now hold it, so no one can revive it),
 // by removing the name; throws kExists or kPermission when it is alive, not
 // ours, or its liveness cannot be told. Returns false when the name vanished.
-bool take_over_stale(const std::string& dir, std::string_view name, bool replace_stale, bool group_access) {
+// While it holds byte 0 of the old file it also holds kTakeoverLockByte
+// (taken first, released last), so a rank attaching meanwhile never takes
+// this lock for a live rank 0 (attach_rank). `before_unlink` (tests): runs
+// with both locks held, just before the name is removed.
+bool detail::take_over_stale(const std::string& dir, std::string_view name, bool replace_stale, bool group_access,
+                             const std::function<void()>& before_unlink) {
   MappedFile old;
   try {
     old = MappedFile::open_unmapped(dir, name, true);  // read-write: the lock probe below takes the lock
@@ -407,7 +579,12 @@ bool take_over_stale(const std::string& dir, std::string_view name, bool replace
   }
   const std::string why = trust_problem(old, TrustPolicy{group_access, {}});
   if (!why.empty()) throw Error(Errc::kPermission, why + "; pick another region name, or have its owner remove it");
-  const int rc = lock_byte(old.fd(), kProducerLockByte);
+  int rc = lock_byte(old.fd(), kTakeoverLockByte);
+  if (rc == -EAGAIN)
+    throw Error(Errc::kExists, "region '" + std::string(name) + "' in " + dir +
+                                   " is being taken over by another producer right now: pick another name, or stop "
+                                   "that producer");
+  if (rc == 0) rc = lock_byte(old.fd(), kProducerLockByte);
   if (rc == -EAGAIN)
     throw Error(Errc::kExists, "region '" + std::string(name) + "' in " + dir +
                                    " belongs to a live producer: pick another name, or stop that producer");
@@ -420,10 +597,13 @@ bool take_over_stale(const std::string& dir, std::string_view name, bool replace
                                "`shmcast-inspect rm " + std::string(name) + "` or set replace_stale");
   // The old producer is dead: take the name over. Attached consumers keep
   // the old mapping, see the producer died, and reopen.
+  if (before_unlink) before_unlink();
   if (!old.unlink_if_same() && old.still_at_path())
     throw Error(Errc::kPermission, "cannot replace stale region " + old.path() + ": " + std::strerror(errno), errno);
   return true;
 }
+
+namespace {
 
 void init_header(RegionView& v, std::uint64_t features) {
   Header& hdr = v.header();
@@ -452,7 +632,25 @@ Producer::~Producer() = default;
 
 namespace {
 
-// Rank r >= 1 of a sharded producer: attaches to the region rank 0 created.
+// Why `f` (a ready region, header `h`) is not one a rank may join, or "":
+// its rank 0 must hold lock byte 0 while no takeover holds
+// kTakeoverLockByte, and the file must still be the one at the path. In
+// that order: a takeover locks the takeover byte before byte 0 and removes
+// the name before it lets go of either, so byte 0 held and then the
+// takeover byte free means byte 0 is rank 0's own, or the takeover has
+// finished, and then the path names another file.
+std::string live_region_problem(const MappedFile& f, const Header& h) {
+  if (peer_alive(f.fd(), kProducerLockByte, h.producer) == Alive::kNo) return "a live rank 0 (the region's rank 0 is dead)";
+  if (lock_held(f.fd(), kTakeoverLockByte) == Alive::kYes)
+    return "rank 0 to finish replacing the region (a new rank 0 is taking over the stale one)";
+  if (!f.still_at_path()) return "rank 0 to create the region again (this file was removed or replaced)";
+  return "";
+}
+
+// Rank r >= 1 of a sharded producer: attaches to the region rank 0 created,
+// a live one: the file at the path whose rank 0 holds its lock (not a stale
+// file a new rank 0 is replacing), checked again once this rank holds its
+// own lock byte; else it waits and opens the path again, up to rank_timeout.
 Producer::Impl* attach_rank(Producer::Impl* m, std::string_view name, const ProducerOptions& o) {
   const std::string dir = region_dir();
   const std::int64_t deadline = mono_ns() + o.rank_timeout.count();
@@ -472,13 +670,27 @@ Producer::Impl* attach_rank(Producer::Impl* m, std::string_view name, const Prod
             throw Error(Errc::kInvalidArgument, "region '" + std::string(name) + "' was created by rank 0 for " +
                                                     std::to_string(snap.world_size) + " ranks, this rank says " +
                                                     std::to_string(o.world_size) + ": give every rank the same world_size");
-          if (peer_alive(f.fd(), kProducerLockByte, live.producer) != Alive::kNo) {
-            m->checksums = (snap.features & kFeatureChecksums) != 0;
-            m->path = f.path();
-            m->view = RegionView(std::move(f), g);
-            break;
+          waiting = live_region_problem(f, live);
+          if (waiting.empty()) {
+            const int rc = lock_byte(f.fd(), rank_lock_byte(o.rank));
+            if (rc == -EAGAIN)
+              throw Error(Errc::kExists, "producer rank " + std::to_string(o.rank) + " of region '" +
+                                             std::string(name) +
+                                             "' is already attached by a live process: give each rank its own rank "
+                                             "number");
+            if (rc != 0)
+              throw Error(Errc::kSystem, std::string("cannot lock the rank's byte: ") + std::strerror(-rc), -rc);
+            // Again, now that this rank holds its byte: a takeover that began
+            // meanwhile, or a file replaced meanwhile, is not joined.
+            waiting = live_region_problem(f, live);
+            if (waiting.empty()) {
+              m->checksums = (snap.features & kFeatureChecksums) != 0;
+              m->path = f.path();
+              m->view = RegionView(std::move(f), g);
+              break;
+            }
+            unlock_byte(f.fd(), rank_lock_byte(o.rank));
           }
-          waiting = "a live rank 0 (the region's rank 0 is dead)";
         } else {
           waiting = init == kInitClosed ? "rank 0 to create the region again (it is closed)"
                                         : "rank 0 to finish creating the region";
@@ -492,21 +704,19 @@ Producer::Impl* attach_rank(Producer::Impl* m, std::string_view name, const Prod
                                       region_path(name) + " (rank_timeout): is rank 0 running, with the same SHMCAST_DIR?");
     std::this_thread::sleep_for(std::chrono::milliseconds(5));
   }
-  const int rc = lock_byte(m->view.fd(), rank_lock_byte(o.rank));
-  if (rc == -EAGAIN)
-    throw Error(Errc::kExists, "producer rank " + std::to_string(o.rank) + " of region '" + std::string(name) +
-                                   "' is already attached by a live process: give each rank its own rank number");
-  if (rc != 0) throw Error(Errc::kSystem, std::string("cannot lock the rank's byte: ") + std::strerror(-rc), -rc);
   RankSeat& rs = m->view.rank_seat(o.rank);
   const std::uint64_t old = rs.word.load(std::memory_order_acquire);
   rs.published_seq.store(0, std::memory_order_relaxed);
   rs.error_code.store(0, std::memory_order_relaxed);
   rs.attach_unix_ns.store(static_cast<std::uint64_t>(unix_ns()), std::memory_order_relaxed);
   write_identity(rs.who, self_identity());
-  // Join at the next round rank 0 has not answered yet.
+  // Join the next round rank 0 has not ended yet. reply_round stays: rank 0
+  // only ever raises it, and it is no higher than `round` (a later round
+  // rank 0 fails meanwhile is answered to this seat too).
   m->round = m->view.header().round.load(std::memory_order_acquire);
-  rs.posted_round.store(m->round, std::memory_order_relaxed);
-  rs.reply_round.store(m->round, std::memory_order_relaxed);
+  rs.left_round.store(0, std::memory_order_relaxed);
+  rs.left_code.store(0, std::memory_order_relaxed);
+  rs.post.store(rounds::post_word(m->round, rounds::PostState::kNone), std::memory_order_relaxed);
   rs.word.store(make_seat_word(seat_gen(old) + 1, kSeatActive), std::memory_order_seq_cst);
   detail::ring(m->view.header().rank_post);
   return m;
@@ -560,7 +770,7 @@ Producer Producer::create(std::string_view name, const ProducerOptions& o) {
         break;
       } catch (const Error& e) {
         if (e.code() != Errc::kExists || attempt >= 2) throw;
-        take_over_stale(dir, name, o.replace_stale, o.group_access);
+        take_over_stale(dir, name, o.replace_stale, o.group_access);  // detail::
       }
     }
     impl->path = file.path();
@@ -603,12 +813,16 @@ std::uint64_t Producer::begin_sync(std::span<const TensorSpec> tensors, std::uin
   Impl& m = *impl_;
   m.require_open();
   if (m.in_sync) throw Error(Errc::kInvalidArgument, "begin_sync() while a sync is in progress: end_sync() it first");
-  if (version != 0 && m.world > 1)
-    throw Error(Errc::kInvalidArgument, "begin_sync() with a version on a sharded producer: rank 0 numbers the syncs");
-  if (version != 0 && version <= m.version)
+  // Sharded: the sync's round (its version); a refusal from here on still
+  // takes the round (drop_round), so the ranks stay in step.
+  std::uint64_t n = 0, used = 0;
+  if (m.world > 1) {
+    if (const std::string why = rounds::next_round(m.round, version, &n); !why.empty())
+      throw Error(Errc::kInvalidArgument, "begin_sync(): " + why);
+  } else if (version != 0 && version <= m.version) {
     throw Error(Errc::kInvalidArgument, "begin_sync() version " + std::to_string(version) +
                                             " is not greater than the last, " + std::to_string(m.version));
-  // Sharded: a refusal here still takes the round (drop_round), so the ranks stay in step.
+  }
   try {
     // A region file cut by another process would SIGBUS us on its missing
     // pages: refuse cleanly when it happened between syncs (docs/reliability.md).
@@ -645,11 +859,21 @@ std::uint64_t Producer::begin_sync(std::span<const TensorSpec> tensors, std::uin
     m.stream_bytes = pack(m.specs, m.view.geo().slot_bytes, &m.offsets, &m.payload_bytes);
     if (m.stream_bytes > kMaxStreamBytes)  // with alignment padding: what consumers check
       throw Error(Errc::kInvalidArgument, "the sync's stream (tensors and alignment) exceeds 64 TiB");
+    if (m.world > 1) {
+      // This rank's list of pieces, in the one-rank manifest format.
+      used = encode_manifest(m.specs, m.offsets, n, m.stream_bytes, m.payload_bytes, m.view.rank_list(m.rank),
+                             m.view.geo().manifest_bytes);
+      if (used == 0)
+        throw Error(Errc::kInvalidArgument, "this rank's list of pieces does not fit in manifest_bytes");
+    }
   } catch (const Error& e) {
-    if (m.world > 1) m.drop_round(e);
+    if (m.world > 1) m.drop_round(n, e.code(), e.what());
+    throw;
+  } catch (const std::exception& e) {
+    if (m.world > 1) m.drop_round(n, Errc::kSystem, e.what());
     throw;
   }
-  if (m.world > 1) return m.begin_sharded();
+  if (m.world > 1) return m.begin_sharded(n, used);
   if (m.view.geo().store) return m.begin_store(version);
 
   // Nobody may still be reading the manifest area we are about to rewrite.
@@ -658,8 +882,8 @@ std::uint64_t Producer::begin_sync(std::span<const TensorSpec> tensors, std::uin
   m.version = version != 0 ? version : m.version + 1;
   m.writer = ChunkWriter(&*m.ring, &m.view, m.version, m.next_seq, m.stream_bytes, m.checksums);
   m.ring->begin_announce();  // consumers copying the old manifest will see it change
-  const std::uint64_t used = encode_manifest(m.specs, m.offsets, m.version, m.stream_bytes, m.payload_bytes,
-                                             m.view.manifest(), m.view.geo().manifest_bytes);
+  used = encode_manifest(m.specs, m.offsets, m.version, m.stream_bytes, m.payload_bytes, m.view.manifest(),
+                         m.view.geo().manifest_bytes);
   RecordSnapshot rec{};
   rec.version = m.version;
   rec.first_seq = m.next_seq;
@@ -733,98 +957,113 @@ std::uint64_t Producer::Impl::begin_store(std::uint64_t want) {
   return v;
 }
 
-std::uint64_t Producer::Impl::begin_sharded() {
-  const std::uint64_t r = round + 1;
+// Rank 0: round `n` of a sharded sync (docs/protocol.md §9, "Rounds"):
+// opens it, waits for the consumers of the last sync to ack its manifest,
+// takes every rank's list, merges them into the sync's manifest, announces
+// it (version n) and answers every rank. Any failure fails the round for
+// every rank. Returns chunks per rank; sets version and first_seq.
+std::uint64_t Producer::Impl::lead_round(std::uint64_t n, std::uint64_t used) {
   const std::uint64_t S = view.geo().slot_bytes;
-  // This rank's list of pieces, in the one-rank manifest format.
-  const std::uint64_t used = encode_manifest(specs, offsets, r, stream_bytes, payload_bytes, view.rank_list(rank),
-                                             view.geo().manifest_bytes);
-  if (used == 0) {
-    const Error e(Errc::kInvalidArgument, "this rank's list of pieces does not fit in manifest_bytes");
-    drop_round(e);
-    throw e;
+  rounds::open(words(), n);
+  rounds::post(view.rank_seat(0), n, used, XXH3_64bits(view.rank_list(0), used));  // for tools: nobody takes it
+  // Nobody may still be reading the manifest area we are about to rewrite.
+  if (last_completed > 0) {
+    try {
+      ring->wait_acks(last_completed);
+    } catch (const Error& e) {
+      fail_round(n, e.code(), e.what());
+      throw;
+    }
   }
-  round = r;
-  post(r, used);
-  std::uint64_t first = 0, chunks_per_rank = 0;
+  const std::vector<SyncInfo> posts = gather(n, used);
+  std::vector<TensorSpec> tensors;
+  std::vector<ManifestPiece> pieces;
+  std::vector<std::uint64_t> rank_bytes;
+  std::uint64_t payload = 0;
+  std::string why = merge_posts(posts, &tensors, &pieces, &rank_bytes, &payload);
+  std::vector<std::byte> manifest;
+  const std::uint64_t size = manifest_size(tensors, pieces.size(), world);
+  if (why.empty() && size > view.geo().manifest_bytes)
+    why = "the sync's manifest needs " + human_bytes(size) + " but the region holds " +
+          human_bytes(view.geo().manifest_bytes) + ": create rank 0 with a larger manifest_bytes";
+  std::uint64_t total = 0;
+  for (std::uint64_t b : rank_bytes) total += b;
+  SyncInfo check;
+  if (why.empty()) {
+    manifest.resize(size);
+    encode_manifest(tensors, pieces, rank_bytes, n, payload, manifest.data(), size);
+    // The same checks every consumer makes: the pieces tile each tensor.
+    why = decode_manifest(manifest, n, total, S, &check);
+  }
+  if (!why.empty()) {
+    fail_round(n, Errc::kInvalidArgument, "the ranks' pieces do not make one sync: " + why);
+    throw Error(Errc::kInvalidArgument, "the ranks' pieces do not make one sync: " + why);
+  }
+  for (std::uint32_t k = 1; k < world; ++k)
+    if (!rounds::still_taken(view.rank_seat(k), n)) {
+      const std::string w = "producer rank " + std::to_string(k) + " gave up waiting for sync round " +
+                            std::to_string(n) + " before rank 0 answered: rank 0 was more than rank_timeout late";
+      fail_round(n, Errc::kTimeout, w);
+      throw Error(Errc::kTimeout, w);
+    }
+  std::uint64_t chunks_per_rank = 0;
+  for (std::uint64_t b : rank_bytes) chunks_per_rank = std::max(chunks_per_rank, chunk_count(b, S));
+  sync_payload = payload;
+  version = n;
+  first_seq = next_seq;
+  ring->begin_announce();
+  std::memcpy(view.manifest(), manifest.data(), size);
+  RecordSnapshot rec{};
+  rec.version = version;
+  rec.first_seq = first_seq;
+  rec.chunks = chunks_per_rank * world;
+  rec.stream_bytes = total;
+  rec.manifest_used = size;
+  rec.manifest_hash = XXH3_64bits(manifest.data(), size);
+  view.header().error_code.store(0, std::memory_order_relaxed);
+  view.header().error_text[0] = 0;
+  ring->set_sync(version, first_seq);
+  ring->enroll(version, first_seq);
+  ring->announce(rec);
+  rounds::Answer go;
+  go.round = n;
+  go.version = version;
+  go.first_seq = first_seq;
+  go.rank_chunks = chunks_per_rank;
+  rounds::go(words(), go);
+  detail::ring(view.header().rank_reply);
+  return chunks_per_rank;
+}
+
+// Round `n` of a sharded sync on this rank (`used` bytes of its list are in
+// its list area): rank 0 leads it, the others join it; then the rank writes
+// its chunks first_seq + j * R + rank.
+std::uint64_t Producer::Impl::begin_sharded(std::uint64_t n, std::uint64_t used) {
+  round = n;
+  const std::uint64_t S = view.geo().slot_bytes;
+  std::uint64_t chunks_per_rank = 0;
   if (!leader()) {
-    await_reply(r);
-    const RankSeat& rs = view.rank_seat(rank);
-    version = rs.reply_version.load(std::memory_order_relaxed);
-    first = rs.reply_first_seq.load(std::memory_order_relaxed);
-    chunks_per_rank = rs.reply_rank_chunks.load(std::memory_order_relaxed);
-    // What rank 0 gave must fit this rank's own pieces.
-    if (first == 0 || chunk_count(stream_bytes, S) > chunks_per_rank || chunks_per_rank > (1ull << 40))
-      throw Error(Errc::kCorrupt, "rank 0's answer does not fit this rank's pieces: the region is corrupt");
+    const rounds::Answer a = join_round(n, used);
+    version = a.version;
+    first_seq = a.first_seq;
+    chunks_per_rank = a.rank_chunks;
+    // What rank 0 gave must be this round's and fit this rank's own pieces.
+    if (version != n || first_seq == 0 || chunk_count(stream_bytes, S) > chunks_per_rank ||
+        chunks_per_rank > (1ull << 40)) {
+      const std::string why = "rank 0's answer to sync round " + std::to_string(n) +
+                              " does not fit this rank's pieces: the region is corrupt";
+      set_error_text(Errc::kCorrupt, why);
+      ring->abort(version);  // the others must not wait for this rank's chunks
+      throw Error(Errc::kCorrupt, why);
+    }
   } else {
-    const std::vector<SyncInfo> posts = gather(r);
-    std::vector<TensorSpec> tensors;
-    std::vector<ManifestPiece> pieces;
-    std::vector<std::uint64_t> rank_bytes;
-    std::uint64_t payload = 0;
-    std::string why = merge_posts(posts, &tensors, &pieces, &rank_bytes, &payload);
-    std::vector<std::byte> manifest;
-    const std::uint64_t size = manifest_size(tensors, pieces.size(), world);
-    if (why.empty() && size > view.geo().manifest_bytes)
-      why = "the sync's manifest needs " + human_bytes(size) + " but the region holds " +
-            human_bytes(view.geo().manifest_bytes) + ": create rank 0 with a larger manifest_bytes";
-    std::uint64_t total = 0;
-    for (std::uint64_t b : rank_bytes) total += b;
-    SyncInfo check;
-    if (why.empty()) {
-      manifest.resize(size);
-      encode_manifest(tensors, pieces, rank_bytes, version + 1, payload, manifest.data(), size);
-      // The same checks every consumer makes: the pieces tile each tensor.
-      why = decode_manifest(manifest, version + 1, total, S, &check);
-    }
-    if (!why.empty()) {
-      fail_round(r, Errc::kInvalidArgument, "the ranks' pieces do not make one sync: " + why);
-      throw Error(Errc::kInvalidArgument, "the ranks' pieces do not make one sync: " + why);
-    }
-    for (std::uint64_t b : rank_bytes) chunks_per_rank = std::max(chunks_per_rank, chunk_count(b, S));
-    sync_payload = payload;
-    if (last_completed > 0) {
-      try {
-        ring->wait_acks(last_completed);
-      } catch (const Error& e) {
-        fail_round(r, e.code(), e.what());
-        throw;
-      }
-    }
-    version = version + 1;
-    first = next_seq;
-    ring->begin_announce();
-    std::memcpy(view.manifest(), manifest.data(), size);
-    RecordSnapshot rec{};
-    rec.version = version;
-    rec.first_seq = first;
-    rec.chunks = chunks_per_rank * world;
-    rec.stream_bytes = total;
-    rec.manifest_used = size;
-    rec.manifest_hash = XXH3_64bits(manifest.data(), size);
-    view.header().error_code.store(0, std::memory_order_relaxed);
-    view.header().error_text[0] = 0;
-    ring->set_sync(version, first);
-    ring->enroll(version, first);
-    ring->announce(rec);
-    for (std::uint32_t k = 1; k < world; ++k) {
-      RankSeat& rs = view.rank_seat(k);
-      rs.reply_status.store(0, std::memory_order_relaxed);
-      rs.reply_version.store(version, std::memory_order_relaxed);
-      rs.reply_first_seq.store(first, std::memory_order_relaxed);
-      rs.reply_rank_chunks.store(chunks_per_rank, std::memory_order_relaxed);
-      rs.error_text[0] = 0;
-      rs.reply_round.store(r, std::memory_order_release);
-    }
-    view.header().round.store(r, std::memory_order_release);
-    detail::ring(view.header().rank_reply);
+    chunks_per_rank = lead_round(n, used);
   }
   sync_start_ns = mono_ns();
-  first_seq = first;
   rank_chunks = chunks_per_rank;
-  ring->set_sync(version, first);
-  writer = ChunkWriter(&*ring, &view, version, first, stream_bytes, checksums, rank, world, chunks_per_rank);
-  layout = SyncLayout{version, first, chunks_per_rank * world, stream_bytes, payload_bytes, offsets};
+  ring->set_sync(version, first_seq);
+  writer = ChunkWriter(&*ring, &view, version, first_seq, stream_bytes, checksums, rank, world, chunks_per_rank);
+  layout = SyncLayout{version, first_seq, chunks_per_rank * world, stream_bytes, payload_bytes, offsets};
   layout.rank = rank;
   layout.world_size = world;
   layout.rank_chunks = chunks_per_rank;
@@ -943,8 +1182,20 @@ void Producer::end_sync() {
     m.engine->drain();
     if (m.world > 1) {
       m.ring->check_aborted();
-      if (m.leader()) m.await_ranks();
+      // A rank's sync is done only when every rank's is: rank 0 waits for
+      // the others' chunks, the others for rank 0 to say so.
+      if (m.leader()) {
+        m.await_ranks();
+        if (!rounds::complete(m.words(), m.version))
+          throw Error(Errc::kAborted, "sync " + std::to_string(m.version) + " was abandoned by another rank: " +
+                                          read_error_text(m.view.header().error_text));
+      } else {
+        m.await_done();
+      }
     }
+  } catch (const Error& e) {
+    m.abort(e.what(), e.code());
+    throw;
   } catch (const std::exception& e) {
     m.abort(e.what());
     throw;
@@ -952,6 +1203,8 @@ void Producer::end_sync() {
   m.next_seq = m.writer.next_seq();
   m.in_sync = false;
   m.last_completed = m.version;
+  m.ring->clear_sync();
+  if (m.world > 1 && m.leader()) detail::ring(m.view.header().rank_reply);  // complete: the others return
   // A store region: every byte is in place (the chunk is published), so the
   // record may now point readers at it.
   if (m.view.geo().store) m.ring->announce(m.store_rec);
@@ -974,19 +1227,40 @@ void Producer::abort_sync(std::string_view why) {
 }
 
 std::uint64_t Producer::send(std::span<const TensorSpec> tensors, std::span<const void* const> srcs) {
-  if (srcs.size() != tensors.size())
-    throw Error(Errc::kInvalidArgument, "send(): " + std::to_string(tensors.size()) + " tensors but " +
-                                            std::to_string(srcs.size()) + " sources");
-  const std::uint64_t v = begin_sync(tensors);
+  return send(tensors, srcs, 0);
+}
+
+std::uint64_t Producer::send(std::span<const TensorSpec> tensors, std::span<const void* const> srcs,
+                             std::uint64_t version) {
+  if (srcs.size() != tensors.size()) {
+    const std::string why = "send(): " + std::to_string(tensors.size()) + " tensors but " +
+                            std::to_string(srcs.size()) + " sources";
+    skip_sync(why, version);  // a sharded rank still takes its round: the ranks stay in step
+    throw Error(Errc::kInvalidArgument, why);
+  }
+  const std::uint64_t v = begin_sync(tensors, version);
   try {
     for (std::size_t i = 0; i < tensors.size(); ++i) write(i, srcs[i]);
     end_sync();
   } catch (const Error& e) {
-    impl_->abort(e.what());
+    impl_->abort(e.what(), e.code());
     throw;
   }
   return v;
 }
+
+void Producer::skip_sync(std::string_view why, std::uint64_t version) {
+  Impl& m = *impl_;
+  m.require_open();
+  if (m.in_sync) throw Error(Errc::kInvalidArgument, "skip_sync() during a sync: abort_sync() it instead");
+  if (m.world == 1) return;  // one producer: no other rank to keep in step
+  std::uint64_t n = 0;
+  if (const std::string bad = rounds::next_round(m.round, version, &n); !bad.empty())
+    throw Error(Errc::kInvalidArgument, "skip_sync(): " + bad);
+  m.drop_round(n, Errc::kAborted, std::string(why));
+}
+
+std::uint64_t Producer::last_round() const { return impl_->round; }
 
 void Producer::wait_drained(Duration timeout) {
   impl_->require_open();

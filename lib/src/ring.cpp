@@ -155,8 +155,24 @@ int ProducerRing::blocker(const std::function<bool(const Seat&)>& done) const {
   return -1;
 }
 
+int ProducerRing::unpublished_before(std::uint64_t released, std::uint64_t release_to, std::uint64_t* chunk) const {
+  const std::uint64_t first = sync_first_seq_, R = opts_.world_size;
+  // A consumer that has not yet taken this sync (released < first - 1) is
+  // behind on its own account: it releases the earlier syncs' chunks when it
+  // takes this one.
+  if (R <= 1 || sync_version_ == 0 || released + 1 < first) return -1;
+  for (std::uint64_t x = released + 1; x <= release_to; ++x) {
+    // The slot cannot hold a later chunk than x yet: writing x + K needs
+    // every consumer to have released x.
+    if (v_->slot(v_->slot_of(x)).seq.load(std::memory_order_acquire) == x) continue;
+    *chunk = x;
+    return static_cast<int>((x - first) % R);
+  }
+  return -1;
+}
+
 void ProducerRing::wait_for(const std::function<bool(const Seat&)>& done, const char* what,
-                            std::int64_t deadline_ns) {
+                            std::int64_t deadline_ns, std::uint64_t release_to) {
   Header& h = v_->header();
   for (;;) {
     auto ready = [&] { return blocker(done) < 0 || (opts_.world_size > 1 && aborted_now()); };
@@ -166,12 +182,37 @@ void ProducerRing::wait_for(const std::function<bool(const Seat&)>& done, const 
     // Some seat holds us up: dead ones are evicted, live ones get until the deadline.
     const int b = blocker(done);
     if (b < 0) return;
+    if (opts_.world_size > 1 && opts_.rank != 0 && sync_version_ != 0 && rank_dead(*v_, 0))
+      throw Error(Errc::kPeerDied, rank_who(*v_, 0) + " died in the middle of sync " +
+                                       std::to_string(sync_version_) + ": restart the trainer's ranks together");
     const std::uint32_t i = static_cast<std::uint32_t>(b);
     Seat& s = v_->seat(i);
     const std::uint64_t w = s.word.load(std::memory_order_acquire);
     if (lock_held(v_->fd(), seat_lock_byte(i)) == Alive::kNo) {
       evict(i, w, Errc::kPeerDied, seat_who(i, s) + " died while the producer waited for it to " + what +
                                        "; its seat was released and the sync goes on without it");
+      continue;
+    }
+    std::uint64_t chunk = 0;
+    if (const int writer = release_to == 0 ? -1
+                                           : unpublished_before(s.released_seq.load(std::memory_order_acquire),
+                                                                release_to, &chunk);
+        writer >= 0) {
+      // The consumer waits for that chunk: the rank that owes it is late, not the consumer.
+      const auto wr = static_cast<std::uint32_t>(writer);
+      if (wr != opts_.rank && rank_dead(*v_, wr))
+        throw Error(Errc::kPeerDied, rank_who(*v_, wr) + " died before publishing chunk " + std::to_string(chunk) +
+                                         " of sync " + std::to_string(sync_version_) +
+                                         ": restart the trainer's ranks together");
+      if (r == WaitResult::kTimeout)
+        throw Error(Errc::kTimeout,
+                    (wr == opts_.rank ? "this rank's own copy of chunk " + std::to_string(chunk) + " (producer rank " +
+                                            std::to_string(wr) + ")"
+                                      : rank_who(*v_, wr) + ", which did not publish chunk " + std::to_string(chunk)) +
+                        " of sync " + std::to_string(sync_version_) + " within consumer_timeout (" +
+                        std::to_string(opts_.consumer_timeout_ns / 1000000) +
+                        " ms), stalled the sync: the consumers wait for that chunk before they can release "
+                        "others; is that rank stuck?");
       continue;
     }
     if (r == WaitResult::kTimeout) {
@@ -200,7 +241,7 @@ void ProducerRing::wait_released(std::uint64_t seq, std::int64_t deadline_ns) {
   auto done = [seq](const Seat& s) {
     return s.first_seq.load(std::memory_order_relaxed) > seq || s.released_seq.load(std::memory_order_acquire) >= seq;
   };
-  wait_for(done, "release its slots", deadline_ns);
+  wait_for(done, "release its slots", deadline_ns, seq);
 }
 
 bool ProducerRing::aborted_now() const {
@@ -212,8 +253,10 @@ bool ProducerRing::aborted_now() const {
 void ProducerRing::check_aborted() const {
   if (opts_.world_size <= 1 || !aborted_now()) return;
   const Header& h = v_->header();
-  throw Error(Errc::kAborted, "sync " + std::to_string(sync_version_) + " was aborted by another rank: " +
-                                  read_error_text(h.error_text));
+  const auto code = static_cast<Errc>(h.error_code.load(std::memory_order_acquire));
+  throw Error(code == Errc::kTimeout || code == Errc::kPeerDied ? code : Errc::kAborted,
+              "sync " + std::to_string(sync_version_) + " was aborted by another rank: " +
+                  read_error_text(h.error_text));
 }
 
 void ProducerRing::acquire(std::uint64_t seq) {
@@ -339,7 +382,8 @@ void ProducerRing::abort(std::uint64_t version) {
   h.sync.aborted.store(1, std::memory_order_release);
   ring_keep_parity(h.sync.announce);
   ring(h.publish);
-  ring(h.release);  // other ranks waiting for consumers notice it too
+  ring(h.release);     // other ranks waiting for consumers notice it too
+  ring(h.rank_reply);  // and ranks waiting for rank 0 to complete the sync
 }
 
 // ================================================================ consumer

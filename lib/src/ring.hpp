@@ -159,12 +159,17 @@ class ProducerRing {
     sync_version_ = version;
     sync_first_seq_ = first_seq;
   }
+  // No sync in progress (it ended, or failed): waits between syncs (the
+  // next begin_sync's, wait_drained's) never see that sync's abort.
+  void clear_sync() { set_sync(0, 0); }
   // Waits until the slot for `seq` may be refilled: every consumer released
   // the chunk it held and, with several ranks, that chunk's writer (another
   // rank) published it. Store regions: marks the slot as being refilled
   // (fill_seq), then waits until no live consumer holds its old chunk.
   void acquire(std::uint64_t seq);
-  // Throws kAborted when the sync set_sync() named was aborted (by any rank).
+  // Throws when the sync set_sync() named was aborted (by any rank): with
+  // the aborting rank's code when it blames someone (kTimeout, kPeerDied:
+  // every rank then reports the same culprit), else kAborted.
   void check_aborted() const;
   bool aborted_now() const;
   // Waits until every enrolled consumer released every chunk <= seq.
@@ -190,7 +195,15 @@ class ProducerRing {
  private:
   // First seat blocking `done(seat)`, or -1.
   int blocker(const std::function<bool(const Seat&)>& done) const;
-  void wait_for(const std::function<bool(const Seat&)>& done, const char* what, std::int64_t deadline_ns);
+  // `release_to` (a wait for consumers to release chunks <= it, several
+  // ranks): a consumer held up by an unpublished chunk of this sync is not
+  // to blame; that chunk's writer rank is (PeerDied when dead, Timeout at
+  // the deadline; the consumer is never evicted for it).
+  void wait_for(const std::function<bool(const Seat&)>& done, const char* what, std::int64_t deadline_ns,
+                std::uint64_t release_to = 0);
+  // The first chunk in (released, release_to] of this sync that is not
+  // published, and its writer rank (-1: none; the consumer holds itself up).
+  int unpublished_before(std::uint64_t released, std::uint64_t release_to, std::uint64_t* chunk) const;
   void evict(std::uint32_t i, std::uint64_t word, Errc reason, const std::string& why);
   bool enrolled(const Seat& s, std::uint64_t word) const;
 

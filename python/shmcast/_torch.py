@@ -484,7 +484,7 @@ class Producer(_Closing):
 
     # -------------------------------------------------------- sending
 
-    def send(self, named_tensors) -> int:
+    def send(self, named_tensors, *, version: Optional[int] = None) -> int:
         """Sends one sync: `named_tensors` is an iterable of (name, tensor)
         pairs or a mapping name -> tensor; tensors on CPU or CUDA, any shape,
         any layout (FSDP2 DTensors are gathered with full_tensor(), one at a
@@ -492,9 +492,40 @@ class Producer(_Closing):
         the tensors may be modified or freed afterwards (consumers may still
         be reading the region).
 
+        version: the sync's version (default: the last one + 1; a given one
+        must be greater than the last).
+
+        Sharded producers: returns on every rank only once the sync is
+        complete (every rank's bytes are in), else raises on every rank.
+        Whatever raises in send() on a rank, before or after shmcast began
+        the sync, takes that rank's round and fails it on every rank, so the
+        ranks stay in step. A step whose send() a rank never calls (its own
+        code raised first) cannot be told apart from a late call: name every
+        sync's version on every rank alike (version=step) and such a step is
+        refused on every rank instead of shifting later syncs.
+
         CUDA copies are ordered after the work queued so far on the tensors'
         device's torch.cuda.current_stream()."""
         c = self._live()
+        if self.world_size <= 1:
+            return self._send(c, named_tensors, version)
+        taken = c.last_round
+        try:
+            return self._send(c, named_tensors, version)
+        except BaseException as e:
+            if c.last_round == taken:
+                # Raised before shmcast took this rank's round (a tensor it
+                # cannot send, a failing gather, an interrupt): take the round
+                # anyway and fail it on every rank.
+                try:
+                    c.skip_sync(f"send() on rank {self.rank} raised {type(e).__name__} before its sync began: {e}",
+                                version if isinstance(version, int) and version > 0 else 0)
+                except _C.Error:
+                    pass
+            raise
+
+    def _send(self, c, named_tensors, version) -> int:
+        want = 0 if version is None else _C.check_int(version, "version", 1, (1 << 63) - 1)
         items = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
         specs, srcs, devs, lays, keep = [], [], [], [], []
         slow = []  # indices that need a per-tensor step (staging copy, gather)
@@ -586,20 +617,20 @@ class Producer(_Closing):
         streams = self._stream_of(cuda_dev) if cuda_dev is not None else None
         if not slow:
             if cuda_dev is None:
-                return c.send_batch(specs, srcs, devs, lays, None)
+                return c.send_batch(specs, srcs, devs, lays, None, want)
             with torch.cuda.device(cuda_dev):
-                return c.send_batch(specs, srcs, devs, lays, streams)
-        return self._send_slow(c, specs, srcs, devs, lays, streams, slow, keep, target, cuda_dev)
+                return c.send_batch(specs, srcs, devs, lays, streams, want)
+        return self._send_slow(c, specs, srcs, devs, lays, streams, slow, keep, target, cuda_dev, want)
 
     @staticmethod
     def _stream_of(dev: torch.device) -> int:
         return torch.cuda.current_stream(dev).cuda_stream
 
-    def _send_slow(self, c, specs, srcs, devs, lays, streams, slow, keep, target, cuda_dev) -> int:
+    def _send_slow(self, c, specs, srcs, devs, lays, streams, slow, keep, target, cuda_dev, want=0) -> int:
         # Runs of ready tensors go in one write_batch call each; every slow
         # tensor gets its own staging step, so at most staging_budget bytes
         # of temporary copies are alive at once.
-        v = c.begin_sync(specs)
+        v = c.begin_sync(specs, want)
         held, held_bytes = [], 0
         try:
             start = 0

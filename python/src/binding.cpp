@@ -551,9 +551,18 @@ class PyProducer : Owned {
     if (forked()) (void)p_.release();  // the parent's producer: leave it be (the child's exit frees the memory)
   }
 
-  std::uint64_t begin_sync(py::handle specs) {
+  std::uint64_t begin_sync(py::handle specs, py::handle version) {
+    const std::uint64_t v = int_arg<std::uint64_t>(version, "version", 0, kU64Max);
     std::vector<TensorSpec> s = to_specs(specs);
-    return locked([&](Producer&) { return begin_locked(std::move(s)); });
+    return locked([&](Producer&) { return begin_locked(std::move(s), v); });
+  }
+
+  // Sharded producers: takes this rank's next round and fails it on every
+  // rank (the caller could not begin the sync), so the ranks stay in step.
+  void skip_sync(py::handle why, py::handle version) {
+    const std::string w = message_arg(why);
+    const std::uint64_t v = int_arg<std::uint64_t>(version, "version", 0, kU64Max);
+    locked([&](Producer& p) { p.skip_sync(w, v); });
   }
 
   void write(py::handle i, py::handle ptr, py::handle nbytes) {
@@ -609,14 +618,15 @@ class PyProducer : Owned {
   // begin_sync + every write + end_sync in one call; aborts the sync (and
   // rethrows) when a write fails.
   std::uint64_t send_batch(py::handle specs, py::handle ptrs, py::handle devices, py::handle layouts,
-                           py::handle streams) {
+                           py::handle streams, py::handle version) {
+    const std::uint64_t ver = int_arg<std::uint64_t>(version, "version", 0, kU64Max);
     std::vector<TensorSpec> s = to_specs(specs);
     std::vector<Source> srcs = to_sources(ptrs, devices, layouts, streams);
     if (srcs.size() != s.size())
       throw Error(Errc::kInvalidArgument, "send_batch(): " + std::to_string(s.size()) + " specs but " +
                                               std::to_string(srcs.size()) + " sources");
     return locked([&](Producer& p) {
-      const std::uint64_t v = begin_locked(std::move(s));
+      const std::uint64_t v = begin_locked(std::move(s), ver);
       try {
         write_locked(0, srcs);
         p.end_sync();
@@ -683,6 +693,7 @@ class PyProducer : Owned {
   std::uint64_t slot_bytes() const { return p_->slot_bytes(); }
   std::uint32_t slots() const { return p_->slots(); }
   std::uint64_t last_version() const { return p_->last_version(); }
+  std::uint64_t last_round() const { return p_->last_round(); }
   bool pinned() const { return p_->pinned(); }
   std::string engine() const { return p_->engine() == CopyEngine::kCuda ? "cuda" : "host"; }
   std::string mode() const { return mode_name(p_->mode()); }
@@ -703,9 +714,9 @@ class PyProducer : Owned {
                                               " bytes but the spec says " + std::to_string(nbytes_[i]));
   }
 
-  std::uint64_t begin_locked(std::vector<TensorSpec> specs) {
+  std::uint64_t begin_locked(std::vector<TensorSpec> specs, std::uint64_t version = 0) {
     Producer& p = get();
-    const std::uint64_t v = p.begin_sync(specs);
+    const std::uint64_t v = p.begin_sync(specs, version);
     nbytes_.resize(specs.size());
     for (std::size_t i = 0; i < specs.size(); ++i) nbytes_[i] = specs[i].local_nbytes();
     return v;
@@ -999,9 +1010,13 @@ PYBIND11_MODULE(_shmcast, m) {
            py::arg("stall_policy") = "fail", py::arg("consumer_timeout") = 60.0, py::arg("pin") = "auto",
            py::arg("engine") = "auto", py::arg("rank") = 0, py::arg("world_size") = 1, py::arg("rank_timeout") = 120.0,
            py::arg("mode") = "ring", py::arg("store_bytes") = 0)
-      .def("begin_sync", &PyProducer::begin_sync, py::arg("specs"),
+      .def("begin_sync", &PyProducer::begin_sync, py::arg("specs"), py::arg("version") = 0,
            "specs: sequence of (name, dtype, shape), or (name, dtype, full shape, dim, start, length) for a shard "
-           "(sharded producers). Returns the sync's version.")
+           "(sharded producers). version: 0 (the next), or the sync's version (greater than the last; sharded "
+           "producers: the same on every rank). Returns the sync's version.")
+      .def("skip_sync", &PyProducer::skip_sync, py::arg("why"), py::arg("version") = 0,
+           "Sharded producers: takes this rank's next sync round and fails it on every rank with `why` (the caller "
+           "could not begin it), so the ranks stay in step. One rank: does nothing.")
       .def("write", &PyProducer::write, py::arg("index"), py::arg("ptr"), py::arg("nbytes") = py::none())
       .def("write_strided", &PyProducer::write_strided, py::arg("index"), py::arg("ptr"), py::arg("rows"),
            py::arg("row_bytes"), py::arg("pitch_bytes"))
@@ -1015,7 +1030,7 @@ PYBIND11_MODULE(_shmcast, m) {
       .def("end_sync", &PyProducer::end_sync)
       .def("abort_sync", &PyProducer::abort_sync, py::arg("why"))
       .def("send_batch", &PyProducer::send_batch, py::arg("specs"), py::arg("ptrs"), py::arg("devices") = py::none(),
-           py::arg("layouts") = py::none(), py::arg("streams") = py::none(),
+           py::arg("layouts") = py::none(), py::arg("streams") = py::none(), py::arg("version") = 0,
            "begin_sync + write_batch + end_sync in one call (the sync is aborted if a write fails).")
       .def("wait_for_consumers", &PyProducer::wait_for_consumers, py::arg("n"), py::arg("timeout") = 30.0)
       .def_property_readonly("consumers", &PyProducer::consumers)
@@ -1030,6 +1045,8 @@ PYBIND11_MODULE(_shmcast, m) {
       .def_property_readonly("slot_bytes", &PyProducer::slot_bytes)
       .def_property_readonly("slots", &PyProducer::slots)
       .def_property_readonly("last_version", &PyProducer::last_version)
+      .def_property_readonly("last_round", &PyProducer::last_round,
+                             "Sharded producers: the last sync round this rank took (begun, failed or skipped)")
       .def_property_readonly("last_sync", &PyProducer::last_sync, py::return_value_policy::copy)
       .def_property_readonly("pinned", &PyProducer::pinned)
       .def_property_readonly("engine", &PyProducer::engine, "'host' or 'cuda': the copy engine chosen at create")

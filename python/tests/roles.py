@@ -355,6 +355,61 @@ def role_sharded_consumer(q, region, seed, kind, part=0, n_syncs=2, timeout=30.0
     return {"problems": problems, "devices": sorted(devices)}
 
 
+def role_sharded_steps(q, region, rank, world, seed, n_steps=7, fault=None, fault_rank=1, fault_step=2,
+                       named=False, consumers=2, timeout=30.0):
+    """A trainer rank that sends one sync per step (the step's tensors:
+    sharded_model(seed + step)); at `fault_step` rank `fault_rank` fails:
+    'sparse': its batch holds a sparse tensor, which Producer.send() refuses
+    (TypeError) before shmcast begins the sync; 'shard': a shmcast.Shard(...)
+    in its own code raises (ValueError) and it never calls send() for that
+    step. The rank goes on with the next step either way. Returns, per step,
+    ['ok', version] or [error class, message]."""
+    results = {}
+    with shmcast.Producer(region, rank=rank, world_size=world, slot_bytes=SLOT, slots=2 * world, max_consumers=4,
+                          pin=False, rank_timeout=timeout) as p:
+        q.put({"ready": True})
+        if rank == 0 and consumers:
+            p.wait_for_consumers(consumers, timeout)
+        for step in range(1, n_steps + 1):
+            try:
+                items = sharded_items(seed + step, rank, world)
+                if rank == fault_rank and step == fault_step:
+                    if fault == "sparse":
+                        items.append(("bad", torch.zeros(4, 4).to_sparse()))
+                    elif fault == "shard":
+                        items.append(("bad", shmcast.Shard(torch.zeros(3, 4), (4, 4), 0, 2)))  # raises ValueError
+                results[step] = ["ok", p.send(items, version=step) if named else p.send(items)]
+            except Exception as e:  # the trainer logs it and goes on with the next step
+                results[step] = [type(e).__name__, str(e)]
+        if rank == 0:
+            p.wait_drained(timeout)
+    return {"results": results}
+
+
+def role_sharded_checker(q, region, seed, until, timeout=30.0):
+    """Receives syncs until version `until`; checks every version it gets,
+    every byte, against that step's tensors (a version mixing two steps
+    fails); aborted syncs are skipped."""
+    versions, problems = [], []
+    with shmcast.Consumer(region, open_timeout=timeout) as c:
+        q.put({"ready": True})
+        while not versions or versions[-1] < until:
+            try:
+                got = c.receive(timeout=timeout)
+            except shmcast.Aborted:
+                continue
+            except shmcast.Closed:
+                break  # the trainer is done: report what arrived
+            v = c.last_version
+            versions.append(v)
+            full = {n: t for n, t, _ in sharded_model(seed + v)}
+            if sorted(n for n, _ in got) != sorted(full):
+                problems.append(f"version {v}: names {sorted(n for n, _ in got)}")
+                continue
+            problems += [f"version {v}: {p}" for p in compare(got, [(n, full[n]) for n, _ in got])]
+    return {"versions": versions, "problems": problems}
+
+
 # ---------------------------------------------------------------- FSDP2 (2 GPUs)
 
 

@@ -52,3 +52,48 @@ def test_bad_slices_are_a_mismatch_before_any_byte(region, procs):
         with pytest.raises(shmcast.Mismatch, match="do not fit"):
             c.read(slices={"shape.3d": (0, 3, 5)})
     procs.get(prod)
+
+
+def _steps_with_a_failing_rank(region, procs, fault, named):
+    seed = 300
+    # One consumer (every process costs a torch import): it checks every
+    # version it gets against that version's step, every byte.
+    ranks = [procs.start("sharded_steps", region=region, rank=r, world=2, seed=seed, fault=fault, named=named,
+                         consumers=1) for r in range(2)]
+    procs.ready(ranks[0])
+    cons = [procs.start("sharded_checker", region=region, seed=seed, until=7)]
+    for c in cons:
+        procs.ready(c)
+    procs.ready(ranks[1])
+    results = [procs.get(r)["results"] for r in ranks]
+    for c in cons:
+        got = procs.get(c)
+        assert got["problems"] == [], got["problems"]
+        assert 2 not in got["versions"], got["versions"]
+        assert set(range(3, 8)) <= set(got["versions"]), got["versions"]  # the next five, every byte
+    for r in range(2):
+        for step in (1, 3, 4, 5, 6, 7):
+            assert results[r][step] == ["ok", step], (r, step, results[r][step])
+    return results
+
+
+def test_a_send_that_raises_before_shmcast_keeps_the_ranks_in_step(region, procs):
+    """Rank 1's batch at step 2 holds a sparse tensor: its send() raises
+    TypeError before shmcast begins the sync, and still takes (and fails) its
+    round, so rank 0's sync 2 fails with rank 1's reason and no later version
+    mixes two steps (rounds numbered, no version given)."""
+    results = _steps_with_a_failing_rank(region, procs, "sparse", named=False)
+    assert results[1][2][0] == "TypeError", results[1][2]
+    assert results[0][2][0] == "Aborted", results[0][2]
+    assert "rank 1 raised TypeError" in results[0][2][1], results[0][2]
+
+
+def test_a_step_skipped_in_user_code_is_harmless_with_named_versions(region, procs):
+    """Rank 1's own code raises (a bad shmcast.Shard(...)) at step 2, so it
+    never calls send() for that step. With the step as each sync's version
+    on every rank, rank 0's sync 2 is refused at once (InvalidArgument naming
+    rank 1) and every later version is one step's, bit-exact."""
+    results = _steps_with_a_failing_rank(region, procs, "shard", named=True)
+    assert results[1][2][0] == "ValueError", results[1][2]
+    assert results[0][2][0] == "InvalidArgument", results[0][2]
+    assert "producer rank 1 is at sync round 3" in results[0][2][1], results[0][2]

@@ -1,6 +1,7 @@
 // Layout: geometry arithmetic and header validation.
 #include <gtest/gtest.h>
 
+#include <cstddef>
 #include <cstring>
 
 #include "layout.hpp"
@@ -114,4 +115,28 @@ TEST(Layout, HugeCountsDoNotOverflow) {
   h.max_consumers = 0xffffffffu;
   bool vm = false;
   EXPECT_NE(validate_header(h, h.total_bytes, &vm), "");
+}
+
+// Version 3 (sharded rounds with identity): the round words and a rank's
+// post sit where docs/protocol.md puts them, and the takeover's lock byte
+// is no consumer's and no rank's. A version-2 region (rounds matched by
+// count) is another version, refused as such.
+TEST(Layout, Version3RoundWordsAndTakeoverLockByte) {
+  EXPECT_EQ(kLayoutVersion, 3u);
+  EXPECT_EQ(offsetof(Header, round), 176u);
+  EXPECT_EQ(offsetof(Header, round_open), 184u);
+  EXPECT_EQ(offsetof(Header, round_done), 344u);
+  EXPECT_EQ(offsetof(RankSeat, post), 64u);
+  EXPECT_EQ(offsetof(RankSeat, left_code), 92u);
+  EXPECT_EQ(offsetof(RankSeat, left_round), 96u);
+  EXPECT_EQ(offsetof(RankSeat, reply_round), 128u);
+  EXPECT_EQ(kTakeoverLockByte, 129);
+  EXPECT_NE(kTakeoverLockByte, kProducerLockByte);
+  for (std::uint32_t i = 0; i < kMaxConsumers; ++i) EXPECT_NE(seat_lock_byte(i), kTakeoverLockByte);
+  for (std::uint32_t r = 1; r < kMaxRanks; ++r) EXPECT_NE(rank_lock_byte(r), kTakeoverLockByte);
+  HeaderFixed h = good_header();
+  h.layout_version = 2;
+  bool vm = false;
+  EXPECT_NE(validate_header(h, h.total_bytes, &vm), "");
+  EXPECT_TRUE(vm);
 }

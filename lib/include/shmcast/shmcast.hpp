@@ -341,8 +341,15 @@ class SHMCAST_API Producer {
   // Sharded producers: every rank calls it for every sync with the pieces it
   // holds (whole tensors or shards, full shapes in `shape`); rank 0 waits for
   // all ranks, checks that the pieces tile each tensor exactly, publishes one
-  // manifest of whole tensors, and every rank returns the same version (rank 0
-  // numbers the syncs: `version` must be 0).
+  // manifest of whole tensors, and every rank returns the same version. Each
+  // call is one round of the ranks, and the round's id is the sync's version:
+  // `version` when given (every rank names each sync alike, e.g. the
+  // training step, strictly increasing), else this rank's last round + 1. A
+  // rank's list is only ever merged into the round it names: a rank that is
+  // late, gave up, failed or skipped a round fails that round (kTimeout
+  // naming the late rank, or the failing rank's error) on every rank, and
+  // the next round starts clean. A rank that never calls begin_sync() for a
+  // sync cannot be told from a late one unless the ranks name versions.
   std::uint64_t begin_sync(std::span<const TensorSpec> tensors, std::uint64_t version = 0);
   // Copies tensor `index` from host memory. Tensors are written in order.
   // A write that throws (a wrong index, a bad layout, a copy error, a
@@ -384,13 +391,26 @@ class SHMCAST_API Producer {
   // bytes are final. Each must have been claimed (lent, or skipped over).
   void publish_chunks(std::uint64_t end);
   // Publishes the last slot and returns once every slot of the sync has been
-  // filled (all D2H copies done). Consumers may still be reading.
+  // filled (all D2H copies done). Consumers may still be reading. Sharded
+  // producers: returns on every rank only once every rank's chunks are in
+  // (the sync is complete for the consumers); else throws (kPeerDied, kTimeout
+  // naming the rank, kAborted), on every rank.
   void end_sync();
   // Abandons the sync in progress; consumers get Errc::kAborted with `why`.
   void abort_sync(std::string_view why);
 
   // begin_sync + write each + end_sync, from host memory.
   std::uint64_t send(std::span<const TensorSpec> tensors, std::span<const void* const> srcs);
+  // The same with the sync's version (begin_sync's `version`).
+  std::uint64_t send(std::span<const TensorSpec> tensors, std::span<const void* const> srcs, std::uint64_t version);
+  // Sharded producers: this rank cannot begin its next sync (its caller failed
+  // before it could, e.g. preparing the tensors): takes the round anyway and
+  // fails it on every rank with `why` (kAborted), so the ranks stay in step.
+  // `version` as for begin_sync(). A producer of one rank: does nothing.
+  void skip_sync(std::string_view why, std::uint64_t version = 0);
+  // Sharded producers: the last round this rank took (begun, failed or
+  // skipped; its id is that sync's version), 0 before the first.
+  std::uint64_t last_round() const;
 
   // Blocks until every consumer of the last sync has released all its slots
   // (a store region returns at once: its readers never hold the producer up
