@@ -334,6 +334,23 @@ std::string load_key(const std::string& key_file) {
       ::close(fd);
       throw Error(Errc::kInvalidArgument, "key file " + key_file + " is not a regular file");
     }
+    // Whoever may write the key can make this relay trust a peer of their
+    // choosing: the file must be this user's (or root's), and no one else
+    // may write it or, outside its group, read it.
+    if (st.st_uid != ::geteuid() && st.st_uid != 0) {
+      ::close(fd);
+      throw Error(Errc::kPermission, "key file " + key_file + " is owned by uid " + std::to_string(st.st_uid) +
+                                         ", not by this user (uid " + std::to_string(::geteuid()) +
+                                         ") or root: whoever owns it can change the key; chown it");
+    }
+    if ((st.st_mode & 0022) != 0) {
+      ::close(fd);
+      char mode[8];
+      std::snprintf(mode, sizeof mode, "%04o", static_cast<unsigned>(st.st_mode & 07777));
+      throw Error(Errc::kPermission, "key file " + key_file + " (mode " + mode +
+                                         ") can be written by its group or by others: chmod go-w it (0600, or 0440 "
+                                         "with a group; Kubernetes: defaultMode: 0440 and fsGroup)");
+    }
     if ((st.st_mode & 0007) != 0) {
       ::close(fd);
       throw Error(Errc::kPermission, "key file " + key_file +

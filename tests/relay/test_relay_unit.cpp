@@ -300,6 +300,29 @@ TEST(RelayConfig, AddressesAndKeys) {
   } catch (const Error& e) {
     EXPECT_EQ(e.code(), Errc::kPermission);
   }
+  // Someone else controls it: group-writable, or another owner (issue 27,
+  // item 7; a real-process test is in test_relay_attack.cpp).
+  ::chmod(f.c_str(), 0660);
+  try {
+    relay::load_key(f);
+    FAIL() << "a group-writable key file was accepted";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), Errc::kPermission);
+    EXPECT_NE(std::string(e.what()).find("written by its group"), std::string::npos) << e.what();
+  }
+  ::chmod(f.c_str(), 0640);
+  if (::geteuid() == 0) {
+    ASSERT_EQ(::chown(f.c_str(), 65534, 65534), 0);
+    try {
+      relay::load_key(f);
+      FAIL() << "a key file of another uid was accepted";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), Errc::kPermission);
+      EXPECT_NE(std::string(e.what()).find("owned by uid 65534"), std::string::npos) << e.what();
+    }
+    ASSERT_EQ(::chown(f.c_str(), 0, 0), 0);
+    EXPECT_EQ(relay::load_key(f), "a-key-of-more-than-16-bytes");  // root's, 0640: taken
+  }
   ::chmod(f.c_str(), 0600);
   std::ofstream(f) << "short";
   EXPECT_THROW(relay::load_key(f), Error);

@@ -23,9 +23,9 @@ void on_signal(int) {
   if (g_relay) g_relay->stop();
 }
 
-const char* kFooter = R"(The key: --key-file FILE (mode 0600, or 0440 with a group), else the
-environment variable SHMCAST_RELAY_KEY; the same secret, at least 16 bytes,
-on every node. Peers prove it to each other (HMAC-SHA256 over fresh nonces)
+const char* kFooter = R"(The key: --key-file FILE (owned by this user or root, mode 0600, or 0440
+with a group), else the environment variable SHMCAST_RELAY_KEY; the same
+secret, at least 16 bytes, on every node. Peers prove it to each other (HMAC-SHA256 over fresh nonces)
 before any region byte moves; a relay with another key is refused.
 
 UCX picks the transport (RDMA where there is a NIC for it, else TCP); UCX_TLS
@@ -37,7 +37,8 @@ State: a JSON file next to the region, <region dir>/shmcast-relay.REGION.json
 Exit codes:
   0    stopped by SIGINT or SIGTERM
   1    failure (see the message)
-  2    usage error (also: no key, a key shorter than 16 bytes, a key file others can read)
+  2    usage error (also: no key, a key shorter than 16 bytes, a key file
+       someone else owns or may write, or others may read)
   3    the key was refused by the upstream, or the upstream did not prove it
   4    this node's region is held by another live producer)";
 

@@ -40,8 +40,10 @@ SHMCAST_API Address parse_address(std::string_view host_port);
 // The pre-shared key: the bytes of `key_file` (one trailing newline
 // stripped) when it is not empty, else the value of $SHMCAST_RELAY_KEY.
 // Throws Error(kInvalidArgument) when neither is set or the key is shorter
-// than 16 bytes, and Error(kPermission) when the file can be read or written
-// by others (mode o+rw: use 0600, or 0440 with a group).
+// than 16 bytes, and Error(kPermission) when someone else controls the file:
+// it is owned by a uid other than this process's effective uid or root, or
+// the group or others may write it, or others may read it (use 0600, or
+// 0440 with a group).
 SHMCAST_API std::string load_key(const std::string& key_file);
 
 struct RelayOptions {
