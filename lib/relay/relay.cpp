@@ -2532,7 +2532,19 @@ struct Relay::Impl {
   }
 
   void run() {
-    ctx = std::make_unique<ucx::Context>();
+    // UCX's own TCP listeners (one per worker and interface) bind only to
+    // the interfaces this relay was asked to use, unless UCX_NET_DEVICES
+    // says otherwise.
+    std::string devices;
+    if (std::getenv("UCX_NET_DEVICES") == nullptr) {
+      const ucx::NetDevices nd = ucx::relay_net_devices(o.listen, o.from);
+      devices = nd.devices;
+      if (devices.empty())
+        log("UCX may use every network interface (" + nd.why + "); set UCX_NET_DEVICES to restrict it");
+      else
+        log("UCX uses the network devices " + devices + " (UCX_NET_DEVICES to change)");
+    }
+    ctx = std::make_unique<ucx::Context>(devices);
     if (!o.listen.empty()) {
       lw = new_worker();
       start_listener();

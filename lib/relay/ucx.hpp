@@ -4,6 +4,7 @@
 // except a threaded worker's own progress thread.
 #pragma once
 
+#include <netinet/in.h>
 #include <sys/socket.h>
 #include <ucp/api/ucp.h>
 
@@ -12,6 +13,8 @@
 #include <functional>
 #include <string>
 #include <thread>
+#include <utility>
+#include <vector>
 
 #include "shmcast/relay.hpp"
 
@@ -23,7 +26,10 @@ std::string status_str(ucs_status_t st);
 
 class Context {
  public:
-  Context();  // tag matching + wake-up; UCX_* environment variables apply
+  // Tag matching and wake-up; UCX_* environment variables apply.
+  // `net_devices` not empty: UCX's NET_DEVICES, unless the environment sets
+  // UCX_NET_DEVICES.
+  explicit Context(const std::string& net_devices = "");
   ~Context();
   Context(const Context&) = delete;
   Context& operator=(const Context&) = delete;
@@ -71,6 +77,22 @@ class Worker {
   std::string failure_;
   std::thread t_;
 };
+
+// The network devices a relay lets UCX use by default: the interfaces that
+// carry its listen address and the address it reaches its upstream from,
+// plus every RDMA device (whose transports open no TCP port), so that UCX's
+// own TCP listeners bind nowhere else. `devices` is empty when nothing is
+// restricted (a wildcard listen address, an address on no interface, an
+// upstream that does not resolve yet); `why` then says why.
+struct NetDevices {
+  std::string devices, why;
+};
+NetDevices relay_net_devices(const std::string& listen, const std::string& from);
+// The pure part: interfaces (name, IPv4 address in network order), the
+// local addresses wanted, RDMA device:port names. Empty (and `why`) when a
+// wanted address is on no interface.
+std::string pick_devices(const std::vector<std::pair<std::string, in_addr_t>>& ifs,
+                         const std::vector<in_addr_t>& wanted, const std::vector<std::string>& rdma, std::string* why);
 
 // getaddrinfo for `a` (numeric or a name); passive: for a listener.
 sockaddr_storage resolve(const Address& a, bool passive, socklen_t* len);

@@ -3,6 +3,7 @@
 // format, the key handshake's MACs, addresses and key loading. One process;
 // producer and consumer run in two threads.
 #include <set>
+#include <arpa/inet.h>
 #include <gtest/gtest.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -19,6 +20,7 @@
 #include "auth.hpp"
 #include "shmcast/relay.hpp"
 #include "support.hpp"
+#include "ucx.hpp"
 #include "wire.hpp"
 
 using namespace shmcast;
@@ -331,4 +333,31 @@ TEST(RelayConfig, AddressesAndKeys) {
   ::unsetenv("SHMCAST_RELAY_KEY");
   EXPECT_THROW(relay::load_key(""), Error);
   std::filesystem::remove_all(dir);
+}
+
+// Issue 27, item 6: UCX's devices are the interfaces that carry the asked
+// addresses (plus RDMA devices); an address on no interface restricts
+// nothing (and says why).
+TEST(RelayUcx, DevicesAreTheInterfacesOfTheAskedAddresses) {
+  auto ip = [](const char* s) {
+    in_addr a{};
+    ::inet_pton(AF_INET, s, &a);
+    return a.s_addr;
+  };
+  const std::vector<std::pair<std::string, in_addr_t>> ifs = {
+      {"lo", ip("127.0.0.1")}, {"eth0", ip("10.0.0.5")}, {"eth1", ip("10.1.0.5")}};
+  std::string why;
+  EXPECT_EQ(relay::ucx::pick_devices(ifs, {ip("127.0.0.1")}, {}, &why), "lo");
+  EXPECT_EQ(relay::ucx::pick_devices(ifs, {ip("10.0.0.5"), ip("10.1.0.5")}, {"mlx5_0:1"}, &why),
+            "eth0,eth1,mlx5_0:1");
+  EXPECT_EQ(relay::ucx::pick_devices(ifs, {ip("10.0.0.5"), ip("10.0.0.5")}, {}, &why), "eth0");
+  EXPECT_EQ(relay::ucx::pick_devices(ifs, {ip("192.168.9.9")}, {}, &why), "");
+  EXPECT_NE(why.find("192.168.9.9"), std::string::npos) << why;
+  EXPECT_EQ(relay::ucx::pick_devices(ifs, {}, {}, &why), "");
+  // The relay's own pick: loopback for a loopback listen address and
+  // upstream; a wildcard listen address restricts nothing.
+  EXPECT_EQ(relay::ucx::relay_net_devices("127.0.0.1:7000", "127.0.0.1:7001").devices.substr(0, 2), "lo");
+  const auto any = relay::ucx::relay_net_devices("0.0.0.0:7000", "");
+  EXPECT_EQ(any.devices, "");
+  EXPECT_NE(any.why.find("every interface"), std::string::npos) << any.why;
 }

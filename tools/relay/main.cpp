@@ -29,7 +29,9 @@ secret, at least 16 bytes, on every node. Peers prove it to each other (HMAC-SHA
 before any region byte moves; a relay with another key is refused.
 
 UCX picks the transport (RDMA where there is a NIC for it, else TCP); UCX_TLS
-and UCX_NET_DEVICES steer it, e.g. UCX_TLS=tcp.
+and UCX_NET_DEVICES steer it, e.g. UCX_TLS=tcp. By default UCX uses only the
+interfaces of --listen and of the route to --from (and RDMA devices);
+UCX_NET_DEVICES=all (or a list) widens it.
 
 State: a JSON file next to the region, <region dir>/shmcast-relay.REGION.json
 (--status to move it, --status - for none), rewritten every second.
