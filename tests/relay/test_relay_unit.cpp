@@ -5,6 +5,7 @@
 #include <set>
 #include <arpa/inet.h>
 #include <gtest/gtest.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -17,7 +18,10 @@
 
 #include <ucp/api/ucp.h>
 
+#include "admission.hpp"
 #include "auth.hpp"
+#include "ctrl.hpp"
+#include "ratelog.hpp"
 #include "shmcast/relay.hpp"
 #include "support.hpp"
 #include "ucx.hpp"
@@ -333,6 +337,99 @@ TEST(RelayConfig, AddressesAndKeys) {
   ::unsetenv("SHMCAST_RELAY_KEY");
   EXPECT_THROW(relay::load_key(""), Error);
   std::filesystem::remove_all(dir);
+}
+
+// Issue 27, item 3: at most N pending handshakes in total and M per source
+// address; a released one makes room again.
+TEST(RelayGuard, AdmissionCapsPendingHandshakesInTotalAndPerSource) {
+  relay::Admission a(5, 2);
+  EXPECT_TRUE(a.admit("10.0.0.1"));
+  EXPECT_TRUE(a.admit("10.0.0.1"));
+  EXPECT_FALSE(a.admit("10.0.0.1"));  // per source
+  EXPECT_TRUE(a.admit("10.0.0.2"));
+  EXPECT_TRUE(a.admit("10.0.0.2"));
+  EXPECT_TRUE(a.admit("10.0.0.3"));
+  EXPECT_FALSE(a.admit("10.0.0.4"));  // in total
+  EXPECT_EQ(a.pending(), 5u);
+  EXPECT_EQ(a.refused(), 2u);
+  a.release("10.0.0.1");
+  EXPECT_EQ(a.pending_from("10.0.0.1"), 1u);
+  EXPECT_TRUE(a.admit("10.0.0.4"));
+  a.release("never-admitted");  // ignored
+  EXPECT_EQ(a.pending(), 5u);
+}
+
+// Issue 27, item 3: a topic prints `burst` lines per window, then counts;
+// the count comes out when the window ends (or at flush(all)).
+TEST(RelayGuard, RateLogPrintsABurstThenCountsWhatItLeftOut) {
+  std::vector<std::string> out;
+  relay::RateLog r([&](const std::string& l) { out.push_back(l); }, 3, 1000);
+  for (int i = 0; i < 10; ++i) r.log("accept", "line " + std::to_string(i), 0);
+  r.log("reject", "other topic", 0);
+  EXPECT_EQ(out.size(), 4u);
+  EXPECT_EQ(r.suppressed(), 7u);
+  r.flush(500);  // the window has not ended
+  EXPECT_EQ(out.size(), 4u);
+  r.log("accept", "next window", 1000);
+  ASSERT_EQ(out.size(), 6u);
+  EXPECT_NE(out[4].find("7 more 'accept' lines left out"), std::string::npos) << out[4];
+  EXPECT_EQ(out[5], "next window");
+  for (int i = 0; i < 5; ++i) r.log("accept", "x", 1100);
+  r.flush(1200, true);
+  EXPECT_NE(out.back().find("3 more 'accept' lines left out"), std::string::npos) << out.back();
+}
+
+// Issue 27, item 8: connection ids are 64 bits: past 2^24 they go on
+// (protocol 2 wrapped them there and reused live ones); an id in use is
+// skipped, 0 never given.
+TEST(RelayGuard, ConnectionIdsNeverWrapNorRepeat) {
+  std::uint64_t counter = (1ull << 24) - 2;
+  std::set<std::uint64_t> live = {1ull << 24};
+  std::vector<std::uint64_t> got;
+  for (int i = 0; i < 4; ++i) {
+    got.push_back(relay::next_conn_id(&counter, [&](std::uint64_t id) { return live.count(id) != 0; }));
+    live.insert(got.back());
+  }
+  EXPECT_EQ(got, (std::vector<std::uint64_t>{(1ull << 24) - 2, (1ull << 24) - 1, (1ull << 24) + 1, (1ull << 24) + 2}));
+  std::uint64_t zero = 0;
+  EXPECT_EQ(relay::next_conn_id(&zero, [](std::uint64_t) { return false; }), 1u);
+}
+
+// Issue 27, item 1: the control channel frames messages; a frame announced
+// larger than taken ends the connection without allocating it, a closed
+// peer is reported, and what arrived before is delivered.
+TEST(RelayCtrl, FramesAreBoundedAndDelivered) {
+  int sv[2];
+  ASSERT_EQ(::socketpair(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0, sv), 0);
+  relay::CtrlSocket a(sv[0]), b(sv[1]);
+  const std::vector<std::uint8_t> m1(100, 1), m2(5000, 2);
+  ASSERT_TRUE(a.send(m1, 1 << 20));
+  ASSERT_TRUE(a.send(m2, 1 << 20));
+  EXPECT_FALSE(a.send(std::vector<std::uint8_t>(2 << 20, 0), 1 << 20));  // the peer would hold too much unread
+  ASSERT_TRUE(a.flush());
+  std::vector<std::vector<std::uint8_t>> frames;
+  ASSERT_TRUE(b.receive(8192, &frames));
+  ASSERT_EQ(frames.size(), 2u);
+  EXPECT_EQ(frames[0], m1);
+  EXPECT_EQ(frames[1], m2);
+  // 4 GiB announced: refused at once.
+  const std::uint32_t huge = 0xffffffffu;
+  ASSERT_EQ(::send(a.fd(), &huge, 4, 0), 4);
+  frames.clear();
+  EXPECT_FALSE(b.receive(8192, &frames));
+  EXPECT_NE(b.error().find("more than the 8192"), std::string::npos) << b.error();
+  EXPECT_TRUE(frames.empty());
+  // A frame, then the peer closes: the frame, then the close.
+  int sv2[2];
+  ASSERT_EQ(::socketpair(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0, sv2), 0);
+  relay::CtrlSocket c(sv2[0]), d(sv2[1]);
+  ASSERT_TRUE(c.send(m1, 1 << 20));
+  ASSERT_TRUE(c.flush());
+  c.close();
+  frames.clear();
+  EXPECT_FALSE(d.receive(8192, &frames));
+  ASSERT_EQ(frames.size(), 1u);
+  EXPECT_NE(d.error().find("closed"), std::string::npos) << d.error();
 }
 
 // Issue 27, item 6: UCX's devices are the interfaces that carry the asked
