@@ -110,7 +110,11 @@ std::string Worker::failure() const { return failed_.load(std::memory_order_acqu
 unsigned Worker::progress() {
   unsigned total = 0;
   for (int i = 0; i < 64; ++i) {
-    const unsigned n = ucp_worker_progress(h_);
+    unsigned n = 0;
+    {
+      std::lock_guard<std::mutex> g(progress_mu_);
+      n = ucp_worker_progress(h_);
+    }
     if (n == 0) break;
     total += n;
   }

@@ -11,6 +11,7 @@
 #include <atomic>
 #include <cstdint>
 #include <functional>
+#include <mutex>
 #include <string>
 #include <thread>
 #include <utility>
@@ -26,9 +27,9 @@ std::string status_str(ucs_status_t st);
 
 class Context {
  public:
-  // Tag matching and wake-up; UCX_* environment variables apply.
-  // `net_devices` not empty: UCX's NET_DEVICES, unless the environment sets
-  // UCX_NET_DEVICES.
+  // Tag matching and wake-up; UCX_* environment variables
+  // apply. `net_devices` not empty: UCX's NET_DEVICES, unless the
+  // environment sets UCX_NET_DEVICES.
   explicit Context(const std::string& net_devices = "");
   ~Context();
   Context(const Context&) = delete;
@@ -50,6 +51,23 @@ class Worker {
   int fd() const { return efd_; }
   // Progresses until nothing more happens; returns how many events ran.
   unsigned progress();
+  // Cancels a request this worker may complete at the same moment on its
+  // progress thread. UCX (1.13) checks a request's completion before it
+  // takes the worker's lock in ucp_request_cancel(), and asserts when the
+  // request completed in between: progress and cancel are serialized here,
+  // and `still_pending` (read under that lock) says whether to cancel.
+  template <class F>
+  void cancel(void* req, F still_pending) {
+    std::lock_guard<std::mutex> g(progress_mu_);
+    if (still_pending()) ucp_request_cancel(h_, req);
+  }
+  // Runs f() while no progress runs (so no callback of this worker: a
+  // listener's connection handler runs inside progress too).
+  template <class F>
+  void locked(F f) {
+    std::lock_guard<std::mutex> g(progress_mu_);
+    f();
+  }
   // Arms the wake-up fd: true when it may be slept on, false when events
   // are pending (progress again first).
   bool arm();
@@ -74,6 +92,7 @@ class Worker {
   bool threaded_ = false;
   int stop_fd_ = -1;
   std::atomic<bool> stop_{false}, failed_{false};
+  std::mutex progress_mu_;  // held around ucp_worker_progress and cancel()
   std::string failure_;
   std::thread t_;
 };

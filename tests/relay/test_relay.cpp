@@ -199,7 +199,7 @@ TEST(RelayFaults, ListenPortInUseFailsCleanly) {
   ASSERT_NE(port, 0);
   Proc& second = c.relay(1, port, true, kKey, port, {"--status", c.file("second.json")});
   EXPECT_EQ(second.wait(60s), 1) << second.output();
-  EXPECT_NE(second.output().find("failed"), std::string::npos) << second.output();
+  EXPECT_NE(second.output().find("the port is in use"), std::string::npos) << second.output();
   EXPECT_TRUE(first.running());
   EXPECT_TRUE(trainer.running());
 }
@@ -234,37 +234,6 @@ TEST(RelayFaults, MiddleRelayKilledMidSyncThenRestarted) {
     EXPECT_EQ(ch.workers[static_cast<std::size_t>(i - 1)]->wait(), 0) << slurp(ch.report(i));
     EXPECT_TRUE(has_line(ch.report(i), "ok 3")) << slurp(ch.report(i));
   }
-}
-
-// A downstream relay with another key is refused before any region byte
-// moves: it exits 3, its node has no region at all, and the source relay
-// keeps serving relays that do hold the key.
-TEST(RelaySecurity, WrongKeyIsRefusedAndNothingIsWritten) {
-  Cluster c(2, "wrongkey");
-  Proc& trainer = c.peer("trainer", 0, {"produce", c.region(), "--syncs", "1", "--go", c.file("go"), "--report",
-                                        c.file("trainer.txt")});
-  ASSERT_TRUE(c.wait_line(c.file("trainer.txt"), "ready"));
-  c.relay(0, 0, true);
-  const int port = c.listen_port(0);
-  c.wait_status(0, [](const json& j) { return j["region_state"].value("ready", false); });
-  Proc& bad = c.relay(1, port, false, "another-key-0123456789abcdef");
-  EXPECT_EQ(bad.wait(60s), 3) << bad.output();
-  EXPECT_NE(bad.output().find("wrong key"), std::string::npos) << bad.output();
-  EXPECT_FALSE(std::filesystem::exists(c.dir(1) + "/shmcast." + c.region()));
-  const json s0 = c.wait_status(0, [](const json& j) { return j.value("refused", 0) >= 1; });
-  EXPECT_EQ(s0.value("downstream_ready", -1), 0);
-  // A relay with no key at all does not even start.
-  Proc& nokey = c.relay(1, port, false, "");
-  EXPECT_EQ(nokey.wait(60s), 2) << nokey.output();
-  // The right key still gets in, and the sync arrives.
-  c.relay(1, port, false);
-  c.wait_status(1, [](const json& j) { return upstream_connected(j); });
-  c.wait_status(0, [](const json& j) { return downstream_ready(j); });
-  Proc& w = c.peer("worker1", 1, {"consume", c.region(), "--syncs", "1", "--report", c.file("worker1.txt")});
-  ASSERT_TRUE(c.wait_line(c.file("worker1.txt"), "attached"));
-  c.touch(c.file("go.1"));
-  EXPECT_EQ(w.wait(), 0) << w.output();
-  EXPECT_TRUE(trainer.running());
 }
 
 // One bit flipped on the wire between node `sender` and the next (below

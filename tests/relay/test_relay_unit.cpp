@@ -1,8 +1,9 @@
 // What the relay needs from the core library (begin_sync with a version,
 // write_part, Consumer::slot_bytes) and the relay's own pieces: the wire
-// format, the key handshake's MACs, addresses and key loading. One process;
-// producer and consumer run in two threads.
-#include <set>
+// format, the key handshake's MACs, addresses and key loading, and what
+// guards it against peers (admission, rate-limited logging, connection ids,
+// data tags, limits on what a peer announces, control-channel framing, UCX's
+// devices). One process; producer and consumer run in two threads.
 #include <arpa/inet.h>
 #include <gtest/gtest.h>
 #include <sys/socket.h>
@@ -23,8 +24,8 @@
 #include "ctrl.hpp"
 #include "ratelog.hpp"
 #include "shmcast/relay.hpp"
-#include "support.hpp"
 #include "ucx.hpp"
+#include "support.hpp"
 #include "wire.hpp"
 
 using namespace shmcast;
@@ -381,7 +382,7 @@ TEST(RelayGuard, RateLogPrintsABurstThenCountsWhatItLeftOut) {
 
 // Issue 27, item 8: connection ids are 64 bits: past 2^24 they go on
 // (protocol 2 wrapped them there and reused live ones); an id in use is
-// skipped, 0 never given.
+// skipped, 0 never given; the proofs bind the whole id.
 TEST(RelayGuard, ConnectionIdsNeverWrapNorRepeat) {
   std::uint64_t counter = (1ull << 24) - 2;
   std::set<std::uint64_t> live = {1ull << 24};
@@ -393,6 +394,81 @@ TEST(RelayGuard, ConnectionIdsNeverWrapNorRepeat) {
   EXPECT_EQ(got, (std::vector<std::uint64_t>{(1ull << 24) - 2, (1ull << 24) - 1, (1ull << 24) + 1, (1ull << 24) + 2}));
   std::uint64_t zero = 0;
   EXPECT_EQ(relay::next_conn_id(&zero, [](std::uint64_t) { return false; }), 1u);
+  relay::auth::Transcript t;
+  t.region = "r";
+  t.conn = 1;
+  relay::auth::Transcript t2 = t;
+  t2.conn = 1 + (1ull << 24);
+  EXPECT_FALSE(relay::auth::equal(relay::auth::client_proof("0123456789abcdef-key", t),
+                                  relay::auth::client_proof("0123456789abcdef-key", t2)));
+}
+
+// Issue 27, item 8: a fragment's tag carries its connection's sync serial,
+// not the version: consecutive syncs never share a tag (whatever their
+// versions, 2^24 apart or equal after a trainer restart), data tags are
+// told from anything else by their top bit, and the serials start where the
+// session key says (a peer without it cannot guess them).
+TEST(RelayWire, DataTagsNeverCollideAcrossSyncs) {
+  const auto plan_a = relay::wire::plan_for(random_manifest(3, 2 << 20, 8), 5, 2 << 20, 256 << 10);
+  const auto plan_b = relay::wire::plan_for(random_manifest(3, 2 << 20, 8), 5 + (1ull << 24), 2 << 20, 256 << 10);
+  for (std::uint32_t base : {0u, 12345u, relay::wire::kSerialMask}) {
+    std::set<std::uint64_t> tags;
+    std::size_t n = 0;
+    for (std::uint64_t sync = 1; sync <= 3; ++sync) {
+      const std::uint32_t serial = relay::wire::data_serial(base, sync);
+      const auto& p = sync == 2 ? plan_b : plan_a;
+      for (std::uint32_t c : p.data_chunks)
+        for (std::uint32_t j = 0; j < p.frags(c); ++j) {
+          const std::uint64_t tag = relay::wire::data_tag(serial, p.frag_tag(c, j));
+          EXPECT_NE(tag & relay::wire::kDataBit, 0u);
+          tags.insert(tag);
+          ++n;
+        }
+    }
+    EXPECT_EQ(tags.size(), n) << "base " << base;  // no tag shared between the three syncs
+  }
+  const std::string s1 = relay::auth::session_key("0123456789abcdef-key", relay::auth::Transcript{"r", 1, {}, {}});
+  relay::auth::Transcript t{"r", 1, {}, {}};
+  t.client_nonce[0] = 1;
+  const std::string s2 = relay::auth::session_key("0123456789abcdef-key", t);
+  EXPECT_NE(relay::auth::data_tag_base(s1), relay::auth::data_tag_base(s2));
+  EXPECT_LE(relay::auth::data_tag_base(s1), relay::wire::kSerialMask);
+}
+
+// Issue 27, item 8: what an (authenticated) upstream may announce is
+// bounded: chunks by a documented maximum (1 GiB) and by what this node
+// holds (buffers and region slots against its memory, the region against
+// its file system); control messages by the region's manifest room.
+TEST(RelayWire, ChunkAndControlSizesAreBounded) {
+  relay::wire::ChunkRoom room;
+  room.buffers = 4;
+  room.region_slots = 4;
+  room.memory_bytes = 16ull << 30;
+  room.fs_bytes = 8ull << 30;
+  EXPECT_EQ(relay::wire::chunk_problem(256ull << 20, room), "");
+  EXPECT_NE(relay::wire::chunk_problem(64ull << 30, room).find("maximum"), std::string::npos);
+  EXPECT_NE(relay::wire::chunk_problem(3ull << 20, room).find("multiple of 2 MiB"), std::string::npos);
+  EXPECT_NE(relay::wire::chunk_problem(0, room), "");
+  room.memory_bytes = 4ull << 30;  // 8 x 1 GiB do not fit
+  EXPECT_NE(relay::wire::chunk_problem(1ull << 30, room).find("memory"), std::string::npos);
+  room.memory_bytes = 64ull << 30;
+  room.fs_bytes = 2ull << 30;  // a region of 4 x 1 GiB does not fit
+  EXPECT_NE(relay::wire::chunk_problem(1ull << 30, room).find("file system"), std::string::npos);
+  room.region_slots = 0;  // --slot-bytes: the region does not follow the chunk
+  EXPECT_EQ(relay::wire::chunk_problem(1ull << 30, room), "");
+  // A sync message announcing 64 GiB chunks is refused as it is decoded.
+  relay::wire::SyncPlan p = relay::wire::plan_for(random_manifest(5, 2 << 20, 4), 1, 2 << 20, 1 << 20);
+  p.chunk_bytes = 64ull << 30;
+  relay::wire::Writer w(relay::wire::Type::kSync);
+  relay::wire::encode_sync(w, p);
+  relay::wire::Reader r(w.buffer(), false);
+  EXPECT_THROW(relay::wire::decode_sync(r), relay::wire::ProtocolError);
+  // Control messages: the region's manifest room plus 64 KiB, at most
+  // the largest manifest plus 64 KiB (protocol 2 took 2 GiB).
+  EXPECT_EQ(relay::wire::control_cap(1 << 20), (1u << 20) + (64u << 10));
+  EXPECT_EQ(relay::wire::control_cap(0), relay::wire::control_cap(ProducerOptions{}.manifest_bytes));
+  EXPECT_EQ(relay::wire::control_cap(~0ull), relay::wire::kMaxControlBytes);
+  EXPECT_LT(relay::wire::kMaxControlBytes, 2ull << 30);
 }
 
 // Issue 27, item 1: the control channel frames messages; a frame announced

@@ -86,6 +86,22 @@ struct RelayOptions {
   // saved a core per node but did not raise the rate over TCP.
   bool direct_receive = false;
   Duration handshake_timeout = std::chrono::seconds(10);
+  // Connections that have not proven the key yet: at most max_pending at
+  // once, and at most max_pending_per_source from one source address; a
+  // connection beyond either is refused at once (a flood of connections
+  // without the key holds a bounded number of descriptors).
+  std::uint32_t max_pending = 64;
+  std::uint32_t max_pending_per_source = 8;
+  // What the upstream's refusal does. A refusal (a wrong key, another
+  // region or protocol, an upstream that does not prove the key) is never
+  // proven, since a peer without the key can send one: by default the relay
+  // reports it (log, status file) and retries with a backoff (1 s doubling
+  // to 5 s). True: run() throws Error(kPermission) instead.
+  bool exit_on_refusal = false;
+  // Rate-limit UCX's own warnings and errors (at most 5 per source line and
+  // 10 s), which a peer can cause at will. Process-wide (a UCX log handler),
+  // installed once by the first run().
+  bool limit_ucx_log = true;
   // A downstream relay that takes no byte of a chunk for this long is
   // dropped (it rejoins at a later sync), so it cannot hold the others, nor
   // the source region's producer, past its consumer_timeout.
@@ -115,12 +131,12 @@ class SHMCAST_API Relay {
   Relay& operator=(const Relay&) = delete;
   ~Relay();
 
-  // Forwards syncs until stop(): reconnects to the upstream after faults,
-  // reattaches to the source region when its producer restarts. Returns
-  // normally after stop(). Throws Error for what retrying cannot fix: the
-  // key refused by the upstream or the upstream failing to prove it
-  // (kPermission), bad options (kInvalidArgument), the local region held by
-  // another live producer (kExists).
+  // Forwards syncs until stop(): reconnects to the upstream after faults
+  // and refusals, reattaches to the source region when its producer
+  // restarts. Returns normally after stop(). Throws Error for what retrying
+  // cannot fix: bad options (kInvalidArgument), the local region held by
+  // another live producer (kExists); with exit_on_refusal, also a refusal by
+  // the upstream or an upstream that does not prove the key (kPermission).
   void run();
   // Makes run() return soon. Async-signal-safe: call it from a handler.
   void stop() noexcept;
