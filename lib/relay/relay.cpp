@@ -26,6 +26,7 @@
 #include <mutex>
 #include <nlohmann/json.hpp>
 #include <optional>
+#include <set>
 #include <thread>
 #include <unordered_map>
 
@@ -111,6 +112,7 @@ struct Op {
   std::atomic<bool> done{false};
   std::uint64_t conn = 0;  // downstream connection; 0: the upstream one
   std::uint64_t gen = 0;   // upstream connection generation
+  std::uint64_t ord = 0;   // kDataSend: the fan-out fragment's ordinal (Impl::fan)
   int buf = -1;            // receive buffer
   std::uint32_t chunk = 0;
   std::uint32_t frag = 0;     // fragment of the chunk
@@ -225,6 +227,7 @@ struct Down {
   std::uint64_t syncs_begun = 0; // sync messages sent on this connection
   std::uint32_t serial = 0;      // the data tag serial of the sync in progress
   int pending_data = 0;
+  std::set<std::uint64_t> pend;  // fan-out ordinals of its sends in flight (Impl::fan)
   std::int64_t progress_ns = 0;
   std::uint64_t bytes_sent = 0, syncs = 0;
 };
@@ -566,6 +569,13 @@ struct Relay::Impl {
   Admission admission;
   RateLog rlog;
 
+  // ---- fan-out progress per fragment sent downstream (lag isolation)
+  struct FanFrag {
+    int pending = 0;                  // sends of it in flight
+    std::int64_t first_done_ns = 0;   // when the first downstream took it
+  };
+  std::uint64_t fan_seq = 0;
+  std::map<std::uint64_t, FanFrag> fan;
 
   // ---- outgoing sync (fan-out to the downstream relays)
   struct Out {
@@ -750,6 +760,7 @@ struct Relay::Impl {
                                               std::to_string(o.fragment_bytes));
     if (o.max_pending == 0 || o.max_pending_per_source == 0)
       throw Error(Errc::kInvalidArgument, "max_pending and max_pending_per_source must be at least 1");
+    if (o.max_lag.count() <= 0) throw Error(Errc::kInvalidArgument, "max_lag must be positive");
     status_path = o.status_path.empty() ? default_status_path(o.region) : o.status_path;
     if (status_path == "-") status_path.clear();
     wake_fd = ::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
@@ -1253,6 +1264,7 @@ struct Relay::Impl {
   int forward_frag(std::uint32_t c, std::uint32_t j, const std::byte* p, std::uint64_t len, ucp_mem_h memh, int buf) {
     int n = 0;
     if (!out.plan) return 0;
+    const std::uint64_t ord = ++fan_seq;  // this fragment, for every downstream (lag isolation)
     for (auto& [id, d] : downs) {
       if (d->state != Down::kActive) continue;
       Op* op = new_op(Op::kDataSend, lw->get());
@@ -1262,8 +1274,11 @@ struct Relay::Impl {
       op->frag = j;
       op->version = out.plan->version;
       op->bytes = len;
+      op->ord = ord;
       if (d->pending_data++ == 0) d->progress_ns = mono_ns();
       ++d->frags_sent;
+      d->pend.insert(ord);
+      ++fan[ord].pending;
       ucp_request_param_t prm = send_param(op, memh);
       add_ref(buf);
       track(op, ucp_tag_send_nbx(d->ep, p, len, wire::data_tag(d->serial, out.plan->frag_tag(c, j)), &prm));
@@ -2004,9 +2019,14 @@ struct Relay::Impl {
     switch (op->kind) {
       case Op::kDataSend: {
         release_buf(op->buf);
+        if (auto f = fan.find(op->ord); f != fan.end()) {
+          if (f->second.first_done_ns == 0 && op->status == UCS_OK) f->second.first_done_ns = mono_ns();
+          if (--f->second.pending <= 0) fan.erase(f);
+        }
         if (auto it = downs.find(op->conn); it != downs.end()) {
           Down& d = *it->second;
           --d.pending_data;
+          d.pend.erase(op->ord);
           d.progress_ns = mono_ns();
           if (op->status == UCS_OK) {
             d.bytes_sent += op->bytes;
@@ -2121,6 +2141,17 @@ struct Relay::Impl {
       if (d->state == Down::kJoining && now > d->deadline_ns) drop_down(*d, "no data connection in time");
       if (d->state == Down::kActive && d->pending_data > 0 && now - d->progress_ns > o.peer_timeout.count())
         drop_down(*d, "took no chunk for " + std::to_string(o.peer_timeout.count() / 1000000) + " ms (stalled)");
+      // Isolation: a downstream that has not taken a fragment which another
+      // downstream took more than max_lag ago holds the others back (the
+      // fragment's buffer, or the source's slot, waits for it). It is
+      // dropped from the sync, reconnects and takes the next one.
+      if ((d->state == Down::kActive || d->state == Down::kReady) && !d->pend.empty())
+        if (auto f = fan.find(*d->pend.begin());
+            f != fan.end() && f->second.first_done_ns != 0 && now - f->second.first_done_ns > o.max_lag.count())
+          drop_down(*d, "fell behind the other downstream relays by more than " +
+                            std::to_string(o.max_lag.count() / 1000000) +
+                            " ms (it has not taken a fragment they took " +
+                            std::to_string((now - f->second.first_done_ns) / 1000000) + " ms ago)");
     }
     rlog.flush(now);
     if (!source) {

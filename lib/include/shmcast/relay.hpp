@@ -92,6 +92,12 @@ struct RelayOptions {
   // without the key holds a bounded number of descriptors).
   std::uint32_t max_pending = 64;
   std::uint32_t max_pending_per_source = 8;
+  // A downstream relay that has not taken a fragment which another
+  // downstream took more than max_lag ago is dropped from the sync (it
+  // reconnects and takes the next one), so that it cannot hold the others
+  // back: they wait for it at most this long. A lone downstream is judged
+  // by peer_timeout only.
+  Duration max_lag = std::chrono::milliseconds(300);
   // What the upstream's refusal does. A refusal (a wrong key, another
   // region or protocol, an upstream that does not prove the key) is never
   // proven, since a peer without the key can send one: by default the relay
