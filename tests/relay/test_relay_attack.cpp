@@ -316,6 +316,10 @@ TEST(RelayAttack, UcxListensOnlyWhereAsked) {
   ASSERT_NE(port, 0);
   Proc& mid = c.relay(1, port, true);
   const int p1 = c.listen_port(1);
+  // The middle relay knows the source's slot size before the leaf connects
+  // (else the leaf makes its region only at the first sync, and this test
+  // sends none).
+  ASSERT_FALSE(c.wait_status(1, [](const json& j) { return upstream_connected(j); }).is_null()) << mid.output();
   Proc& leaf = c.relay(2, p1, false);
   ASSERT_FALSE(c.wait_status(2, [](const json& j) { return upstream_connected(j); }).is_null()) << leaf.output();
   ASSERT_FALSE(c.wait_status(1, [](const json& j) { return upstream_connected(j) && downstream_ready(j); }).is_null())
