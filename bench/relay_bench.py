@@ -36,6 +36,26 @@ nodes, and the chain's pipelining is measured against it.
 Prints min/median/max of every figure and the ratios the issue asks for:
 2-node relay / perftest, and the last node of the N-node chain / 2-node.
 Exit 1 when a worker saw a wrong byte or a step did not finish in time.
+
+Isolation (instead of the above; TCP over loopback only):
+
+    python3 bench/relay_bench.py --flood 1000 [--window 4] [--reps 10] ...
+    python3 bench/relay_bench.py --slow [--window 4.3] [--reps 10] ...
+
+A source relay and its downstream relays, syncs back to back (each started
+once the measured worker checked every byte of the previous one), and the
+measured downstream's rate in windows of --window seconds: payload bytes
+its worker received whole / the window's time. --reps pairs of windows,
+without the disturbance then with it, in the same run (interleaved, so that
+what else runs on the machine weighs on both alike):
+  --flood N: the keyed downstream's rate while relay_attacker (the attack
+    tests' keyless peer, build/tests/relay) holds N UCX connections and N
+    plain TCP connections open to the source relay's port, opening again
+    every one the relay closes (at most 2 N at once, loopback only). Wanted:
+    >= 0.5x the rate without it.
+  --slow: the healthy downstream's rate, alone, then beside two more
+    downstream relays of the same source: one stopped (SIGSTOP) for good,
+    one stopped 4 s and resumed 0.3 s over and over. Wanted: >= 0.9x.
 """
 
 import argparse
@@ -52,6 +72,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 KEY = "relay-bench-key-0123456789abcdef"
@@ -357,6 +378,200 @@ class Chain:
             shutil.rmtree(self.root, ignore_errors=True)
 
 
+class Tree:
+    """A source relay and K downstream relays of it (--flood, --slow): the
+    trainer waits for go files; worker 1 is measured."""
+
+    def __init__(self, args, env, tools, k):
+        self.args, self.env, self.tools, self.k = args, env, tools, k
+        self.root = tempfile.mkdtemp(prefix="shmcast-relay-bench-iso-")
+        self.procs = []
+        self.region = "relay-bench"
+        self.next_sync = 1
+
+    def dir(self, i):
+        return os.path.join(self.root, f"node{i}")
+
+    def start(self, tag, argv, node):
+        env = dict(self.env, SHMCAST_DIR=self.dir(node), SHMCAST_RELAY_KEY=KEY)
+        log = open(os.path.join(self.root, tag + ".log"), "w")
+        p = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT)
+        self.procs.append(p)
+        return p
+
+    def status(self, i):
+        return status(os.path.join(self.dir(i), f"shmcast-relay.{self.region}.json"))
+
+    def wait_status(self, i, pred, what):
+        return wait_for(lambda: (lambda s: s if s and pred(s) else None)(self.status(i)), 120, f"node {i}: {what}")
+
+    def setup(self, extra_nodes_now=True):
+        a = self.args
+        for i in range(self.k + 1):
+            os.makedirs(self.dir(i))
+        self.seed = int.from_bytes(os.urandom(7), "little")
+        self.trainer = os.path.join(self.root, "trainer.txt")
+        self.go = os.path.join(self.root, "go")
+        self.start("trainer", [self.tools["peer"], "produce", self.region, "--bytes", str(a.bytes), "--tensors",
+                               str(a.tensors), "--slot-bytes", str(a.chunk), "--syncs", "1000000", "--go", self.go,
+                               "--seed", str(self.seed), "--report", self.trainer], 0)
+        wait_for(lambda: "ready" in read_lines(self.trainer), 120, "the trainer")
+        self.start("relay0", [self.tools["relay"], self.region, "--listen", "127.0.0.1:0"] + a.relay_args, 0)
+        s = self.wait_status(0, lambda s: s.get("listen") and s["region_state"]["ready"], "listening")
+        self.port = int(s["listen"].rsplit(":", 1)[1])
+        self.relays = {}
+        self.add_downstream(1)
+        self.report = os.path.join(self.root, "worker1.txt")
+        self.start("worker1", [self.tools["peer"], "consume", self.region, "--syncs", "1000000", "--seed",
+                               str(self.seed), "--report", self.report], 1)
+        wait_for(lambda: "attached" in read_lines(self.report), 120, "worker 1")
+
+    def add_downstream(self, i):
+        self.relays[i] = self.start(f"relay{i}", [self.tools["relay"], self.region, "--from",
+                                                  f"127.0.0.1:{self.port}"] + self.args.relay_args, i)
+        self.wait_status(i, lambda s: s["upstream"]["state"] == "connected", "connected")
+        n = len(self.relays)
+        self.wait_status(0, lambda s: s["downstream_ready"] >= n, f"{n} downstream relays")
+
+    def remove_downstream(self, i):
+        p = self.relays.pop(i)
+        os.kill(p.pid, signal.SIGCONT)
+        p.send_signal(signal.SIGTERM)
+        p.wait(timeout=60)
+        n = len(self.relays)
+        self.wait_status(0, lambda s: len(s["downstream"]) <= n, f"{n} downstream relays left")
+
+    def window(self, seconds):
+        """Syncs back to back for `seconds`; worker 1's payload bytes per second."""
+        a = self.args
+        t0 = time.monotonic()
+        got = 0
+        while time.monotonic() - t0 < seconds:
+            v = self.next_sync
+            self.next_sync += 1
+            open(f"{self.go}.{v}", "w").close()
+
+            def done(v=v):
+                lines = read_lines(self.report)
+                if any(l.startswith(f"bad {v}") for l in lines):
+                    raise RuntimeError(f"sync {v} has wrong bytes at the measured worker")
+                return f"ok {v}" in lines
+            wait_for(done, 600, f"sync {v} at the measured worker")
+            got += a.payload
+        return got / (time.monotonic() - t0) / 1e9
+
+    def close(self):
+        for p in self.procs:
+            if p.poll() is None:
+                try:
+                    os.kill(p.pid, signal.SIGCONT)
+                except ProcessLookupError:
+                    pass
+                p.send_signal(signal.SIGTERM)
+        for p in self.procs:
+            try:
+                p.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        if not self.args.keep:
+            shutil.rmtree(self.root, ignore_errors=True)
+
+
+def run_isolation(args, tools):
+    """--flood N / --slow: the measured downstream's rate without, then with,
+    the disturbance, in one run."""
+    env = dict(os.environ, UCX_TLS=args.tls, UCX_NET_DEVICES=args.devices, UCX_WARN_UNUSED_ENV_VARS="n")
+    mode = "flood" if args.flood else "slow"
+    result = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": " ".join([os.path.basename(sys.argv[0])] + sys.argv[1:]),
+        "machine": {"cpus": os.cpu_count(), "kernel": platform.release(), "loadavg_before": os.getloadavg()},
+        "mode": mode, "payload_bytes": args.payload, "chunk_bytes": args.chunk, "window_s": args.window,
+        "reps": args.reps, "relay_args": args.relay_args,
+    }
+    tree = Tree(args, env, tools, 1 if args.flood else 3)
+    base, hit = [], []
+    try:
+        tree.setup()
+        tree.window(args.window / 2)  # warm-up
+        if args.flood:
+            attacker = os.path.join(args.build, "tests", "relay", "relay_attacker")
+            n = min(args.flood, 1000)
+            result["flood"] = {"connections": n, "raw": n, "reports": []}
+        else:
+            result["slow"] = {}
+        for r in range(args.reps):
+            base.append(tree.window(args.window))
+            if args.flood:
+                rep = os.path.join(tree.root, f"flood{r}.txt")
+                flood = tree.start(f"flood{r}", [attacker, "flood", "--to", f"127.0.0.1:{tree.port}", "--conns",
+                                                 str(n), "--raw", str(n), "--sustain", "1", "--seconds",
+                                                 str(int(args.window + 120)), "--report", rep], 1)
+                wait_for(lambda: any(l.startswith("raw ") for l in read_lines(rep)), 300, "the flood")
+                c0 = (proc_cpu_s(flood.pid), proc_cpu_s(tree.procs[1].pid))  # the attacker, the source relay
+                t0 = time.monotonic()
+                hit.append(tree.window(args.window))
+                dt = time.monotonic() - t0
+                result["flood"].setdefault("attacker_cores", []).append((proc_cpu_s(flood.pid) - c0[0]) / dt)
+                result["flood"].setdefault("source_relay_cores", []).append((proc_cpu_s(tree.procs[1].pid) - c0[1]) / dt)
+                flood.send_signal(signal.SIGTERM)
+                flood.wait(timeout=60)
+                result["flood"]["reports"].append(read_lines(rep))
+            else:
+                tree.add_downstream(2)
+                tree.add_downstream(3)
+                stopped, trickle = tree.relays[2], tree.relays[3]
+                os.kill(stopped.pid, signal.SIGSTOP)
+                stop = {"on": True}
+
+                def toggle():
+                    while stop["on"]:
+                        os.kill(trickle.pid, signal.SIGSTOP)
+                        end = time.monotonic() + 4.0
+                        while stop["on"] and time.monotonic() < end:
+                            time.sleep(0.01)
+                        os.kill(trickle.pid, signal.SIGCONT)
+                        time.sleep(0.3)
+                th = threading.Thread(target=toggle, daemon=True)
+                th.start()
+                try:
+                    hit.append(tree.window(args.window))
+                finally:
+                    stop["on"] = False
+                    th.join()
+                tree.remove_downstream(3)
+                tree.remove_downstream(2)
+        if not args.flood:
+            result["slow"]["dropped_for_lag"] = sum(1 for l in open(os.path.join(tree.root, "relay0.log"))
+                                                    if "fell behind the other downstream" in l)
+        result["source_status"] = tree.status(0)
+    except Exception as e:  # noqa: BLE001 (report, keep the logs, fail)
+        print(f"relay_bench: {mode}: {e} (logs in {tree.root})", file=sys.stderr)
+        args.keep = True
+        tree.close()
+        return 1
+    tree.close()
+    result["without"] = {"gbs": stats(base), "all": base}
+    result["with"] = {"gbs": stats(hit), "all": hit}
+    result["ratio_median"] = stats(hit)["median"] / stats(base)["median"]
+    result["ratio_mean"] = statistics.mean(hit) / statistics.mean(base)
+    result["machine"]["loadavg_after"] = os.getloadavg()
+    if args.flood:
+        for k in ("attacker_cores", "source_relay_cores"):
+            result["flood"][k + "_median"] = statistics.median(result["flood"][k])
+        print(f"flood: cores busy during the flood windows (median): attacker "
+              f"{result['flood']['attacker_cores_median']:.2f}, source relay {result['flood']['source_relay_cores_median']:.2f}")
+    what = f"a flood of {args.flood} keyless connections" if args.flood else "a stopped and a 4 s/0.3 s downstream"
+    print(f"{mode}: measured downstream without: {fmt(result['without']['gbs'])}")
+    print(f"{mode}: measured downstream with {what}: {fmt(result['with']['gbs'])}")
+    print(f"{mode}: with / without: {result['ratio_median']:.2f} (medians), {result['ratio_mean']:.2f} (means)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    return 0
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--build", default="build")
@@ -376,6 +591,13 @@ def main():
     ap.add_argument("--mtu", type=int, default=9000, help="MTU of the emulated links")
     ap.add_argument("--relay-arg", dest="relay_args", action="append", default=[],
                     help="extra argument for every relay (repeat), e.g. --relay-arg=--no-checksums")
+    ap.add_argument("--flood", type=int, metavar="N",
+                    help="instead of chains: a downstream's rate without and with a flood of N (at most 1000) "
+                         "keyless connections, loopback only (needs build/tests/relay/relay_attacker)")
+    ap.add_argument("--slow", action="store_true",
+                    help="instead of chains: a downstream's rate alone and beside a stopped one and one stopped 4 s "
+                         "/ resumed 0.3 s over and over")
+    ap.add_argument("--window", type=float, default=4.3, help="--flood/--slow: seconds of syncs per repetition")
     ap.add_argument("--json")
     ap.add_argument("--keep", action="store_true", help="keep the node directories and logs")
     args = ap.parse_args()
@@ -389,6 +611,15 @@ def main():
         if not os.access(t, os.X_OK):
             sys.exit(f"relay_bench: {t} is missing: build it (cmake --build {args.build} --target "
                      "shmcast-relay shmcast-relay-bench-peer)")
+    if args.flood or args.slow:
+        if args.link or args.tls != "tcp" or args.devices != "lo":
+            sys.exit("relay_bench: --flood and --slow run over TCP loopback only")
+        if args.flood and not 0 < args.flood <= 1000:
+            sys.exit("relay_bench: --flood N: 1..1000")
+        if args.flood and not os.access(os.path.join(args.build, "tests", "relay", "relay_attacker"), os.X_OK):
+            sys.exit(f"relay_bench: --flood needs {args.build}/tests/relay/relay_attacker "
+                     f"(cmake --build {args.build} --target relay_attacker)")
+        return run_isolation(args, tools)
     perf = shutil.which("ucx_perftest")
     if not perf:
         sys.exit("relay_bench: ucx_perftest is missing (apt install ucx-utils)")

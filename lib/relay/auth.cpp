@@ -49,10 +49,10 @@ bool equal(const wire::Mac& a, const wire::Mac& b) { return CRYPTO_memcmp(a.data
 
 namespace {
 wire::Mac proof(std::string_view key, std::string_view label, const Transcript& t) {
-  const std::uint32_t conn = t.conn;
+  const std::uint64_t conn = t.conn;
   const std::uint32_t proto = wire::kProto;
   return hmac(key, {bytes_of(label), bytes_of(t.region), {reinterpret_cast<const std::uint8_t*>(&proto), 4},
-                    {reinterpret_cast<const std::uint8_t*>(&conn), 4}, t.server_nonce, t.client_nonce});
+                    {reinterpret_cast<const std::uint8_t*>(&conn), 8}, t.server_nonce, t.client_nonce});
 }
 }  // namespace
 
@@ -61,6 +61,13 @@ wire::Mac server_proof(std::string_view key, const Transcript& t) { return proof
 std::string session_key(std::string_view key, const Transcript& t) {
   const wire::Mac m = proof(key, "shmcast-relay session", t);
   return std::string(reinterpret_cast<const char*>(m.data()), m.size());
+}
+
+std::uint32_t data_tag_base(std::string_view session) {
+  const wire::Mac m = hmac(session, {bytes_of("shmcast-relay data tags")});
+  std::uint32_t base = 0;
+  std::memcpy(&base, m.data(), sizeof base);
+  return base & wire::kSerialMask;
 }
 
 wire::Mac message_mac(std::string_view session, std::string_view dir, std::span<const std::uint8_t> msg) {

@@ -31,12 +31,16 @@ bool equal(const wire::Mac& a, const wire::Mac& b);
 // the other side's, or as a session key.
 struct Transcript {
   std::string region;
-  std::uint32_t conn = 0;
+  std::uint64_t conn = 0;
   wire::Nonce server_nonce{}, client_nonce{};
 };
 wire::Mac client_proof(std::string_view key, const Transcript& t);
 wire::Mac server_proof(std::string_view key, const Transcript& t);
 std::string session_key(std::string_view key, const Transcript& t);
+
+// The base of the connection's data tag serials (wire::data_serial): from
+// the session key, so a peer without it cannot guess the tags of a sync.
+std::uint32_t data_tag_base(std::string_view session);
 
 // The MAC of an authenticated control message (its bytes so far: header
 // with the sequence number, then body); `dir` is "down" or "up".

@@ -11,6 +11,8 @@
 #include <sys/eventfd.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/statvfs.h>
+#include <ucs/debug/log_def.h>
 #include <unistd.h>
 #include <xxhash.h>
 
@@ -26,10 +28,14 @@
 #include <mutex>
 #include <nlohmann/json.hpp>
 #include <optional>
+#include <set>
 #include <thread>
 #include <unordered_map>
 
+#include "admission.hpp"
 #include "auth.hpp"
+#include "ctrl.hpp"
+#include "ratelog.hpp"
 #include "ucx.hpp"
 #include "wire.hpp"
 
@@ -68,7 +74,7 @@ std::uint64_t align_slot(std::uint64_t n) { return (n + kSlotAlign - 1) / kSlotA
 struct Op;
 // An endpoint failure, as the error handler reports it.
 struct EpFailure {
-  std::uint32_t conn;  // 0: upstream
+  std::uint64_t conn;  // 0: upstream
   std::uint64_t gen;   // upstream connection generation
   ucs_status_t status;
 };
@@ -79,24 +85,36 @@ struct Sink {
   std::mutex mu;
   std::vector<Op*> completed;
   std::vector<EpFailure> failures;
-  std::vector<ucp_conn_request_h> conns;
+  // Data connections to a downstream's listener: (connection id, request).
+  std::vector<std::pair<std::uint64_t, ucp_conn_request_h>> conns;
   bool empty() {
     std::lock_guard<std::mutex> g(mu);
     return completed.empty() && failures.empty() && conns.empty();
   }
 };
+// A downstream's data listener's argument; outlives the listener.
+struct ListenArg {
+  Sink* sink;
+  std::uint64_t conn;
+};
+void on_data_conn(ucp_conn_request_h req, void* arg) {
+  auto* a = static_cast<ListenArg*>(arg);
+  std::lock_guard<std::mutex> g(a->sink->mu);
+  a->sink->conns.emplace_back(a->conn, req);
+}
 
 // One UCX request and what the network thread needs to finish it.
 struct Op {
-  enum Kind : std::uint8_t { kCtrlSend, kDataSend, kDataRecv, kCtrlRecv, kClose };
-  Kind kind = kCtrlSend;
+  enum Kind : std::uint8_t { kDataSend, kDataRecv, kJunkRecv, kClose };
+  Kind kind = kDataSend;
   Sink* sink = nullptr;  // where the callback files it
   ucp_worker_h worker = nullptr;
   void* req = nullptr;
   ucs_status_t status = UCS_INPROGRESS;
   std::atomic<bool> done{false};
-  std::uint32_t conn = 0;  // downstream connection; 0: the upstream one
+  std::uint64_t conn = 0;  // downstream connection; 0: the upstream one
   std::uint64_t gen = 0;   // upstream connection generation
+  std::uint64_t ord = 0;   // kDataSend: the fan-out fragment's ordinal (Impl::fan)
   int buf = -1;            // receive buffer
   std::uint32_t chunk = 0;
   std::uint32_t frag = 0;     // fragment of the chunk
@@ -131,7 +149,7 @@ void op_recv_cb(void*, ucs_status_t st, const ucp_tag_recv_info_t* info, void* u
 // Every endpoint's error handler argument; freed after the endpoint.
 struct EpArg {
   Sink* sink;
-  std::uint32_t conn;
+  std::uint64_t conn;
   std::uint64_t gen;
 };
 void ep_error_cb(void* arg, ucp_ep_h, ucs_status_t st) {
@@ -184,11 +202,21 @@ class SlotUse {
 
 // A downstream relay connected to our listener.
 struct Down {
-  enum State { kHandshake, kReady, kActive, kClosing };
-  std::uint32_t id = 0;
+  // kJoining: it proved the key; its data connection is awaited.
+  enum State { kHandshake, kJoining, kReady, kActive, kClosing };
+  std::uint64_t id = 0;  // never reused (64 bits)
+  CtrlSocket sock;       // its control channel: every message on it is this connection's
+  // Its data connection: a UCX listener of its own, opened once it proved
+  // the key and closed once it connected (the endpoint).
+  ucp_listener_h listener = nullptr;
+  std::unique_ptr<ListenArg> larg;
   ucp_ep_h ep = nullptr;
+  bool ep_closing = false;
+  std::int64_t closing_ns = 0;
   std::unique_ptr<EpArg> arg;
   std::string peer;
+  std::string source;    // the peer's address without the port (Admission)
+  bool pending = false;  // counted by the listener's Admission (handshake not done)
   State state = kHandshake;
   auth::Transcript tr;
   std::string session;
@@ -197,7 +225,11 @@ struct Down {
   std::int64_t since_unix_ns = 0;
   std::uint64_t version = 0;  // sync it takes part in (kActive)
   std::uint64_t frags_sent = 0;  // of the sync in progress
+  std::uint32_t tag_base = 0;    // of its data tags (auth::data_tag_base)
+  std::uint64_t syncs_begun = 0; // sync messages sent on this connection
+  std::uint32_t serial = 0;      // the data tag serial of the sync in progress
   int pending_data = 0;
+  std::set<std::uint64_t> pend;  // fan-out ordinals of its sends in flight (Impl::fan)
   std::int64_t progress_ns = 0;
   std::uint64_t bytes_sent = 0, syncs = 0;
 };
@@ -280,9 +312,51 @@ class Hasher {
   std::thread t_;
 };
 
+// UCX's own warnings and errors, at most kUcxBurst per source line and 10 s
+// (a peer can make UCX log at will: a refused connection, a malformed
+// packet, a message for an id nothing handles). Process-wide, once.
+constexpr int kUcxBurst = 5;
+constexpr std::int64_t kUcxWindowNs = 10'000'000'000;
+struct UcxLogSite {
+  std::int64_t window_start = 0;
+  int printed = 0;
+  std::uint64_t held = 0;
+};
+std::mutex g_ucx_log_mu;
+std::map<std::pair<std::string, unsigned>, UcxLogSite>* g_ucx_log_sites = nullptr;
+
+ucs_log_func_rc_t ucx_log_limiter(const char* file, unsigned line, const char*, ucs_log_level_t level,
+                                  const ucs_log_component_config_t*, const char*, va_list) {
+  if (level > UCS_LOG_LEVEL_WARN) return UCS_LOG_FUNC_RC_CONTINUE;  // diagnostics someone asked for
+  const std::int64_t now = mono_ns();
+  std::lock_guard<std::mutex> g(g_ucx_log_mu);
+  UcxLogSite& site = (*g_ucx_log_sites)[{file ? file : "?", line}];
+  if (now - site.window_start >= kUcxWindowNs) {
+    if (site.held > 0)
+      std::fprintf(stderr, "shmcast-relay: %llu more UCX messages from %s:%u left out in the last 10 s\n",
+                   static_cast<unsigned long long>(site.held), file ? file : "?", line);
+    site = UcxLogSite{now, 0, 0};
+  }
+  if (site.printed < kUcxBurst) {
+    ++site.printed;
+    return UCS_LOG_FUNC_RC_CONTINUE;  // UCX's handler prints it
+  }
+  ++site.held;
+  return UCS_LOG_FUNC_RC_STOP;
+}
+
+void limit_ucx_log() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    g_ucx_log_sites = new std::map<std::pair<std::string, unsigned>, UcxLogSite>();  // lives as long as UCX may log
+    ucs_log_push_handler(ucx_log_limiter);
+  });
+}
+
 const char* state_name(Down::State s) {
   switch (s) {
     case Down::kHandshake: return "handshake";
+    case Down::kJoining: return "joining";
     case Down::kReady: return "ready";
     case Down::kActive: return "active";
     case Down::kClosing: return "closing";
@@ -335,6 +409,23 @@ std::string load_key(const std::string& key_file) {
     if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
       ::close(fd);
       throw Error(Errc::kInvalidArgument, "key file " + key_file + " is not a regular file");
+    }
+    // Whoever may write the key can make this relay trust a peer of their
+    // choosing: the file must be this user's (or root's), and no one else
+    // may write it or, outside its group, read it.
+    if (st.st_uid != ::geteuid() && st.st_uid != 0) {
+      ::close(fd);
+      throw Error(Errc::kPermission, "key file " + key_file + " is owned by uid " + std::to_string(st.st_uid) +
+                                         ", not by this user (uid " + std::to_string(::geteuid()) +
+                                         ") or root: whoever owns it can change the key; chown it");
+    }
+    if ((st.st_mode & 0022) != 0) {
+      ::close(fd);
+      char mode[8];
+      std::snprintf(mode, sizeof mode, "%04o", static_cast<unsigned>(st.st_mode & 07777));
+      throw Error(Errc::kPermission, "key file " + key_file + " (mode " + mode +
+                                         ") can be written by its group or by others: chmod go-w it (0600, or 0440 "
+                                         "with a group; Kubernetes: defaultMode: 0440 and fsGroup)");
     }
     if ((st.st_mode & 0007) != 0) {
       ::close(fd);
@@ -456,8 +547,8 @@ struct Relay::Impl {
 
   // ---- UCX (network thread only)
   std::unique_ptr<ucx::Context> ctx;
-  std::unique_ptr<ucx::Worker> lw;  // listener worker: downstream connections
-  ucp_listener_h listener = nullptr;
+  std::unique_ptr<ucx::Worker> lw;  // the downstream connections' worker (their data endpoints)
+  int listen_fd = -1;               // the control channels' listening socket
   std::string listen_str;
   Sink sink;                   // what callbacks filed (any thread)
   std::vector<Op*> completed;  // taken from the sink, being processed (network thread)
@@ -470,12 +561,23 @@ struct Relay::Impl {
     std::int64_t since_ns = 0;
   };
   std::vector<Retired> retired;
-  std::vector<ucp_conn_request_h> conn_requests;
   bool kick_lw = false, kick_up = false;  // requests were posted: wake the worker's progress thread
-  std::map<std::uint32_t, std::unique_ptr<Down>> downs;
-  std::uint32_t next_conn = 1;
-  bool lw_ctrl_busy = false;  // a control receive from a downstream is in flight
-  std::uint64_t refused = 0;
+  std::map<std::uint64_t, std::unique_ptr<Down>> downs;
+  std::uint64_t next_conn = 1;
+  bool lw_junk_busy = false;  // a tagged message on the listener's worker is being drained
+  std::uint64_t refused = 0;  // downstreams refused at the handshake (wrong key, region)
+  std::uint64_t rejected = 0; // connections refused at once (too many pending handshakes)
+  std::uint64_t ignored = 0;  // junk: tagged messages that are not chunk bytes
+  Admission admission;
+  RateLog rlog;
+
+  // ---- fan-out progress per fragment sent downstream (lag isolation)
+  struct FanFrag {
+    int pending = 0;                  // sends of it in flight
+    std::int64_t first_done_ns = 0;   // when the first downstream took it
+  };
+  std::uint64_t fan_seq = 0;
+  std::map<std::uint64_t, FanFrag> fan;
 
   // ---- outgoing sync (fan-out to the downstream relays)
   struct Out {
@@ -487,20 +589,25 @@ struct Relay::Impl {
   struct Up {
     enum State { kIdle, kConnecting, kAwaitWelcome, kAuthed };
     State state = kIdle;
-    std::unique_ptr<ucx::Worker> w;
-    ucp_ep_h ep = nullptr;
+    std::unique_ptr<ucx::Worker> w;  // the data connection's worker: receives the chunk bytes
+    ucp_ep_h ep = nullptr;           // the data connection (to the listener the upstream opened for it)
     std::unique_ptr<EpArg> arg;
+    CtrlSocket sock;                 // the control channel
+    bool tcp_up = false;             // its connect() finished
     std::uint64_t gen = 0;
     std::int64_t retry_at_ns = 0, backoff_ns = 0, deadline_ns = 0;
     auth::Transcript tr;
     std::string session;
     std::uint64_t recv_seq = 0;
-    bool ctrl_busy = false;
+    std::uint32_t tag_base = 0;     // of this connection's data tags
+    std::uint64_t syncs_begun = 0;  // sync messages received on it
+    bool junk_busy = false;         // a tagged message that is not chunk bytes is being drained
     std::deque<std::vector<std::uint8_t>> ctrl;  // verified, not yet acted on
     std::uint64_t chunk_bytes = 0;               // the source's slot size, once known
     std::int64_t since_unix_ns = 0;
     std::uint64_t connects = 0;
-    std::string last_error;
+    std::uint64_t refusals = 0;                  // answers that refused this relay (none is proven)
+    std::string last_error, last_refusal;
   } up;
   Address from_addr;
 
@@ -522,6 +629,7 @@ struct Relay::Impl {
       std::uint64_t slot_gen = 0;
     };
     std::uint64_t serial = 0;
+    std::uint32_t tag_serial = 0;  // its data tags' serial (wire::data_tag)
     std::vector<Chunk> chunks;  // per data_chunks position
     // posted/processed/limit count chunk positions; limit_frags: fragments
     // the upstream sends (all, or what an abort says it sent).
@@ -630,7 +738,10 @@ struct Relay::Impl {
   std::int64_t next_status_ns = 0;
   std::atomic<bool> status_dirty{true};
 
-  explicit Impl(RelayOptions opts) : o(std::move(opts)) {
+  explicit Impl(RelayOptions opts)
+      : o(std::move(opts)),
+        admission(std::max<std::uint32_t>(o.max_pending, 1), std::max<std::uint32_t>(o.max_pending_per_source, 1)),
+        rlog([this](const std::string& line) { log(line); }, 10, 10'000'000'000) {
     if (std::string why = validate_name(o.region); !why.empty())
       throw Error(Errc::kBadName, why + ": '" + o.region + "'");
     source = o.from.empty();
@@ -649,6 +760,9 @@ struct Relay::Impl {
         (o.fragment_bytes & (o.fragment_bytes - 1)) != 0)
       throw Error(Errc::kInvalidArgument, "fragment_bytes must be a power of two from 64 KiB to 2 MiB, not " +
                                               std::to_string(o.fragment_bytes));
+    if (o.max_pending == 0 || o.max_pending_per_source == 0)
+      throw Error(Errc::kInvalidArgument, "max_pending and max_pending_per_source must be at least 1");
+    if (o.max_lag.count() <= 0) throw Error(Errc::kInvalidArgument, "max_lag must be positive");
     status_path = o.status_path.empty() ? default_status_path(o.region) : o.status_path;
     if (status_path == "-") status_path.clear();
     wake_fd = ::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
@@ -664,6 +778,7 @@ struct Relay::Impl {
     for (Retired& r : retired)
       if (r.w) r.w->stop_progress();
     if (wake_fd >= 0) ::close(wake_fd);
+    if (listen_fd >= 0) ::close(listen_fd);
   }
 
   // ------------------------------------------------------------ helpers
@@ -734,7 +849,7 @@ struct Relay::Impl {
     } else {
       op->req = r;
     }
-    if (r == nullptr && (op->kind == Op::kDataRecv || op->kind == Op::kCtrlRecv)) {
+    if (r == nullptr && (op->kind == Op::kDataRecv || op->kind == Op::kJunkRecv)) {
       op->length = op->info.length;
       op->sender_tag = op->info.sender_tag;
     }
@@ -764,28 +879,34 @@ struct Relay::Impl {
     return p;
   }
 
-  // Sends a control message; `session` empty: unauthenticated (handshake).
-  void send_ctrl(ucp_worker_h w, ucp_ep_h ep, std::uint64_t tag, Writer& msg, const std::string& session,
-                 std::uint64_t* seq, std::string_view dir, std::uint32_t conn) {
+  // Most bytes of control messages a downstream may leave unread: a sync
+  // message (its manifest) and the chunk messages behind it.
+  static constexpr std::size_t kMaxCtrlOut = wire::kMaxControlBytes + (16u << 20);
+
+  // The bytes of a control message; `session` empty: unauthenticated
+  // (handshake), else with its sequence number and MAC.
+  static std::vector<std::uint8_t>& seal(Writer& msg, const std::string& session, std::uint64_t* seq,
+                                         std::string_view dir) {
     auto& b = msg.buffer();
     if (!session.empty()) {
       msg.set_seq((*seq)++);
       const wire::Mac m = auth::message_mac(session, dir, b);
       b.insert(b.end(), m.begin(), m.end());
     }
-    Op* op = new_op(Op::kCtrlSend, w);
-    op->conn = conn;
-    op->gen = up.gen;
-    op->msg = std::move(b);
-    ucp_request_param_t p = send_param(op);
-    track(op, ucp_tag_send_nbx(ep, op->msg.data(), op->msg.size(), tag, &p));
+    return b;
   }
+  // Sends on a downstream's control channel (dropping it when it reads
+  // nothing: more than kMaxCtrlOut unread).
   void send_down(Down& d, Writer& msg, bool authenticated = true) {
-    send_ctrl(lw->get(), d.ep, wire::tag(wire::kCtrlDown, 0, 0), msg, authenticated ? d.session : std::string(),
-              &d.send_seq, "down", d.id);
+    if (d.state == Down::kClosing) return;
+    if (!d.sock.send(seal(msg, authenticated ? d.session : std::string(), &d.send_seq, "down"), kMaxCtrlOut)) {
+      drop_down(d, "reads none of its control messages (" + std::to_string(d.sock.pending_out()) + " bytes unread)");
+      return;
+    }
+    if (!d.sock.flush()) drop_down(d, "control channel: " + d.sock.error());
   }
 
-  void close_ep(ucp_worker_h w, ucp_ep_h ep, bool force, std::uint32_t conn) {
+  void close_ep(ucp_worker_h w, ucp_ep_h ep, bool force, std::uint64_t conn) {
     Op* op = new_op(Op::kClose, w);
     op->conn = conn;
     op->gen = up.gen;
@@ -797,88 +918,117 @@ struct Relay::Impl {
 
   // ------------------------------------------------------------ listener side
 
-  static void on_conn_request(ucp_conn_request_h req, void* arg) {
-    Impl* self = static_cast<Impl*>(arg);
-    std::lock_guard<std::mutex> g(self->sink.mu);
-    self->sink.conns.push_back(req);
-  }
-
+  // Downstream relays connect to the relay's own TCP socket (not to a UCX
+  // listener: UCX 1.13's TCP connection manager dies of an assertion when
+  // connections come and go fast, which any peer can make happen, and a
+  // UCX listener bound messages to ids its peers wrote). The key handshake
+  // and every control message travel on that connection; once the
+  // downstream proved the key, this relay opens a UCX listener for that
+  // connection's chunk bytes (on_up_message, accept_data_conns).
   void start_listener() {
     if (o.listen.empty()) return;
     const Address a = parse_address(o.listen);
     socklen_t len = 0;
-    sockaddr_storage ss = ucx::resolve(a, true, &len);
-    ucp_listener_params_t p{};
-    p.field_mask = UCP_LISTENER_PARAM_FIELD_SOCK_ADDR | UCP_LISTENER_PARAM_FIELD_CONN_HANDLER;
-    p.sockaddr.addr = reinterpret_cast<const sockaddr*>(&ss);
-    p.sockaddr.addrlen = len;
-    p.conn_handler.cb = &Impl::on_conn_request;
-    p.conn_handler.arg = this;
-    const ucs_status_t s = ucp_listener_create(lw->get(), &p, &listener);
-    if (s != UCS_OK)
-      throw Error(Errc::kSystem,
-                  "cannot listen on " + a.str() + ": " + ucx::status_str(s) +
-                      (s == UCS_ERR_BUSY ? " (the port is in use)" : ""));
-    ucp_listener_attr_t attr{};
-    attr.field_mask = UCP_LISTENER_ATTR_FIELD_SOCKADDR;
-    ucx::check(ucp_listener_query(listener, &attr), "ucp_listener_query");
-    listen_str = a.host + ":" + std::to_string(ucx::sockaddr_port(attr.sockaddr));
+    const sockaddr_storage ss = ucx::resolve(a, true, &len);
+    listen_fd = ctrl_listen(ss, len, a.str());
+    sockaddr_storage bound{};
+    socklen_t blen = sizeof bound;
+    ::getsockname(listen_fd, reinterpret_cast<sockaddr*>(&bound), &blen);
+    listen_str = a.host + ":" + std::to_string(ucx::sockaddr_port(bound));
     if (a.host.find(':') != std::string::npos)
-      listen_str = "[" + a.host + "]:" + std::to_string(ucx::sockaddr_port(attr.sockaddr));
+      listen_str = "[" + a.host + "]:" + std::to_string(ucx::sockaddr_port(bound));
     log("listening on " + listen_str + " for downstream relays");
     status_dirty = true;
   }
 
+  // The address of a peer, without the port.
+  static std::string source_of(const sockaddr_storage& ss) {
+    const std::string s = ucx::sockaddr_str(ss);
+    const auto colon = s.rfind(':');
+    return colon == std::string::npos ? s : s.substr(0, colon);
+  }
+
   void accept_conns() {
-    auto reqs = std::move(conn_requests);
-    conn_requests.clear();
-    for (ucp_conn_request_h req : reqs) {
+    if (listen_fd < 0) return;
+    for (int i = 0; i < 256; ++i) {  // then the rest of the loop's work
+      sockaddr_storage ss{};
+      socklen_t len = sizeof ss;
+      const int fd = ::accept4(listen_fd, reinterpret_cast<sockaddr*>(&ss), &len, SOCK_NONBLOCK | SOCK_CLOEXEC);
+      if (fd < 0) {
+        if (errno == EINTR || errno == ECONNABORTED) continue;
+        if (errno != EAGAIN && errno != EWOULDBLOCK)
+          rlog.log("accept", std::string("accept: ") + std::strerror(errno), mono_ns());  // EMFILE: the next loop retries
+        return;
+      }
+      CtrlSocket sock(fd);
+      const std::string peer = ucx::sockaddr_str(ss), src = source_of(ss);
+      if (stopping) continue;  // closed
+      // At most o.max_pending handshakes at once, o.max_pending_per_source
+      // from one address: the rest are closed now, before they hold
+      // anything (docs/relay.md, "Limits").
+      if (!admission.admit(src)) {
+        ++rejected;
+        status_dirty = true;
+        rlog.log("reject", "connection from " + peer + " refused at once: " + std::to_string(admission.pending()) +
+                               " handshakes pending (" + std::to_string(admission.pending_from(src)) +
+                               " from its address; at most " + std::to_string(o.max_pending) + ", " +
+                               std::to_string(o.max_pending_per_source) + " per address)",
+                 mono_ns());
+        continue;
+      }
+      ctrl_tune(fd);
       auto d = std::make_unique<Down>();
-      d->id = next_conn++;
-      if (next_conn > 0xffffff) next_conn = 1;
-      ucp_conn_request_attr_t attr{};
-      attr.field_mask = UCP_CONN_REQUEST_ATTR_FIELD_CLIENT_ADDR;
-      d->peer = ucp_conn_request_query(req, &attr) == UCS_OK ? ucx::sockaddr_str(attr.client_address) : "?";
-      if (stopping) {
-        ucp_listener_reject(listener, req);
-        continue;
-      }
-      d->arg = std::make_unique<EpArg>(EpArg{&sink, d->id, 0});
-      ucp_ep_params_t ep{};
-      ep.field_mask = UCP_EP_PARAM_FIELD_CONN_REQUEST | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
-                      UCP_EP_PARAM_FIELD_ERR_HANDLER;
-      ep.conn_request = req;
-      ep.err_mode = UCP_ERR_HANDLING_MODE_PEER;
-      ep.err_handler.cb = ep_error_cb;
-      ep.err_handler.arg = d->arg.get();
-      const ucs_status_t s = ucp_ep_create(lw->get(), &ep, &d->ep);
-      if (s != UCS_OK) {
-        log("cannot accept a connection from " + d->peer + ": " + ucx::status_str(s));
-        continue;
-      }
+      d->id = next_conn_id(&next_conn, [this](std::uint64_t id) { return downs.count(id) != 0; });
+      d->sock = std::move(sock);
+      d->peer = peer;
+      d->source = src;
+      d->pending = true;
       d->tr.region = o.region;
       d->tr.conn = d->id;
       d->tr.server_nonce = auth::nonce();
       d->deadline_ns = mono_ns() + o.handshake_timeout.count();
       d->since_unix_ns = unix_ns();
-      Writer w(Type::kChallenge);
-      w.u32(wire::kProto).u32(d->id).bytes(d->tr.server_nonce).str(o.region);
-      send_down(*d, w, false);
-      log("connection " + std::to_string(d->id) + " from " + d->peer + ": challenge sent");
+      Down& dr = *d;
       downs.emplace(d->id, std::move(d));
+      Writer w(Type::kChallenge);
+      w.u32(wire::kProto).u64(dr.id).bytes(dr.tr.server_nonce).str(o.region);
+      send_down(dr, w, false);
+      rlog.log("accept", "connection " + std::to_string(dr.id) + " from " + dr.peer + ": challenge sent", mono_ns());
       status_dirty = true;
     }
   }
 
+  // A downstream leaves the listener's pending handshakes (it proved the
+  // key, or it ends).
+  void leave_pending(Down& d) {
+    if (!d.pending) return;
+    d.pending = false;
+    admission.release(d.source);
+  }
+
+  // Ends a downstream connection: its control channel closes once what was
+  // queued on it went out (at most 1 s: a refusal reaches its peer), its
+  // data endpoint closes (`force`: at once, cancelling sends in flight).
   void drop_down(Down& d, const std::string& why, bool force = true) {
     if (d.state == Down::kClosing) return;
-    log("downstream " + std::to_string(d.id) + " (" + d.peer + ") dropped: " + why);
+    const std::string line = "downstream " + std::to_string(d.id) + " (" + d.peer + ") dropped: " + why;
+    // Connections that never proved the key are anyone's: their drops are
+    // rate-limited; an authenticated downstream's always print.
+    if (d.state == Down::kHandshake) rlog.log("drop", line, mono_ns());
+    else log(line);
     if (d.state == Down::kActive) {
       std::lock_guard<std::mutex> g(smu);
       st.last_error = "downstream " + d.peer + ": " + why;
     }
+    leave_pending(d);
+    close_data_listener(d);
     d.state = Down::kClosing;
-    close_ep(lw->get(), d.ep, force, d.id);
+    d.closing_ns = mono_ns();
+    if (force || !d.sock.want_write()) d.sock.close();
+    if (d.ep && !d.ep_closing) {
+      d.ep_closing = true;
+      close_ep(lw->get(), d.ep, force, d.id);
+    }
     status_dirty = true;
   }
 
@@ -891,60 +1041,202 @@ struct Relay::Impl {
     drop_down(d, "refused: " + why, false);
   }
 
-  // A control message from a downstream relay (only the handshake response).
-  void on_up_message(std::uint32_t conn, std::vector<std::uint8_t>& msg) {
-    auto it = downs.find(conn);
-    if (it == downs.end() || it->second->state == Down::kClosing) return;
-    Down& d = *it->second;
+  // Control channels of downstream relays: reads their messages (only the
+  // handshake response is expected), writes what is queued, ends closed
+  // ones. A message on a connection's socket is that connection's: a check
+  // it fails ends that connection only.
+  void service_downs() {
+    const std::int64_t now = mono_ns();
+    for (auto it = downs.begin(); it != downs.end();) {
+      Down& d = *it->second;
+      if (d.state == Down::kClosing) {
+        if (d.sock.is_open() && (!d.sock.want_write() || !d.sock.flush() || now - d.closing_ns > 1'000'000'000))
+          d.sock.close();
+        if (!d.sock.is_open() && d.ep == nullptr) {  // and its endpoint closed (Op::kClose)
+          it = downs.erase(it);
+          status_dirty = true;
+          continue;
+        }
+        ++it;
+        continue;
+      }
+      if (d.sock.want_write() && !d.sock.flush()) {
+        drop_down(d, "control channel: " + d.sock.error());
+        ++it;
+        continue;
+      }
+      std::vector<std::vector<std::uint8_t>> frames;
+      const bool ok = d.sock.receive(wire::kHandshakeBytes, &frames, 256u << 10);
+      for (auto& f : frames) {
+        if (d.state == Down::kClosing) break;
+        on_up_message(d, f);
+      }
+      if (!ok && d.state != Down::kClosing)
+        drop_down(d, d.state == Down::kHandshake ? "handshake: " + d.sock.error() : d.sock.error());
+      ++it;
+    }
+  }
+
+  // A control message on downstream connection `d`: only the handshake
+  // response is expected.
+  void on_up_message(Down& d, const std::vector<std::uint8_t>& msg) {
     if (d.state != Down::kHandshake) {
-      drop_down(d, "unexpected control message after the handshake");
+      drop_down(d, "a control message after the handshake");
       return;
     }
     try {
       wire::Reader r(msg, false);
-      if (r.type() != Type::kResponse) throw wire::ProtocolError("expected a response to the challenge");
+      if (r.type() != Type::kResponse) throw wire::ProtocolError(std::string("a ") + wire::type_name(r.type()) +
+                                                                 " message, not a response to the challenge");
       r.bytes(&d.tr.client_nonce);
       wire::Mac proof{};
       r.bytes(&proof);
       const std::string region = r.str(256);
       r.expect_done();
       if (region != o.region) {
-        refuse(d, "this relay serves region '" + o.region + "', not '" + region + "'");
+        refuse(d, "this relay serves region '" + o.region + "', not '" + printable(region) + "'");
         return;
       }
       if (!auth::equal(proof, auth::client_proof(o.key, d.tr))) {
-        log("downstream " + d.peer + " did not prove the key: refused");
+        rlog.log("refuse", "downstream " + d.peer + " did not prove the key: refused", mono_ns());
         refuse(d, "wrong key (the downstream's SHMCAST_RELAY_KEY / --key-file differs from this relay's)");
         return;
       }
+      // The key is proven: a UCX listener for this connection's chunk
+      // bytes, on the address the downstream reached, any port. It takes
+      // one connection, from the downstream's address, and closes.
+      sockaddr_storage here{};
+      socklen_t hlen = sizeof here;
+      if (::getsockname(d.sock.fd(), reinterpret_cast<sockaddr*>(&here), &hlen) != 0) {
+        drop_down(d, std::string("getsockname: ") + std::strerror(errno));
+        return;
+      }
+      if (here.ss_family == AF_INET) reinterpret_cast<sockaddr_in*>(&here)->sin_port = 0;
+      else if (here.ss_family == AF_INET6) reinterpret_cast<sockaddr_in6*>(&here)->sin6_port = 0;
+      d.larg = std::make_unique<ListenArg>(ListenArg{&sink, d.id});
+      ucp_listener_params_t lp{};
+      lp.field_mask = UCP_LISTENER_PARAM_FIELD_SOCK_ADDR | UCP_LISTENER_PARAM_FIELD_CONN_HANDLER;
+      lp.sockaddr.addr = reinterpret_cast<const sockaddr*>(&here);
+      lp.sockaddr.addrlen = hlen;
+      lp.conn_handler.cb = on_data_conn;
+      lp.conn_handler.arg = d.larg.get();
+      if (const ucs_status_t ls = ucp_listener_create(lw->get(), &lp, &d.listener); ls != UCS_OK) {
+        d.listener = nullptr;
+        drop_down(d, "cannot open its data listener: " + ucx::status_str(ls));
+        return;
+      }
+      ucp_listener_attr_t la{};
+      la.field_mask = UCP_LISTENER_ATTR_FIELD_SOCKADDR;
+      std::string data_addr;
+      if (ucp_listener_query(d.listener, &la) == UCS_OK) data_addr = ucx::sockaddr_str(la.sockaddr);
       d.session = auth::session_key(o.key, d.tr);
+      d.tag_base = auth::data_tag_base(d.session);
       Writer w(Type::kWelcome);
       w.bytes(auth::server_proof(o.key, d.tr)).u64(source ? src_slot_bytes : up.chunk_bytes);
-      w.u32(o.checksums ? wire::kFlagChecksums : 0);
+      w.u32(o.checksums ? wire::kFlagChecksums : 0).str(data_addr);
       send_down(d, w);
-      d.state = Down::kReady;
-      log("downstream " + std::to_string(d.id) + " (" + d.peer + ") authenticated; it joins at the next sync");
+      if (d.state == Down::kClosing) return;
+      leave_pending(d);
+      d.state = Down::kJoining;  // until its data connection arrives (same deadline)
       status_dirty = true;
     } catch (const wire::ProtocolError& e) {
       drop_down(d, e.what());
     }
   }
 
-  void probe_down_ctrl() {
-    if (!lw || lw_ctrl_busy) return;
+  // Closes a downstream's data listener; connection requests it filed that
+  // are not taken yet are refused first. Its connection handler runs inside
+  // the worker's progress: with progress held off, none is filed meanwhile.
+  void close_data_listener(Down& d) {
+    if (!d.listener) return;
+    lw->locked([&] {
+      std::vector<ucp_conn_request_h> mine;
+      {
+        std::lock_guard<std::mutex> g(sink.mu);
+        for (auto it = sink.conns.begin(); it != sink.conns.end();) {
+          if (it->first == d.id) {
+            mine.push_back(it->second);
+            it = sink.conns.erase(it);
+          } else {
+            ++it;
+          }
+        }
+      }
+      for (ucp_conn_request_h r : mine) ucp_listener_reject(d.listener, r);
+      ucp_listener_destroy(d.listener);
+    });
+    d.listener = nullptr;
+  }
+
+  // Data connections: the first from a downstream's own address is its
+  // data endpoint; then its listener closes and it joins the next sync.
+  void accept_data_conns() {
+    std::vector<std::pair<std::uint64_t, ucp_conn_request_h>> list;
+    {
+      std::lock_guard<std::mutex> g(sink.mu);
+      list.swap(sink.conns);
+    }
+    for (auto& [id, req] : list) {
+      auto it = downs.find(id);
+      if (it == downs.end() || !it->second->listener) continue;  // its listener is gone, and the request with it
+      Down& d = *it->second;
+      ucp_conn_request_attr_t attr{};
+      attr.field_mask = UCP_CONN_REQUEST_ATTR_FIELD_CLIENT_ADDR;
+      const bool known = ucp_conn_request_query(req, &attr) == UCS_OK;
+      if (d.state != Down::kJoining || d.ep != nullptr || !known || source_of(attr.client_address) != d.source) {
+        ucp_listener_reject(d.listener, req);
+        rlog.log("reject", "data connection for downstream " + std::to_string(d.id) + " from " +
+                               (known ? ucx::sockaddr_str(attr.client_address) : std::string("?")) +
+                               " refused (not from " + d.source + ", or not awaited)",
+                 mono_ns());
+        continue;
+      }
+      d.arg = std::make_unique<EpArg>(EpArg{&sink, d.id, 0});
+      ucp_ep_params_t ep{};
+      ep.field_mask = UCP_EP_PARAM_FIELD_CONN_REQUEST | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
+                      UCP_EP_PARAM_FIELD_ERR_HANDLER;
+      ep.conn_request = req;
+      ep.err_mode = UCP_ERR_HANDLING_MODE_PEER;
+      ep.err_handler.cb = ep_error_cb;
+      ep.err_handler.arg = d.arg.get();
+      const ucs_status_t st = ucp_ep_create(lw->get(), &ep, &d.ep);
+      close_data_listener(d);
+      if (st != UCS_OK) {
+        d.ep = nullptr;
+        drop_down(d, "cannot accept its data connection: " + ucx::status_str(st));
+        continue;
+      }
+      d.state = Down::kReady;
+      log("downstream " + std::to_string(d.id) + " (" + d.peer + ") authenticated; it joins at the next sync");
+      status_dirty = true;
+    }
+  }
+
+  // No tagged message comes to the downstream connections' worker: anything
+  // there is junk (a peer that reached UCX's own port). Drained, so that it
+  // does not pile up in UCX's unexpected queue.
+  void drain_lw_junk() {
+    if (!lw || lw_junk_busy) return;
     ucp_tag_recv_info_t info{};
-    ucp_tag_message_h m = ucp_tag_probe_nb(lw->get(), wire::tag(wire::kCtrlUp, 0, 0), wire::kKindMask, 1, &info);
+    ucp_tag_message_h m = ucp_tag_probe_nb(lw->get(), 0, 0, 1, &info);
     if (m == nullptr) return;
-    Op* op = new_op(Op::kCtrlRecv, lw->get());
-    op->conn = wire::tag_middle(info.sender_tag);
-    // Only a handshake response comes this way: small. Anything larger is
-    // received truncated (an error) and the connection dropped.
-    op->msg.resize(std::min<std::size_t>(info.length, 4096));
-    op->sender_tag = info.sender_tag;
-    op->info = info;
+    Op* op = new_op(Op::kJunkRecv, lw->get());
+    op->msg.resize(64);  // a larger one is received truncated (an error), and dropped all the same
     ucp_request_param_t p = recv_param(op);
-    lw_ctrl_busy = true;
+    lw_junk_busy = true;
     track(op, ucp_tag_msg_recv_nbx(lw->get(), op->msg.data(), op->msg.size(), m, &p));
+    ++ignored;
+    status_dirty = true;
+    rlog.log("ignored", "a tagged message of " + std::to_string(info.length) + " bytes on the downstream worker: dropped",
+             mono_ns());
+  }
+
+  // What a peer wrote, fit for one log line.
+  static std::string printable(const std::string& s, std::size_t max = 300) {
+    std::string out;
+    for (char c : s.substr(0, max)) out += (static_cast<unsigned char>(c) < 0x20 || c == 0x7f) ? '?' : c;
+    if (s.size() > max) out += "...";
+    return out;
   }
 
   // ------------------------------------------------------------ fan-out
@@ -962,6 +1254,7 @@ struct Relay::Impl {
       d->state = Down::kActive;
       d->version = plan->version;
       d->frags_sent = 0;
+      d->serial = wire::data_serial(d->tag_base, ++d->syncs_begun);
       ++n;
     }
     status_dirty = true;
@@ -973,6 +1266,7 @@ struct Relay::Impl {
   int forward_frag(std::uint32_t c, std::uint32_t j, const std::byte* p, std::uint64_t len, ucp_mem_h memh, int buf) {
     int n = 0;
     if (!out.plan) return 0;
+    const std::uint64_t ord = ++fan_seq;  // this fragment, for every downstream (lag isolation)
     for (auto& [id, d] : downs) {
       if (d->state != Down::kActive) continue;
       Op* op = new_op(Op::kDataSend, lw->get());
@@ -982,12 +1276,14 @@ struct Relay::Impl {
       op->frag = j;
       op->version = out.plan->version;
       op->bytes = len;
+      op->ord = ord;
       if (d->pending_data++ == 0) d->progress_ns = mono_ns();
       ++d->frags_sent;
+      d->pend.insert(ord);
+      ++fan[ord].pending;
       ucp_request_param_t prm = send_param(op, memh);
       add_ref(buf);
-      track(op, ucp_tag_send_nbx(d->ep, p, len, wire::tag(wire::kData, out.plan->version, out.plan->frag_tag(c, j)),
-                                 &prm));
+      track(op, ucp_tag_send_nbx(d->ep, p, len, wire::data_tag(d->serial, out.plan->frag_tag(c, j)), &prm));
       ++n;
     }
     return n;
@@ -1131,6 +1427,9 @@ struct Relay::Impl {
 
   // ------------------------------------------------------------ upstream side
 
+  // Connects the control channel (TCP) to the upstream; once both sides
+  // proved the key, the welcome names the address of a UCX listener the
+  // upstream opened for this connection's chunk bytes.
   void connect_upstream() {
     ++up.gen;
     socklen_t len = 0;
@@ -1142,35 +1441,33 @@ struct Relay::Impl {
       return;
     }
     up.w = new_worker();
-    up.arg = std::make_unique<EpArg>(EpArg{&sink, 0, up.gen});
-    ucp_ep_params_t ep{};
-    ep.field_mask = UCP_EP_PARAM_FIELD_FLAGS | UCP_EP_PARAM_FIELD_SOCK_ADDR | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
-                    UCP_EP_PARAM_FIELD_ERR_HANDLER;
-    ep.flags = UCP_EP_PARAMS_FLAGS_CLIENT_SERVER;
-    ep.sockaddr.addr = reinterpret_cast<const sockaddr*>(&ss);
-    ep.sockaddr.addrlen = len;
-    ep.err_mode = UCP_ERR_HANDLING_MODE_PEER;
-    ep.err_handler.cb = ep_error_cb;
-    ep.err_handler.arg = up.arg.get();
-    const ucs_status_t s = ucp_ep_create(up.w->get(), &ep, &up.ep);
-    if (s != UCS_OK) {
-      up.ep = nullptr;
-      fail_upstream("cannot connect to " + from_addr.str() + ": " + ucx::status_str(s));
+    std::string err;
+    const int fd = ctrl_connect(ss, len, &err);
+    if (fd < 0) {
+      fail_upstream("cannot connect to " + from_addr.str() + ": " + err);
       return;
     }
+    up.sock = CtrlSocket(fd);
+    up.tcp_up = false;
     up.state = Up::kConnecting;
     up.deadline_ns = mono_ns() + o.handshake_timeout.count();
     up.recv_seq = 0;
+    up.session.clear();
+    up.syncs_begun = 0;
     up.ctrl.clear();
-    up.ctrl_busy = false;
+    up.junk_busy = false;
     ++up.connects;
     set_state("connecting");
   }
 
+  // Refusals are retried more slowly than a lost connection: from 1 s,
+  // doubling up to 5 s (or reconnect_max when that is longer).
+  static constexpr std::int64_t kRefusalBackoffMin = 1'000'000'000, kRefusalBackoffMax = 5'000'000'000;
+
   // Ends the upstream connection: aborts the sync in progress here and
   // downstream, cancels the receives, tears the worker down, and schedules a
-  // reconnection.
-  void fail_upstream(const std::string& why) {
+  // reconnection (`refusal`: after a refusal, more slowly).
+  void fail_upstream(const std::string& why, bool refusal = false) {
     log("upstream " + from_addr.str() + ": " + why);
     up.last_error = why;
     note_error("upstream: " + why);
@@ -1186,9 +1483,31 @@ struct Relay::Impl {
     drop_in();
     teardown_upstream();
     up.state = Up::kIdle;
-    up.backoff_ns = std::clamp<std::int64_t>(up.backoff_ns * 2, o.reconnect_min.count(), o.reconnect_max.count());
+    if (refusal)
+      up.backoff_ns = std::clamp<std::int64_t>(std::max<std::int64_t>(up.backoff_ns * 2, kRefusalBackoffMin),
+                                               kRefusalBackoffMin,
+                                               std::max<std::int64_t>(kRefusalBackoffMax, o.reconnect_max.count()));
+    else
+      up.backoff_ns = std::clamp<std::int64_t>(up.backoff_ns * 2, o.reconnect_min.count(), o.reconnect_max.count());
     up.retry_at_ns = mono_ns() + up.backoff_ns;
-    set_state("reconnecting");
+    set_state(refusal ? "refused" : "reconnecting");
+  }
+
+  // The upstream refused this relay, or did not prove the key. No refusal
+  // is proven: the upstream proves the key only to a relay that proved the
+  // same key first, so a peer without the key (one that took the upstream's
+  // port while it restarts) can send any refusal. The relay reports it (log,
+  // status file: upstream.refusals, upstream.last_refusal) and retries with
+  // a backoff, unless exit_on_refusal asks it to stop (run() throws
+  // kPermission: exit code 3).
+  void upstream_refused(const std::string& why) {
+    ++up.refusals;
+    up.last_refusal = why;
+    status_dirty = true;
+    if (o.exit_on_refusal) throw Error(Errc::kPermission, why);
+    fail_upstream(why + " (not proven: a peer without the key can send this too; retrying, --exit-on-refusal to "
+                        "exit instead)",
+                  true);
   }
 
   // Forgets the sync being received; buffers of chunks received but not
@@ -1199,21 +1518,24 @@ struct Relay::Impl {
     in = In{};
   }
 
-  // Cancels the upstream worker's receives, force-closes its endpoint and
-  // retires it: its requests finish through the usual completions (stale
-  // generation), then reap_retired() destroys it.
+  // Closes the control channel, cancels the upstream worker's receives and
+  // retires the worker: its requests finish through the usual completions
+  // (stale generation), then reap_retired() destroys it.
   void teardown_upstream() {
+    up.sock.close();
     if (!up.w) return;
     ucp_worker_h w = up.w->get();
     for (auto& [p, op] : ops)
-      if (op->worker == w && op->req && !op->done && (op->kind == Op::kDataRecv || op->kind == Op::kCtrlRecv))
-        ucp_request_cancel(w, op->req);
+      if (op->worker == w && op->req && !op->done && (op->kind == Op::kDataRecv || op->kind == Op::kJunkRecv)) {
+        Op* o2 = op.get();
+        up.w->cancel(op->req, [o2] { return !o2->done.load(std::memory_order_acquire); });
+      }
     if (up.ep) close_ep(w, up.ep, true, 0);
     up.ep = nullptr;
     ++up.gen;
     retired.push_back(Retired{std::move(up.arg), std::move(up.w), mono_ns()});
     up.ctrl.clear();
-    up.ctrl_busy = false;
+    up.junk_busy = false;
   }
 
   void reap_retired() {
@@ -1245,73 +1567,183 @@ struct Relay::Impl {
 
   void send_up(Writer& msg) {
     std::uint64_t dummy = 0;
-    send_ctrl(up.w->get(), up.ep, wire::tag(wire::kCtrlUp, up.tr.conn, 0), msg, std::string(), &dummy, "up", 0);
+    if (!up.sock.send(seal(msg, std::string(), &dummy, "up"), kMaxCtrlOut) || !up.sock.flush())
+      fail_upstream("control channel: " + up.sock.error());
   }
 
-  void probe_up_ctrl() {
-    if (!up.w || up.state == Up::kIdle || up.ctrl_busy) return;
+  // The upstream's control channel: completes the connect, writes what is
+  // queued, reads and acts on its messages in order.
+  void service_up() {
+    if (source || up.state == Up::kIdle || !up.sock.is_open()) return;
+    if (!up.tcp_up) {
+      pollfd p{up.sock.fd(), POLLOUT, 0};
+      if (::poll(&p, 1, 0) <= 0) return;
+      if (const std::string why = up.sock.connect_result(); !why.empty()) {
+        if (why == "not connected yet") return;
+        fail_upstream("cannot connect to " + from_addr.str() + ": " + why);
+        return;
+      }
+      up.tcp_up = true;
+    }
+    if (up.sock.want_write() && !up.sock.flush()) {
+      fail_upstream("control channel: " + up.sock.error());
+      return;
+    }
+    const std::uint64_t gen = up.gen;
+    std::vector<std::vector<std::uint8_t>> frames;
+    const std::size_t cap =
+        up.state == Up::kAuthed ? wire::control_cap(o.region_options.manifest_bytes) : wire::kHandshakeBytes;
+    const bool ok = up.sock.receive(cap, &frames);
+    for (auto& f : frames) {
+      if (up.gen != gen || up.state == Up::kIdle) return;
+      try {
+        on_down_message(f);
+      } catch (const wire::ProtocolError& e) {
+        fail_upstream(std::string("protocol error: ") + e.what());
+        return;
+      }
+    }
+    if (!ok && up.gen == gen && up.state != Up::kIdle) {
+      std::string why = up.sock.error();
+      if (why.find("more than the") != std::string::npos)
+        why += up.state == Up::kAuthed ? " (a sync's manifest must fit this node's region: raise --manifest-bytes)"
+                                       : " (a handshake message)";
+      fail_upstream(up.state == Up::kAuthed ? "connection lost: " + why : "during the handshake: " + why);
+    }
+  }
+
+  // Tagged messages other than chunk bytes on the upstream's worker: junk
+  // (a peer that reached UCX's own port). Drained.
+  void drain_up_junk() {
+    if (!up.w || up.state == Up::kIdle || up.junk_busy) return;
     ucp_tag_recv_info_t info{};
-    ucp_tag_message_h m = ucp_tag_probe_nb(up.w->get(), wire::tag(wire::kCtrlDown, 0, 0), wire::kFullMask, 1, &info);
+    ucp_tag_message_h m = ucp_tag_probe_nb(up.w->get(), 0, wire::kDataBit, 1, &info);
     if (m == nullptr) return;
-    Op* op = new_op(Op::kCtrlRecv, up.w->get());
+    Op* op = new_op(Op::kJunkRecv, up.w->get());
     op->gen = up.gen;
-    // Before the key is proven, only small handshake messages are taken.
-    const std::size_t cap = up.state == Up::kAuthed ? wire::kMaxControlBytes : 4096;
-    op->msg.resize(std::min<std::size_t>(info.length, cap));
-    op->info = info;
+    op->msg.resize(64);
     ucp_request_param_t p = recv_param(op);
-    up.ctrl_busy = true;
+    up.junk_busy = true;
     track(op, ucp_tag_msg_recv_nbx(up.w->get(), op->msg.data(), op->msg.size(), m, &p));
+    ++ignored;
+    status_dirty = true;
+    rlog.log("ignored", "a tagged message that is not chunk bytes on the upstream's worker: dropped", mono_ns());
   }
 
-  [[noreturn]] void refused_by_upstream(const std::string& why) {
-    throw Error(Errc::kPermission, why);
+  // Why chunks of `chunk_bytes` do not fit this node ("" when they do).
+  std::string chunk_room_problem(std::uint64_t chunk_bytes) const {
+    wire::ChunkRoom room;
+    room.buffers = o.buffers;
+    room.region_slots = o.region_options.slot_bytes == 0 ? o.region_options.slots : 0;
+    const long pages = ::sysconf(_SC_PHYS_PAGES), page = ::sysconf(_SC_PAGESIZE);
+    if (pages > 0 && page > 0) room.memory_bytes = static_cast<std::uint64_t>(pages) * static_cast<std::uint64_t>(page);
+    struct statvfs fs {};
+    if (::statvfs(region_dir().c_str(), &fs) == 0) room.fs_bytes = static_cast<std::uint64_t>(fs.f_blocks) * fs.f_frsize;
+    return wire::chunk_problem(chunk_bytes, room);
   }
 
-  // A control message from the upstream, received whole.
+  // Connects the data endpoint to `addr` (HOST:PORT); false when it failed
+  // the upstream connection.
+  bool connect_data(const std::string& addr) {
+    sockaddr_storage ss{};
+    socklen_t len = 0;
+    try {
+      ss = ucx::resolve(parse_address(addr), false, &len);
+    } catch (const Error& e) {
+      fail_upstream(std::string("the upstream's data address: ") + e.what());
+      return false;
+    }
+    up.arg = std::make_unique<EpArg>(EpArg{&sink, 0, up.gen});
+    ucp_ep_params_t ep{};
+    ep.field_mask = UCP_EP_PARAM_FIELD_FLAGS | UCP_EP_PARAM_FIELD_SOCK_ADDR | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
+                    UCP_EP_PARAM_FIELD_ERR_HANDLER;
+    ep.flags = UCP_EP_PARAMS_FLAGS_CLIENT_SERVER;
+    ep.sockaddr.addr = reinterpret_cast<const sockaddr*>(&ss);
+    ep.sockaddr.addrlen = len;
+    ep.err_mode = UCP_ERR_HANDLING_MODE_PEER;
+    ep.err_handler.cb = ep_error_cb;
+    ep.err_handler.arg = up.arg.get();
+    if (const ucs_status_t s = ucp_ep_create(up.w->get(), &ep, &up.ep); s != UCS_OK) {
+      up.ep = nullptr;
+      fail_upstream("cannot open the data connection to " + addr + ": " + ucx::status_str(s));
+      return false;
+    }
+    return true;
+  }
+
+  // A control message from the upstream, on its control channel.
   void on_down_message(std::vector<std::uint8_t>& msg) {
+    const std::string from = "upstream " + from_addr.str();
     switch (up.state) {
       case Up::kConnecting: {
         wire::Reader r(msg, false);
-        if (r.type() == Type::kRefused) refused_by_upstream("upstream " + from_addr.str() + " refused: " + r.str());
+        if (r.type() == Type::kRefused) {
+          upstream_refused(from + " refused this relay: " + printable(r.str(wire::kHandshakeBytes)));
+          return;
+        }
         if (r.type() != Type::kChallenge) throw wire::ProtocolError("expected a challenge");
         const std::uint32_t proto = r.u32();
-        up.tr.conn = r.u32();
+        if (proto != wire::kProto) {
+          upstream_refused(from + " speaks relay protocol " + std::to_string(proto) + ", this relay " +
+                           std::to_string(wire::kProto) + ": run the same shmcast version on every node");
+          return;
+        }
+        up.tr.conn = r.u64();
         r.bytes(&up.tr.server_nonce);
         const std::string region = r.str(256);
         r.expect_done();
-        if (proto != wire::kProto)
-          refused_by_upstream("upstream " + from_addr.str() + " speaks relay protocol " + std::to_string(proto) +
-                              ", this relay " + std::to_string(wire::kProto) + ": run the same shmcast version");
-        if (region != o.region)
-          refused_by_upstream("upstream " + from_addr.str() + " serves region '" + region + "', not '" + o.region + "'");
+        if (region != o.region) {
+          upstream_refused(from + " serves region '" + printable(region) + "', not '" + o.region + "'");
+          return;
+        }
         up.tr.region = o.region;
         up.tr.client_nonce = auth::nonce();
         Writer w(Type::kResponse);
         w.bytes(up.tr.client_nonce).bytes(auth::client_proof(o.key, up.tr)).str(o.region);
         send_up(w);
+        if (up.state == Up::kIdle) return;
         up.state = Up::kAwaitWelcome;
         set_state("authenticating");
         return;
       }
       case Up::kAwaitWelcome: {
         wire::Reader r0(msg, false);
-        if (r0.type() == Type::kRefused)
-          refused_by_upstream("upstream " + from_addr.str() + " refused this relay: " + r0.str());
+        if (r0.type() == Type::kRefused) {
+          upstream_refused(from + " refused this relay: " + printable(r0.str(wire::kHandshakeBytes)));
+          return;
+        }
         if (r0.type() != Type::kWelcome) throw wire::ProtocolError("expected a welcome");
         up.session = auth::session_key(o.key, up.tr);
-        wire::Reader r = verified(msg);
+        std::optional<wire::Reader> r;
+        try {
+          r.emplace(verified(msg));
+        } catch (const wire::ProtocolError&) {
+          upstream_refused(from + " did not prove the key (its welcome fails the MAC): not accepting its data");
+          return;
+        }
         wire::Mac proof{};
-        r.bytes(&proof);
-        const std::uint64_t chunk_bytes = r.u64();
-        (void)r.u32();  // flags: the upstream's checksum setting (each hop checks what it receives)
-        r.expect_done();
-        if (!auth::equal(proof, auth::server_proof(o.key, up.tr)))
-          refused_by_upstream("upstream " + from_addr.str() + " did not prove the key: not accepting its data");
+        r->bytes(&proof);
+        const std::uint64_t chunk_bytes = r->u64();
+        (void)r->u32();  // flags: the upstream's checksum setting (each hop checks what it receives)
+        const std::string data_addr = r->str(256);
+        r->expect_done();
+        if (!auth::equal(proof, auth::server_proof(o.key, up.tr))) {
+          upstream_refused(from + " did not prove the key: not accepting its data");
+          return;
+        }
+        if (chunk_bytes != 0)
+          if (const std::string why = chunk_room_problem(chunk_bytes); !why.empty()) {
+            fail_upstream("the upstream's " + why);
+            return;
+          }
+        // The data connection, to the listener the upstream opened for it
+        // (its address is in the welcome, which the session key covers).
+        if (!connect_data(data_addr)) return;
         up.state = Up::kAuthed;
         up.backoff_ns = 0;
         up.since_unix_ns = unix_ns();
         up.last_error.clear();
+        up.tag_base = auth::data_tag_base(up.session);
         if (chunk_bytes != 0) {
           up.chunk_bytes = chunk_bytes;
           push_writer(WCmd{WCmd::kOpen, nullptr, -1, 0, nullptr, 0, 0, chunk_bytes, {}});
@@ -1354,6 +1786,10 @@ struct Relay::Impl {
         case Type::kSync: {
           if (in.plan) return;  // the previous sync is still being received
           auto plan = std::make_shared<SyncPlan>(wire::decode_sync(r));
+          if (const std::string why = chunk_room_problem(plan->chunk_bytes); !why.empty()) {
+            fail_upstream("cannot take the upstream's sync " + std::to_string(plan->version) + ": its " + why);
+            return;
+          }
           bool ready = false;
           try {
             ready = ensure_bufs(plan->chunk_bytes);  // false: the chunk size changed, wait for the buffers
@@ -1397,7 +1833,7 @@ struct Relay::Impl {
           r.expect_done();
           if (!in.plan || v != in.plan->version || sent > in.plan->total_frags())
             throw wire::ProtocolError("abort message does not match the sync");
-          abort_in(sent, "upstream aborted sync " + std::to_string(v) + ": " + why);
+          abort_in(sent, "upstream aborted sync " + std::to_string(v) + ": " + printable(why, 1000));
           break;
         }
         default: throw wire::ProtocolError(std::string("unexpected ") + wire::type_name(r.type()) + " message");
@@ -1409,6 +1845,7 @@ struct Relay::Impl {
   void begin_in(const std::shared_ptr<const SyncPlan>& plan) {
     in = In{};
     in.serial = ++in_serial;
+    in.tag_serial = wire::data_serial(up.tag_base, ++up.syncs_begun);  // the upstream counts its syncs to us alike
     in.plan = plan;
     in.chunks.resize(plan->data_chunks.size());
     in.limit = plan->data_chunks.size();
@@ -1447,7 +1884,8 @@ struct Relay::Impl {
     for (std::size_t i = 0; i < in.posted; ++i) {
       In::Chunk& ch = in.chunks[i];
       for (std::size_t j = 0; j < ch.ops.size(); ++j)
-        if (Op* op = ch.ops[j]; op && fb[i] + j >= sent && op->req && !op->done) ucp_request_cancel(up.w->get(), op->req);
+        if (Op* op = ch.ops[j]; op && fb[i] + j >= sent && op->req && !op->done)
+          up.w->cancel(op->req, [op] { return !op->done.load(std::memory_order_acquire); });
     }
   }
 
@@ -1512,7 +1950,7 @@ struct Relay::Impl {
         ch.ops[j] = op;
         ucp_request_param_t prm = recv_param(op, buf.reg.memh);
         track(op, ucp_tag_recv_nbx(up.w->get(), buf.p + static_cast<std::uint64_t>(j) * p.frag_bytes, op->bytes,
-                                   wire::tag(wire::kData, p.version, p.frag_tag(c, j)), wire::kFullMask, &prm));
+                                   wire::data_tag(in.tag_serial, p.frag_tag(c, j)), wire::kFullMask, &prm));
       }
     }
     while (!in.discard && in.fwd_pos < in.posted) {
@@ -1581,19 +2019,16 @@ struct Relay::Impl {
 
   void on_complete(Op* op) {
     switch (op->kind) {
-      case Op::kCtrlSend: {
-        if (op->status != UCS_OK && op->conn != 0)
-          if (auto it = downs.find(op->conn); it != downs.end())
-            drop_down(*it->second, "control send failed: " + ucx::status_str(op->status));
-        if (op->status != UCS_OK && op->conn == 0 && op->gen == up.gen && up.state != Up::kIdle)
-          fail_upstream("control send failed: " + ucx::status_str(op->status));
-        return;
-      }
       case Op::kDataSend: {
         release_buf(op->buf);
+        if (auto f = fan.find(op->ord); f != fan.end()) {
+          if (f->second.first_done_ns == 0 && op->status == UCS_OK) f->second.first_done_ns = mono_ns();
+          if (--f->second.pending <= 0) fan.erase(f);
+        }
         if (auto it = downs.find(op->conn); it != downs.end()) {
           Down& d = *it->second;
           --d.pending_data;
+          d.pend.erase(op->ord);
           d.progress_ns = mono_ns();
           if (op->status == UCS_OK) {
             d.bytes_sent += op->bytes;
@@ -1638,38 +2073,17 @@ struct Relay::Impl {
         in.progress_ns = mono_ns();
         return;
       }
-      case Op::kCtrlRecv: {
-        if (op->status == UCS_OK && op->length > op->msg.size()) op->status = UCS_ERR_MESSAGE_TRUNCATED;
-        if (op->worker == (lw ? lw->get() : nullptr)) {
-          lw_ctrl_busy = false;
-          if (op->status != UCS_OK) {
-            if (auto it = downs.find(op->conn); it != downs.end())
-              drop_down(*it->second, "bad control message: " + ucx::status_str(op->status));
-            return;
-          }
-          op->msg.resize(op->length);
-          on_up_message(op->conn, op->msg);
-          return;
-        }
-        if (op->gen != up.gen) return;
-        up.ctrl_busy = false;
-        if (op->status != UCS_OK) {
-          fail_upstream("control receive failed: " + ucx::status_str(op->status));
-          return;
-        }
-        op->msg.resize(op->length);
-        try {
-          on_down_message(op->msg);
-        } catch (const wire::ProtocolError& e) {
-          fail_upstream(std::string("protocol error: ") + e.what());
-        }
+      case Op::kJunkRecv: {
+        if (op->worker == (lw ? lw->get() : nullptr)) lw_junk_busy = false;
+        else if (op->gen == up.gen) up.junk_busy = false;
         return;
       }
-      case Op::kClose: {
-        if (op->conn != 0) {
-          downs.erase(op->conn);
-          status_dirty = true;
-        }
+      case Op::kClose: {  // a downstream's data endpoint is closed: service_downs() ends it
+        if (op->conn != 0)
+          if (auto it = downs.find(op->conn); it != downs.end()) {
+            it->second->ep = nullptr;
+            it->second->ep_closing = false;
+          }
         return;
       }
     }
@@ -1682,8 +2096,6 @@ struct Relay::Impl {
     sink.completed.clear();
     ep_failures.insert(ep_failures.end(), sink.failures.begin(), sink.failures.end());
     sink.failures.clear();
-    conn_requests.insert(conn_requests.end(), sink.conns.begin(), sink.conns.end());
-    sink.conns.clear();
   }
   void process_completions() {
     for (;;) {
@@ -1711,7 +2123,7 @@ struct Relay::Impl {
     auto list = std::move(ep_failures);
     ep_failures.clear();
     for (const EpFailure& f : list) {
-      const std::uint32_t conn = f.conn;
+      const std::uint64_t conn = f.conn;
       const ucs_status_t status = f.status;
       if (conn == 0) {
         if (f.gen == up.gen && up.state != Up::kIdle)
@@ -1728,9 +2140,22 @@ struct Relay::Impl {
     const std::int64_t now = mono_ns();
     for (auto& [id, d] : downs) {
       if (d->state == Down::kHandshake && now > d->deadline_ns) drop_down(*d, "no handshake response in time");
+      if (d->state == Down::kJoining && now > d->deadline_ns) drop_down(*d, "no data connection in time");
       if (d->state == Down::kActive && d->pending_data > 0 && now - d->progress_ns > o.peer_timeout.count())
         drop_down(*d, "took no chunk for " + std::to_string(o.peer_timeout.count() / 1000000) + " ms (stalled)");
+      // Isolation: a downstream that has not taken a fragment which another
+      // downstream took more than max_lag ago holds the others back (the
+      // fragment's buffer, or the source's slot, waits for it). It is
+      // dropped from the sync, reconnects and takes the next one.
+      if ((d->state == Down::kActive || d->state == Down::kReady) && !d->pend.empty())
+        if (auto f = fan.find(*d->pend.begin());
+            f != fan.end() && f->second.first_done_ns != 0 && now - f->second.first_done_ns > o.max_lag.count())
+          drop_down(*d, "fell behind the other downstream relays by more than " +
+                            std::to_string(o.max_lag.count() / 1000000) +
+                            " ms (it has not taken a fragment they took " +
+                            std::to_string((now - f->second.first_done_ns) / 1000000) + " ms ago)");
     }
+    rlog.flush(now);
     if (!source) {
       // An upstream that sends nothing mid-sync (a stalled or broken relay;
       // the source itself gives up on its trainer after 60 s) is dropped:
@@ -2320,6 +2745,8 @@ struct Relay::Impl {
                        {"connection", up.tr.conn},
                        {"since_unix_ns", up.state == Up::kAuthed ? up.since_unix_ns : 0},
                        {"connects", up.connects},
+                       {"refusals", up.refusals},
+                       {"last_refusal", up.last_refusal},
                        {"last_error", up.last_error}};
     }
     nlohmann::json ds = nlohmann::json::array();
@@ -2336,6 +2763,8 @@ struct Relay::Impl {
     j["downstream"] = ds;
     j["downstream_ready"] = ready;
     j["refused"] = refused;
+    j["rejected"] = rejected;
+    j["ignored"] = ignored;
     // A new file under a fresh name, then renamed over the status file
     // (shmcast/files.hpp): a link or another user's file planted in the
     // region directory is replaced, never written through or chmodded.
@@ -2381,6 +2810,13 @@ struct Relay::Impl {
       if (!up.w->arm()) return;
       fds.push_back({up.w->fd(), POLLIN, 0});
     }
+    // The control channels.
+    if (listen_fd >= 0) fds.push_back({listen_fd, POLLIN, 0});
+    for (const auto& [id, d] : downs)
+      if (d->sock.is_open())
+        fds.push_back({d->sock.fd(), static_cast<short>(POLLIN | (d->sock.want_write() ? POLLOUT : 0)), 0});
+    if (up.sock.is_open())
+      fds.push_back({up.sock.fd(), static_cast<short>(POLLIN | (up.sock.want_write() || !up.tcp_up ? POLLOUT : 0)), 0});
     ::poll(fds.data(), fds.size(), 50);
     if (fds[0].revents & POLLIN) {
       std::uint64_t v;
@@ -2400,10 +2836,12 @@ struct Relay::Impl {
       if (up.w && !up.w->threaded()) events += up.w->progress();
       check_workers();
       take_sink();
-      const bool had = !completed.empty() || !ep_failures.empty() || !conn_requests.empty();
-      // Messages first: a refusal arrives just before the connection closes.
-      probe_down_ctrl();
-      probe_up_ctrl();
+      const bool had = !completed.empty() || !ep_failures.empty();
+      service_downs();
+      accept_data_conns();
+      drain_lw_junk();
+      service_up();
+      drain_up_junk();
       process_completions();
       process_ep_failures();
       process_completions();
@@ -2439,24 +2877,19 @@ struct Relay::Impl {
       handle_cmds();
       if (out.plan) forward_abort("the source relay is stopping");
     }
+    // The aborts went on the control channels: let them out (at most 1 s),
+    // then close the channels and the data endpoints.
     for (auto& [id, d] : downs)
-      if (d->state != Down::kClosing) {
-        d->state = Down::kClosing;
-        close_ep(lw->get(), d->ep, false, d->id);
-      }
-    const std::int64_t deadline = mono_ns() + 2'000'000'000;
+      if (d->state != Down::kClosing) drop_down(*d, "the relay is stopping", false);
+    const std::int64_t deadline = mono_ns() + 3'000'000'000;
     while (!downs.empty() && mono_ns() < deadline) {
       unsigned n = lw ? lw->progress() : 0;
       process_completions();
+      service_downs();
       if (n == 0) std::this_thread::sleep_for(1ms);
     }
-    for (auto& [id, d] : downs)
-      if (d->ep) close_ep(lw->get(), d->ep, true, d->id);  // forced: whatever is left
-    while (!downs.empty() && mono_ns() < deadline + 1'000'000'000) {
-      unsigned n = lw ? lw->progress() : 0;
-      process_completions();
-      if (n == 0) std::this_thread::sleep_for(1ms);
-    }
+    if (listen_fd >= 0) ::close(listen_fd);
+    listen_fd = -1;
     // The source's reader waits for its slots: what is still out, and what
     // it posted that this thread will not take any more.
     release_src_chunks();
@@ -2479,8 +2912,6 @@ struct Relay::Impl {
       reap_retired();
       if (!retired.empty()) std::this_thread::sleep_for(1ms);
     }
-    if (listener) ucp_listener_destroy(listener);
-    listener = nullptr;
     // No callback may run once the ops are gone: stop the progress thread,
     // destroy the worker (which may still call back for requests it drops),
     // then free the ops. All before the writer closes this node's region:
@@ -2515,12 +2946,26 @@ struct Relay::Impl {
       sbufs.clear();
     }
     ctx.reset();
+    rlog.flush(mono_ns(), true);
     set_state(fatal ? "failed" : "stopped");
     write_status(true);
   }
 
   void run() {
-    ctx = std::make_unique<ucx::Context>();
+    if (o.limit_ucx_log) limit_ucx_log();
+    // UCX's own TCP listeners (one per worker and interface) bind only to
+    // the interfaces this relay was asked to use, unless UCX_NET_DEVICES
+    // says otherwise.
+    std::string devices;
+    if (std::getenv("UCX_NET_DEVICES") == nullptr) {
+      const ucx::NetDevices nd = ucx::relay_net_devices(o.listen, o.from);
+      devices = nd.devices;
+      if (devices.empty())
+        log("UCX may use every network interface (" + nd.why + "); set UCX_NET_DEVICES to restrict it");
+      else
+        log("UCX uses the network devices " + devices + " (UCX_NET_DEVICES to change)");
+    }
+    ctx = std::make_unique<ucx::Context>(devices);
     if (!o.listen.empty()) {
       lw = new_worker();
       start_listener();

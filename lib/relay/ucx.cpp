@@ -1,11 +1,16 @@
 #include "ucx.hpp"
 
 #include <arpa/inet.h>
+#include <dirent.h>
+#include <ifaddrs.h>
+#include <net/if.h>
 #include <netdb.h>
 #include <poll.h>
 #include <sys/eventfd.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <cstdlib>
 #include <cstring>
 
 namespace shmcast::relay::ucx {
@@ -16,9 +21,16 @@ void check(ucs_status_t st, const std::string& what) {
   if (st != UCS_OK) throw Error(Errc::kSystem, what + ": " + status_str(st));
 }
 
-Context::Context() {
+Context::Context(const std::string& net_devices) {
   ucp_config_t* config = nullptr;
   check(ucp_config_read(nullptr, nullptr, &config), "UCX configuration (UCX_* variables)");
+  if (!net_devices.empty() && std::getenv("UCX_NET_DEVICES") == nullptr) {
+    const ucs_status_t st = ucp_config_modify(config, "NET_DEVICES", net_devices.c_str());
+    if (st != UCS_OK) {
+      ucp_config_release(config);
+      check(st, "UCX NET_DEVICES=" + net_devices);
+    }
+  }
   ucp_params_t p{};
   p.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_NAME | UCP_PARAM_FIELD_MT_WORKERS_SHARED;
   p.features = UCP_FEATURE_TAG | UCP_FEATURE_WAKEUP;
@@ -98,7 +110,11 @@ std::string Worker::failure() const { return failed_.load(std::memory_order_acqu
 unsigned Worker::progress() {
   unsigned total = 0;
   for (int i = 0; i < 64; ++i) {
-    const unsigned n = ucp_worker_progress(h_);
+    unsigned n = 0;
+    {
+      std::lock_guard<std::mutex> g(progress_mu_);
+      n = ucp_worker_progress(h_);
+    }
     if (n == 0) break;
     total += n;
   }
@@ -110,6 +126,125 @@ bool Worker::arm() {
   if (st == UCS_ERR_BUSY) return false;
   check(st, "ucp_worker_arm");
   return true;
+}
+
+std::string pick_devices(const std::vector<std::pair<std::string, in_addr_t>>& ifs,
+                         const std::vector<in_addr_t>& wanted, const std::vector<std::string>& rdma, std::string* why) {
+  std::vector<std::string> out;
+  for (in_addr_t w : wanted) {
+    auto it = std::find_if(ifs.begin(), ifs.end(), [&](const auto& i) { return i.second == w; });
+    if (it == ifs.end()) {
+      char b[INET_ADDRSTRLEN] = "?";
+      in_addr a{};
+      a.s_addr = w;
+      ::inet_ntop(AF_INET, &a, b, sizeof b);
+      *why = std::string("no network interface has the address ") + b;
+      return "";
+    }
+    if (std::find(out.begin(), out.end(), it->first) == out.end()) out.push_back(it->first);
+  }
+  if (out.empty()) {
+    *why = "no address to restrict UCX to";
+    return "";
+  }
+  for (const std::string& r : rdma)
+    if (std::find(out.begin(), out.end(), r) == out.end()) out.push_back(r);
+  std::string s;
+  for (const std::string& d : out) s += (s.empty() ? "" : ",") + d;
+  return s;
+}
+
+namespace {
+
+// RDMA devices as UCX names them: <device>:<port>.
+std::vector<std::string> rdma_devices() {
+  std::vector<std::string> out;
+  const std::string root = "/sys/class/infiniband";
+  DIR* d = ::opendir(root.c_str());
+  if (!d) return out;
+  while (dirent* e = ::readdir(d)) {
+    const std::string dev = e->d_name;
+    if (dev == "." || dev == "..") continue;
+    DIR* p = ::opendir((root + "/" + dev + "/ports").c_str());
+    if (!p) continue;
+    while (dirent* q = ::readdir(p)) {
+      const std::string port = q->d_name;
+      if (port != "." && port != "..") out.push_back(dev + ":" + port);
+    }
+    ::closedir(p);
+  }
+  ::closedir(d);
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+// The IPv4 address `host` names (the first), or false.
+bool ipv4_of(const std::string& host, in_addr_t* out) {
+  addrinfo hints{};
+  hints.ai_family = AF_INET;
+  hints.ai_socktype = SOCK_STREAM;
+  addrinfo* res = nullptr;
+  if (::getaddrinfo(host.c_str(), nullptr, &hints, &res) != 0 || res == nullptr) return false;
+  *out = reinterpret_cast<const sockaddr_in*>(res->ai_addr)->sin_addr.s_addr;
+  ::freeaddrinfo(res);
+  return true;
+}
+
+}  // namespace
+
+NetDevices relay_net_devices(const std::string& listen, const std::string& from) {
+  NetDevices nd;
+  std::vector<in_addr_t> wanted;
+  if (!listen.empty()) {
+    const Address a = parse_address(listen);
+    in_addr_t ip = 0;
+    if (a.host.find(':') != std::string::npos || !ipv4_of(a.host, &ip)) {
+      nd.why = "the listen address " + a.str() + " is not an IPv4 address";
+      return nd;
+    }
+    if (ip == htonl(INADDR_ANY)) {
+      nd.why = "the listen address " + a.str() + " is every interface";
+      return nd;
+    }
+    wanted.push_back(ip);
+  }
+  if (!from.empty()) {
+    // The local address the kernel routes the upstream from (a UDP socket's
+    // connect() picks it and sends nothing).
+    const Address a = parse_address(from);
+    in_addr_t ip = 0;
+    if (a.host.find(':') != std::string::npos || !ipv4_of(a.host, &ip)) {
+      nd.why = "the upstream " + a.str() + " does not resolve to an IPv4 address yet";
+      return nd;
+    }
+    const int fd = ::socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+    sockaddr_in to{};
+    to.sin_family = AF_INET;
+    to.sin_port = htons(a.port == 0 ? 9 : a.port);
+    to.sin_addr.s_addr = ip;
+    sockaddr_in local{};
+    socklen_t len = sizeof local;
+    const bool ok = fd >= 0 && ::connect(fd, reinterpret_cast<const sockaddr*>(&to), sizeof to) == 0 &&
+                    ::getsockname(fd, reinterpret_cast<sockaddr*>(&local), &len) == 0;
+    if (fd >= 0) ::close(fd);
+    if (!ok) {
+      nd.why = "no route to the upstream " + a.str() + " (" + std::strerror(errno) + ")";
+      return nd;
+    }
+    wanted.push_back(local.sin_addr.s_addr);
+  }
+  std::vector<std::pair<std::string, in_addr_t>> ifs;
+  ifaddrs* all = nullptr;
+  if (::getifaddrs(&all) != 0) {
+    nd.why = std::string("getifaddrs: ") + std::strerror(errno);
+    return nd;
+  }
+  for (ifaddrs* i = all; i; i = i->ifa_next)
+    if (i->ifa_addr && i->ifa_addr->sa_family == AF_INET && (i->ifa_flags & IFF_UP))
+      ifs.emplace_back(i->ifa_name, reinterpret_cast<const sockaddr_in*>(i->ifa_addr)->sin_addr.s_addr);
+  ::freeifaddrs(all);
+  nd.devices = pick_devices(ifs, wanted, rdma_devices(), &nd.why);
+  return nd;
 }
 
 sockaddr_storage resolve(const Address& a, bool passive, socklen_t* len) {

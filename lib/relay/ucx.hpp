@@ -4,14 +4,18 @@
 // except a threaded worker's own progress thread.
 #pragma once
 
+#include <netinet/in.h>
 #include <sys/socket.h>
 #include <ucp/api/ucp.h>
 
 #include <atomic>
 #include <cstdint>
 #include <functional>
+#include <mutex>
 #include <string>
 #include <thread>
+#include <utility>
+#include <vector>
 
 #include "shmcast/relay.hpp"
 
@@ -23,7 +27,10 @@ std::string status_str(ucs_status_t st);
 
 class Context {
  public:
-  Context();  // tag matching + wake-up; UCX_* environment variables apply
+  // Tag matching and wake-up; UCX_* environment variables
+  // apply. `net_devices` not empty: UCX's NET_DEVICES, unless the
+  // environment sets UCX_NET_DEVICES.
+  explicit Context(const std::string& net_devices = "");
   ~Context();
   Context(const Context&) = delete;
   Context& operator=(const Context&) = delete;
@@ -44,6 +51,23 @@ class Worker {
   int fd() const { return efd_; }
   // Progresses until nothing more happens; returns how many events ran.
   unsigned progress();
+  // Cancels a request this worker may complete at the same moment on its
+  // progress thread. UCX (1.13) checks a request's completion before it
+  // takes the worker's lock in ucp_request_cancel(), and asserts when the
+  // request completed in between: progress and cancel are serialized here,
+  // and `still_pending` (read under that lock) says whether to cancel.
+  template <class F>
+  void cancel(void* req, F still_pending) {
+    std::lock_guard<std::mutex> g(progress_mu_);
+    if (still_pending()) ucp_request_cancel(h_, req);
+  }
+  // Runs f() while no progress runs (so no callback of this worker: a
+  // listener's connection handler runs inside progress too).
+  template <class F>
+  void locked(F f) {
+    std::lock_guard<std::mutex> g(progress_mu_);
+    f();
+  }
   // Arms the wake-up fd: true when it may be slept on, false when events
   // are pending (progress again first).
   bool arm();
@@ -68,9 +92,26 @@ class Worker {
   bool threaded_ = false;
   int stop_fd_ = -1;
   std::atomic<bool> stop_{false}, failed_{false};
+  std::mutex progress_mu_;  // held around ucp_worker_progress and cancel()
   std::string failure_;
   std::thread t_;
 };
+
+// The network devices a relay lets UCX use by default: the interfaces that
+// carry its listen address and the address it reaches its upstream from,
+// plus every RDMA device (whose transports open no TCP port), so that UCX's
+// own TCP listeners bind nowhere else. `devices` is empty when nothing is
+// restricted (a wildcard listen address, an address on no interface, an
+// upstream that does not resolve yet); `why` then says why.
+struct NetDevices {
+  std::string devices, why;
+};
+NetDevices relay_net_devices(const std::string& listen, const std::string& from);
+// The pure part: interfaces (name, IPv4 address in network order), the
+// local addresses wanted, RDMA device:port names. Empty (and `why`) when a
+// wanted address is on no interface.
+std::string pick_devices(const std::vector<std::pair<std::string, in_addr_t>>& ifs,
+                         const std::vector<in_addr_t>& wanted, const std::vector<std::string>& rdma, std::string* why);
 
 // getaddrinfo for `a` (numeric or a name); passive: for a listener.
 sockaddr_storage resolve(const Address& a, bool passive, socklen_t* len);

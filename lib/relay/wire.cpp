@@ -1,5 +1,7 @@
 #include "wire.hpp"
 
+#include <algorithm>
+
 namespace shmcast::relay::wire {
 
 const char* type_name(Type t) {
@@ -14,6 +16,35 @@ const char* type_name(Type t) {
     case Type::kAbort: return "abort";
   }
   return "unknown";
+}
+
+std::uint64_t control_cap(std::uint64_t region_manifest_bytes) {
+  const std::uint64_t m = region_manifest_bytes == 0 ? ProducerOptions{}.manifest_bytes : region_manifest_bytes;
+  const std::uint64_t room = (std::min(m, limits::kMaxManifestBytes) + 4095) / 4096 * 4096 + kControlSlack;
+  return std::min(room, kMaxControlBytes);
+}
+
+std::string chunk_problem(std::uint64_t chunk_bytes, const ChunkRoom& room) {
+  auto fmt = [](std::uint64_t n) {
+    return n % (1ull << 30) == 0 ? std::to_string(n >> 30) + " GiB"
+                                 : n % (1ull << 20) == 0 ? std::to_string(n >> 20) + " MiB" : std::to_string(n) + " bytes";
+  };
+  if (chunk_bytes == 0 || chunk_bytes % (2ull << 20) != 0)
+    return "chunks of " + std::to_string(chunk_bytes) + " bytes are not a slot size (a multiple of 2 MiB)";
+  if (chunk_bytes > kMaxChunkBytes)
+    return "chunks of " + fmt(chunk_bytes) + " are larger than the relay's maximum of " + fmt(kMaxChunkBytes) +
+           " (use smaller slots in the source region)";
+  // Overflow-free: both factors are small (buffers, slots <= 4096; chunk <= 1 GiB).
+  const std::uint64_t need = chunk_bytes * (room.buffers + room.region_slots);
+  if (room.memory_bytes != 0 && need > room.memory_bytes)
+    return "chunks of " + fmt(chunk_bytes) + " need " + fmt(need) + " here (" + std::to_string(room.buffers) +
+           " receive buffers and " + std::to_string(room.region_slots) + " region slots), more than this node's " +
+           fmt(room.memory_bytes) + " of memory (lower --buffers or --slots, or use --slot-bytes)";
+  if (room.fs_bytes != 0 && chunk_bytes * room.region_slots > room.fs_bytes)
+    return "a region of " + std::to_string(room.region_slots) + " slots of " + fmt(chunk_bytes) +
+           " is larger than the file system of the region directory (" + fmt(room.fs_bytes) +
+           "; lower --slots or use --slot-bytes)";
+  return "";
 }
 
 Reader::Reader(std::span<const std::uint8_t> msg, bool has_mac) : p_(msg.data()), end_(msg.size()) {
@@ -87,8 +118,9 @@ SyncPlan decode_sync(Reader& r) {
   p.payload_bytes = r.u64();
   const std::uint32_t n = r.u32();
   if (p.version == 0) throw ProtocolError("sync version 0");
-  if (p.chunk_bytes == 0 || p.chunk_bytes > limits::kMaxSlotBytes || p.chunk_bytes % (2u << 20) != 0)
-    throw ProtocolError("sync chunk size " + std::to_string(p.chunk_bytes) + " is not a valid slot size");
+  if (p.chunk_bytes == 0 || p.chunk_bytes > kMaxChunkBytes || p.chunk_bytes % (2u << 20) != 0)
+    throw ProtocolError("sync chunk size " + std::to_string(p.chunk_bytes) +
+                        " is not a slot size of at most 1 GiB (a multiple of 2 MiB)");
   if (p.frag_bytes < kMinFragBytes || p.frag_bytes > kMaxFragBytes || (p.frag_bytes & (p.frag_bytes - 1)) != 0)
     throw ProtocolError("sync fragment size " + std::to_string(p.frag_bytes) +
                         " is not a power of two between 64 KiB and 2 MiB");

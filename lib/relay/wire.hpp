@@ -1,6 +1,7 @@
-// The relay's wire format: UCX tags and control messages (docs/relay.md,
-// "Wire protocol"). Control messages are small tagged messages; chunk bytes
-// are tagged messages of their own, received straight into their buffers.
+// The relay's wire format (docs/relay.md, "Wire protocol"): control
+// messages travel framed on each connection's own TCP socket (CtrlSocket),
+// so each is bound to the connection it arrives on; chunk bytes are UCX
+// tagged messages, received straight into their buffers.
 #pragma once
 
 #include <array>
@@ -15,27 +16,55 @@
 
 namespace shmcast::relay::wire {
 
-inline constexpr std::uint32_t kProto = 2;  // 2: chunks travel as fragments
+// 3: control messages on the relay's own TCP connection; the chunk bytes on
+// a UCX connection to a listener the upstream opens for that connection.
+inline constexpr std::uint32_t kProto = 3;
 inline constexpr std::uint32_t kMagic = 0x594c5253;  // "SRLY"
 
-// A tag is kind (8 bits) | middle (24 bits) | low (32 bits).
-enum Kind : std::uint64_t {
-  kCtrlDown = 1,  // control, upstream -> downstream; one tag, so they match in order
-  kCtrlUp = 2,    // control, downstream -> upstream; middle = connection id
-  kData = 3,      // chunk bytes; middle = version (low 24 bits), low = fragment tag (SyncPlan::frag_tag)
-};
+// Chunk bytes are tagged messages (received straight into their buffers).
+// A fragment's tag: bit 63 set | the connection's sync serial (31 bits) |
+// the fragment tag (SyncPlan::frag_tag, 32 bits). Tags without bit 63 are
+// never data: a relay drains them as junk.
+inline constexpr std::uint64_t kDataBit = 1ull << 63;
 inline constexpr std::uint64_t kFullMask = ~0ull;
-inline constexpr std::uint64_t kKindMask = 0xffull << 56;
-inline constexpr std::uint64_t tag(Kind k, std::uint64_t middle, std::uint64_t low) {
-  return (static_cast<std::uint64_t>(k) << 56) | ((middle & 0xffffff) << 32) | (low & 0xffffffff);
+inline constexpr std::uint32_t kSerialMask = 0x7fffffff;
+inline constexpr std::uint64_t data_tag(std::uint32_t serial, std::uint32_t frag) {
+  return kDataBit | (static_cast<std::uint64_t>(serial & kSerialMask) << 32) | frag;
 }
-inline constexpr std::uint32_t tag_middle(std::uint64_t t) { return static_cast<std::uint32_t>((t >> 32) & 0xffffff); }
+// The serial of the n-th sync (n = 1, 2, ...) on a connection whose session
+// gives `base` (auth::data_tag_base): both sides count the syncs of their
+// connection, so consecutive syncs never share a tag, whatever their versions.
+inline constexpr std::uint32_t data_serial(std::uint32_t base, std::uint64_t n) {
+  return static_cast<std::uint32_t>((base + n) & kSerialMask);
+}
+// Limits on what a peer announces (docs/relay.md, "Limits").
+// A handshake message (challenge, response, welcome, refused) is small.
+inline constexpr std::uint64_t kHandshakeBytes = 4096;
+// Largest control message a relay takes from its upstream: a sync message
+// holds a manifest, which the node's region must store (its manifest area,
+// ProducerOptions::manifest_bytes, at most limits::kMaxManifestBytes; the
+// relay's encoding takes fewer bytes per tensor than the region's), plus
+// its fixed fields and MAC.
+inline constexpr std::uint64_t kControlSlack = 64ull << 10;
+inline constexpr std::uint64_t kMaxControlBytes = limits::kMaxManifestBytes + kControlSlack;
+std::uint64_t control_cap(std::uint64_t region_manifest_bytes);
+// Largest chunk (the source's slot size) a relay accepts from its upstream.
+inline constexpr std::uint64_t kMaxChunkBytes = 1ull << 30;
+// What a node has room for: `buffers` receive buffers of one chunk (0 with
+// direct receive), `region_slots` slots of one chunk in its region (0 when
+// --slot-bytes fixes the region's slot size), against its memory and the
+// size of the region directory's file system (0: unknown).
+struct ChunkRoom {
+  std::uint64_t buffers = 0, region_slots = 0, memory_bytes = 0, fs_bytes = 0;
+};
+// "" when chunks of `chunk_bytes` fit, else why not.
+std::string chunk_problem(std::uint64_t chunk_bytes, const ChunkRoom& room);
 
 enum class Type : std::uint16_t {
-  kChallenge = 1,  // up -> down: proto, conn id, server nonce, region
+  kChallenge = 1,  // up -> down: proto, connection id (64 bits), server nonce, region
   kResponse,       // down -> up: client nonce, client proof, region
-  kWelcome,        // up -> down: server proof, chunk size (0: not known yet), flags
-  kRefused,        // up -> down: why (then the connection is closed)
+  kWelcome,        // up -> down: server proof, chunk size (0: not known yet), flags, data address (HOST:PORT)
+  kRefused,        // up -> down: why (then the connection is closed); not authenticated
   kSync,           // up -> down: a sync begins: version, chunk size, stream, manifest
   kChunk,          // up -> down: chunk index, length, XXH3 (after its bytes were sent)
   kEnd,            // up -> down: the sync is complete
@@ -48,8 +77,6 @@ inline constexpr std::size_t kMacBytes = 32;
 using Nonce = std::array<std::uint8_t, kNonceBytes>;
 using Mac = std::array<std::uint8_t, kMacBytes>;
 inline constexpr std::uint32_t kFlagChecksums = 1;
-// Largest control message accepted (a manifest of 2^20 tensors with long names).
-inline constexpr std::uint64_t kMaxControlBytes = 1ull << 31;
 
 // Malformed input from a peer.
 struct ProtocolError : std::runtime_error {

@@ -373,7 +373,7 @@ void relay_wire_corpus() {
   {
     w::Writer wr(w::Type::kChallenge);
     w::Nonce n{};
-    wr.u32(w::kProto).u32(1).bytes(n).str("region");
+    wr.u32(w::kProto).u64(1).bytes(n).str("region");
     wire_seed("challenge", 2, wr.buffer());
     w::Writer ab(w::Type::kAbort);
     ab.u64(3).u64(17).str("the trainer aborted");

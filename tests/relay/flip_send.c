@@ -3,11 +3,13 @@
  * a bad NIC, a DMA fault or a broken offload does). The relay's per-chunk
  * XXH3 across the hop must catch it.
  *
- * UCX's TCP transport sends a fragment as sendmsg() with the header and the
- * fragment (straight from the region's slot) as separate iovecs. While the
- * file named by SHMCAST_TEST_FLIP_FILE exists, the next sendmsg() that
- * carries an iovec of at least 64 KiB (payload; the relay's own messages are
- * smaller) claims it (unlink: once, whatever the thread) and goes out with
+ * UCX's TCP transport sends a fragment as sendmsg() with its headers and the
+ * fragment's bytes (straight from the region's slot, in pieces of 64 KiB less
+ * the headers) as separate iovecs. While the file named by
+ * SHMCAST_TEST_FLIP_FILE exists, the next sendmsg() that carries an iovec of
+ * at least 16 KiB (payload; the relay's control messages go out with send()
+ * on its own socket, and UCX's own messages are smaller) claims it (unlink:
+ * once, whatever the thread) and goes out with
  * the first byte of that iovec flipped, from a copy: the slot itself, which
  * the sender's own node reads, is not touched. Once that byte is on the
  * wire, the file PATH.sent says so (the test checks it: a flip that never
@@ -30,7 +32,7 @@
 #include <sys/uio.h>
 #include <unistd.h>
 
-enum { kPayload = 64 * 1024, kMaxIov = 64 };
+enum { kPayload = 16 * 1024, kMaxIov = 64 };
 
 typedef ssize_t (*sendmsg_fn)(int, const struct msghdr*, int);
 

@@ -1,9 +1,12 @@
 // What the relay needs from the core library (begin_sync with a version,
 // write_part, Consumer::slot_bytes) and the relay's own pieces: the wire
-// format, the key handshake's MACs, addresses and key loading. One process;
-// producer and consumer run in two threads.
-#include <set>
+// format, the key handshake's MACs, addresses and key loading, and what
+// guards it against peers (admission, rate-limited logging, connection ids,
+// data tags, limits on what a peer announces, control-channel framing, UCX's
+// devices). One process; producer and consumer run in two threads.
+#include <arpa/inet.h>
 #include <gtest/gtest.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -16,8 +19,12 @@
 
 #include <ucp/api/ucp.h>
 
+#include "admission.hpp"
 #include "auth.hpp"
+#include "ctrl.hpp"
+#include "ratelog.hpp"
 #include "shmcast/relay.hpp"
+#include "ucx.hpp"
 #include "support.hpp"
 #include "wire.hpp"
 
@@ -300,6 +307,29 @@ TEST(RelayConfig, AddressesAndKeys) {
   } catch (const Error& e) {
     EXPECT_EQ(e.code(), Errc::kPermission);
   }
+  // Someone else controls it: group-writable, or another owner (issue 27,
+  // item 7; a real-process test is in test_relay_attack.cpp).
+  ::chmod(f.c_str(), 0660);
+  try {
+    relay::load_key(f);
+    FAIL() << "a group-writable key file was accepted";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), Errc::kPermission);
+    EXPECT_NE(std::string(e.what()).find("written by its group"), std::string::npos) << e.what();
+  }
+  ::chmod(f.c_str(), 0640);
+  if (::geteuid() == 0) {
+    ASSERT_EQ(::chown(f.c_str(), 65534, 65534), 0);
+    try {
+      relay::load_key(f);
+      FAIL() << "a key file of another uid was accepted";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), Errc::kPermission);
+      EXPECT_NE(std::string(e.what()).find("owned by uid 65534"), std::string::npos) << e.what();
+    }
+    ASSERT_EQ(::chown(f.c_str(), 0, 0), 0);
+    EXPECT_EQ(relay::load_key(f), "a-key-of-more-than-16-bytes");  // root's, 0640: taken
+  }
   ::chmod(f.c_str(), 0600);
   std::ofstream(f) << "short";
   EXPECT_THROW(relay::load_key(f), Error);
@@ -308,4 +338,199 @@ TEST(RelayConfig, AddressesAndKeys) {
   ::unsetenv("SHMCAST_RELAY_KEY");
   EXPECT_THROW(relay::load_key(""), Error);
   std::filesystem::remove_all(dir);
+}
+
+// Issue 27, item 3: at most N pending handshakes in total and M per source
+// address; a released one makes room again.
+TEST(RelayGuard, AdmissionCapsPendingHandshakesInTotalAndPerSource) {
+  relay::Admission a(5, 2);
+  EXPECT_TRUE(a.admit("10.0.0.1"));
+  EXPECT_TRUE(a.admit("10.0.0.1"));
+  EXPECT_FALSE(a.admit("10.0.0.1"));  // per source
+  EXPECT_TRUE(a.admit("10.0.0.2"));
+  EXPECT_TRUE(a.admit("10.0.0.2"));
+  EXPECT_TRUE(a.admit("10.0.0.3"));
+  EXPECT_FALSE(a.admit("10.0.0.4"));  // in total
+  EXPECT_EQ(a.pending(), 5u);
+  EXPECT_EQ(a.refused(), 2u);
+  a.release("10.0.0.1");
+  EXPECT_EQ(a.pending_from("10.0.0.1"), 1u);
+  EXPECT_TRUE(a.admit("10.0.0.4"));
+  a.release("never-admitted");  // ignored
+  EXPECT_EQ(a.pending(), 5u);
+}
+
+// Issue 27, item 3: a topic prints `burst` lines per window, then counts;
+// the count comes out when the window ends (or at flush(all)).
+TEST(RelayGuard, RateLogPrintsABurstThenCountsWhatItLeftOut) {
+  std::vector<std::string> out;
+  relay::RateLog r([&](const std::string& l) { out.push_back(l); }, 3, 1000);
+  for (int i = 0; i < 10; ++i) r.log("accept", "line " + std::to_string(i), 0);
+  r.log("reject", "other topic", 0);
+  EXPECT_EQ(out.size(), 4u);
+  EXPECT_EQ(r.suppressed(), 7u);
+  r.flush(500);  // the window has not ended
+  EXPECT_EQ(out.size(), 4u);
+  r.log("accept", "next window", 1000);
+  ASSERT_EQ(out.size(), 6u);
+  EXPECT_NE(out[4].find("7 more 'accept' lines left out"), std::string::npos) << out[4];
+  EXPECT_EQ(out[5], "next window");
+  for (int i = 0; i < 5; ++i) r.log("accept", "x", 1100);
+  r.flush(1200, true);
+  EXPECT_NE(out.back().find("3 more 'accept' lines left out"), std::string::npos) << out.back();
+}
+
+// Issue 27, item 8: connection ids are 64 bits: past 2^24 they go on
+// (protocol 2 wrapped them there and reused live ones); an id in use is
+// skipped, 0 never given; the proofs bind the whole id.
+TEST(RelayGuard, ConnectionIdsNeverWrapNorRepeat) {
+  std::uint64_t counter = (1ull << 24) - 2;
+  std::set<std::uint64_t> live = {1ull << 24};
+  std::vector<std::uint64_t> got;
+  for (int i = 0; i < 4; ++i) {
+    got.push_back(relay::next_conn_id(&counter, [&](std::uint64_t id) { return live.count(id) != 0; }));
+    live.insert(got.back());
+  }
+  EXPECT_EQ(got, (std::vector<std::uint64_t>{(1ull << 24) - 2, (1ull << 24) - 1, (1ull << 24) + 1, (1ull << 24) + 2}));
+  std::uint64_t zero = 0;
+  EXPECT_EQ(relay::next_conn_id(&zero, [](std::uint64_t) { return false; }), 1u);
+  relay::auth::Transcript t;
+  t.region = "r";
+  t.conn = 1;
+  relay::auth::Transcript t2 = t;
+  t2.conn = 1 + (1ull << 24);
+  EXPECT_FALSE(relay::auth::equal(relay::auth::client_proof("0123456789abcdef-key", t),
+                                  relay::auth::client_proof("0123456789abcdef-key", t2)));
+}
+
+// Issue 27, item 8: a fragment's tag carries its connection's sync serial,
+// not the version: consecutive syncs never share a tag (whatever their
+// versions, 2^24 apart or equal after a trainer restart), data tags are
+// told from anything else by their top bit, and the serials start where the
+// session key says (a peer without it cannot guess them).
+TEST(RelayWire, DataTagsNeverCollideAcrossSyncs) {
+  const auto plan_a = relay::wire::plan_for(random_manifest(3, 2 << 20, 8), 5, 2 << 20, 256 << 10);
+  const auto plan_b = relay::wire::plan_for(random_manifest(3, 2 << 20, 8), 5 + (1ull << 24), 2 << 20, 256 << 10);
+  for (std::uint32_t base : {0u, 12345u, relay::wire::kSerialMask}) {
+    std::set<std::uint64_t> tags;
+    std::size_t n = 0;
+    for (std::uint64_t sync = 1; sync <= 3; ++sync) {
+      const std::uint32_t serial = relay::wire::data_serial(base, sync);
+      const auto& p = sync == 2 ? plan_b : plan_a;
+      for (std::uint32_t c : p.data_chunks)
+        for (std::uint32_t j = 0; j < p.frags(c); ++j) {
+          const std::uint64_t tag = relay::wire::data_tag(serial, p.frag_tag(c, j));
+          EXPECT_NE(tag & relay::wire::kDataBit, 0u);
+          tags.insert(tag);
+          ++n;
+        }
+    }
+    EXPECT_EQ(tags.size(), n) << "base " << base;  // no tag shared between the three syncs
+  }
+  const std::string s1 = relay::auth::session_key("0123456789abcdef-key", relay::auth::Transcript{"r", 1, {}, {}});
+  relay::auth::Transcript t{"r", 1, {}, {}};
+  t.client_nonce[0] = 1;
+  const std::string s2 = relay::auth::session_key("0123456789abcdef-key", t);
+  EXPECT_NE(relay::auth::data_tag_base(s1), relay::auth::data_tag_base(s2));
+  EXPECT_LE(relay::auth::data_tag_base(s1), relay::wire::kSerialMask);
+}
+
+// Issue 27, item 8: what an (authenticated) upstream may announce is
+// bounded: chunks by a documented maximum (1 GiB) and by what this node
+// holds (buffers and region slots against its memory, the region against
+// its file system); control messages by the region's manifest room.
+TEST(RelayWire, ChunkAndControlSizesAreBounded) {
+  relay::wire::ChunkRoom room;
+  room.buffers = 4;
+  room.region_slots = 4;
+  room.memory_bytes = 16ull << 30;
+  room.fs_bytes = 8ull << 30;
+  EXPECT_EQ(relay::wire::chunk_problem(256ull << 20, room), "");
+  EXPECT_NE(relay::wire::chunk_problem(64ull << 30, room).find("maximum"), std::string::npos);
+  EXPECT_NE(relay::wire::chunk_problem(3ull << 20, room).find("multiple of 2 MiB"), std::string::npos);
+  EXPECT_NE(relay::wire::chunk_problem(0, room), "");
+  room.memory_bytes = 4ull << 30;  // 8 x 1 GiB do not fit
+  EXPECT_NE(relay::wire::chunk_problem(1ull << 30, room).find("memory"), std::string::npos);
+  room.memory_bytes = 64ull << 30;
+  room.fs_bytes = 2ull << 30;  // a region of 4 x 1 GiB does not fit
+  EXPECT_NE(relay::wire::chunk_problem(1ull << 30, room).find("file system"), std::string::npos);
+  room.region_slots = 0;  // --slot-bytes: the region does not follow the chunk
+  EXPECT_EQ(relay::wire::chunk_problem(1ull << 30, room), "");
+  // A sync message announcing 64 GiB chunks is refused as it is decoded.
+  relay::wire::SyncPlan p = relay::wire::plan_for(random_manifest(5, 2 << 20, 4), 1, 2 << 20, 1 << 20);
+  p.chunk_bytes = 64ull << 30;
+  relay::wire::Writer w(relay::wire::Type::kSync);
+  relay::wire::encode_sync(w, p);
+  relay::wire::Reader r(w.buffer(), false);
+  EXPECT_THROW(relay::wire::decode_sync(r), relay::wire::ProtocolError);
+  // Control messages: the region's manifest room plus 64 KiB, at most
+  // the largest manifest plus 64 KiB (protocol 2 took 2 GiB).
+  EXPECT_EQ(relay::wire::control_cap(1 << 20), (1u << 20) + (64u << 10));
+  EXPECT_EQ(relay::wire::control_cap(0), relay::wire::control_cap(ProducerOptions{}.manifest_bytes));
+  EXPECT_EQ(relay::wire::control_cap(~0ull), relay::wire::kMaxControlBytes);
+  EXPECT_LT(relay::wire::kMaxControlBytes, 2ull << 30);
+}
+
+// Issue 27, item 1: the control channel frames messages; a frame announced
+// larger than taken ends the connection without allocating it, a closed
+// peer is reported, and what arrived before is delivered.
+TEST(RelayCtrl, FramesAreBoundedAndDelivered) {
+  int sv[2];
+  ASSERT_EQ(::socketpair(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0, sv), 0);
+  relay::CtrlSocket a(sv[0]), b(sv[1]);
+  const std::vector<std::uint8_t> m1(100, 1), m2(5000, 2);
+  ASSERT_TRUE(a.send(m1, 1 << 20));
+  ASSERT_TRUE(a.send(m2, 1 << 20));
+  EXPECT_FALSE(a.send(std::vector<std::uint8_t>(2 << 20, 0), 1 << 20));  // the peer would hold too much unread
+  ASSERT_TRUE(a.flush());
+  std::vector<std::vector<std::uint8_t>> frames;
+  ASSERT_TRUE(b.receive(8192, &frames));
+  ASSERT_EQ(frames.size(), 2u);
+  EXPECT_EQ(frames[0], m1);
+  EXPECT_EQ(frames[1], m2);
+  // 4 GiB announced: refused at once.
+  const std::uint32_t huge = 0xffffffffu;
+  ASSERT_EQ(::send(a.fd(), &huge, 4, 0), 4);
+  frames.clear();
+  EXPECT_FALSE(b.receive(8192, &frames));
+  EXPECT_NE(b.error().find("more than the 8192"), std::string::npos) << b.error();
+  EXPECT_TRUE(frames.empty());
+  // A frame, then the peer closes: the frame, then the close.
+  int sv2[2];
+  ASSERT_EQ(::socketpair(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0, sv2), 0);
+  relay::CtrlSocket c(sv2[0]), d(sv2[1]);
+  ASSERT_TRUE(c.send(m1, 1 << 20));
+  ASSERT_TRUE(c.flush());
+  c.close();
+  frames.clear();
+  EXPECT_FALSE(d.receive(8192, &frames));
+  ASSERT_EQ(frames.size(), 1u);
+  EXPECT_NE(d.error().find("closed"), std::string::npos) << d.error();
+}
+
+// Issue 27, item 6: UCX's devices are the interfaces that carry the asked
+// addresses (plus RDMA devices); an address on no interface restricts
+// nothing (and says why).
+TEST(RelayUcx, DevicesAreTheInterfacesOfTheAskedAddresses) {
+  auto ip = [](const char* s) {
+    in_addr a{};
+    ::inet_pton(AF_INET, s, &a);
+    return a.s_addr;
+  };
+  const std::vector<std::pair<std::string, in_addr_t>> ifs = {
+      {"lo", ip("127.0.0.1")}, {"eth0", ip("10.0.0.5")}, {"eth1", ip("10.1.0.5")}};
+  std::string why;
+  EXPECT_EQ(relay::ucx::pick_devices(ifs, {ip("127.0.0.1")}, {}, &why), "lo");
+  EXPECT_EQ(relay::ucx::pick_devices(ifs, {ip("10.0.0.5"), ip("10.1.0.5")}, {"mlx5_0:1"}, &why),
+            "eth0,eth1,mlx5_0:1");
+  EXPECT_EQ(relay::ucx::pick_devices(ifs, {ip("10.0.0.5"), ip("10.0.0.5")}, {}, &why), "eth0");
+  EXPECT_EQ(relay::ucx::pick_devices(ifs, {ip("192.168.9.9")}, {}, &why), "");
+  EXPECT_NE(why.find("192.168.9.9"), std::string::npos) << why;
+  EXPECT_EQ(relay::ucx::pick_devices(ifs, {}, {}, &why), "");
+  // The relay's own pick: loopback for a loopback listen address and
+  // upstream; a wildcard listen address restricts nothing.
+  EXPECT_EQ(relay::ucx::relay_net_devices("127.0.0.1:7000", "127.0.0.1:7001").devices.substr(0, 2), "lo");
+  const auto any = relay::ucx::relay_net_devices("0.0.0.0:7000", "");
+  EXPECT_EQ(any.devices, "");
+  EXPECT_NE(any.why.find("every interface"), std::string::npos) << any.why;
 }

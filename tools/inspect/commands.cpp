@@ -210,8 +210,20 @@ int cmd_show(const Common& c, const std::string& name, std::size_t limit) {
   try {
     r = probe::probe_region(c.dir, name, o);
   } catch (const Error& e) {
-    if (e.code() == Errc::kNotFound) return fail(c, "show", kExitNotFound, e.what());
-    return fail(c, "show", kExitFailure, e.what());
+    if (e.code() != Errc::kNotFound) return fail(c, "show", kExitFailure, e.what());
+    // No region (yet), but a relay that should make it here may say why:
+    // its upstream refuses it, or it cannot connect.
+    const RelayStatus relay = read_relay_status(c.dir, name);
+    if (relay.state == RelayStatus::State::kNone) return fail(c, "show", kExitNotFound, e.what());
+    std::cerr << "shmcast-inspect show: " << term_safe(e.what()) << "\n";
+    if (c.json) {
+      json j = json::parse(fail_json(c, "show", kExitNotFound, e.what()));
+      j["relay"] = relay_status_json(relay);
+      print_json(j);
+    } else {
+      print_relay_status(std::cout, relay);
+    }
+    return kExitNotFound;
   }
   const int exit = probe::state_is_damaged(r.state) ? kExitDamaged : kExitOk;
   const RelayStatus relay = read_relay_status(c.dir, name);

@@ -77,7 +77,8 @@ json checked(const nlohmann::json& in) {
   take(in, "",
        {{"region", 's'}, {"role", 's'}, {"pid", 'u'}, {"state", 's'}, {"updated_unix_ns", 'u'}, {"listen", 's'},
         {"checksums", 'b'}, {"syncs", 'u'}, {"syncs_aborted", 'u'}, {"syncs_skipped", 'u'}, {"bytes_in", 'u'},
-        {"bytes_out", 'u'}, {"last_error", 's'}, {"downstream_ready", 'u'}, {"refused", 'u'}},
+        {"bytes_out", 'u'}, {"last_error", 's'}, {"downstream_ready", 'u'}, {"refused", 'u'}, {"rejected", 'u'},
+        {"ignored", 'u'}},
        &out);
   if (const auto* ls = object(in, "last_sync")) {
     json o = json::object();
@@ -96,7 +97,7 @@ json checked(const nlohmann::json& in) {
     json o = json::object();
     take(*up, "upstream",
          {{"address", 's'}, {"state", 's'}, {"connection", 'u'}, {"connects", 'u'}, {"since_unix_ns", 'u'},
-          {"last_error", 's'}},
+          {"refusals", 'u'}, {"last_refusal", 's'}, {"last_error", 's'}},
          &o);
     out["upstream"] = o;
   }
@@ -239,11 +240,17 @@ void print_relay_status(std::ostream& os, const RelayStatus& s) {
        << ", " << num(u, "connects") << " connects)";
     if (const std::string e = str(u, "last_error", ""); !e.empty()) os << "; last error: " << e;
     os << "\n";
+    if (const std::uint64_t n = num(u, "refusals"); n > 0)
+      os << "  refused     " << n << " times by the upstream (not proven: retried); last: "
+         << str(u, "last_refusal", "") << "\n";
   }
   const std::string listen = str(f, "listen", "");
   const json ds = f.contains("downstream") ? f["downstream"] : json::array();
   os << "  downstream  " << (listen.empty() ? std::string("not listening") : "listening on " + listen) << "; "
-     << num(f, "downstream_ready") << " ready of " << ds.size() << ", " << num(f, "refused") << " refused\n";
+     << num(f, "downstream_ready") << " ready of " << ds.size() << ", " << num(f, "refused") << " refused";
+  if (const std::uint64_t n = num(f, "rejected"); n > 0) os << ", " << n << " rejected (too many pending handshakes)";
+  if (const std::uint64_t n = num(f, "ignored"); n > 0) os << ", " << n << " messages ignored";
+  os << "\n";
   for (const json& d : ds)
     os << "    #" << num(d, "connection") << " " << str(d, "peer") << " " << str(d, "state") << ", "
        << num(d, "syncs") << " syncs, " << human_bytes(num(d, "bytes_sent")) << " sent\n";

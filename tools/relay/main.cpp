@@ -7,6 +7,7 @@
 // example and the numbers.
 #include <signal.h>
 #include <stdlib.h>
+#include <sys/resource.h>
 
 #include <CLI/CLI.hpp>
 #include <cstdio>
@@ -23,13 +24,16 @@ void on_signal(int) {
   if (g_relay) g_relay->stop();
 }
 
-const char* kFooter = R"(The key: --key-file FILE (mode 0600, or 0440 with a group), else the
-environment variable SHMCAST_RELAY_KEY; the same secret, at least 16 bytes,
-on every node. Peers prove it to each other (HMAC-SHA256 over fresh nonces)
-before any region byte moves; a relay with another key is refused.
+const char* kFooter = R"(The key: --key-file FILE (owned by this user or root, mode 0600, or 0440
+with a group), else the environment variable SHMCAST_RELAY_KEY; the same
+secret, at least 16 bytes, on every node. Peers prove it to each other
+(HMAC-SHA256 over fresh nonces) before any region byte moves; a relay with
+another key is refused, and retries (--exit-on-refusal to exit instead).
 
 UCX picks the transport (RDMA where there is a NIC for it, else TCP); UCX_TLS
-and UCX_NET_DEVICES steer it, e.g. UCX_TLS=tcp.
+and UCX_NET_DEVICES steer it, e.g. UCX_TLS=tcp. By default UCX uses only the
+interfaces of --listen and of the route to --from (and RDMA devices);
+UCX_NET_DEVICES=all (or a list) widens it.
 
 State: a JSON file next to the region, <region dir>/shmcast-relay.REGION.json
 (--status to move it, --status - for none), rewritten every second.
@@ -37,8 +41,10 @@ State: a JSON file next to the region, <region dir>/shmcast-relay.REGION.json
 Exit codes:
   0    stopped by SIGINT or SIGTERM
   1    failure (see the message)
-  2    usage error (also: no key, a key shorter than 16 bytes, a key file others can read)
-  3    the key was refused by the upstream, or the upstream did not prove it
+  2    usage error (also: no key, a key shorter than 16 bytes, a key file
+       someone else owns or may write, or others may read)
+  3    with --exit-on-refusal: the upstream refused this relay (a wrong key,
+       another region or version), or did not prove the key
   4    this node's region is held by another live producer)";
 
 std::uint64_t parse_size(const std::string& s) {
@@ -61,10 +67,11 @@ int main(int argc, char** argv) {
   CLI::App app{"shmcast-relay: carry a region's syncs to other nodes over UCX (docs/relay.md)"};
   app.footer(kFooter);
   std::string region, from, listen, key_file, status, slot_bytes_s, frag_s = "1M", stall = "fail";
+  std::string manifest_s = "1M";
   bool no_checksums = false, region_checksums = false, group_access = false, inline_progress = false,
-       direct = false;
-  std::uint32_t slots = 4, max_consumers = 8, buffers = 4;
-  double consumer_timeout = 60, peer_timeout = 20, handshake_timeout = 10, upstream_timeout = 90;
+       direct = false, exit_on_refusal = false;
+  std::uint32_t slots = 4, max_consumers = 8, buffers = 4, max_pending = 64, max_pending_per_source = 8;
+  double consumer_timeout = 60, peer_timeout = 20, handshake_timeout = 10, upstream_timeout = 90, max_lag = 0.3;
   app.add_option("region", region, "Region name (the same on every node)")->required();
   app.add_option("--from", from, "Upstream relay HOST:PORT (omit on the source node)");
   app.add_option("--listen", listen, "Accept downstream relays on HOST:PORT (port 0: any free port)");
@@ -87,11 +94,26 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(0.1, 86400.0));
   app.add_option("--handshake-timeout", handshake_timeout, "Seconds for a connection's key handshake")
       ->check(CLI::Range(0.1, 3600.0));
+  app.add_option("--max-lag", max_lag,
+                 "Seconds a downstream may lag behind the other downstream relays (not taking a fragment they took) "
+                 "before it is dropped from the sync (default 0.3)")
+      ->check(CLI::Range(0.01, 3600.0));
+  app.add_option("--max-pending", max_pending,
+                 "Connections that have not proven the key yet, at most; more are refused at once (default 64)")
+      ->check(CLI::Range(1, 65536));
+  app.add_option("--max-pending-per-source", max_pending_per_source,
+                 "...of them from one source address (default 8)")
+      ->check(CLI::Range(1, 65536));
+  app.add_flag("--exit-on-refusal", exit_on_refusal,
+               "Exit (code 3) when the upstream refuses this relay or does not prove the key, instead of retrying");
   app.add_option("--status", status, "Status file (default: next to the region; - for none)");
   auto* g = "This node's region (with --from)";
   app.add_option("--slot-bytes", slot_bytes_s, "Slot size, e.g. 256M (default: the source region's)")->group(g);
   app.add_option("--slots", slots, "Slots: the chunks in flight on the hop into this node (default 4)")->check(CLI::Range(2, 4096))->group(g);
   app.add_option("--max-consumers", max_consumers, "Consumer seats")->check(CLI::Range(1, 64))->group(g);
+  app.add_option("--manifest-bytes", manifest_s,
+                 "Room for one sync's manifest (default 1M); also bounds the control messages taken from the upstream")
+      ->group(g);
   app.add_option("--stall-policy", stall, "A local consumer that stalls: fail the local sync, or evict it")
       ->check(CLI::IsMember({"fail", "evict"}))
       ->group(g);
@@ -111,6 +133,12 @@ int main(int argc, char** argv) {
   // A relay restarted on its fixed port must listen again while the old
   // connections linger in TIME_WAIT (SO_REUSEADDR); an explicit setting wins.
   ::setenv("UCX_TCP_CM_REUSEADDR", "y", 0);
+  // Every connection, and every handshake in progress, holds descriptors:
+  // take what the hard limit allows (the soft limit is often 1024).
+  if (rlimit rl{}; ::getrlimit(RLIMIT_NOFILE, &rl) == 0 && rl.rlim_cur < rl.rlim_max) {
+    rl.rlim_cur = rl.rlim_max;
+    (void)::setrlimit(RLIMIT_NOFILE, &rl);
+  }
   shmcast::relay::RelayOptions o;
   o.region = region;
   o.from = from;
@@ -121,6 +149,10 @@ int main(int argc, char** argv) {
   auto secs = [](double s) { return std::chrono::nanoseconds(static_cast<std::int64_t>(s * 1e9)); };
   o.peer_timeout = secs(peer_timeout);
   o.handshake_timeout = secs(handshake_timeout);
+  o.max_lag = secs(max_lag);
+  o.max_pending = max_pending;
+  o.max_pending_per_source = max_pending_per_source;
+  o.exit_on_refusal = exit_on_refusal;
   o.upstream_timeout = secs(upstream_timeout);
   o.region_options.slots = slots;
   o.region_options.max_consumers = max_consumers;
@@ -130,6 +162,7 @@ int main(int argc, char** argv) {
   o.region_options.group_access = group_access;
   try {
     if (!slot_bytes_s.empty()) o.region_options.slot_bytes = parse_size(slot_bytes_s);
+    o.region_options.manifest_bytes = parse_size(manifest_s);
     o.fragment_bytes = parse_size(frag_s);
     o.progress_threads = !inline_progress;
     o.direct_receive = direct;

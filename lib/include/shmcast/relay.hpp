@@ -40,8 +40,10 @@ SHMCAST_API Address parse_address(std::string_view host_port);
 // The pre-shared key: the bytes of `key_file` (one trailing newline
 // stripped) when it is not empty, else the value of $SHMCAST_RELAY_KEY.
 // Throws Error(kInvalidArgument) when neither is set or the key is shorter
-// than 16 bytes, and Error(kPermission) when the file can be read or written
-// by others (mode o+rw: use 0600, or 0440 with a group).
+// than 16 bytes, and Error(kPermission) when someone else controls the file:
+// it is owned by a uid other than this process's effective uid or root, or
+// the group or others may write it, or others may read it (use 0600, or
+// 0440 with a group).
 SHMCAST_API std::string load_key(const std::string& key_file);
 
 struct RelayOptions {
@@ -84,6 +86,28 @@ struct RelayOptions {
   // saved a core per node but did not raise the rate over TCP.
   bool direct_receive = false;
   Duration handshake_timeout = std::chrono::seconds(10);
+  // Connections that have not proven the key yet: at most max_pending at
+  // once, and at most max_pending_per_source from one source address; a
+  // connection beyond either is refused at once (a flood of connections
+  // without the key holds a bounded number of descriptors).
+  std::uint32_t max_pending = 64;
+  std::uint32_t max_pending_per_source = 8;
+  // A downstream relay that has not taken a fragment which another
+  // downstream took more than max_lag ago is dropped from the sync (it
+  // reconnects and takes the next one), so that it cannot hold the others
+  // back: they wait for it at most this long. A lone downstream is judged
+  // by peer_timeout only.
+  Duration max_lag = std::chrono::milliseconds(300);
+  // What the upstream's refusal does. A refusal (a wrong key, another
+  // region or protocol, an upstream that does not prove the key) is never
+  // proven, since a peer without the key can send one: by default the relay
+  // reports it (log, status file) and retries with a backoff (1 s doubling
+  // to 5 s). True: run() throws Error(kPermission) instead.
+  bool exit_on_refusal = false;
+  // Rate-limit UCX's own warnings and errors (at most 5 per source line and
+  // 10 s), which a peer can cause at will. Process-wide (a UCX log handler),
+  // installed once by the first run().
+  bool limit_ucx_log = true;
   // A downstream relay that takes no byte of a chunk for this long is
   // dropped (it rejoins at a later sync), so it cannot hold the others, nor
   // the source region's producer, past its consumer_timeout.
@@ -113,12 +137,12 @@ class SHMCAST_API Relay {
   Relay& operator=(const Relay&) = delete;
   ~Relay();
 
-  // Forwards syncs until stop(): reconnects to the upstream after faults,
-  // reattaches to the source region when its producer restarts. Returns
-  // normally after stop(). Throws Error for what retrying cannot fix: the
-  // key refused by the upstream or the upstream failing to prove it
-  // (kPermission), bad options (kInvalidArgument), the local region held by
-  // another live producer (kExists).
+  // Forwards syncs until stop(): reconnects to the upstream after faults
+  // and refusals, reattaches to the source region when its producer
+  // restarts. Returns normally after stop(). Throws Error for what retrying
+  // cannot fix: bad options (kInvalidArgument), the local region held by
+  // another live producer (kExists); with exit_on_refusal, also a refusal by
+  // the upstream or an upstream that does not prove the key (kPermission).
   void run();
   // Makes run() return soon. Async-signal-safe: call it from a handler.
   void stop() noexcept;

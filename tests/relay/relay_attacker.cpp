@@ -1,0 +1,639 @@
+// A peer without the relay key, for the attack tests (tests/relay,
+// test_relay_attack.cpp). It speaks the relay's wire as a stranger would,
+// from its own code (not the relay's): protocol 3 (framed control messages
+// on a TCP connection of the relay's own) and protocol 2 (a UCX connection
+// to the relay's UCX listener, control messages as tagged messages: kind <<
+// 56 | connection id << 32), so that the same attacks run against the relay
+// before and after its fixes. Loopback addresses only (127.0.0.0/8), and
+// every attack is bounded in connections and time.
+//
+//   relay_attacker forge --to 127.0.0.1:PORT --seconds S --report FILE
+//     Connects again and again, both ways. Protocol 2: it learns its own id
+//     from the challenge, then sprays forged "response" messages on the
+//     tags of the connections around it (ids were sequential: its
+//     neighbours are the victims), active messages of ids nothing handles,
+//     and junk tags, for about 100 ms. Protocol 3: a forged response (a
+//     wrong proof), other message types, garbage and a frame that announces
+//     4 GiB. Reports "round N id I" per round, "sent M", "done".
+//   relay_attacker flood --to 127.0.0.1:PORT --conns N [--raw M] [--sustain 1] --seconds S --report FILE
+//     Opens N UCX connections (at most 1000) that never answer the
+//     challenge, and M plain TCP connections (at most 1000) that never send
+//     a byte, holds them for S seconds, then closes them. With --sustain 1,
+//     every connection the relay closes is opened again (at most N + M open
+//     at once) until the S seconds are over. Reports "opened N", "raw M",
+//     "rejected R" (UCX connections the relay refused or closed),
+//     "reopened K", "done".
+//   relay_attacker fake-upstream --listen 127.0.0.1:PORT [--proto 2|3] --report FILE
+//     Listens where a relay's upstream would (port 0: any), reports
+//     "listening PORT", and answers every connection with "refused" (in
+//     protocol 3 on a TCP socket, the default, or 2 on a UCX listener), then
+//     closes it, until killed. Reports "refused N".
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <sys/resource.h>
+#include <sys/socket.h>
+#include <ucp/api/ucp.h>
+#include <unistd.h>
+
+#include <array>
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <mutex>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+using namespace std::chrono_literals;
+
+namespace {
+
+constexpr std::uint32_t kMagic = 0x594c5253;
+constexpr std::uint16_t kAmId = 1;
+enum : std::uint16_t { kChallenge = 1, kResponse, kWelcome, kRefused, kSync, kChunk, kEnd, kAbort };
+
+std::string g_report;
+void report(const std::string& line) {
+  std::ofstream f(g_report, std::ios::app);
+  f << line << "\n";
+}
+
+[[noreturn]] void die(const std::string& what) {
+  std::fprintf(stderr, "relay_attacker: %s\n", what.c_str());
+  std::exit(2);
+}
+
+std::mt19937_64& rng() {
+  static std::mt19937_64 r(std::random_device{}());
+  return r;
+}
+
+// A control message: header (magic, type, 0, sequence) and body.
+struct Msg {
+  std::vector<std::uint8_t> b;
+  explicit Msg(std::uint16_t type, std::uint64_t seq = 0) {
+    u32(kMagic);
+    u16(type);
+    u16(0);
+    u64(seq);
+  }
+  Msg& raw(const void* p, std::size_t n) {
+    const auto* c = static_cast<const std::uint8_t*>(p);
+    b.insert(b.end(), c, c + n);
+    return *this;
+  }
+  Msg& u16(std::uint16_t v) { return raw(&v, 2); }
+  Msg& u32(std::uint32_t v) { return raw(&v, 4); }
+  Msg& u64(std::uint64_t v) { return raw(&v, 8); }
+  Msg& str(const std::string& s) {
+    u32(static_cast<std::uint32_t>(s.size()));
+    return raw(s.data(), s.size());
+  }
+  Msg& random(std::size_t n) {
+    for (std::size_t i = 0; i < n; ++i) b.push_back(static_cast<std::uint8_t>(rng()()));
+    return *this;
+  }
+};
+
+std::uint64_t v2_tag(std::uint64_t kind, std::uint64_t middle) { return (kind << 56) | ((middle & 0xffffff) << 32); }
+
+sockaddr_in loopback(const std::string& hostport) {
+  const auto colon = hostport.rfind(':');
+  if (colon == std::string::npos) die("bad address " + hostport);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_port = htons(static_cast<std::uint16_t>(std::stoul(hostport.substr(colon + 1))));
+  if (::inet_pton(AF_INET, hostport.substr(0, colon).c_str(), &a.sin_addr) != 1) die("bad address " + hostport);
+  if ((ntohl(a.sin_addr.s_addr) >> 24) != 127) die("loopback addresses only (127.0.0.0/8): " + hostport);
+  return a;
+}
+
+void check(ucs_status_t s, const char* what) {
+  if (s != UCS_OK) die(std::string(what) + ": " + ucs_status_string(s));
+}
+
+ucp_context_h make_context() {
+  ucp_config_t* cfg = nullptr;
+  check(ucp_config_read(nullptr, nullptr, &cfg), "ucp_config_read");
+  ucp_params_t p{};
+  p.field_mask = UCP_PARAM_FIELD_FEATURES;
+  p.features = UCP_FEATURE_TAG | UCP_FEATURE_AM;
+  ucp_context_h ctx = nullptr;
+  check(ucp_init(&p, cfg, &ctx), "ucp_init");
+  ucp_config_release(cfg);
+  return ctx;
+}
+
+ucp_worker_h make_worker(ucp_context_h ctx) {
+  ucp_worker_params_t p{};
+  p.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
+  p.thread_mode = UCS_THREAD_MODE_SINGLE;
+  ucp_worker_h w = nullptr;
+  check(ucp_worker_create(ctx, &p, &w), "ucp_worker_create");
+  return w;
+}
+
+struct EpState {
+  std::atomic<bool> failed{false};
+};
+void ep_err(void* arg, ucp_ep_h, ucs_status_t) { static_cast<EpState*>(arg)->failed = true; }
+
+ucp_ep_h connect_to(ucp_worker_h w, const sockaddr_in& to, EpState* st) {
+  ucp_ep_params_t p{};
+  p.field_mask = UCP_EP_PARAM_FIELD_FLAGS | UCP_EP_PARAM_FIELD_SOCK_ADDR | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
+                 UCP_EP_PARAM_FIELD_ERR_HANDLER;
+  p.flags = UCP_EP_PARAMS_FLAGS_CLIENT_SERVER;
+  p.sockaddr.addr = reinterpret_cast<const sockaddr*>(&to);
+  p.sockaddr.addrlen = sizeof to;
+  p.err_mode = UCP_ERR_HANDLING_MODE_PEER;
+  p.err_handler.cb = ep_err;
+  p.err_handler.arg = st;
+  ucp_ep_h ep = nullptr;
+  if (ucp_ep_create(w, &p, &ep) != UCS_OK) return nullptr;
+  return ep;
+}
+
+// Sends and forgets: the copy is freed when the send completes.
+void send_cb(void* req, ucs_status_t, void* user) {
+  delete static_cast<std::vector<std::uint8_t>*>(user);
+  ucp_request_free(req);
+}
+void finish(void* r, std::vector<std::uint8_t>* copy) {
+  if (r == nullptr || UCS_PTR_IS_ERR(r)) delete copy;
+}
+void send_tag(ucp_ep_h ep, std::uint64_t tag, const std::vector<std::uint8_t>& b) {
+  auto* copy = new std::vector<std::uint8_t>(b);
+  ucp_request_param_t p{};
+  p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+  p.cb.send = send_cb;
+  p.user_data = copy;
+  finish(ucp_tag_send_nbx(ep, copy->data(), copy->size(), tag, &p), copy);
+}
+void send_am(ucp_ep_h ep, const std::vector<std::uint8_t>& b, bool reply) {
+  auto* copy = new std::vector<std::uint8_t>(b);
+  ucp_request_param_t p{};
+  p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
+  p.cb.send = send_cb;
+  p.user_data = copy;
+  p.flags = reply ? UCP_AM_SEND_FLAG_REPLY : 0;
+  finish(ucp_am_send_nbx(ep, kAmId, nullptr, 0, copy->data(), copy->size(), &p), copy);
+}
+
+void send_am_id(ucp_ep_h ep, std::uint16_t id, const std::vector<std::uint8_t>& b) {
+  auto* copy = new std::vector<std::uint8_t>(b);
+  ucp_request_param_t p{};
+  p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
+  p.cb.send = send_cb;
+  p.user_data = copy;
+  p.flags = UCP_AM_SEND_FLAG_REPLY;
+  finish(ucp_am_send_nbx(ep, id, nullptr, 0, copy->data(), copy->size(), &p), copy);
+}
+
+// What a challenge told us.
+struct Challenge {
+  bool got = false;
+  std::uint32_t proto = 0;
+  std::uint64_t id = 0;
+  std::array<std::uint8_t, 32> nonce{};
+};
+Challenge g_am_challenge;
+
+ucs_status_t am_cb(void*, const void*, size_t, void* data, size_t length, const ucp_am_recv_param_t* param) {
+  if (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) return UCS_OK;
+  const auto* b = static_cast<const std::uint8_t*>(data);
+  std::uint16_t type = 0;
+  if (length >= 16 + 4 + 8 + 32) {
+    std::memcpy(&type, b + 4, 2);
+    if (type == kChallenge) {
+      std::memcpy(&g_am_challenge.proto, b + 16, 4);
+      std::memcpy(&g_am_challenge.id, b + 20, 8);
+      std::memcpy(g_am_challenge.nonce.data(), b + 28, 32);
+      g_am_challenge.got = true;
+    }
+  }
+  return UCS_OK;
+}
+
+void set_am(ucp_worker_h w) {
+  ucp_am_handler_param_t p{};
+  p.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_CB | UCP_AM_HANDLER_PARAM_FIELD_FLAGS;
+  p.id = kAmId;
+  p.cb = am_cb;
+  p.flags = UCP_AM_FLAG_WHOLE_MSG;
+  check(ucp_worker_set_am_recv_handler(w, &p), "ucp_worker_set_am_recv_handler");
+}
+
+void close_ep(ucp_worker_h w, ucp_ep_h ep) {
+  ucp_request_param_t p{};
+  p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+  p.flags = UCP_EP_CLOSE_FLAG_FORCE;
+  void* r = ucp_ep_close_nbx(ep, &p);
+  if (UCS_PTR_IS_PTR(r)) {
+    const auto end = std::chrono::steady_clock::now() + 2s;
+    while (ucp_request_check_status(r) == UCS_INPROGRESS && std::chrono::steady_clock::now() < end)
+      ucp_worker_progress(w);
+    ucp_request_free(r);
+  }
+}
+
+// Progresses until `done` or the deadline.
+template <class F>
+void progress_until(ucp_worker_h w, F done, std::chrono::milliseconds limit) {
+  const auto end = std::chrono::steady_clock::now() + limit;
+  while (!done() && std::chrono::steady_clock::now() < end)
+    if (ucp_worker_progress(w) == 0) std::this_thread::sleep_for(50us);
+}
+
+// Protocol 2's challenge, if one came as a tagged message: (proto, id).
+bool v2_challenge(ucp_worker_h w, Challenge* c) {
+  ucp_tag_recv_info_t info{};
+  ucp_tag_message_h m = ucp_tag_probe_nb(w, v2_tag(1, 0), 0xffull << 56, 1, &info);
+  if (m == nullptr) return false;
+  std::vector<std::uint8_t> b(std::min<std::size_t>(info.length, 4096));
+  ucp_request_param_t p{};
+  ucp_tag_recv_info_t got{};
+  p.op_attr_mask = UCP_OP_ATTR_FIELD_RECV_INFO;
+  p.recv_info.tag_info = &got;
+  void* r = ucp_tag_msg_recv_nbx(w, b.data(), b.size(), m, &p);
+  if (UCS_PTR_IS_PTR(r)) {
+    while (ucp_request_check_status(r) == UCS_INPROGRESS) ucp_worker_progress(w);
+    ucp_request_free(r);
+  }
+  std::uint16_t type = 0;
+  if (b.size() < 16 + 8 + 32) return false;
+  std::memcpy(&type, b.data() + 4, 2);
+  if (type != kChallenge) return false;
+  std::uint32_t id32 = 0;
+  std::memcpy(&c->proto, b.data() + 16, 4);
+  std::memcpy(&id32, b.data() + 20, 4);
+  std::memcpy(c->nonce.data(), b.data() + 24, 32);
+  c->id = id32;
+  c->got = true;
+  return true;
+}
+
+// ---- protocol 3: framed messages on a TCP connection
+
+int tcp_connect(const sockaddr_in& to) {
+  const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) return -1;
+  if (::connect(fd, reinterpret_cast<const sockaddr*>(&to), sizeof to) != 0) {
+    ::close(fd);
+    return -1;
+  }
+  return fd;
+}
+void tcp_frame(int fd, const std::vector<std::uint8_t>& b) {
+  const std::uint32_t n = static_cast<std::uint32_t>(b.size());
+  std::vector<std::uint8_t> f(4 + b.size());
+  std::memcpy(f.data(), &n, 4);
+  std::memcpy(f.data() + 4, b.data(), b.size());
+  (void)::send(fd, f.data(), f.size(), MSG_NOSIGNAL | MSG_DONTWAIT);
+}
+// One frame, within `ms` (empty: none).
+std::vector<std::uint8_t> tcp_read_frame(int fd, int ms) {
+  std::vector<std::uint8_t> in;
+  const auto end = std::chrono::steady_clock::now() + std::chrono::milliseconds(ms);
+  while (std::chrono::steady_clock::now() < end) {
+    pollfd p{fd, POLLIN, 0};
+    if (::poll(&p, 1, 10) <= 0) continue;
+    std::uint8_t buf[4096];
+    const ssize_t n = ::recv(fd, buf, sizeof buf, 0);
+    if (n <= 0) return {};
+    in.insert(in.end(), buf, buf + n);
+    if (in.size() >= 4) {
+      std::uint32_t len = 0;
+      std::memcpy(&len, in.data(), 4);
+      if (len > (1u << 20)) return {};
+      if (in.size() >= 4 + len) return std::vector<std::uint8_t>(in.begin() + 4, in.begin() + 4 + len);
+    }
+  }
+  return {};
+}
+
+// One protocol-3 round: returns the messages sent.
+std::uint64_t forge_v3(const sockaddr_in& to, int round) {
+  std::uint64_t sent = 0;
+  const int fd = tcp_connect(to);
+  if (fd < 0) return 0;
+  const std::vector<std::uint8_t> ch = tcp_read_frame(fd, 2000);
+  std::uint64_t id = 0;
+  std::uint16_t type = 0;
+  std::string region;
+  if (ch.size() >= 16 + 4 + 8 + 32 + 4) {
+    std::memcpy(&type, ch.data() + 4, 2);
+    std::memcpy(&id, ch.data() + 20, 8);
+    std::uint32_t n = 0;
+    std::memcpy(&n, ch.data() + 60, 4);
+    if (64 + static_cast<std::size_t>(n) <= ch.size()) region.assign(reinterpret_cast<const char*>(ch.data()) + 64, n);
+  }
+  report("round " + std::to_string(round) + " id " + std::to_string(id) +
+         (type == kChallenge ? " (tcp)" : " (tcp, no challenge)"));
+  if (type == kChallenge) {
+    // A response that cannot prove the key, then anything else.
+    Msg resp(kResponse);
+    resp.random(32).random(32).str(region);
+    tcp_frame(fd, resp.b);
+    for (std::uint16_t t : {kChallenge, kWelcome, kRefused, kSync, kChunk, kEnd, kAbort}) {
+      Msg m(t, rng()() % 4);
+      m.random(64);
+      tcp_frame(fd, m.b);
+    }
+    sent += 8;
+  }
+  ::close(fd);
+  // A connection that sends garbage, and one that announces 4 GiB.
+  if (const int g = tcp_connect(to); g >= 0) {
+    (void)tcp_read_frame(g, 200);
+    std::vector<std::uint8_t> junk(100, 0x5A);
+    tcp_frame(g, junk);
+    ++sent;
+    ::close(g);
+  }
+  if (const int g = tcp_connect(to); g >= 0) {
+    const std::uint32_t huge = 0xffffffffu;
+    (void)::send(g, &huge, 4, MSG_NOSIGNAL);
+    ++sent;
+    std::this_thread::sleep_for(5ms);
+    ::close(g);
+  }
+  return sent;
+}
+
+int forge(const sockaddr_in& to, int seconds) {
+  ucp_context_h ctx = make_context();
+  const auto end = std::chrono::steady_clock::now() + std::chrono::seconds(seconds);
+  int round = 0;
+  std::uint64_t sent = 0;
+  while (std::chrono::steady_clock::now() < end) {
+    ucp_worker_h w = make_worker(ctx);
+    set_am(w);
+    EpState st;
+    g_am_challenge = Challenge{};
+    sent += forge_v3(to, ++round);
+    ucp_ep_h ep = connect_to(w, to, &st);
+    if (ep == nullptr) {
+      ucp_worker_destroy(w);
+      std::this_thread::sleep_for(10ms);
+      continue;
+    }
+    Challenge v2;
+    progress_until(w, [&] { return g_am_challenge.got || v2_challenge(w, &v2) || st.failed; }, 500ms);
+    const Challenge& c = g_am_challenge.got ? g_am_challenge : v2;
+    if (c.got) report("round " + std::to_string(round) + " id " + std::to_string(c.id) + " (ucx)");
+    const auto spray_end = std::chrono::steady_clock::now() + 100ms;
+    while (c.got && !st.failed && std::chrono::steady_clock::now() < spray_end) {
+      const std::uint64_t lo = c.id > 8 ? c.id - 8 : 1;
+      for (std::uint64_t id = lo; id <= c.id + 24; ++id) {
+        if (id == c.id) continue;
+        // Protocol 2: a "response" on another connection's tag, as its
+        // handshake answer (a wrong proof), and after its handshake.
+        Msg resp(kResponse);
+        resp.random(32).random(32).str("whatever");
+        send_tag(ep, v2_tag(2, id), resp.b);
+        ++sent;
+      }
+      // Protocol 3: responses on our own endpoint with another
+      // connection's nonce (a random one: we cannot know theirs) and with
+      // ours, messages without a reply endpoint, other types, junk tags.
+      Msg forged(kResponse);
+      forged.random(32).random(32).random(32).str("whatever");
+      send_am(ep, forged.b, true);
+      send_am(ep, forged.b, false);
+      for (std::uint16_t t : {kWelcome, kRefused, kSync, kChunk, kEnd, kAbort}) {
+        Msg m(t, rng()() % 4);
+        m.random(64);
+        send_am(ep, m.b, true);
+      }
+      Msg garbage(0);
+      garbage.b.assign(40, 0xA5);
+      send_am(ep, garbage.b, true);
+      // Active messages of ids the relay has no handler for, up to the
+      // highest (UCX 1.13 reads its handler table at the id before it checks
+      // the id).
+      for (std::uint16_t id : {std::uint16_t{2}, std::uint16_t{1000}, std::uint16_t{40000}, std::uint16_t{65534}})
+        send_am_id(ep, id, garbage.b);
+      send_tag(ep, rng()(), garbage.b);
+      send_tag(ep, rng()() | (1ull << 63), garbage.b);
+      sent += 15;
+      for (int i = 0; i < 20; ++i) ucp_worker_progress(w);
+      std::this_thread::sleep_for(1ms);
+    }
+    if (c.got && !st.failed) {
+      Msg own(kResponse);
+      own.raw(c.nonce.data(), 32).random(32).random(32).str("whatever");
+      send_am(ep, own.b, true);  // ours: refused, our connection only
+      for (int i = 0; i < 100; ++i) ucp_worker_progress(w);
+    }
+    close_ep(w, ep);
+    ucp_worker_destroy(w);
+  }
+  report("sent " + std::to_string(sent));
+  report("done");
+  ucp_cleanup(ctx);
+  return 0;
+}
+
+int flood(const sockaddr_in& to, int conns, int raw, int seconds, bool sustain) {
+  if (conns < 0 || conns > 1000 || raw < 0 || raw > 1000) die("--conns and --raw: 0..1000");
+  ucp_context_h ctx = make_context();
+  constexpr int kPerWorker = 50;
+  std::vector<ucp_worker_h> workers;
+  std::vector<std::unique_ptr<EpState>> states;
+  std::vector<std::pair<ucp_worker_h, ucp_ep_h>> eps;
+  for (int i = 0; i < conns; ++i) {
+    if (i % kPerWorker == 0) {
+      workers.push_back(make_worker(ctx));
+      set_am(workers.back());
+    }
+    states.push_back(std::make_unique<EpState>());
+    ucp_ep_h ep = connect_to(workers.back(), to, states.back().get());
+    if (ep) eps.emplace_back(workers.back(), ep);
+    for (ucp_worker_h w : workers) ucp_worker_progress(w);
+  }
+  std::vector<int> fds;
+  for (int i = 0; i < raw; ++i) {
+    const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (fd < 0) break;
+    if (::connect(fd, reinterpret_cast<const sockaddr*>(&to), sizeof to) != 0) {
+      ::close(fd);
+      continue;
+    }
+    fds.push_back(fd);
+  }
+  report("opened " + std::to_string(eps.size()));
+  report("raw " + std::to_string(fds.size()));
+  const auto end = std::chrono::steady_clock::now() + std::chrono::seconds(seconds);
+  std::uint64_t reopened = 0, rejected = 0;
+  while (std::chrono::steady_clock::now() < end) {
+    unsigned n = 0;
+    for (ucp_worker_h w : workers) n += ucp_worker_progress(w);
+    if (sustain) {
+      // UCX connections the relay refused or closed, and TCP ones it closed:
+      // again (a few per round, so the loop keeps progressing).
+      int budget = 32;
+      for (std::size_t i = 0; i < eps.size() && budget > 0; ++i) {
+        if (!states[i]->failed) continue;
+        ++rejected;
+        close_ep(eps[i].first, eps[i].second);
+        states[i] = std::make_unique<EpState>();
+        ucp_ep_h ep = connect_to(eps[i].first, to, states[i].get());
+        if (ep == nullptr) {
+          states[i]->failed = false;  // retried next round
+          continue;
+        }
+        eps[i].second = ep;
+        ++reopened;
+        --budget;
+      }
+      for (int& fd : fds) {
+        if (budget <= 0) break;
+        pollfd p{fd, POLLIN, 0};
+        if (::poll(&p, 1, 0) <= 0) continue;
+        char c;
+        if (::recv(fd, &c, 1, MSG_DONTWAIT) > 0) continue;  // a challenge: left unanswered
+        ::close(fd);
+        fd = tcp_connect(to);
+        if (fd < 0) fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);  // a placeholder, retried
+        ++reopened;
+        --budget;
+      }
+    }
+    if (n == 0) std::this_thread::sleep_for(1ms);
+  }
+  for (const auto& s : states) rejected += s->failed ? 1 : 0;
+  report("rejected " + std::to_string(rejected));
+  report("reopened " + std::to_string(reopened));
+  for (int fd : fds) ::close(fd);
+  for (auto& [w, ep] : eps) close_ep(w, ep);
+  for (ucp_worker_h w : workers) ucp_worker_destroy(w);
+  ucp_cleanup(ctx);
+  report("done");
+  return 0;
+}
+
+// fake-upstream: a listener that refuses everyone.
+std::mutex g_conn_mu;
+std::vector<ucp_conn_request_h> g_conns;
+void on_conn(ucp_conn_request_h req, void*) {
+  std::lock_guard<std::mutex> g(g_conn_mu);
+  g_conns.push_back(req);
+}
+
+int fake_upstream_v3(const sockaddr_in& at) {
+  const int lfd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  const int one = 1;
+  ::setsockopt(lfd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+  if (lfd < 0 || ::bind(lfd, reinterpret_cast<const sockaddr*>(&at), sizeof at) != 0 || ::listen(lfd, 64) != 0)
+    die(std::string("cannot listen: ") + std::strerror(errno));
+  sockaddr_in bound{};
+  socklen_t blen = sizeof bound;
+  ::getsockname(lfd, reinterpret_cast<sockaddr*>(&bound), &blen);
+  report("listening " + std::to_string(ntohs(bound.sin_port)));
+  int refused = 0;
+  for (;;) {
+    const int fd = ::accept4(lfd, nullptr, nullptr, SOCK_CLOEXEC);
+    if (fd < 0) continue;
+    Msg m(kRefused);
+    m.str("wrong key (the downstream's SHMCAST_RELAY_KEY / --key-file differs from this relay's) [sent by "
+          "relay_attacker, which holds no key]");
+    tcp_frame(fd, m.b);
+    report("refused " + std::to_string(++refused));
+    std::this_thread::sleep_for(50ms);
+    ::close(fd);
+  }
+}
+
+int fake_upstream(const sockaddr_in& at) {
+  ucp_context_h ctx = make_context();
+  ucp_worker_h w = make_worker(ctx);
+  set_am(w);
+  ucp_listener_params_t lp{};
+  lp.field_mask = UCP_LISTENER_PARAM_FIELD_SOCK_ADDR | UCP_LISTENER_PARAM_FIELD_CONN_HANDLER;
+  lp.sockaddr.addr = reinterpret_cast<const sockaddr*>(&at);
+  lp.sockaddr.addrlen = sizeof at;
+  lp.conn_handler.cb = on_conn;
+  ucp_listener_h l = nullptr;
+  check(ucp_listener_create(w, &lp, &l), "ucp_listener_create");
+  ucp_listener_attr_t la{};
+  la.field_mask = UCP_LISTENER_ATTR_FIELD_SOCKADDR;
+  check(ucp_listener_query(l, &la), "ucp_listener_query");
+  report("listening " + std::to_string(ntohs(reinterpret_cast<const sockaddr_in*>(&la.sockaddr)->sin_port)));
+  std::vector<std::pair<ucp_ep_h, std::chrono::steady_clock::time_point>> open;
+  std::vector<std::unique_ptr<EpState>> states;
+  int refused = 0;
+  for (;;) {
+    ucp_worker_progress(w);
+    std::vector<ucp_conn_request_h> reqs;
+    {
+      std::lock_guard<std::mutex> g(g_conn_mu);
+      reqs.swap(g_conns);
+    }
+    for (ucp_conn_request_h req : reqs) {
+      states.push_back(std::make_unique<EpState>());
+      ucp_ep_params_t ep{};
+      ep.field_mask = UCP_EP_PARAM_FIELD_CONN_REQUEST | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
+                      UCP_EP_PARAM_FIELD_ERR_HANDLER;
+      ep.conn_request = req;
+      ep.err_mode = UCP_ERR_HANDLING_MODE_PEER;
+      ep.err_handler.cb = ep_err;
+      ep.err_handler.arg = states.back().get();
+      ucp_ep_h e = nullptr;
+      if (ucp_ep_create(w, &ep, &e) != UCS_OK) continue;
+      Msg m(kRefused);
+      m.str("wrong key (the downstream's SHMCAST_RELAY_KEY / --key-file differs from this relay's) [sent by "
+            "relay_attacker, which holds no key]");
+      send_am(e, m.b, true);           // protocol 3
+      send_tag(e, v2_tag(1, 0), m.b);  // protocol 2
+      open.emplace_back(e, std::chrono::steady_clock::now() + 1s);
+      report("refused " + std::to_string(++refused));
+    }
+    const auto now = std::chrono::steady_clock::now();
+    for (auto it = open.begin(); it != open.end();) {
+      if (it->second > now) {
+        ++it;
+        continue;
+      }
+      close_ep(w, it->first);
+      it = open.erase(it);
+    }
+    std::this_thread::sleep_for(1ms);
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc < 2) die("usage: relay_attacker forge|flood|fake-upstream [options]");
+  const std::string mode = argv[1];
+  std::string to, listen;
+  int seconds = 5, conns = 0, raw = 0, proto = 3, sustain = 0;
+  for (int i = 2; i + 1 < argc; i += 2) {
+    const std::string k = argv[i], v = argv[i + 1];
+    if (k == "--to") to = v;
+    else if (k == "--listen") listen = v;
+    else if (k == "--seconds") seconds = std::stoi(v);
+    else if (k == "--conns") conns = std::stoi(v);
+    else if (k == "--raw") raw = std::stoi(v);
+    else if (k == "--proto") proto = std::stoi(v);
+    else if (k == "--sustain") sustain = std::stoi(v);
+    else if (k == "--report") g_report = v;
+    else die("unknown option " + k);
+  }
+  if (g_report.empty()) die("--report FILE is required");
+  if (seconds < 0 || seconds > 600) die("--seconds: 0..600");
+  // Many connections need many descriptors.
+  if (rlimit rl{}; ::getrlimit(RLIMIT_NOFILE, &rl) == 0) {
+    rl.rlim_cur = rl.rlim_max;
+    (void)::setrlimit(RLIMIT_NOFILE, &rl);
+  }
+  if (mode == "forge") return forge(loopback(to), seconds);
+  if (mode == "flood") return flood(loopback(to), conns, raw, seconds, sustain != 0);
+  if (mode == "fake-upstream") return proto == 2 ? fake_upstream(loopback(listen)) : fake_upstream_v3(loopback(listen));
+  die("unknown mode " + mode);
+}

@@ -1,0 +1,449 @@
+// The relay's attack tests (ctest -L attack, also -L relay): a peer without
+// the key (tests/relay/relay_attacker.cpp) forges control messages, floods
+// the listener with connections, or takes the upstream's port and refuses
+// everyone; a downstream stops or crawls; key files that someone else
+// controls; UCX's own listeners. Real processes throughout (relay_peer as
+// trainer and workers, shmcast-relay as the relays); each test was run
+// against the relay before its fix and failed there (docs/reliability.md).
+#include <dirent.h>
+#include <ifaddrs.h>
+#include <net/if.h>
+#include <netinet/in.h>
+
+#include <atomic>
+#include <set>
+
+#include "relay_cluster.hpp"
+
+using namespace relay_test;
+
+namespace {
+
+const std::string kAttacker = RELAY_ATTACKER_BIN;
+
+// The protocol the keyless peer speaks where it must choose (a fake
+// upstream): 3, this relay's; RELAY_ATTACK_PROTO=2 makes it speak the wire
+// of the relay before issue 27's fixes, to run these tests against that one.
+std::string attack_proto() {
+  const char* p = std::getenv("RELAY_ATTACK_PROTO");
+  return p && *p ? p : "3";
+}
+
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+constexpr bool kSanitized = true;
+#else
+constexpr bool kSanitized = false;
+#endif
+
+// The keyless peer (relay_attacker MODE ARGS), on `node`.
+Proc& attacker(Cluster& c, const std::string& tag, int node, std::vector<std::string> args) {
+  std::vector<std::string> argv = {kAttacker};
+  argv.insert(argv.end(), args.begin(), args.end());
+  return c.start(tag, argv, node, "");
+}
+
+// The value after `key ` on the last line of `report` that has one (-1: none).
+long report_value(const std::string& report, const std::string& key) {
+  long v = -1;
+  std::istringstream in(slurp(report));
+  for (std::string l; std::getline(in, l);)
+    if (l.rfind(key + " ", 0) == 0) v = std::stol(l.substr(key.size() + 1));
+  return v;
+}
+
+std::size_t count_lines(const std::string& text) { return static_cast<std::size_t>(std::count(text.begin(), text.end(), '\n')); }
+
+// The trainer on node 0 (waiting for go files) and the source relay.
+struct Source {
+  int port = 0;
+  Proc* relay = nullptr;
+};
+Source start_source(Cluster& c, int syncs, std::vector<std::string> relay_extra = {}, int port = 0) {
+  Source s;
+  c.peer("trainer", 0, {"produce", c.region(), "--syncs", std::to_string(syncs), "--go", c.file("go"), "--report",
+                        c.file("trainer.txt")});
+  if (!c.wait_line(c.file("trainer.txt"), "ready")) return s;
+  s.relay = &c.relay(0, 0, true, kKey, port, std::move(relay_extra));
+  s.port = c.listen_port(0);
+  c.wait_status(0, [](const json& j) { return j["region_state"].value("ready", false); });
+  return s;
+}
+
+}  // namespace
+
+// Item 1 of issue 27. A peer without the key connects again and again and
+// sprays forged control messages: protocol-2 "responses" on the tags of the
+// connections around its own (the ids were sequential: its neighbours are
+// the victims), forged active messages, junk. Meanwhile a keyed downstream
+// connects (its handshake runs during the spray) and takes three syncs
+// (after its handshake). Before the fix the listener took a message's
+// connection from the tag: the victim was refused ("wrong key", exit 3) or
+// dropped. Now a message counts only on the endpoint it arrived on, and only
+// when it echoes that connection's challenge nonce: the victim connects once
+// and gets every sync; the forger's own connections are refused.
+TEST(RelayAttack, ForgedControlMessagesCannotStopAKeyedDownstream) {
+  Cluster c(2, "forge");
+  const int port = start_source(c, 3).port;
+  ASSERT_NE(port, 0);
+  Proc& forger = attacker(c, "forger", 1,
+                          {"forge", "--to", "127.0.0.1:" + std::to_string(port), "--seconds", "60", "--report",
+                           c.file("forger.txt")});
+  // The spray is under way before the victim connects.
+  for (auto end = std::chrono::steady_clock::now() + 60s;
+       report_value(c.file("forger.txt"), "round") < 2 && std::chrono::steady_clock::now() < end;)
+    std::this_thread::sleep_for(5ms);
+  ASSERT_GE(report_value(c.file("forger.txt"), "round"), 2) << forger.output();
+  Proc& victim = c.relay(1, port, false);
+  ASSERT_FALSE(c.wait_status(1, [](const json& j) { return upstream_connected(j); }).is_null()) << victim.output();
+  c.wait_status(0, [](const json& j) { return downstream_ready(j); });
+  Proc& w = c.peer("worker1", 1, {"consume", c.region(), "--syncs", "3", "--report", c.file("worker1.txt")});
+  ASSERT_TRUE(c.wait_line(c.file("worker1.txt"), "attached"));
+  for (int v = 1; v <= 3; ++v) c.touch(c.file("go." + std::to_string(v)));
+  EXPECT_EQ(w.wait(120s), 0) << slurp(c.file("worker1.txt"));
+  // The forger was at it the whole time, and had its own connections.
+  EXPECT_TRUE(forger.running()) << forger.output();
+  EXPECT_GE(report_value(c.file("forger.txt"), "round"), 3) << slurp(c.file("forger.txt"));
+  forger.kill9();
+  EXPECT_TRUE(victim.running()) << victim.output();
+  const json s1 = c.wait_status(1, [](const json& j) { return upstream_connected(j); });
+  EXPECT_EQ(s1["upstream"].value("connects", 0), 1) << s1.dump();  // never dropped, never refused
+  EXPECT_EQ(s1["upstream"].value("refusals", -1), 0) << s1.dump();
+  // The forger's own responses were refused, on its own connections.
+  const json s0 = c.wait_status(0, [](const json& j) { return j.value("refused", 0) >= 1; });
+  EXPECT_EQ(s0.value("syncs", 0), 3) << s0.dump();
+}
+
+// Item 2 of issue 27. A peer without the key takes the upstream's port
+// (here before the upstream starts; in life while it restarts) and answers
+// every connection with "refused: wrong key". Before the fix the keyed relay
+// exited 3 at the first refusal and printed the attacker's text as its
+// reason. Now no refusal is proven (a keyless peer can send one), so the
+// relay reports it and retries with a backoff; once the real upstream takes
+// its port back, the relay connects and the sync arrives.
+TEST(RelayAttack, FakeUpstreamRefusalsNeverStopAKeyedRelay) {
+  Cluster c(2, "fakeup");
+  Proc& fake = attacker(c, "fake", 1,
+                        {"fake-upstream", "--listen", "127.0.0.1:0", "--proto", attack_proto(), "--report",
+                         c.file("fake.txt")});
+  long port = -1;
+  for (auto end = std::chrono::steady_clock::now() + 60s; port <= 0 && std::chrono::steady_clock::now() < end;
+       std::this_thread::sleep_for(5ms))
+    port = report_value(c.file("fake.txt"), "listening");
+  ASSERT_GT(port, 0) << fake.output();
+  Proc& victim = c.relay(1, static_cast<int>(port), false);
+  const json s = c.wait_status(1, [](const json& j) {
+    return j.contains("upstream") && j["upstream"].value("refusals", 0) >= 2;
+  });
+  ASSERT_FALSE(s.is_null()) << victim.output();
+  EXPECT_TRUE(victim.running()) << victim.output();
+  EXPECT_NE(s["upstream"].value("last_refusal", "").find("refused this relay"), std::string::npos) << s.dump();
+  EXPECT_NE(victim.output().find("not proven"), std::string::npos) << victim.output();
+  EXPECT_FALSE(std::filesystem::exists(c.dir(1) + "/shmcast." + c.region()));  // nothing taken from it
+  // The real upstream takes its port back.
+  fake.kill9();
+  start_source(c, 1, {}, static_cast<int>(port));
+  ASSERT_FALSE(c.wait_status(1, [](const json& j) { return upstream_connected(j); }).is_null()) << victim.output();
+  c.wait_status(0, [](const json& j) { return downstream_ready(j); });
+  Proc& w = c.peer("worker1", 1, {"consume", c.region(), "--syncs", "1", "--report", c.file("worker1.txt")});
+  ASSERT_TRUE(c.wait_line(c.file("worker1.txt"), "attached"));
+  c.touch(c.file("go.1"));
+  EXPECT_EQ(w.wait(), 0) << slurp(c.file("worker1.txt"));
+}
+
+// Item 2 of issue 27, the other half: a real key mismatch. The downstream
+// with another key is refused by the upstream; it says so in its log, in its
+// status file (upstream.refusals, upstream.last_refusal) and in
+// shmcast-inspect show, writes nothing into its node, and retries. With
+// --exit-on-refusal it exits 3 instead. The upstream counts the refusals and
+// keeps serving relays that hold the key. (Before: exit 3 at once, always.)
+TEST(RelayAttack, WrongKeyIsReportedAndRetriedUnlessExitOnRefusal) {
+  Cluster c(2, "wrongkey");
+  const int port = start_source(c, 1).port;
+  ASSERT_NE(port, 0);
+  const std::string other = "another-key-0123456789abcdef";
+  Proc& bad = c.relay(1, port, false, other);
+  const json s = c.wait_status(1, [](const json& j) {
+    return j.contains("upstream") && j["upstream"].value("refusals", 0) >= 2;
+  });
+  ASSERT_FALSE(s.is_null()) << bad.output();
+  EXPECT_TRUE(bad.running()) << bad.output();
+  EXPECT_NE(s["upstream"].value("last_refusal", "").find("wrong key"), std::string::npos) << s.dump();
+  EXPECT_NE(bad.output().find("wrong key"), std::string::npos) << bad.output();
+  EXPECT_FALSE(std::filesystem::exists(c.dir(1) + "/shmcast." + c.region()));
+  // shmcast-inspect show: no region here (exit 3), and the relay's state says why.
+  const std::string shown = run_inspect(c, 1, {"show", c.region(), "--json"}, 3);
+  json j;
+  ASSERT_NO_THROW(j = json::parse(shown.substr(std::min(shown.find('{'), shown.size())))) << shown;
+  EXPECT_GE(j["relay"]["relay"]["upstream"].value("refusals", 0), 2) << shown;
+  const std::string text = run_inspect(c, 1, {"show", c.region()}, 3);
+  EXPECT_NE(text.find("refused"), std::string::npos) << text;
+  EXPECT_NE(text.find("wrong key"), std::string::npos) << text;
+  EXPECT_EQ(bad.term(), 0) << bad.output();
+  const json s0 = c.wait_status(0, [](const json& j) { return j.value("refused", 0) >= 2; });
+  EXPECT_EQ(s0.value("downstream_ready", -1), 0);
+  // Asked to, it exits 3 at the first refusal.
+  Proc& quits = c.relay(1, port, false, other, 0, {"--exit-on-refusal", "--status", c.file("quits.json")});
+  EXPECT_EQ(quits.wait(60s), 3) << quits.output();
+  EXPECT_NE(quits.output().find("wrong key"), std::string::npos) << quits.output();
+  // A relay with no key at all does not even start.
+  Proc& nokey = c.relay(1, port, false, "");
+  EXPECT_EQ(nokey.wait(60s), 2) << nokey.output();
+  // The right key still gets in, and the sync arrives.
+  c.relay(1, port, false);
+  c.wait_status(1, [](const json& j) { return upstream_connected(j); });
+  c.wait_status(0, [](const json& j) { return downstream_ready(j); });
+  Proc& w = c.peer("worker1", 1, {"consume", c.region(), "--syncs", "1", "--report", c.file("worker1.txt")});
+  ASSERT_TRUE(c.wait_line(c.file("worker1.txt"), "attached"));
+  c.touch(c.file("go.1"));
+  EXPECT_EQ(w.wait(), 0) << w.output();
+}
+
+// Item 3 of issue 27. 1,000 connections without the key (300 under the
+// sanitizers), held open and never answering the challenge, against a source
+// relay started with the usual soft limit of 1024 descriptors. Before the
+// fix the relay died of SIGABRT (a UCX assertion when descriptors ran out)
+// or wrote hundreds of thousands of log lines, and the keyed downstream got
+// no sync. Now the relay raises its soft limit to the hard one, refuses
+// connections beyond 64 pending handshakes (8 per address) at once, and
+// rate-limits its logging: the keyed downstream gets every sync, bit-exact,
+// while the flood holds, and the relay ends normally.
+TEST(RelayAttack, KeylessFloodNeitherKillsTheRelayNorStopsItsSyncs) {
+  const int conns = kSanitized ? 300 : 1000;
+  constexpr int kSyncs = 4;
+  Cluster c(2, "flood");
+  c.relay_nofile(0, 1024);
+  const Source src = start_source(c, kSyncs + 1);
+  const int port = src.port;
+  ASSERT_NE(port, 0);
+  Proc& down = c.relay(1, port, false);
+  ASSERT_FALSE(c.wait_status(1, [](const json& j) { return upstream_connected(j); }).is_null()) << down.output();
+  c.wait_status(0, [](const json& j) { return downstream_ready(j); });
+  Proc& w = c.peer("worker1", 1,
+                   {"consume", c.region(), "--syncs", std::to_string(kSyncs + 1), "--report", c.file("worker1.txt")});
+  ASSERT_TRUE(c.wait_line(c.file("worker1.txt"), "attached"));
+  c.touch(c.file("go.1"));
+  ASSERT_TRUE(c.wait_line(c.file("worker1.txt"), "ok 1"));
+  Proc& flood = attacker(c, "flood", 1,
+                         {"flood", "--to", "127.0.0.1:" + std::to_string(port), "--conns", std::to_string(conns),
+                          "--raw", "100", "--seconds", "120", "--report", c.file("flood.txt")});
+  ASSERT_TRUE(c.wait_line(c.file("flood.txt"), "raw 100", 120s)) << flood.output();
+  // Every connection is open now; the syncs go while they are held.
+  for (int v = 2; v <= kSyncs + 1; ++v) {
+    c.touch(c.file("go." + std::to_string(v)));
+    ASSERT_TRUE(c.wait_line(c.file("worker1.txt"), "ok " + std::to_string(v), 120s));
+  }
+  EXPECT_TRUE(flood.running()) << flood.output();
+  EXPECT_EQ(report_value(c.file("flood.txt"), "opened"), conns) << slurp(c.file("flood.txt"));
+  const json s0 = c.wait_status(0, [](const json& j) { return j.value("rejected", 0) > 0; });
+  EXPECT_GT(s0.value("rejected", 0), conns / 2) << s0.dump();
+  flood.kill9();
+  EXPECT_EQ(w.wait(60s), 0) << slurp(c.file("worker1.txt"));
+  // No signal ended the source relay: it is running, and SIGTERM ends it
+  // normally. Its log stayed short.
+  EXPECT_TRUE(src.relay->running()) << src.relay->output().substr(0, 4000);
+  EXPECT_EQ(src.relay->term(), 0) << src.relay->output().substr(0, 4000);
+  const std::string log0 = slurp(c.file("relay0.log"));
+  EXPECT_LT(count_lines(log0), 400u) << log0.substr(0, 4000);
+  EXPECT_NE(log0.find("left out"), std::string::npos) << log0.substr(0, 4000);
+}
+
+// Item 6 of issue 27. Asked to listen on 127.0.0.1, a relay lets UCX open
+// its own TCP listeners (one per worker and interface) on the loopback
+// interface only; so does the relay that reaches its upstream over loopback.
+// Before the fix UCX listened on every interface (here the machine's other
+// addresses). Checked from /proc: every listening TCP socket of each relay
+// process is bound to 127.0.0.1.
+namespace {
+
+std::set<std::string> socket_inodes(pid_t pid) {
+  std::set<std::string> out;
+  const std::string dir = "/proc/" + std::to_string(pid) + "/fd";
+  DIR* d = ::opendir(dir.c_str());
+  if (!d) return out;
+  while (dirent* e = ::readdir(d)) {
+    char target[256];
+    const ssize_t n = ::readlink((dir + "/" + e->d_name).c_str(), target, sizeof target - 1);
+    if (n <= 0) continue;
+    target[n] = 0;
+    const std::string t = target;
+    if (t.rfind("socket:[", 0) == 0) out.insert(t.substr(8, t.size() - 9));
+  }
+  ::closedir(d);
+  return out;
+}
+
+// "ADDR:PORT" (hex, as /proc/net/tcp writes it) of every listening socket of `pid`.
+std::vector<std::string> listening(pid_t pid) {
+  const std::set<std::string> inodes = socket_inodes(pid);
+  std::vector<std::string> out;
+  for (const char* table : {"/proc/net/tcp", "/proc/net/tcp6"}) {
+    std::istringstream in(slurp(table));
+    std::string line;
+    std::getline(in, line);  // header
+    while (std::getline(in, line)) {
+      std::istringstream f(line);
+      std::string sl, local, remote, state, queues, timer, retr, uid, timeout, inode;
+      f >> sl >> local >> remote >> state >> queues >> timer >> retr >> uid >> timeout >> inode;
+      if (state == "0A" && inodes.count(inode)) out.push_back(local);
+    }
+  }
+  return out;
+}
+
+bool has_other_ipv4_interface() {
+  ifaddrs* all = nullptr;
+  if (::getifaddrs(&all) != 0) return false;
+  bool found = false;
+  for (ifaddrs* i = all; i; i = i->ifa_next)
+    if (i->ifa_addr && i->ifa_addr->sa_family == AF_INET && (i->ifa_flags & IFF_UP) && !(i->ifa_flags & IFF_LOOPBACK))
+      found = true;
+  ::freeifaddrs(all);
+  return found;
+}
+
+}  // namespace
+
+TEST(RelayAttack, UcxListensOnlyWhereAsked) {
+  if (!has_other_ipv4_interface())
+    GTEST_SKIP() << "this machine has no network interface but loopback: UCX could not listen anywhere else";
+  Cluster c(3, "ifaces");
+  // UCX_NET_DEVICES unset (the tier sets it to lo): the relay decides.
+  const std::map<std::string, std::string> free_ucx = {{"UCX_NET_DEVICES", ""}};
+  c.relay_env(0, free_ucx);
+  c.relay_env(1, free_ucx);
+  c.relay_env(2, free_ucx);
+  const int port = start_source(c, 1).port;
+  ASSERT_NE(port, 0);
+  Proc& mid = c.relay(1, port, true);
+  const int p1 = c.listen_port(1);
+  // The middle relay knows the source's slot size before the leaf connects
+  // (else the leaf makes its region only at the first sync, and this test
+  // sends none).
+  ASSERT_FALSE(c.wait_status(1, [](const json& j) { return upstream_connected(j); }).is_null()) << mid.output();
+  Proc& leaf = c.relay(2, p1, false);
+  ASSERT_FALSE(c.wait_status(2, [](const json& j) { return upstream_connected(j); }).is_null()) << leaf.output();
+  ASSERT_FALSE(c.wait_status(1, [](const json& j) { return upstream_connected(j) && downstream_ready(j); }).is_null())
+      << mid.output();
+  const json s0 = c.wait_status(0, [](const json& j) { return downstream_ready(j); });
+  const std::vector<std::pair<std::string, pid_t>> relays = {
+      {"source", static_cast<pid_t>(s0.value("pid", 0))},
+      {"middle", static_cast<pid_t>(c.wait_status(1, [](const json&) { return true; }).value("pid", 0))},
+      {"leaf", static_cast<pid_t>(c.wait_status(2, [](const json&) { return true; }).value("pid", 0))}};
+  for (const auto& [role, pid] : relays) {
+    ASSERT_GT(pid, 0) << role;
+    const std::vector<std::string> socks = listening(pid);
+    if (role != "leaf") {
+      EXPECT_FALSE(socks.empty()) << role << ": no listening socket found";
+    }
+    for (const std::string& l : socks)
+      EXPECT_EQ(l.substr(0, 9), "0100007F:") << role << " relay (pid " << pid << ") listens on " << l
+                                             << " (hex, /proc/net/tcp): not only on 127.0.0.1";
+  }
+  EXPECT_NE(slurp(c.file("relay0.log")).find("UCX uses the network devices lo"), std::string::npos)
+      << slurp(c.file("relay0.log"));
+}
+
+// Item 7 of issue 27. A key file that someone else controls: group-writable
+// (0660), or owned by another uid (65534, mode 0640). Before the fix both
+// started the relay (only o+rw was refused). Now both are refused with the
+// reason (exit 2), and a key owned by root (the Kubernetes secret volume's
+// 0440 with a group) is still taken.
+TEST(RelayAttack, KeyFilesOthersControlAreRefused) {
+  Cluster c(2, "keyfile");
+  const std::string key = c.file("relay.key");
+  {
+    std::ofstream(key) << kKey << "\n";
+  }
+  auto try_key = [&](const std::string& tag) -> Proc& {
+    return c.start(tag, {kRelay, c.region(), "--from", "127.0.0.1:9", "--key-file", key, "--status", "-"}, 1, "");
+  };
+  ASSERT_EQ(::chmod(key.c_str(), 0660), 0);
+  Proc& group_w = try_key("key0660");
+  EXPECT_EQ(group_w.wait(60s), 2) << group_w.output();
+  EXPECT_NE(group_w.output().find("can be written by its group or by others"), std::string::npos) << group_w.output();
+  if (::geteuid() != 0) GTEST_SKIP() << "the other-uid case needs root (chown)";
+  ASSERT_EQ(::chmod(key.c_str(), 0640), 0);
+  ASSERT_EQ(::chown(key.c_str(), 65534, 65534), 0);
+  Proc& other = try_key("key65534");
+  EXPECT_EQ(other.wait(60s), 2) << other.output();
+  EXPECT_NE(other.output().find("is owned by uid 65534"), std::string::npos) << other.output();
+  // Root's, 0440: taken (the relay then tries its upstream until stopped).
+  ASSERT_EQ(::chown(key.c_str(), 0, 65534), 0);
+  ASSERT_EQ(::chmod(key.c_str(), 0440), 0);
+  Proc& ok = try_key("keyroot");
+  const auto end = std::chrono::steady_clock::now() + 60s;
+  while (ok.output().find("upstream 127.0.0.1:9") == std::string::npos && std::chrono::steady_clock::now() < end)
+    std::this_thread::sleep_for(5ms);
+  EXPECT_TRUE(ok.running()) << ok.output();
+  EXPECT_EQ(ok.term(), 0) << ok.output();
+}
+
+// Item 9 of issue 27. Three downstream relays of one source: H healthy, S
+// stopped (SIGSTOP) for good, T stopped 4 s and resumed 0.3 s over and over.
+// The trainer sends a sync every 150 ms for about 9 s. Before the fix S held
+// every other downstream for the whole --peer-timeout (60 s here), and T was
+// never dropped: H got nothing. Now a downstream that has not taken a
+// fragment which another took more than --max-lag ago is dropped from the
+// sync: H gets every sync in time, T reconnects and takes later ones, and S,
+// resumed, gets the next sync. --max-lag is 1 s here (0.3 s by default,
+// docs/benchmarks.md measures that one): a healthy relay starved by a loaded
+// machine for 0.3 s would be dropped too.
+TEST(RelayAttack, SlowDownstreamsAreDroppedAndTheOthersKeepGoing) {
+  constexpr int kSyncs = 60;
+  Cluster c(4, "slow");
+  const int port = start_source(c, kSyncs + 1, {"--peer-timeout", "60", "--max-lag", "1"}).port;
+  ASSERT_NE(port, 0);
+  std::vector<Proc*> relays;
+  for (int i = 1; i <= 3; ++i) {
+    relays.push_back(&c.relay(i, port, false));
+    ASSERT_FALSE(c.wait_status(i, [](const json& j) { return upstream_connected(j); }).is_null());
+  }
+  c.wait_status(0, [](const json& j) { return downstream_ready(j, 3); });
+  std::vector<Proc*> workers;
+  for (int i = 1; i <= 3; ++i) {
+    const std::string rep = c.file("worker" + std::to_string(i) + ".txt");
+    workers.push_back(&c.peer("worker" + std::to_string(i), i,
+                              {"consume", c.region(), "--syncs", i == 1 ? std::to_string(kSyncs) : "1000", "--report",
+                               rep}));
+    ASSERT_TRUE(c.wait_line(rep, "attached"));
+  }
+  Proc& h = *workers[0];
+  Proc& s = *relays[1];
+  Proc& t = *relays[2];
+  ::kill(s.pid, SIGSTOP);
+  std::atomic<bool> toggling{true};
+  std::thread toggler([&] {
+    while (toggling) {
+      ::kill(t.pid, SIGSTOP);
+      for (int i = 0; i < 400 && toggling; ++i) std::this_thread::sleep_for(10ms);
+      ::kill(t.pid, SIGCONT);
+      std::this_thread::sleep_for(300ms);
+    }
+  });
+  const auto t0 = std::chrono::steady_clock::now();
+  for (int v = 1; v <= kSyncs; ++v) {
+    c.touch(c.file("go." + std::to_string(v)));
+    std::this_thread::sleep_for(150ms);
+  }
+  const int hrc = h.wait(60s);
+  const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  toggling = false;
+  toggler.join();
+  ::kill(t.pid, SIGCONT);
+  ::kill(s.pid, SIGCONT);
+  EXPECT_EQ(hrc, 0) << slurp(c.file("worker1.txt"));
+  RecordProperty("healthy_seconds", std::to_string(took));
+  const std::string log0 = slurp(c.file("relay0.log"));
+  EXPECT_NE(log0.find("fell behind the other downstream relays by more than 1000 ms"), std::string::npos)
+      << log0.substr(0, 4000);
+  // Both slow ones were dropped and reconnected; each, running again, takes
+  // the next sync.
+  for (int i : {2, 3})
+    ASSERT_FALSE(c.wait_status(i, [](const json& j) {
+                    return upstream_connected(j) && j["upstream"].value("connects", 0) >= 2;
+                  }).is_null())
+        << relays[static_cast<std::size_t>(i - 1)]->output();
+  c.wait_status(0, [](const json& j) { return downstream_ready(j, 3); });
+  c.touch(c.file("go." + std::to_string(kSyncs + 1)));
+  for (int i : {2, 3}) EXPECT_TRUE(c.wait_line(c.file("worker" + std::to_string(i) + ".txt"), "ok " + std::to_string(kSyncs + 1)));
+}
