@@ -456,18 +456,50 @@ int flood(const sockaddr_in& to, int conns, int raw, int seconds, bool sustain) 
     if (ep) eps.emplace_back(workers.back(), ep);
     for (ucp_worker_h w : workers) ucp_worker_progress(w);
   }
+  // Plain TCP connections, all at once and without blocking: a relay slow
+  // to accept fills its listen backlog, and a blocking connect() then waits
+  // for the kernel's SYN retries (minutes). Those not connected within 10 s
+  // are left out (counted in "raw").
   std::vector<int> fds;
-  for (int i = 0; i < raw; ++i) {
-    const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    if (fd < 0) break;
-    if (::connect(fd, reinterpret_cast<const sockaddr*>(&to), sizeof to) != 0) {
-      ::close(fd);
-      continue;
+  {
+    std::vector<int> pending;
+    for (int i = 0; i < raw; ++i) {
+      const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+      if (fd < 0) break;
+      if (::connect(fd, reinterpret_cast<const sockaddr*>(&to), sizeof to) == 0) {
+        fds.push_back(fd);
+      } else if (errno == EINPROGRESS) {
+        pending.push_back(fd);
+      } else {
+        ::close(fd);
+      }
     }
-    fds.push_back(fd);
+    const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+    while (!pending.empty() && std::chrono::steady_clock::now() < until) {
+      std::vector<pollfd> ps;
+      for (int fd : pending) ps.push_back({fd, POLLOUT, 0});
+      for (ucp_worker_h w : workers) ucp_worker_progress(w);
+      if (::poll(ps.data(), ps.size(), 10) <= 0) continue;
+      std::vector<int> still;
+      for (const pollfd& p : ps) {
+        if (p.revents == 0) {
+          still.push_back(p.fd);
+          continue;
+        }
+        int err = 0;
+        socklen_t len = sizeof err;
+        if (::getsockopt(p.fd, SOL_SOCKET, SO_ERROR, &err, &len) == 0 && err == 0)
+          fds.push_back(p.fd);
+        else
+          ::close(p.fd);
+      }
+      pending.swap(still);
+    }
+    for (int fd : pending) ::close(fd);
   }
   report("opened " + std::to_string(eps.size()));
   report("raw " + std::to_string(fds.size()));
+  report("flooding");
   const auto end = std::chrono::steady_clock::now() + std::chrono::seconds(seconds);
   std::uint64_t reopened = 0, rejected = 0;
   while (std::chrono::steady_clock::now() < end) {

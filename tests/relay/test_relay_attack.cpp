@@ -226,7 +226,8 @@ TEST(RelayAttack, KeylessFloodNeitherKillsTheRelayNorStopsItsSyncs) {
   Proc& flood = attacker(c, "flood", 1,
                          {"flood", "--to", "127.0.0.1:" + std::to_string(port), "--conns", std::to_string(conns),
                           "--raw", "100", "--seconds", "120", "--report", c.file("flood.txt")});
-  ASSERT_TRUE(c.wait_line(c.file("flood.txt"), "raw 100", 120s)) << flood.output();
+  ASSERT_TRUE(c.wait_line(c.file("flood.txt"), "flooding", 120s)) << flood.output();
+  EXPECT_GT(report_value(c.file("flood.txt"), "raw"), 0) << slurp(c.file("flood.txt"));
   // Every connection is open now; the syncs go while they are held.
   for (int v = 2; v <= kSyncs + 1; ++v) {
     c.touch(c.file("go." + std::to_string(v)));
@@ -234,8 +235,10 @@ TEST(RelayAttack, KeylessFloodNeitherKillsTheRelayNorStopsItsSyncs) {
   }
   EXPECT_TRUE(flood.running()) << flood.output();
   EXPECT_EQ(report_value(c.file("flood.txt"), "opened"), conns) << slurp(c.file("flood.txt"));
-  const json s0 = c.wait_status(0, [](const json& j) { return j.value("rejected", 0) > 0; });
-  EXPECT_GT(s0.value("rejected", 0), conns / 2) << s0.dump();
+  // The relay refuses what passes its caps as the connections reach it
+  // (UCX connects in the background): more than half of them, in time.
+  const json s0 = c.wait_status(0, [&](const json& j) { return j.value("rejected", 0) > conns / 2; }, 120s);
+  EXPECT_FALSE(s0.is_null()) << slurp(c.status_path(0));
   flood.kill9();
   EXPECT_EQ(w.wait(60s), 0) << slurp(c.file("worker1.txt"));
   // No signal ended the source relay: it is running, and SIGTERM ends it
