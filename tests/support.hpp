@@ -37,6 +37,19 @@ struct RegionGuard {
   }
 };
 
+// How much slower the sanitizer builds run these tests than the plain one
+// (TSan about 5x, ASan about 2-3x on an idle 2-core machine). Deadlines that
+// bound how long a test may run (never ones a test checks as behaviour) are
+// multiplied by it, so that a busy CI machine keeps a margin of about 3x
+// the sanitizer time on an idle one.
+#if defined(__SANITIZE_THREAD__)
+inline constexpr int kSlowdown = 6;
+#elif defined(__SANITIZE_ADDRESS__)
+inline constexpr int kSlowdown = 3;
+#else
+inline constexpr int kSlowdown = 1;
+#endif
+
 // A forked child running fn(); its exit code is fn's return value, 99 when
 // it threw. Child processes never return into gtest.
 struct Child {
@@ -65,10 +78,11 @@ struct Child {
     }
     return c;
   }
-  // Exit code, or 128+signal; -1 if it did not end by the deadline (then it is killed).
+  // Exit code, or 128+signal; -1 if it did not end by the deadline (then it
+  // is killed). The deadline is `timeout` times kSlowdown.
   int wait(std::chrono::milliseconds timeout = std::chrono::seconds(30)) {
     if (waited) return decode();
-    const auto end = std::chrono::steady_clock::now() + timeout;
+    const auto end = std::chrono::steady_clock::now() + timeout * kSlowdown;
     while (std::chrono::steady_clock::now() < end) {
       pid_t r = ::waitpid(pid, &status, WNOHANG);
       if (r == pid) {

@@ -116,7 +116,10 @@ TEST(Fork, DeadConsumerIsEvictedWhateverChildrenItLeft) {
   });
   const double took = ms_since(t0);
   std::printf("fork: dead consumer evicted, two syncs in %.1f ms\n", took);
-  EXPECT_LT(took, 1000.0);
+  // Evicted at once, not after consumer_timeout (10 s): half of it is the
+  // bound, which a loaded sanitizer build keeps (it took 1-20 ms idle and
+  // once over 1 s under load).
+  EXPECT_LT(took, 5000.0);
   EXPECT_EQ(p.consumers(), 0u);
   ::kill(f->v[1].load(), SIGKILL);
 }
