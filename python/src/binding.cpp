@@ -343,6 +343,19 @@ std::vector<TensorSpec> to_specs(py::handle specs) {
   return out;
 }
 
+// A selection: None (the whole tensor) or (dim, start, length).
+Selection to_selection(py::handle item) {
+  Selection sel;
+  if (!item.is_none()) {
+    py::sequence t = py::reinterpret_borrow<py::sequence>(item);
+    if (t.size() != 3) throw Error(Errc::kInvalidArgument, "a selection is None or (dim, start, length)");
+    sel.dim = int_arg<int>(t[0], "selection dim", 0, kMaxDims - 1);
+    sel.start = int_arg<std::int64_t>(t[1], "selection start", 0, std::numeric_limits<std::int64_t>::max());
+    sel.length = int_arg<std::int64_t>(t[2], "selection length", 0, std::numeric_limits<std::int64_t>::max());
+  }
+  return sel;
+}
+
 // selections: None (whole tensors) or a sequence with None or (dim, start,
 // length) per tensor of the sync.
 std::vector<Selection> to_selections(py::handle h) {
@@ -350,18 +363,23 @@ std::vector<Selection> to_selections(py::handle h) {
   if (h.is_none()) return out;
   py::sequence seq = py::reinterpret_borrow<py::sequence>(h);
   out.reserve(seq.size());
-  for (py::handle item : seq) {
-    Selection sel;
-    if (!item.is_none()) {
-      py::sequence t = py::reinterpret_borrow<py::sequence>(item);
-      if (t.size() != 3) throw Error(Errc::kInvalidArgument, "a selection is None or (dim, start, length)");
-      sel.dim = int_arg<int>(t[0], "selection dim", 0, kMaxDims - 1);
-      sel.start = int_arg<std::int64_t>(t[1], "selection start", 0, std::numeric_limits<std::int64_t>::max());
-      sel.length = int_arg<std::int64_t>(t[2], "selection length", 0, std::numeric_limits<std::int64_t>::max());
-    }
-    out.push_back(sel);
-  }
+  for (py::handle item : seq) out.push_back(to_selection(item));
   return out;
+}
+
+// A tensor of a SyncInfo (name, dtype, shape, nbytes, stream_offset), as far
+// as a selection check needs it: its name, shape and nbytes.
+TensorInfo to_tensor_info(py::handle h) {
+  py::sequence t = py::reinterpret_borrow<py::sequence>(h);
+  if (t.size() != 5) throw Error(Errc::kInvalidArgument, "a tensor is (name, dtype, shape, nbytes, stream_offset)");
+  TensorInfo ti{};
+  ti.name = utf8_arg(t[0], "tensor name", Errc::kInvalidArgument);
+  ti.dtype = parse_dtype(t[1]);
+  for (py::handle d : py::reinterpret_borrow<py::sequence>(t[2]))
+    ti.shape.push_back(int_arg<std::int64_t>(d, "shape dimension", 0, std::numeric_limits<std::int64_t>::max()));
+  ti.nbytes = int_arg<std::uint64_t>(t[3], "nbytes", 0, kU64Max);
+  ti.stream_offset = int_arg<std::uint64_t>(t[4], "stream_offset", 0, kU64Max);
+  return ti;
 }
 
 std::vector<void*> to_ptrs(py::handle ptrs) {
@@ -953,6 +971,30 @@ PYBIND11_MODULE(_shmcast, m) {
     }
     return out;
   });
+  py::dict dtypes;  // shmcast dtype name -> bytes per element (the library's table)
+  for (int i = 1; i <= 255; ++i) {
+    const std::string_view n = dtype_name(static_cast<DType>(i));
+    if (n != "unknown") dtypes[py::str(std::string(n))] = dtype_size(static_cast<DType>(i));
+  }
+  m.attr("dtypes") = dtypes;
+  m.attr("tensor_align") = limits::kTensorAlign;
+  m.attr("data_align") = limits::kDataAlign;
+  m.def(
+      "selection_problem",
+      [](py::handle tensor, py::handle selection) {
+        return text(to_selection(selection).problem(to_tensor_info(tensor)));
+      },
+      py::arg("tensor"), py::arg("selection"),
+      "Why `selection` (None, or (dim, start, length) with dim >= 0) cannot be read from `tensor` (an entry of "
+      "SyncInfo.tensors), or '' when it can: the check read_into() makes (shmcast::Selection::problem).");
+  m.def(
+      "selection_bytes",
+      [](py::handle tensor, py::handle selection) {
+        return to_selection(selection).nbytes(to_tensor_info(tensor));
+      },
+      py::arg("tensor"), py::arg("selection"),
+      "Bytes of the destination of `selection` of `tensor` (shmcast::Selection::nbytes); InvalidArgument when "
+      "it does not fit.");
   m.def(
       "stream_layout",
       [](py::handle specs, py::handle slot_bytes_arg) {
