@@ -95,3 +95,15 @@ void plan_piece(const TensorInfo& t, const ShardInfo& p, const Selection& sel, s
 }
 
 }  // namespace shmcast::detail
+
+namespace shmcast {
+
+std::string Selection::problem(const TensorInfo& t) const { return detail::selection_problem(t, *this); }
+
+std::uint64_t Selection::nbytes(const TensorInfo& t) const {
+  if (std::string why = detail::selection_problem(t, *this); !why.empty())
+    throw Error(Errc::kInvalidArgument, "selection of tensor '" + t.name + "': " + why);
+  return detail::selection_bytes(t, *this);
+}
+
+}  // namespace shmcast

@@ -163,7 +163,7 @@ def test_hold_that_cannot_build_its_view_lets_go(region, monkeypatch):
     with store_producer(region, want, consumer_timeout=30.0, stall_policy="fail") as p:
         p.send(want)
         with shmcast.Consumer(region, pin=False) as c:
-            import shmcast._torch as T
+            import shmcast._store as T  # StoreView looks torch_dtype up there
 
             def boom(*a, **k):
                 raise TypeError("no such dtype here")

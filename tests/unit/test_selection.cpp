@@ -113,3 +113,29 @@ TEST(Selection, BadSelectionsAreNamed) {
   EXPECT_EQ(selection_problem(t, Selection{1, 6, 0}), "");
   EXPECT_EQ(selection_bytes(t, Selection{1, 2, 3}), 48u);
 }
+
+// The public face of the same check (what the Python binding exports):
+// Selection::problem / nbytes give detail::'s answers, and nbytes refuses a
+// selection that does not fit instead of reading past the shape.
+TEST(Selection, PublicCheckIsTheSameRule) {
+  TensorInfo t;
+  t.name = "w";
+  t.dtype = DType::kF32;
+  t.shape = {4, 6};
+  t.nbytes = 96;
+  for (const Selection s : {Selection{}, Selection{0, 0, 4}, Selection{1, 6, 0}, Selection{1, 2, 3}, Selection{2, 0, 1},
+                            Selection{1, 5, 2}, Selection{0, -1, 1}, Selection{-1, 1, 0}, Selection{-2, 0, 1}}) {
+    EXPECT_EQ(s.problem(t), selection_problem(t, s));
+    if (s.problem(t).empty()) {
+      EXPECT_EQ(s.nbytes(t), selection_bytes(t, s));
+    } else {
+      try {
+        (void)s.nbytes(t);
+        ADD_FAILURE() << "nbytes() took a selection that does not fit";
+      } catch (const Error& e) {
+        EXPECT_EQ(e.code(), Errc::kInvalidArgument);
+        EXPECT_NE(std::string(e.what()).find(s.problem(t)), std::string::npos) << e.what();
+      }
+    }
+  }
+}

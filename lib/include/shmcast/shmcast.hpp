@@ -106,6 +106,11 @@ inline constexpr std::uint64_t kMaxManifestBytes = 1ull << 30;
 inline constexpr std::uint32_t kMaxTensors = 1u << 20;        // tensors in one sync
 inline constexpr std::uint32_t kMaxRanks = 64;                // producer ranks of one region
 inline constexpr std::uint64_t kMaxStreamBytes = 1ull << 46;  // 64 TiB: one sync's stream, and one tensor
+// Alignments of the layout (docs/protocol.md): each tensor starts at a multiple
+// of kTensorAlign bytes of its (sub-)stream; slot sizes, and the slot data area,
+// are multiples of kDataAlign (create() rounds slot_bytes up to it).
+inline constexpr std::uint64_t kTensorAlign = 256;
+inline constexpr std::uint64_t kDataAlign = 2ull << 20;
 }  // namespace limits
 
 inline constexpr int kMaxDims = 8;
@@ -140,10 +145,17 @@ struct ShardInfo {
 // Part of a tensor a consumer reads: the rows [start, start + length) along
 // `dim` (dim -1: the whole tensor). The destination is contiguous, with the
 // shape of that slice.
+struct TensorInfo;
 struct Selection {
   int dim = -1;
   std::int64_t start = 0;
   std::int64_t length = 0;
+  // Why this selection cannot be read from tensor `t`, or "" when it can: the
+  // check read_into() makes before it reads.
+  SHMCAST_API std::string problem(const TensorInfo& t) const;
+  // Bytes of its destination (t.nbytes for dim -1); throws kInvalidArgument
+  // (the problem()) when it does not fit `t`.
+  SHMCAST_API std::uint64_t nbytes(const TensorInfo& t) const;
 };
 
 // What a consumer sees of one tensor of a sync.

@@ -1,0 +1,182 @@
+// The binding's private header: what its translation units share.
+//
+//   module.cpp    PYBIND11_MODULE: constants, free functions, the classes below
+//   errors.cpp    shmcast::Error -> one Python exception class per Errc
+//   args.cpp      Python arguments -> C++ values, checked (InvalidArgument / TypeError)
+//   producer.cpp  Producer (and SentSync)
+//   consumer.cpp  Consumer (and SyncInfo)
+//
+// Deliberately torch-free: tensors cross this boundary as raw pointers (int),
+// specs as (name, dtype-name, shape) tuples. The torch-facing API lives in
+// python/shmcast/ (_torch.py re-exports it). Every call that waits or copies
+// releases the GIL; a per-object mutex (taken after the GIL is released) keeps
+// two Python threads from entering the same C++ object at once.
+//
+// Batched entry points (Producer.send_batch / write_batch) move a whole
+// sync in ONE Python->C++ call, so per-tensor Python overhead is only the
+// argument conversion.
+#pragma once
+
+#include <unistd.h>
+
+#include <pybind11/functional.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <array>
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <type_traits>
+#include <vector>
+
+#include "shmcast/shmcast.hpp"
+
+namespace py = pybind11;
+
+namespace shmcast::python {
+
+// ------------------------------------------------------------------ text (errors.cpp)
+
+// A Python str from bytes that need not be UTF-8 (see errors.cpp).
+py::str text(std::string_view s, const char* errors = "backslashreplace");
+
+// ------------------------------------------------------------------ errors (errors.cpp)
+
+// "shmcast Timeout: no sync ..." -> "no sync ..." (the class names the code).
+std::string strip_prefix(const Error& e);
+// shmcast.Error and one subclass per Errc, and the translator that raises them.
+void register_exceptions(py::module_& m);
+
+// ------------------------------------------------------------------ arguments (args.cpp)
+//
+// Every argument is converted with the GIL held, so that a bad one is a
+// shmcast.InvalidArgument naming it and its range (or a TypeError naming it
+// when it is not a number / not a str) rather than pybind11's "incompatible
+// function arguments".
+
+std::string ascii_repr(py::handle h);
+
+// An integer argument in lo..hi (Python ints of any size, or anything with
+// __index__; not floats).
+template <class T>
+T int_arg(py::handle h, const char* what, T lo, T hi) {
+  static_assert(std::is_integral_v<T> && sizeof(T) <= 8);
+  PyObject* o = h.ptr();
+  py::object index;
+  if (!PyLong_Check(o)) {
+    if (PyFloat_Check(o) || !PyIndex_Check(o))
+      throw py::type_error(std::string(what) + " must be an int, not " + Py_TYPE(o)->tp_name);
+    index = py::reinterpret_steal<py::object>(PyNumber_Index(o));
+    if (!index) throw py::error_already_set();
+    o = index.ptr();
+  }
+  int overflow = 0;
+  const long long x = PyLong_AsLongLongAndOverflow(o, &overflow);
+  if (x == -1 && PyErr_Occurred()) throw py::error_already_set();
+  bool ok = false;
+  T v{};
+  if (overflow == 0) {
+    if constexpr (std::is_signed_v<T>) {
+      ok = x >= static_cast<long long>(lo) && x <= static_cast<long long>(hi);
+    } else {
+      ok = x >= 0 && static_cast<unsigned long long>(x) >= lo && static_cast<unsigned long long>(x) <= hi;
+    }
+    v = static_cast<T>(x);
+  } else if constexpr (std::is_unsigned_v<T>) {
+    if (overflow > 0) {
+      const unsigned long long u = PyLong_AsUnsignedLongLong(o);
+      if (u == static_cast<unsigned long long>(-1) && PyErr_Occurred()) {
+        PyErr_Clear();  // beyond 64 bits
+      } else {
+        ok = u >= lo && u <= hi;
+        v = static_cast<T>(u);
+      }
+    }
+  }
+  if (!ok)
+    throw Error(Errc::kInvalidArgument, std::string(what) + " is " + py::str(o).cast<std::string>() +
+                                            "; it must be an int in " + std::to_string(lo) + ".." + std::to_string(hi));
+  return v;
+}
+
+constexpr std::uint64_t kU64Max = std::numeric_limits<std::uint64_t>::max();
+
+Duration seconds_arg(py::handle h, const char* what, bool allow_none);
+std::string utf8_arg(py::handle h, const char* what, Errc code);
+std::string region_name_arg(py::handle h);
+std::string message_arg(py::handle h);
+std::size_t index_arg(py::handle h, const char* what = "index");
+Strided2D layout_args(py::handle rows, py::handle row_bytes, py::handle pitch_bytes);
+Pin parse_pin(py::handle o);
+CopyEngine parse_engine(py::handle h);
+RegionMode parse_mode(py::handle h);
+const char* mode_name(RegionMode m);
+StallPolicy parse_stall(py::handle h);
+DType parse_dtype(py::handle h);
+std::uintptr_t as_ptr(py::handle h, const char* what = "pointer");
+std::vector<TensorSpec> to_specs(py::handle specs);
+Selection to_selection(py::handle item);
+std::vector<Selection> to_selections(py::handle h);
+TensorInfo to_tensor_info(py::handle h);
+std::vector<void*> to_ptrs(py::handle ptrs);
+std::optional<Strided2D> to_layout(py::handle h);
+
+// One source of a batched write, converted while the GIL is held.
+struct Source {
+  void* ptr = nullptr;
+  bool device = false;
+  std::optional<Strided2D> layout;
+  void* stream = nullptr;
+};
+
+std::vector<Source> to_sources(py::handle ptrs, py::handle devices, py::handle layouts, py::handle streams);
+py::tuple shape_tuple(const std::vector<std::int64_t>& shape);
+
+// ------------------------------------------------------------------ sync info (consumer.cpp)
+
+// What Consumer.wait_sync returns: a snapshot, converted once.
+struct PySync {
+  std::uint64_t version = 0, stream_bytes = 0, payload_bytes = 0, first_seq = 0, chunks = 0;
+  std::uint32_t world_size = 1;
+  py::list tensors;  // (name, dtype, shape, nbytes, stream_offset)
+  py::list pieces;   // per tensor: [(rank, dim, start, length, nbytes)], dim -1 = whole
+
+  static PySync from(const SyncInfo& s);
+};
+
+// ------------------------------------------------------------------ fork
+
+// A forked child inherits these objects (their mapping, file descriptors,
+// seat and locks) but they are the parent's: in the child, close() and the
+// destructor do nothing, so the child's exit neither unlinks the parent's
+// region nor frees its seat, and every other call raises InvalidArgument
+// (checked before the object's mutex, which a parent thread may have held at
+// the fork).
+class Owned {
+ protected:
+  bool forked() const { return ::getpid() != pid_; }
+  void check_owner(const char* what) const {
+    if (forked())
+      throw Error(Errc::kInvalidArgument, std::string("this ") + what + " belongs to process " + std::to_string(pid_) +
+                                              "; a forked child (pid " + std::to_string(::getpid()) +
+                                              ") cannot use it: create a new " + what + " in the child");
+  }
+
+ private:
+  const pid_t pid_ = ::getpid();
+};
+
+// ------------------------------------------------------------------ the classes
+
+void bind_sync_info(py::module_& m);  // SyncInfo (consumer.cpp)
+void bind_producer(py::module_& m);   // SentSync, Producer (producer.cpp)
+void bind_consumer(py::module_& m);   // Consumer (consumer.cpp)
+
+}  // namespace shmcast::python

@@ -1,0 +1,251 @@
+// shmcast._shmcast: Consumer (shmcast::Consumer, pointers as ints) and
+// SyncInfo (a received sync's manifest, converted once).
+#include "binding.hpp"
+
+namespace shmcast::python {
+
+PySync PySync::from(const SyncInfo& s) {
+  PySync p;
+  p.version = s.version;
+  p.stream_bytes = s.stream_bytes;
+  p.payload_bytes = s.payload_bytes;
+  p.first_seq = s.first_seq;
+  p.chunks = s.chunks;
+  p.world_size = s.world_size;
+  p.tensors = py::list(s.tensors.size());
+  p.pieces = py::list(s.tensors.size());
+  for (std::size_t i = 0; i < s.tensors.size(); ++i) {
+    const TensorInfo& t = s.tensors[i];
+    // Names reach Python only as valid UTF-8 (a producer rejects others;
+    // a region written by something else may still hold any bytes).
+    PyObject* name = PyUnicode_DecodeUTF8(t.name.data(), static_cast<Py_ssize_t>(t.name.size()), nullptr);
+    if (!name) {
+      PyErr_Clear();
+      throw Error(Errc::kCorrupt, "sync " + std::to_string(s.version) + ": the name of tensor " + std::to_string(i) +
+                                      " ('" + text(t.name).cast<std::string>() +
+                                      "') is not valid UTF-8; whatever wrote the region is broken");
+    }
+    p.tensors[i] = py::make_tuple(py::reinterpret_steal<py::str>(name), py::str(std::string(dtype_name(t.dtype))),
+                                  shape_tuple(t.shape), py::int_(t.nbytes), py::int_(t.stream_offset));
+    py::list ps(t.shards.size());
+    for (std::size_t k = 0; k < t.shards.size(); ++k) {
+      const ShardInfo& sh = t.shards[k];
+      ps[k] = py::make_tuple(sh.rank, sh.dim, sh.start, sh.length, sh.nbytes);
+    }
+    p.pieces[i] = ps;
+  }
+  return p;
+}
+
+namespace {
+
+class PyConsumer : Owned {
+  // (First: the methods below deduce their return types from it.)
+  // Runs f(consumer) with the GIL released and this object locked.
+  template <class F>
+  decltype(auto) locked(F&& f) {
+    check_owner("Consumer");
+    py::gil_scoped_release nogil;
+    std::lock_guard lk(mu_);
+    return f(get());
+  }
+
+  Consumer& get() {
+    if (closed_) throw Error(Errc::kClosed, "this consumer is closed");
+    return *c_;
+  }
+
+ public:
+  PyConsumer(py::handle name, py::handle open_timeout, py::handle chunk_timeout, py::handle pin,
+             bool verify_checksums, bool group_access, py::handle trusted_uids) {
+    const std::string n = region_name_arg(name);
+    ConsumerOptions o;
+    o.group_access = group_access;
+    if (!trusted_uids.is_none())
+      for (py::handle u : py::iterable(py::reinterpret_borrow<py::object>(trusted_uids)))
+        o.trusted_uids.push_back(int_arg<std::uint32_t>(u, "trusted_uids", 0, 0xfffffffeu));
+    o.open_timeout = seconds_arg(open_timeout, "open_timeout", false);
+    o.chunk_timeout = seconds_arg(chunk_timeout, "chunk_timeout", false);
+    o.pin = parse_pin(pin);
+    o.verify_checksums = verify_checksums;
+    py::gil_scoped_release nogil;
+    c_ = std::make_unique<Consumer>(Consumer::open(n, o));
+  }
+
+  // What every other call raises first: InvalidArgument in a forked child,
+  // Closed once closed.
+  void check() {
+    check_owner("Consumer");
+    (void)get();
+  }
+
+  ~PyConsumer() {
+    if (forked()) (void)c_.release();  // the parent's seat: leave it be
+  }
+
+  PySync wait_sync(py::handle timeout) {
+    const auto deadline = Clock::now() + seconds_arg(timeout, "timeout", true);
+    for (;;) {
+      std::optional<SyncInfo> got = locked([&](Consumer& c) -> std::optional<SyncInfo> {
+        const auto left = std::chrono::duration_cast<Duration>(deadline - Clock::now());
+        const Duration slice = std::max(Duration::zero(), std::min<Duration>(left, kSlice));
+        try {
+          return c.wait_sync(slice);  // copy: the snapshot is converted with the GIL held
+        } catch (const Error& e) {
+          if (e.code() != Errc::kTimeout || Clock::now() >= deadline) throw;
+        }
+        return std::nullopt;
+      });
+      if (got) {
+        try {
+          last_ = PySync::from(*got);
+        } catch (const Error&) {  // a name Python cannot hold: the sync is skipped, not left half-taken
+          try {
+            locked([](Consumer& c) { c.skip(); });
+          } catch (const Error&) {
+          }
+          throw;
+        }
+        return last_;
+      }
+      if (PyErr_CheckSignals() != 0) throw py::error_already_set();
+    }
+  }
+
+  void read_into(py::handle ptrs, py::handle selections) {
+    std::vector<void*> d = to_ptrs(ptrs);
+    std::vector<Selection> sel = to_selections(selections);
+    locked([&](Consumer& c) { c.read_into(d, sel); });
+  }
+
+  void read_into_device(py::handle ptrs, py::handle stream, py::handle selections) {
+    std::vector<void*> d = to_ptrs(ptrs);
+    std::vector<Selection> sel = to_selections(selections);
+    void* s = reinterpret_cast<void*>(as_ptr(stream, "stream"));
+    locked([&](Consumer& c) { c.read_into_device(d, s, sel); });
+  }
+
+  std::vector<std::uintptr_t> read_to_staging(py::handle device, py::handle stream) {
+    const int dev = int_arg<int>(device, "device", 0, std::numeric_limits<int>::max());
+    void* s = reinterpret_cast<void*>(as_ptr(stream, "stream"));
+    std::vector<void*> out = locked([&](Consumer& c) { return c.read_to_staging(dev, s); });
+    std::vector<std::uintptr_t> r(out.size());
+    for (std::size_t i = 0; i < out.size(); ++i) r[i] = reinterpret_cast<std::uintptr_t>(out[i]);
+    return r;
+  }
+
+  // fn(tensor_index, offset, data_ptr, nbytes, tensor_nbytes) for every piece,
+  // while its slot is held: data_ptr is valid only during the call.
+  void visit(const py::function& fn) {
+    locked([&](Consumer& c) {
+      c.visit([&](const Piece& p) {
+        py::gil_scoped_acquire gil;
+        fn(p.tensor, p.offset, reinterpret_cast<std::uintptr_t>(p.data), p.bytes, p.tensor_bytes);
+      });
+    });
+  }
+
+  void skip() {
+    locked([](Consumer& c) { c.skip(); });
+  }
+
+  // Store regions: the held version's tensors in the region (0 for an empty one).
+  std::vector<std::uintptr_t> views() {
+    std::vector<const std::byte*> v = locked([](Consumer& c) { return c.views(); });
+    std::vector<std::uintptr_t> r(v.size());
+    for (std::size_t i = 0; i < v.size(); ++i) r[i] = reinterpret_cast<std::uintptr_t>(v[i]);
+    return r;
+  }
+  bool views_valid() {
+    return locked([](Consumer& c) { return c.views_valid(); });
+  }
+  bool views_read_only() {
+    return locked([](Consumer& c) { return c.views_read_only(); });
+  }
+  std::string mode() const { return mode_name(c_->mode()); }
+
+  void close() {
+    if (forked()) return;  // the parent's seat: not the child's to free
+    py::gil_scoped_release nogil;
+    std::lock_guard lk(mu_);
+    if (c_) c_->close();
+    closed_ = true;
+  }
+
+  bool closed() const { return closed_; }
+  const PySync& sync() const { return last_; }
+  std::uint64_t last_version() const { return c_->last_version(); }
+  int seat() const { return closed_ ? -1 : c_->seat(); }
+  std::string name() const { return c_->name(); }
+  bool pinned() const { return c_->pinned(); }
+  double pin_seconds() const { return c_->pin_seconds(); }
+  double open_seconds() const { return c_->open_seconds(); }
+
+ private:
+  static constexpr Duration kSlice = std::chrono::milliseconds(200);
+
+  std::unique_ptr<Consumer> c_;
+  std::mutex mu_;
+  bool closed_ = false;
+  PySync last_;
+};
+
+}  // namespace
+
+void bind_sync_info(py::module_& m) {
+  py::class_<PySync>(m, "SyncInfo", "A received sync's manifest (a snapshot).")
+      .def_readonly("version", &PySync::version)
+      .def_readonly("stream_bytes", &PySync::stream_bytes)
+      .def_readonly("payload_bytes", &PySync::payload_bytes)
+      .def_readonly("first_seq", &PySync::first_seq)
+      .def_readonly("chunks", &PySync::chunks)
+      .def_readonly("tensors", &PySync::tensors, "list of (name, dtype, shape, nbytes, stream_offset)")
+      .def_readonly("world_size", &PySync::world_size, "producer ranks that wrote the sync")
+      .def_readonly("pieces", &PySync::pieces,
+                    "per tensor, its pieces: [(rank, dim, start, length, nbytes)] (dim -1: the whole tensor)")
+      .def("__len__", [](const PySync& s) { return s.tensors.size(); })
+      .def("__repr__", [](const PySync& s) {
+        return "<shmcast.SyncInfo version=" + std::to_string(s.version) + " tensors=" +
+               std::to_string(s.tensors.size()) + " payload_bytes=" + std::to_string(s.payload_bytes) + ">";
+      });
+}
+
+void bind_consumer(py::module_& m) {
+  py::class_<PyConsumer>(m, "Consumer", "Low-level consumer (shmcast::Consumer). Pointers are ints.")
+      .def(py::init<py::handle, py::handle, py::handle, py::handle, bool, bool, py::handle>(), py::arg("name"),
+           py::kw_only(), py::arg("open_timeout") = 30.0, py::arg("chunk_timeout") = 60.0, py::arg("pin") = "auto",
+           py::arg("verify_checksums") = true, py::arg("group_access") = false, py::arg("trusted_uids") = py::none())
+      .def("wait_sync", &PyConsumer::wait_sync, py::arg("timeout") = 30.0,
+           "Waits for the next sync (timeout in seconds, None = forever) and returns its SyncInfo.")
+      .def("read_into", &PyConsumer::read_into, py::arg("ptrs"), py::arg("selections") = py::none(),
+           "Host copy: ptrs[i] receives tensor i (None or 0 skips it); selections: None, or per tensor None or "
+           "(dim, start, length): ptrs[i] then receives that slice, contiguous.")
+      .def("read_into_device", &PyConsumer::read_into_device, py::arg("ptrs"), py::arg("stream") = 0,
+           py::arg("selections") = py::none())
+      .def("read_to_staging", &PyConsumer::read_to_staging, py::arg("device"), py::arg("stream") = 0,
+           "Copies the sync into a library-owned device buffer; returns one device pointer per tensor, valid "
+           "until the next wait_sync().")
+      .def("visit", &PyConsumer::visit, py::arg("fn"))
+      .def("skip", &PyConsumer::skip)
+      .def("views", &PyConsumer::views,
+           "Store regions: pointers (ints) to each tensor of the version wait_sync() returned, in the region; "
+           "held until skip(), the next wait_sync() or close().")
+      .def("views_valid", &PyConsumer::views_valid, "True while the viewed version is held and unchanged.")
+      .def_property_readonly("views_read_only", &PyConsumer::views_read_only,
+                             "Store regions: True when this process maps the stored versions read-only (a write "
+                             "through a view faults); False where a GPU driver needed them pinned writable, and "
+                             "for ring regions.")
+      .def_property_readonly("mode", &PyConsumer::mode, "'ring' or 'store' (the region's)")
+      .def("close", &PyConsumer::close, "Idempotent; does nothing in a forked child (the object is the parent's).")
+      .def("check", &PyConsumer::check, "Raises Closed once closed, InvalidArgument in a forked child.")
+      .def_property_readonly("closed", &PyConsumer::closed)
+      .def_property_readonly("sync", &PyConsumer::sync, py::return_value_policy::copy)
+      .def_property_readonly("last_version", &PyConsumer::last_version)
+      .def_property_readonly("seat", &PyConsumer::seat)
+      .def_property_readonly("name", &PyConsumer::name)
+      .def_property_readonly("pinned", &PyConsumer::pinned)
+      .def_property_readonly("pin_seconds", &PyConsumer::pin_seconds)
+      .def_property_readonly("open_seconds", &PyConsumer::open_seconds);
+}
+
+}  // namespace shmcast::python
