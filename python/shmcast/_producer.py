@@ -6,6 +6,7 @@ in the common case (every tensor contiguous or a row-pitched 2-D view).
 """
 from __future__ import annotations
 
+import operator
 import os
 from collections.abc import Mapping
 from typing import Optional, Union
@@ -216,8 +217,14 @@ class Producer(_Closing):
                 # cannot send, a failing gather, an interrupt): take the round
                 # anyway and fail it on every rank.
                 try:
+                    # The round this send() was for: the version it was given
+                    # (any integer type, as _send takes it), else the next.
+                    try:
+                        named = 0 if version is None or isinstance(version, bool) else operator.index(version)
+                    except TypeError:
+                        named = 0
                     c.skip_sync(f"send() on rank {self.rank} raised {type(e).__name__} before its sync began: {e}",
-                                version if isinstance(version, int) and version > 0 else 0)
+                                named if 0 < named < (1 << 63) else 0)
                 except _C.Error:
                     pass
             raise

@@ -378,7 +378,11 @@ def role_sharded_steps(q, region, rank, world, seed, n_steps=7, fault=None, faul
                         items.append(("bad", torch.zeros(4, 4).to_sparse()))
                     elif fault == "shard":
                         items.append(("bad", shmcast.Shard(torch.zeros(3, 4), (4, 4), 0, 2)))  # raises ValueError
-                results[step] = ["ok", p.send(items, version=step) if named else p.send(items)]
+                if named == "numpy_gaps":  # numpy integers, 10 apart (versions with gaps)
+                    import numpy as np
+                    results[step] = ["ok", p.send(items, version=np.int64(10 * step))]
+                else:
+                    results[step] = ["ok", p.send(items, version=step) if named else p.send(items)]
             except Exception as e:  # the trainer logs it and goes on with the next step
                 results[step] = [type(e).__name__, str(e)]
         if rank == 0:
@@ -386,7 +390,7 @@ def role_sharded_steps(q, region, rank, world, seed, n_steps=7, fault=None, faul
     return {"results": results}
 
 
-def role_sharded_checker(q, region, seed, until, timeout=30.0):
+def role_sharded_checker(q, region, seed, until, timeout=30.0, scale=1):
     """Receives syncs until version `until`; checks every version it gets,
     every byte, against that step's tensors (a version mixing two steps
     fails); aborted syncs are skipped."""
@@ -402,7 +406,7 @@ def role_sharded_checker(q, region, seed, until, timeout=30.0):
                 break  # the trainer is done: report what arrived
             v = c.last_version
             versions.append(v)
-            full = {n: t for n, t, _ in sharded_model(seed + v)}
+            full = {n: t for n, t, _ in sharded_model(seed + v // scale)}
             if sorted(n for n, _ in got) != sorted(full):
                 problems.append(f"version {v}: names {sorted(n for n, _ in got)}")
                 continue

@@ -54,14 +54,14 @@ def test_bad_slices_are_a_mismatch_before_any_byte(region, procs):
     procs.get(prod)
 
 
-def _steps_with_a_failing_rank(region, procs, fault, named):
+def _steps_with_a_failing_rank(region, procs, fault, named, scale=1):
     seed = 300
     # One consumer (every process costs a torch import): it checks every
     # version it gets against that version's step, every byte.
     ranks = [procs.start("sharded_steps", region=region, rank=r, world=2, seed=seed, fault=fault, named=named,
                          consumers=1) for r in range(2)]
     procs.ready(ranks[0])
-    cons = [procs.start("sharded_checker", region=region, seed=seed, until=7)]
+    cons = [procs.start("sharded_checker", region=region, seed=seed, until=7 * scale, scale=scale)]
     for c in cons:
         procs.ready(c)
     procs.ready(ranks[1])
@@ -69,11 +69,11 @@ def _steps_with_a_failing_rank(region, procs, fault, named):
     for c in cons:
         got = procs.get(c)
         assert got["problems"] == [], got["problems"]
-        assert 2 not in got["versions"], got["versions"]
-        assert set(range(3, 8)) <= set(got["versions"]), got["versions"]  # the next five, every byte
+        assert 2 * scale not in got["versions"], got["versions"]
+        assert {scale * s for s in range(3, 8)} <= set(got["versions"]), got["versions"]  # the next five, every byte
     for r in range(2):
         for step in (1, 3, 4, 5, 6, 7):
-            assert results[r][step] == ["ok", step], (r, step, results[r][step])
+            assert results[r][step] == ["ok", scale * step], (r, step, results[r][step])
     return results
 
 
@@ -97,3 +97,16 @@ def test_a_step_skipped_in_user_code_is_harmless_with_named_versions(region, pro
     assert results[1][2][0] == "ValueError", results[1][2]
     assert results[0][2][0] == "InvalidArgument", results[0][2]
     assert "producer rank 1 is at sync round 3" in results[0][2][1], results[0][2]
+
+
+def test_a_send_that_raises_keeps_its_named_round_when_the_version_is_a_numpy_int(region, procs):
+    """Versions named with numpy integers, 10 apart: rank 1's send() at step
+    2 raises TypeError (a sparse tensor) before shmcast begins the sync. It
+    must take round 20, the version it was given (any __index__ integer),
+    not the next number after its last round (11): rank 0's sync 20 then
+    fails at once with rank 1's reason instead of waiting out rank_timeout
+    and blaming rank 1 for not beginning it."""
+    results = _steps_with_a_failing_rank(region, procs, "sparse", named="numpy_gaps", scale=10)
+    assert results[1][2][0] == "TypeError", results[1][2]
+    assert results[0][2][0] == "Aborted", results[0][2]
+    assert "rank 1 raised TypeError" in results[0][2][1], results[0][2]
