@@ -11,6 +11,7 @@
 #include <cstring>
 #include <set>
 
+#include "base/sys.hpp"
 #include "checkpoint.hpp"
 #include "shmcast/safetensors.hpp"
 
@@ -81,11 +82,8 @@ namespace {
 void pread_exact(int fd, void* dst, std::size_t n, std::uint64_t off, const std::string& what) {
   auto* p = static_cast<char*>(dst);
   while (n > 0) {
-    const ssize_t r = ::pread(fd, p, n, static_cast<off_t>(off));
-    if (r < 0) {
-      if (errno == EINTR) continue;
-      sys_fail("reading " + what, errno);
-    }
+    const ssize_t r = detail::retry_eintr([&] { return ::pread(fd, p, n, static_cast<off_t>(off)); });
+    if (r < 0) sys_fail("reading " + what, errno);
     if (r == 0)
       throw Error(Errc::kCorrupt, what + ": the file ended while its header was read (it is being written or "
                                          "was truncated): wait until it is complete");

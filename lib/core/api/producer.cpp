@@ -10,6 +10,7 @@
 #include <unordered_set>
 
 #include "base/checks.hpp"
+#include "base/text.hpp"
 #include "shm/doorbell.hpp"
 #include "engine/engine.hpp"
 #include "shm/liveness.hpp"

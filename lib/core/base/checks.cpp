@@ -4,7 +4,7 @@
 #include <cstdio>
 #include <cstring>
 
-#include "protocol/ring.hpp"
+#include "base/layout.hpp"
 
 namespace shmcast::detail {
 

@@ -58,7 +58,13 @@ bool payload_bytes(std::span<const TensorSpec> tensors, std::uint64_t* out);
 
 // ---- the sync record
 
-struct RecordSnapshot;
+// Snapshot of the sync record taken under its seqlock (read_record in
+// protocol/ring.hpp takes it; the rules below check it).
+struct RecordSnapshot {
+  std::uint32_t word;  // even
+  std::uint64_t version, first_seq, chunks, stream_bytes, manifest_used, manifest_hash;
+  bool aborted;
+};
 // Every field of `r` into *out (relaxed loads, the word included): the
 // caller decides whether the copy is consistent (read_record's seqlock).
 void copy_record(const SyncRecord& r, RecordSnapshot* out) noexcept;

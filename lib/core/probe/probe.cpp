@@ -25,6 +25,8 @@
 #include <thread>
 
 #include "base/checks.hpp"
+#include "base/sys.hpp"
+#include "base/text.hpp"
 #include "base/layout.hpp"
 #include "shm/liveness.hpp"
 #include "protocol/manifest.hpp"
@@ -291,10 +293,8 @@ void fill_owner(P::Region* r, const struct stat& st) {
 // whenever fstat ran.
 int open_region_file(const std::string& path, struct stat* st, int* err) {
   *err = 0;
-  int fd;
-  do {
-    fd = ::open(path.c_str(), O_RDONLY | O_NOFOLLOW | O_CLOEXEC | O_NONBLOCK | O_NOCTTY);
-  } while (fd < 0 && errno == EINTR);
+  const int fd =
+      retry_eintr([&] { return ::open(path.c_str(), O_RDONLY | O_NOFOLLOW | O_CLOEXEC | O_NONBLOCK | O_NOCTTY); });
   if (fd < 0) {
     *err = errno;
     return -1;
@@ -357,8 +357,7 @@ class HashedReader {
     char* p = static_cast<char*>(dst);
     std::size_t got = 0;
     while (got < n) {
-      const ssize_t k = ::pread(fd_, p + got, n - got, static_cast<off_t>(off_ + pos_ + got));
-      if (k < 0 && errno == EINTR) continue;
+      const ssize_t k = retry_eintr([&] { return ::pread(fd_, p + got, n - got, static_cast<off_t>(off_ + pos_ + got)); });
       if (k <= 0) return false;
       got += static_cast<std::size_t>(k);
     }

@@ -22,6 +22,7 @@
 #include <utility>
 
 #include "base/checks.hpp"
+#include "base/sys.hpp"
 #include "shm/liveness.hpp"
 
 namespace shmcast::detail {
@@ -539,8 +540,7 @@ void FdServer::Impl::stop() {
   }
   if (thread != nullptr) {
     const std::uint64_t one = 1;
-    while (::write(event_fd, &one, sizeof one) < 0 && errno == EINTR) {
-    }
+    (void)retry_eintr([&] { return ::write(event_fd, &one, sizeof one); });
     thread->join();
     delete thread;
     thread = nullptr;

@@ -16,8 +16,9 @@
 #include <string>
 #include <vector>
 
-#include "shm/doorbell.hpp"
+#include "base/checks.hpp"
 #include "base/layout.hpp"
+#include "shm/doorbell.hpp"
 #include "shm/liveness.hpp"
 #include "shm/region.hpp"
 #include "shmcast/shmcast.hpp"
@@ -78,12 +79,7 @@ std::uint32_t seat_state(std::uint64_t word);
 std::uint64_t seat_gen(std::uint64_t word);
 std::uint64_t make_seat_word(std::uint64_t gen, std::uint32_t state);
 
-// Snapshot of the sync record taken under its seqlock.
-struct RecordSnapshot {
-  std::uint32_t word;  // even
-  std::uint64_t version, first_seq, chunks, stream_bytes, manifest_used, manifest_hash;
-  bool aborted;
-};
+// RecordSnapshot (the sync record taken under its seqlock) is in base/checks.hpp.
 // Returns false when the producer is writing the record right now.
 bool read_record(const Header& h, RecordSnapshot* out);
 

@@ -10,18 +10,6 @@
 
 namespace shmcast::detail {
 
-std::int64_t mono_ns() noexcept {
-  timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return std::int64_t{ts.tv_sec} * 1000000000 + ts.tv_nsec;
-}
-
-std::int64_t unix_ns() noexcept {
-  timespec ts;
-  clock_gettime(CLOCK_REALTIME, &ts);
-  return std::int64_t{ts.tv_sec} * 1000000000 + ts.tv_nsec;
-}
-
 int futex_wait(std::atomic<std::uint32_t>* word, std::uint32_t expected, std::int64_t deadline_ns) noexcept {
   if (deadline_ns < 0) deadline_ns = 0;
   timespec abs{static_cast<time_t>(deadline_ns / 1000000000), static_cast<long>(deadline_ns % 1000000000)};

@@ -10,13 +10,10 @@
 #include <cstdint>
 #include <ctime>
 
+#include "base/clock.hpp"  // mono_ns(), unix_ns(): callers of the doorbell use them too
 #include "base/layout.hpp"
 
 namespace shmcast::detail {
-
-// CLOCK_MONOTONIC now, in nanoseconds.
-std::int64_t mono_ns() noexcept;
-std::int64_t unix_ns() noexcept;
 
 // Sleeps on `word` while it still holds `expected`, until woken or until the
 // absolute CLOCK_MONOTONIC deadline. 0 when woken (or the value had changed:

@@ -1,5 +1,7 @@
 #include "shm/liveness.hpp"
 
+#include "base/sys.hpp"
+
 #include <fcntl.h>
 #include <pthread.h>
 #include <sys/stat.h>
@@ -45,10 +47,7 @@ int lock_op(int fd, int cmd, short type, std::int64_t byte, struct flock* out, s
   fl.l_start = byte;
   fl.l_len = len;
   fl.l_pid = 0;  // required for OFD locks
-  int rc;
-  do {
-    rc = ::fcntl(fd, cmd, &fl);
-  } while (rc < 0 && errno == EINTR);
+  const int rc = retry_eintr([&] { return ::fcntl(fd, cmd, &fl); });
   if (rc < 0) return -errno;
   if (out) *out = fl;
   return 0;

@@ -19,6 +19,8 @@
 #include <vector>
 
 #include "base/checks.hpp"
+#include "base/sys.hpp"
+#include "base/text.hpp"
 #include "shm/liveness.hpp"
 #include "shmcast/files.hpp"
 #include "shmcast/shmcast.hpp"
@@ -110,24 +112,6 @@ std::string region_file(std::string_view dir, std::string_view name) {
   p += kRegionFilePrefix;
   p += name;
   return p;
-}
-
-std::string human_bytes(std::uint64_t b) {
-  char buf[64];
-  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
-  double v = static_cast<double>(b);
-  int u = 0;
-  while (v >= 1024.0 && u < 4) {
-    v /= 1024.0;
-    ++u;
-  }
-  if (u == 0)
-    std::snprintf(buf, sizeof buf, "%llu B", static_cast<unsigned long long>(b));
-  else if (v < 10.0)
-    std::snprintf(buf, sizeof buf, "%.1f %s", v, units[u]);
-  else
-    std::snprintf(buf, sizeof buf, "%.0f %s", v, units[u]);
-  return buf;
 }
 
 std::int64_t free_bytes(const std::string& dir) {
@@ -474,11 +458,9 @@ void replace_file(const std::string& path, std::string_view contents, unsigned m
   std::string tmp;
   const int fd = create_temp_file(dir, "." + name + ".tmp.", mode, &tmp);
   for (std::size_t done = 0; done < contents.size();) {
-    const ssize_t w = ::write(fd, contents.data() + done, contents.size() - done);
+    const ssize_t w = detail::retry_eintr([&] { return ::write(fd, contents.data() + done, contents.size() - done); });
     if (w > 0) {
       done += static_cast<std::size_t>(w);
-    } else if (w < 0 && errno == EINTR) {
-      continue;
     } else {
       const int e = w < 0 ? errno : EIO;
       ::close(fd);

@@ -13,6 +13,14 @@
 // the region's open file description, and so never keeps its parent's OFD
 // liveness locks alive. A MappedFile inherited by a child never unmaps or
 // closes anything.
+//
+// region.cpp includes shm/liveness.hpp (the liveness locks) for one call: create()
+// takes the creator's OFD lock byte (liveness's lock_byte) on the descriptor
+// it just opened, before anyone can find the file, so a racing opener never
+// sees a new region without its owner's lock. The lock rules (lock_op, its
+// EINTR retry, EACCES read as EAGAIN, GETLK probes) stay whole in liveness:
+// copying lock_byte down would write them twice. Both files are shm/, so the
+// include stays inside one folder (scripts/check-layers).
 #pragma once
 
 #include <sys/stat.h>
@@ -146,8 +154,5 @@ std::string describe_uid(std::uint32_t uid);
 
 // Free bytes in the filesystem that holds `dir`, or -errno.
 std::int64_t free_bytes(const std::string& dir);
-
-// "1.0 GiB", "64 MiB"
-std::string human_bytes(std::uint64_t bytes);
 
 }  // namespace shmcast::detail
