@@ -1,4 +1,4 @@
-// Layer 5, file side: positioned reads into caller memory, many in flight.
+// fileio, the reader: positioned reads into caller memory, many in flight.
 // One I/O thread drives an io_uring (O_DIRECT or buffered descriptors,
 // optionally registered buffers); or, where io_uring is denied (Docker's
 // default seccomp profile: EPERM; Podman's: ENOSYS) or not wanted, a few

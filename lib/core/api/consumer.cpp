@@ -1,4 +1,4 @@
-// Layer 6: the public Consumer.
+// api/ (layer 6): the public Consumer.
 #include <unistd.h>
 #include <xxhash.h>
 

@@ -1,4 +1,4 @@
-// Layer 6: the public Producer.
+// api/ (layer 6): the public Producer.
 #include <sys/stat.h>
 #include <unistd.h>
 #include <xxhash.h>

@@ -1,4 +1,4 @@
-// Layer 2: the versioned on-shm layout. docs/protocol.md specifies these
+// base/ (layer 2): the versioned on-shm layout. docs/protocol.md specifies these
 // bytes; keep the two in step. Offsets only, never pointers: every process
 // maps the region at a different address.
 //

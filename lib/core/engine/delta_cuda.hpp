@@ -1,4 +1,4 @@
-// Layer 5: the delta codec on CUDA devices; the same blobs as the host codec
+// engine/ (layer 5): the delta codec on CUDA devices; the same blobs as the host codec
 // (delta.hpp), made and taken by kernels (kernels/delta.cu) that the library
 // carries as PTX and loads with cuModuleLoadDataEx through the driver API it
 // dlopens (cuda_driver.hpp): libshmcast links no CUDA library.

@@ -1,4 +1,4 @@
-// Layer 5: copy engines. The ring decides where bytes go; an engine moves
+// engine/ (layer 5): copy engines. The ring decides where bytes go; an engine moves
 // them. The host engine uses memcpy. The CUDA engine (cuda_engine.cpp, built
 // with SHMCAST_WITH_CUDA) issues async D2H / H2D copies on a stream the
 // library owns and runs the publish / release step when they complete.

@@ -1,4 +1,4 @@
-// Layer 5: the delta codec on the host (docs/protocol.md, "Delta encoding").
+// protocol/: the delta codec on the host (docs/protocol.md, "Delta encoding").
 //
 // A delta blob carries the elements of a tensor (or of one piece of it)
 // whose raw w-byte words differ from a base, block by block, plus a content

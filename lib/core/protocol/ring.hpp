@@ -1,4 +1,4 @@
-// Layer 4: the slot ring protocol. One producer, up to N consumers, K slots
+// protocol/ (layer 4): the slot ring protocol. One producer, up to N consumers, K slots
 // of S bytes. Chunk sequence numbers start at 1; chunk `seq` lives in slot
 // (seq - 1) % K. The producer may refill a slot with chunk `seq` only when
 // every enrolled consumer has released chunk seq - K. One handshake per slot:

@@ -1,4 +1,4 @@
-// Layer 6 (sharded producers): the rounds in which R producer ranks agree on
+// protocol/ (sharded producers): the rounds in which R producer ranks agree on
 // one sync, as single steps on the shared words (docs/protocol.md §9,
 // "Rounds"). producer.cpp drives these steps with its waits, deadlines and
 // liveness checks; the model check (tests/unit/test_rounds.cpp) drives the

@@ -1,9 +1,10 @@
-// Layer 6 helper: which bytes of a tensor's pieces a consumer copies, and
-// where they go. A piece (a whole tensor, or a shard: rows along one dim,
-// stored contiguously) and a selection (the whole tensor, or rows along one
-// dim, delivered contiguously) are boxes of the logical tensor; their
-// intersection is copied as 2D blocks (rows of `width` bytes at constant
-// pitches on both sides), never through a staging copy.
+// protocol/ (used by the consumer and the delta codec): which bytes of a
+// tensor's pieces a consumer copies, and where they go. A piece (a whole
+// tensor, or a shard: rows along one dim, stored contiguously) and a
+// selection (the whole tensor, or rows along one dim, delivered contiguously)
+// are boxes of the logical tensor; their intersection is copied as 2D blocks
+// (rows of `width` bytes at constant pitches on both sides), never through a
+// staging copy.
 #pragma once
 
 #include <cstdint>

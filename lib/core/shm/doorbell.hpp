@@ -1,4 +1,4 @@
-// Layer 3: the futex doorbell. A Bell is a 32-bit futex word in the shared
+// shm/ (layer 3): the futex doorbell. A Bell is a 32-bit futex word in the shared
 // region plus a count of sleepers. Shared futexes only (no
 // FUTEX_PRIVATE_FLAG): waiter and waker are different processes. Deadlines
 // are absolute CLOCK_MONOTONIC times. The caller's condition is re-checked

@@ -1,4 +1,4 @@
-// Layer 1: the named region. A file in the region directory ($SHMCAST_DIR or
+// shm/ (layer 1): the named region. A file in the region directory ($SHMCAST_DIR or
 // /dev/shm), created O_EXCL with mode 0600 (0660 on request), fully
 // allocated with posix_fallocate before it is mapped, so that a full tmpfs
 // is an error at create time and never a SIGBUS later.
