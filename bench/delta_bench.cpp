@@ -1,4 +1,4 @@
-// shmcast-delta-bench: the delta codec on one tensor (lib/src/delta*.{hpp,cpp}).
+// shmcast-delta-bench: the delta codec on one tensor (lib/core/protocol/delta*.{hpp,cpp}).
 //
 //   shmcast-delta-bench                       # host, 256 MiB of bf16, 0.5/2/10/30 % changed, 10 reps
 //   shmcast-delta-bench --mode cuda --mib 1024
@@ -31,8 +31,8 @@
 #include <thread>
 #include <vector>
 
-#include "delta.hpp"
-#include "delta_cuda.hpp"
+#include "protocol/delta.hpp"
+#include "engine/delta_cuda.hpp"
 
 #ifdef SHMCAST_DELTA_BENCH_CUDA
 #include <cuda_runtime_api.h>

@@ -2,7 +2,7 @@
 // device slots' memory as a consumer sees it: a VMM allocation
 // (cuMemCreate, POSIX-fd handle type) made by another process, its fd
 // passed over the fd channel (SCM_RIGHTS), imported and mapped here
-// (lib/src/cuda_vmm.hpp, lib/src/fd_channel.hpp: the library's own code).
+// (lib/core/engine/cuda_vmm.hpp, lib/core/protocol/fd_channel.hpp: the library's own code).
 // In the same run, the reference: the same copy between two plain
 // cudaMalloc buffers of this GPU, and with --consumer on another GPU than
 // --owner, the plain peer copies both ways.
@@ -26,8 +26,8 @@
 #include <string>
 #include <vector>
 
-#include "cuda_vmm.hpp"
-#include "fd_channel.hpp"
+#include "engine/cuda_vmm.hpp"
+#include "protocol/fd_channel.hpp"
 #include "support.hpp"
 
 using namespace shmcast;

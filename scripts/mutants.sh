@@ -38,7 +38,7 @@
 #                   time: a mutant that makes tests hang costs 90 s a test)
 # Output: a Markdown table (mutant, where, tests that caught it), and one line
 # per mutant:
-#   MUTANT-SUMMARY mutant=no_wake status=caught tests=3 where=lib/src/doorbell.cpp:41 build_s=40 test_s=120
+#   MUTANT-SUMMARY mutant=no_wake status=caught tests=3 where=lib/core/shm/doorbell.cpp:41 build_s=40 test_s=120
 # Exit status: 0 when every mutant was caught, 1 when one survived, 2 when
 # the script could not run (a pattern not found, a build failure).
 set -euo pipefail
@@ -49,10 +49,10 @@ export LC_ALL=C  # sort and comm of test names agree
 # Re-point a mutant here when the code it breaks moves: M_FILE, and M_OLD,
 # the exact text (whitespace included) that must occur once in it.
 # Pointed at the code with sharded syncs and store regions: the chunk writer
-# and reader in lib/src/ring.cpp serve one-rank and sharded producers and
-# store regions alike, and Consumer::wait_sync (lib/src/consumer.cpp) is the
+# and reader in lib/core/protocol/ring.cpp serve one-rank and sharded producers and
+# store regions alike, and Consumer::wait_sync (lib/core/api/consumer.cpp) is the
 # one place a consumer checks the manifest hash, ring or store
-# (lib/src/probe.cpp has its own, for the inspection tools, and is not
+# (lib/core/probe/probe.cpp has its own, for the inspection tools, and is not
 # mutated).
 
 ALL_MUTANTS=(no_wake publish_early liveness_blind manifest_hash release_early)
@@ -61,7 +61,7 @@ define_mutant() {  # name: sets M_WHAT, M_FILE, M_OLD, M_NEW
   case $1 in
     no_wake)
       M_WHAT="the doorbell's ring() never calls FUTEX_WAKE (ring_keep_parity still does)"
-      M_FILE=lib/src/doorbell.cpp
+      M_FILE=lib/core/shm/doorbell.cpp
       M_OLD=$(cat <<'EOF'
 void ring(Bell& bell) noexcept {
   bell.word.fetch_add(1, std::memory_order_seq_cst);
@@ -79,7 +79,7 @@ EOF
       ;;
     publish_early)
       M_WHAT="a chunk is published when its slot is claimed (ChunkWriter::claim_chunk, for a one-rank producer and every sharded rank), before any of its bytes are written"
-      M_FILE=lib/src/ring.cpp
+      M_FILE=lib/core/protocol/ring.cpp
       M_OLD=$(cat <<'EOF'
     ring_->acquire(seq);
     ring_->begin_fill(seq);
@@ -94,7 +94,7 @@ EOF
       ;;
     liveness_blind)
       M_WHAT="lock_held() says every lock byte is held: a dead producer or consumer is never detected"
-      M_FILE=lib/src/liveness.cpp
+      M_FILE=lib/core/shm/liveness.cpp
       M_OLD=$(cat <<'EOF'
   if (lock_op(fd, F_OFD_GETLK, F_RDLCK, byte, &fl) != 0) return Alive::kUnknown;
   return fl.l_type == F_UNLCK ? Alive::kNo : Alive::kYes;
@@ -108,13 +108,13 @@ EOF
       ;;
     manifest_hash)
       M_WHAT="a consumer accepts a manifest whose bytes do not match the sync record's hash (Consumer::wait_sync)"
-      M_FILE=lib/src/consumer.cpp
+      M_FILE=lib/core/api/consumer.cpp
       M_OLD='    if (XXH3_64bits(bytes.data(), bytes.size()) != rec.manifest_hash) {'
       M_NEW='    if (false && XXH3_64bits(bytes.data(), bytes.size()) != rec.manifest_hash) {  // MUTANT manifest_hash'
       ;;
     release_early)
       M_WHAT="a consumer releases a slot when the reader (ChunkReader::next) hands out its last range, before copying it out"
-      M_FILE=lib/src/ring.cpp
+      M_FILE=lib/core/protocol/ring.cpp
       M_OLD='  *out = Range{data + have, j * S_ + have, rank, bytes - have, true, seq, w.wait.slot};'
       M_NEW=$(cat <<'EOF'
   ring_->release(seq);  // MUTANT release_early: the producer may refill the slot while it is copied out

@@ -14,7 +14,7 @@
 #include <string>
 #include <vector>
 
-#include "delta.hpp"
+#include "protocol/delta.hpp"
 
 namespace delta_test {
 

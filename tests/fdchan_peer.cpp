@@ -1,4 +1,4 @@
-// shmcast_fdchan_peer: one side of the fd channel (lib/src/fd_channel.hpp) as
+// shmcast_fdchan_peer: one side of the fd channel (lib/core/protocol/fd_channel.hpp) as
 // a real process, for the multiprocess, attack and seccomp tiers (run under
 // setpriv as another uid, or under shmcast-seccomp-run).
 //
@@ -26,7 +26,7 @@
 #include <string>
 #include <vector>
 
-#include "fd_channel.hpp"
+#include "protocol/fd_channel.hpp"
 #include "fdchan_support.hpp"
 
 using namespace shmcast;

@@ -1,4 +1,4 @@
-// Helpers for the fd channel's tests (lib/src/fd_channel.hpp): memfds in
+// Helpers for the fd channel's tests (lib/core/protocol/fd_channel.hpp): memfds in
 // place of GPU allocations, a scratch directory, descriptor counting, and a
 // raw server that sends whatever bytes and fds a test crafts.
 #pragma once
@@ -25,7 +25,7 @@
 #include <thread>
 #include <vector>
 
-#include "fd_channel.hpp"
+#include "protocol/fd_channel.hpp"
 #include "support.hpp"
 
 namespace fdchan_test {

@@ -1,5 +1,6 @@
 #include "file_io.hpp"
 
+#include "base/sys.hpp"
 #include "shmcast/files.hpp"
 
 #include <fcntl.h>
@@ -21,11 +22,8 @@ constexpr std::size_t kMaxIo = 1u << 30;  // one write never exceeds 1 GiB
 
 int pwrite_all(int fd, const char* p, std::size_t n, std::uint64_t off) {
   while (n > 0) {
-    const ssize_t w = ::pwrite(fd, p, n < kMaxIo ? n : kMaxIo, static_cast<off_t>(off));
-    if (w < 0) {
-      if (errno == EINTR) continue;
-      return -errno;
-    }
+    const ssize_t w = shmcast::detail::retry_eintr([&] { return ::pwrite(fd, p, n < kMaxIo ? n : kMaxIo, static_cast<off_t>(off)); });
+    if (w < 0) return -errno;
     if (w == 0) return -EIO;
     p += w;
     n -= static_cast<std::size_t>(w);

@@ -1,4 +1,4 @@
-// Layer 5, file side: positioned writes to a file through io_uring when the
+// fileio, the writer: positioned writes to a file through io_uring when the
 // kernel and the seccomp profile allow it, else pwrite(2). Docker's default
 // profile denies io_uring_setup (EPERM): the writer then falls back by itself.
 // Calls return 0 or -errno, liburing style. Not thread-safe.

@@ -24,8 +24,8 @@
 #include <thread>
 #include <vector>
 
-#include "layout.hpp"
-#include "ring.hpp"
+#include "base/layout.hpp"
+#include "protocol/ring.hpp"
 #include "support.hpp"
 
 using namespace shmcast;

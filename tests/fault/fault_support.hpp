@@ -23,7 +23,7 @@
 #include <string>
 #include <vector>
 
-#include "layout.hpp"
+#include "base/layout.hpp"
 #include "support.hpp"
 
 namespace fault {

@@ -23,7 +23,7 @@
 #include <sys/mman.h>
 
 #include "fault_support.hpp"
-#include "rounds.hpp"
+#include "protocol/rounds.hpp"
 
 using namespace fault;
 namespace rd = shmcast::detail::rounds;

@@ -15,7 +15,7 @@
 // header's.
 #include <vector>
 
-#include "delta.hpp"
+#include "protocol/delta.hpp"
 #include "fuzz_support.hpp"
 
 using namespace fuzz;

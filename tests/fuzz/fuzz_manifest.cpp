@@ -8,7 +8,7 @@
 #include <vector>
 
 #include "fuzz_support.hpp"
-#include "manifest.hpp"
+#include "protocol/manifest.hpp"
 
 using namespace fuzz;
 

@@ -14,7 +14,7 @@
 #include <vector>
 
 #include "fuzz_support.hpp"
-#include "ring.hpp"
+#include "protocol/ring.hpp"
 
 using namespace fuzz;
 

@@ -19,7 +19,7 @@
 #include <cstring>
 #include <string>
 
-#include "layout.hpp"
+#include "base/layout.hpp"
 #include "shmcast/shmcast.hpp"
 
 namespace fuzz {

@@ -12,10 +12,10 @@
 #include <random>
 #include <vector>
 
-#include "delta.hpp"
+#include "protocol/delta.hpp"
 #include "fuzz_support.hpp"
-#include "manifest.hpp"
-#include "ring.hpp"
+#include "protocol/manifest.hpp"
+#include "protocol/ring.hpp"
 #include "wire.hpp"
 
 using namespace fuzz;

@@ -1,5 +1,5 @@
 /* A stand-in for libcuda.so.1 that emulates the CUDA virtual memory
- * management API with memfds, so that lib/src/cuda_vmm.cpp (device slots'
+ * management API with memfds, so that lib/core/engine/cuda_vmm.cpp (device slots'
  * memory) runs on machines without a GPU (test_vmm_fake, with
  * SHMCAST_LIBCUDA pointing here). "Device memory" is host memory:
  *

@@ -1,4 +1,4 @@
-// The CUDA engine's driver loader (lib/src/cuda_driver.cpp) when CUDA is not
+// The CUDA engine's driver loader (lib/core/engine/cuda_driver.cpp) when CUDA is not
 // usable: libcuda.so.1 missing, a driver too old, cuInit failing, a library
 // lacking functions. Every case runs in a forked child with SHMCAST_LIBCUDA
 // naming a file that does not exist or the stand-in fake_libcuda.so

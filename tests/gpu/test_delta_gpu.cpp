@@ -10,8 +10,8 @@
 // forked child (gpu_support.hpp); nothing here forks afterwards.
 #include <gtest/gtest.h>
 
-#include "delta.hpp"
-#include "delta_cuda.hpp"
+#include "protocol/delta.hpp"
+#include "engine/delta_cuda.hpp"
 #include "delta_support.hpp"
 #include "gpu_support.hpp"
 

@@ -3,8 +3,8 @@
 // in the same producer and consumer. Skips where a GPU is usable.
 #include <gtest/gtest.h>
 
-#include "delta.hpp"
-#include "delta_cuda.hpp"
+#include "protocol/delta.hpp"
+#include "engine/delta_cuda.hpp"
 #include "support.hpp"
 
 using namespace shmcast;

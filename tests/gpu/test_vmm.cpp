@@ -1,7 +1,7 @@
-// GPU tier: the device slots' memory (lib/src/cuda_vmm.hpp) between real
+// GPU tier: the device slots' memory (lib/core/engine/cuda_vmm.hpp) between real
 // processes on a real GPU. A producer process allocates with cuMemCreate
 // (POSIX-fd handle type), exports the fd and serves it over the fd channel
-// (lib/src/fd_channel.hpp); a consumer process fetches, imports and maps it,
+// (lib/core/protocol/fd_channel.hpp); a consumer process fetches, imports and maps it,
 // copies device to device out of it and into it, bit-exact both ways, and
 // releases it. The GPU memory goes back once the last importer unmapped,
 // and 100 alloc/export/import/release cycles leave cuMemGetInfo where it was
@@ -13,8 +13,8 @@
 
 #include <cstdlib>
 
-#include "cuda_vmm.hpp"
-#include "fd_channel.hpp"
+#include "engine/cuda_vmm.hpp"
+#include "protocol/fd_channel.hpp"
 #include "fdchan_support.hpp"
 #include "gpu_support.hpp"
 

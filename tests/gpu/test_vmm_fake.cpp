@@ -1,4 +1,4 @@
-// The device slots' VMM wrapper (lib/src/cuda_vmm.{hpp,cpp}) on any machine:
+// The device slots' VMM wrapper (lib/core/engine/cuda_vmm.{hpp,cpp}) on any machine:
 // every case runs in a forked child whose SHMCAST_LIBCUDA points at
 // fake_vmm_libcuda.so, which emulates the CUDA VMM API with memfds and
 // refuses what the driver refuses (a call without a context, a map outside
@@ -13,8 +13,8 @@
 
 #include <cstdlib>
 
-#include "cuda_vmm.hpp"
-#include "fd_channel.hpp"
+#include "engine/cuda_vmm.hpp"
+#include "protocol/fd_channel.hpp"
 #include "fdchan_support.hpp"
 
 using namespace shmcast;

@@ -6,8 +6,8 @@
 #include <sys/mman.h>
 #include <sys/stat.h>
 
-#include "layout.hpp"
-#include "manifest.hpp"
+#include "base/layout.hpp"
+#include "protocol/manifest.hpp"
 #include "support.hpp"
 
 using namespace shmcast;

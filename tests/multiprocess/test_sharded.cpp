@@ -16,7 +16,7 @@
 #include <cstring>
 #include <memory>
 
-#include "layout.hpp"
+#include "base/layout.hpp"
 #include "shmcast/shmcast.hpp"
 #include "support.hpp"
 

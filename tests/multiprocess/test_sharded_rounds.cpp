@@ -20,7 +20,7 @@
 #include <functional>
 #include <memory>
 
-#include "rounds.hpp"  // detail::take_over_stale: the takeover test pauses inside it
+#include "protocol/rounds.hpp"  // detail::take_over_stale: the takeover test pauses inside it
 #include "shmcast/shmcast.hpp"
 #include "support.hpp"
 

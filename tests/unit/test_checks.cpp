@@ -8,8 +8,8 @@
 #include <string>
 #include <vector>
 
-#include "checks.hpp"
-#include "ring.hpp"
+#include "base/checks.hpp"
+#include "protocol/ring.hpp"
 
 using namespace shmcast;
 using namespace shmcast::detail;

@@ -1,4 +1,4 @@
-// The host delta codec (lib/src/delta.{hpp,cpp}, docs/protocol.md "Delta
+// The host delta codec (lib/core/protocol/delta.{hpp,cpp}, docs/protocol.md "Delta
 // encoding"): randomized round trips against the new bytes themselves for
 // every element width, change fraction and awkward size; slices against an
 // element-by-element reference; every class of malformed blob rejected with
@@ -11,7 +11,7 @@
 #include <random>
 #include <thread>
 
-#include "delta.hpp"
+#include "protocol/delta.hpp"
 #include "delta_support.hpp"
 
 using namespace shmcast;

@@ -1,4 +1,4 @@
-// The CUDA delta kernels (lib/src/kernels/delta.cu) compiled for the host
+// The CUDA delta kernels (lib/core/engine/kernels/delta.cu) compiled for the host
 // and run by a small emulator, through the codec's own launch sequences
 // (delta_launch.hpp) and status handling, against the host codec: so the
 // kernels' logic (indexing, block-wide scans and sums, compaction, padding,
@@ -23,7 +23,7 @@
 #include <type_traits>
 #include <vector>
 
-#include "delta_launch.hpp"
+#include "protocol/delta_launch.hpp"
 #include "delta_support.hpp"
 
 #if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
@@ -219,7 +219,7 @@ inline unsigned long long atomicAdd(unsigned long long* p, unsigned long long v)
   return o;
 }
 
-#include "kernels/delta.cu"
+#include "engine/kernels/delta.cu"
 
 #undef threadIdx
 #undef blockIdx

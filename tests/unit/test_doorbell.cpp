@@ -28,7 +28,7 @@
 #include <thread>
 #include <vector>
 
-#include "doorbell.hpp"
+#include "shm/doorbell.hpp"
 
 using namespace shmcast::detail;
 

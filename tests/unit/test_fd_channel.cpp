@@ -1,4 +1,4 @@
-// The fd channel (lib/src/fd_channel.{hpp,cpp}) in one process: the
+// The fd channel (lib/core/protocol/fd_channel.{hpp,cpp}) in one process: the
 // descriptor's bytes and every way a message can be bad, the socket's name,
 // the peer rule, and a server and a client over memfds (the stand-ins for
 // VMM fds), including broken servers crafted byte by byte. Every refused
@@ -10,9 +10,9 @@
 
 #include <chrono>
 
-#include "fd_channel.hpp"
+#include "protocol/fd_channel.hpp"
 #include "fdchan_support.hpp"
-#include "region.hpp"
+#include "shm/region.hpp"
 
 using namespace shmcast;
 using namespace shmcast::detail;

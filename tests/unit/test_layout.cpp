@@ -4,7 +4,7 @@
 #include <cstddef>
 #include <cstring>
 
-#include "layout.hpp"
+#include "base/layout.hpp"
 
 using namespace shmcast::detail;
 

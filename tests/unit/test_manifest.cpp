@@ -4,7 +4,7 @@
 #include <cstring>
 #include <random>
 
-#include "manifest.hpp"
+#include "protocol/manifest.hpp"
 
 using namespace shmcast;
 using namespace shmcast::detail;

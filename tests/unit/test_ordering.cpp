@@ -30,9 +30,9 @@
 #include <thread>
 #include <vector>
 
-#include "layout.hpp"
-#include "manifest.hpp"
-#include "ring.hpp"
+#include "base/layout.hpp"
+#include "protocol/manifest.hpp"
+#include "protocol/ring.hpp"
 #include "support.hpp"
 
 using namespace shmcast;

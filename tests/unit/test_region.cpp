@@ -9,9 +9,9 @@
 #include <fstream>
 #include <sstream>
 
-#include "region.hpp"
+#include "shm/region.hpp"
 #include "shmcast/files.hpp"
-#include "ring.hpp"
+#include "protocol/ring.hpp"
 #include "support.hpp"
 
 using namespace shmcast;

@@ -12,7 +12,7 @@
 #include <random>
 #include <thread>
 
-#include "ring.hpp"
+#include "protocol/ring.hpp"
 
 using namespace shmcast;
 using namespace shmcast::detail;

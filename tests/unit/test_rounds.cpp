@@ -1,4 +1,4 @@
-// Model check of the sharded producers' rounds (lib/src/rounds.{hpp,cpp},
+// Model check of the sharded producers' rounds (lib/core/protocol/rounds.{hpp,cpp},
 // docs/protocol.md §9 "Rounds"). Two or three ranks run a few syncs each,
 // as small programs that mirror producer.cpp's control flow (begin_sync,
 // the wait for rank 0's answer, writing, end_sync; rank 0: open, gather,
@@ -41,7 +41,7 @@
 #include <unordered_set>
 #include <vector>
 
-#include "rounds.hpp"
+#include "protocol/rounds.hpp"
 
 using namespace shmcast;
 using namespace shmcast::detail;

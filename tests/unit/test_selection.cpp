@@ -7,7 +7,7 @@
 #include <cstring>
 #include <random>
 
-#include "selection.hpp"
+#include "protocol/selection.hpp"
 
 using namespace shmcast;
 using namespace shmcast::detail;

@@ -11,6 +11,8 @@
 #include <ostream>
 #include <sstream>
 
+#include "base/sys.hpp"
+
 namespace shmcast::inspect {
 
 namespace {
@@ -161,8 +163,7 @@ RelayStatus read_relay_status(const std::string& dir, const std::string& name) {
     text.resize(static_cast<std::size_t>(st.st_size));
     std::size_t got = 0;
     while (got < text.size()) {
-      const ssize_t n = ::read(fd, text.data() + got, text.size() - got);
-      if (n < 0 && errno == EINTR) continue;
+      const ssize_t n = shmcast::detail::retry_eintr([&] { return ::read(fd, text.data() + got, text.size() - got); });
       if (n <= 0) break;
       got += static_cast<std::size_t>(n);
     }

@@ -1,0 +1,88 @@
+// engine/ (layer 5): the delta codec on CUDA devices; the same blobs as the host codec
+// (delta.hpp), made and taken by kernels (kernels/delta.cu) that the library
+// carries as PTX and loads with cuModuleLoadDataEx through the driver API it
+// dlopens (cuda_driver.hpp): libshmcast links no CUDA library.
+//
+// Every call enqueues work on the caller's stream (a cudaStream_t, i.e. a
+// CUstream of the device's primary context; nullptr: the legacy default
+// stream of the current context) and returns without waiting. Errors the
+// device finds (a rejected blob, a checksum mismatch, inputs that changed
+// between plan and encode) accumulate in the codec and are thrown by the
+// next finish(), which waits for the stream. Argument errors throw at once.
+//
+// Pointers are device memory of the stream's device. base, next, head, out
+// and blob must be 8-byte aligned (any cudaMalloc'd tensor is; kInvalidArgument
+// otherwise); dst must be aligned to its element width; checksum data may
+// have any alignment.
+//
+// A codec is bound to the context of the first stream it is used with, owns
+// 32 bytes of device memory there, and is not thread-safe: use one per
+// thread, and one stream at a time (its status words are shared by the
+// calls it enqueues).
+//
+// The first call in a process JIT-compiles the kernels for the device
+// (ptxas takes about 3 s for them on the 2-core development VM); the driver
+// caches the result (~/.nv/ComputeCache, CUDA_CACHE_PATH), so later
+// processes load it at once unless that cache is off or not kept.
+//
+// Costs: plan = one read of base and next (the count kernel) plus a scan of
+// the block table in one CUDA block (for a 6 GB bf16 model's largest tensor,
+// 76 K entries); encode reads the blocks that changed; apply reads the blob
+// and writes the selected changed elements. No host round trip inside any of
+// them; the caller reads the planned size with read_header() (one 64-byte
+// D2H and a stream sync), which it needs anyway to size the blob.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "protocol/delta_format.hpp"
+
+namespace shmcast::detail::delta {
+
+// Whether the CUDA delta codec can run here: built with its kernels, a
+// driver and a device present. `why` says why not.
+bool cuda_codec_available(std::string* why);
+
+class CudaCodec {
+ public:
+  CudaCodec();   // loads nothing; the first call loads the driver and the kernels
+  ~CudaCodec();  // frees its device memory (after the work it enqueued, which the caller must have waited for)
+  CudaCodec(const CudaCodec&) = delete;
+  CudaCodec& operator=(const CudaCodec&) = delete;
+
+  // Compares next with base (n elements of w bytes) and writes the blob's
+  // header and table into `head` (head_bytes(n) bytes; it may be the start
+  // of the output buffer). The blob's size is head_bytes(n) +
+  // header.payload_bytes (read_header()).
+  void plan(const void* base, const void* next, std::uint32_t w, std::uint64_t n, void* head, void* stream);
+  // Writes the blob planned in `head` into out[0, out_bytes) (copying the
+  // header and table unless out == head) and makes base equal to next.
+  // base and next must hold what plan saw; if they changed, finish() throws
+  // kInvalidArgument (base partly updated, out not a blob). An out_bytes
+  // smaller than the blob: finish() throws kInvalidArgument, nothing written.
+  void encode(void* base, const void* next, std::uint32_t w, std::uint64_t n, const void* head, void* out,
+              std::uint64_t out_bytes, void* stream);
+  // Applies `blob` (blob_bytes, in device memory) to `dst` as
+  // delta::apply does on the host (the same map, the same checks). A blob
+  // that fails validation writes nothing, and finish() throws kCorrupt (one
+  // too short for its header and table: apply throws it at once); with
+  // `verify` (covers_piece(map) only), so does a result whose checksum is
+  // not the blob's.
+  void apply(const void* blob, std::uint64_t blob_bytes, std::uint32_t w, const SliceMap& map, void* dst,
+             std::uint64_t dst_bytes, bool verify, void* stream);
+  // The content checksum of [data, data + bytes) into *out (a device u64).
+  void checksum(const void* data, std::uint64_t bytes, void* out, void* stream);
+  // Waits for `stream`, then throws what the device found since the last
+  // finish() (kCorrupt, kInvalidArgument) and clears it.
+  void finish(void* stream);
+  // Waits for `stream` and returns the header at `head` (device memory).
+  Header read_header(const void* head, void* stream);
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace shmcast::detail::delta

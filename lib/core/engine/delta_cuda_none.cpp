@@ -1,0 +1,35 @@
+// Built without SHMCAST_WITH_CUDA: the CUDA delta codec reports, at run
+// time, that this build has no CUDA (see delta_cuda.hpp).
+#include "engine/delta_cuda.hpp"
+
+#include "shmcast/shmcast.hpp"
+
+namespace shmcast::detail::delta {
+
+namespace {
+constexpr const char* kNoCuda = "this shmcast was built without CUDA: rebuild with -DSHMCAST_WITH_CUDA=ON (needs the "
+                                "CUDA toolkit) to encode or apply deltas on GPUs, or use the host codec";
+[[noreturn]] void no_cuda() { throw Error(Errc::kCudaUnavailable, kNoCuda); }
+}  // namespace
+
+struct CudaCodec::Impl {};
+
+bool cuda_codec_available(std::string* why) {
+  if (why) *why = kNoCuda;
+  return false;
+}
+
+CudaCodec::CudaCodec() = default;
+CudaCodec::~CudaCodec() = default;
+void CudaCodec::plan(const void*, const void*, std::uint32_t, std::uint64_t, void*, void*) { no_cuda(); }
+void CudaCodec::encode(void*, const void*, std::uint32_t, std::uint64_t, const void*, void*, std::uint64_t, void*) {
+  no_cuda();
+}
+void CudaCodec::apply(const void*, std::uint64_t, std::uint32_t, const SliceMap&, void*, std::uint64_t, bool, void*) {
+  no_cuda();
+}
+void CudaCodec::checksum(const void*, std::uint64_t, void*, void*) { no_cuda(); }
+void CudaCodec::finish(void*) { no_cuda(); }
+Header CudaCodec::read_header(const void*, void*) { no_cuda(); }
+
+}  // namespace shmcast::detail::delta

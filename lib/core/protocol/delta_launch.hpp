@@ -1,0 +1,77 @@
+// The CUDA delta codec's kernel launches, in order, for each operation, and
+// the errors its status bits stand for. Written once for delta_cuda.cpp
+// (which launches through the driver) and for the test that runs the same
+// kernels on the host (tests/unit/test_delta_kernels.cpp), so that test
+// covers the grids, argument blocks and status handling too.
+//
+// A launcher L has
+//   void launch(Kernel k, std::uint32_t w, unsigned grid, unsigned threads, const Args& args);
+// (w: the element width of the kernels that have one, else 0).
+#pragma once
+
+#include <cstdint>
+
+#include "protocol/delta_format.hpp"
+
+namespace shmcast::detail::delta {
+
+enum class Kernel { kCount, kScan, kEncode, kValidate, kApply, kChecksum, kFinish, kReset };
+
+inline constexpr std::uint64_t kMaxGrid = 32768;  // the kernels grid-stride beyond it
+
+inline unsigned grid_for(std::uint64_t units) {
+  return static_cast<unsigned>(units == 0 ? 1 : (units < kMaxGrid ? units : kMaxGrid));
+}
+
+// Clears the status words (before first use, and in finish after reading them).
+template <class L>
+void launch_reset(L& l, std::uint64_t scratch, bool all) {
+  l.launch(Kernel::kReset, 0, 1, 1, ResetArgs{scratch, all ? 1u : 0u});
+}
+
+// Counts and checksum terms into the head's table, then offsets and header.
+template <class L>
+void launch_plan(L& l, std::uint64_t base, std::uint64_t next, std::uint32_t w, std::uint64_t n, std::uint64_t head) {
+  const std::uint64_t blocks = block_count(n);
+  if (blocks > 0)
+    l.launch(Kernel::kCount, w, grid_for(blocks), kKernelThreads, CountArgs{base, next, head + kHeaderBytes, n, blocks});
+  l.launch(Kernel::kScan, 0, 1, kScanThreads, ScanArgs{head, n, blocks, w});
+}
+
+template <class L>
+void launch_encode(L& l, std::uint64_t base, std::uint64_t next, std::uint32_t w, std::uint64_t n, std::uint64_t head,
+                   std::uint64_t out, std::uint64_t out_bytes, std::uint64_t scratch) {
+  const std::uint64_t blocks = block_count(n);
+  l.launch(Kernel::kEncode, w, grid_for(blocks), kKernelThreads,
+           EncodeArgs{base, next, head, out, out_bytes, n, blocks, scratch});
+}
+
+// The content checksum of [data, data + bytes) into *out (a device u64,
+// when out != 0) and/or compared with blob's header (when blob != 0).
+template <class L>
+void launch_checksum(L& l, std::uint64_t data, std::uint64_t bytes, std::uint64_t out, std::uint64_t blob,
+                     std::uint64_t scratch, bool reset) {
+  if (reset) launch_reset(l, scratch, false);
+  l.launch(Kernel::kChecksum, 0, grid_for(bytes / 8 / (kKernelThreads * 8) + 1), kKernelThreads,
+           ChecksumArgs{data, bytes, scratch});
+  l.launch(Kernel::kFinish, 0, 1, 1, FinishArgs{scratch, bytes, out, blob});
+}
+
+// Validate, then apply (which writes nothing when validation found a
+// fault), then with `verify` the result's checksum against the header's.
+template <class L>
+void launch_apply(L& l, std::uint64_t blob, std::uint64_t blob_bytes, std::uint32_t w, const SliceMap& m,
+                  std::uint64_t dst, bool verify, std::uint64_t scratch) {
+  const std::uint64_t blocks = block_count(m.n);
+  launch_reset(l, scratch, false);
+  l.launch(Kernel::kValidate, w, grid_for(blocks), kKernelThreads, ValidateArgs{blob, blob_bytes, m.n, blocks, scratch});
+  l.launch(Kernel::kApply, w, grid_for(blocks), kKernelThreads, ApplyArgs{blob, m.n, blocks, dst, scratch, m});
+  if (verify) launch_checksum(l, dst + m.dst0 * w, m.n * w, 0, blob, scratch, false);
+}
+
+// Throws the error that accumulated status bits stand for (nothing for 0):
+// kInvalidArgument for encode's, kCorrupt for a rejected blob or result.
+// Defined in delta.cpp.
+void throw_for_status(std::uint32_t status);
+
+}  // namespace shmcast::detail::delta
