@@ -740,9 +740,11 @@ void check(const Config& c) {
 #if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
 constexpr int kThreeRankSteps = 3;
 constexpr int kThreeRankDeaths = 1;
+constexpr int kTwoRankDeathSteps = 3;
 #else
 constexpr int kThreeRankSteps = 4;
 constexpr int kThreeRankDeaths = 2;  // 0.65 M states, about 1.5 s
+constexpr int kTwoRankDeathSteps = 4;
 #endif
 
 TEST(RoundModel, TwoRanksThreeFailuresNumbered) { check({2, 4, 3, false}); }
@@ -779,7 +781,7 @@ TEST(RoundModel, StillTakenAlwaysTrueIsCaught) {
 // again. New invariant I5: a sync rank 0 completes has each rank's chunks
 // from the process whose list it merged.
 TEST(RoundModel, TwoRanksDeathsAndRestartsNamed) {
-  Config c{2, 4, 3, true};
+  Config c{2, kTwoRankDeathSteps, 3, true};
   c.deaths = true;
   check(c);
 }
