@@ -130,6 +130,11 @@ struct Script {
   // step never depend on the machine's load).
   std::function<bool(int r, int s)> in_step = [](int, int) { return true; };
   std::function<int(int r)> last_step;  // the rank stops after this step (default: steps)
+  int first_step = 1;                    // a restarted rank's first step
+  // The epoch of the data rank r sends at step s (default: the script's):
+  // another epoch's bytes under this epoch's names are wrong bytes.
+  std::function<std::uint64_t(int r, int s)> data_epoch;
+  std::function<void(int r)> in_process;  // first thing in the rank's process (sets detail::test_point)
 };
 
 ProducerOptions base_options(int r, int R) {
@@ -147,6 +152,7 @@ ProducerOptions base_options(int r, int R) {
 }
 
 int run_rank(const Script& sc, Board* b, int r) {
+  if (sc.in_process) sc.in_process(r);
   ProducerOptions o = base_options(r, sc.R);
   if (sc.options) sc.options(o, r);
   Producer p = Producer::create(sc.name, o);
@@ -162,13 +168,17 @@ int run_rank(const Script& sc, Board* b, int r) {
       }))
     return 92;
   const int last = sc.last_step ? sc.last_step(r) : sc.steps;
-  for (int s = 1; s <= last; ++s) {
+  for (int s = sc.first_step; s <= last; ++s) {
     if (sc.before_begin) sc.before_begin(r, s);
     const Act a = sc.act(r, s);
     int rc = 0;
     try {
       const std::uint64_t want = sc.named ? static_cast<std::uint64_t>(s) : 0;
       Pieces pc(sc.epoch, static_cast<std::uint64_t>(s), r, sc.R, sc.rows(s), a == Act::kBadPieces);
+      if (sc.data_epoch && sc.data_epoch(r, s) != sc.epoch) {
+        const Pieces other(sc.data_epoch(r, s), static_cast<std::uint64_t>(s), r, sc.R, sc.rows(s), false);
+        pc.data = other.data;  // this epoch's names and shapes, another epoch's bytes
+      }
       if (a == Act::kSkip) {
         rc = kSkipped;  // the caller never calls begin_sync() for this step
       } else if (a == Act::kSkipSync) {
@@ -593,4 +603,271 @@ TEST(ShardedRounds, RankRestartedDuringATakeoverJoinsTheNewRegion) {
   EXPECT_EQ(rank1.wait(120s), 0);
   for (auto& c : ps.consumers) EXPECT_EQ(c->wait(120s), 0);
   expect_recovered(b, 2, 2, 1, 5, 2);
+}
+
+// ---- review of the round code (after issue 28): narrow windows, hit with
+// detail::test_point pauses in the rank processes.
+
+using detail::TestPoint;
+using detail::TestPointArgs;
+namespace rounds = detail::rounds;
+
+namespace {
+
+// Runs `f` the first time rank process hits `at` for round `n`.
+void on_point(TestPoint at, std::uint64_t n, std::function<void(const TestPointArgs&)> f) {
+  auto once = std::make_shared<bool>(false);
+  detail::test_point = [=](const TestPointArgs& a) {
+    if (a.at == at && a.round == n && !*once) {
+      *once = true;
+      f(a);
+    }
+  };
+}
+
+// Rank 1 reads completed(2) false in await_done and pauses there; rank 0
+// completes sync 2 meanwhile and then closes (or is SIGKILLed after the
+// consumers read sync 2). Rank 1's end_sync() must return version 2: rank 0
+// and the consumers have it. (It used to throw Closed / PeerDied, "the sync
+// is lost", for a sync that completed.)
+void rank_zero_gone_after_complete(bool kill) {
+  Board* b = Board::make();
+  Script sc;
+  sc.name = unique_name(kill ? "rdonekill" : "rdoneclose");
+  RegionGuard g{sc.name};
+  sc.steps = 2;
+  sc.in_process = [b, kill](int r) {
+    if (r == 1) {
+      on_point(TestPoint::kAwaitDoneUndecided, 2, [b](const TestPointArgs&) {
+        b->flag[28].store(1);
+        wait_until_true([b] { return b->flag[29].load() == 1; });
+      });
+      return;
+    }
+    detail::test_point = [b, kill](const TestPointArgs& a) {
+      if (a.round != 2) return;
+      if (a.at == TestPoint::kBeforeComplete) wait_until_true([b] { return b->flag[28].load() == 1; });
+      if (a.at == TestPoint::kAfterComplete && kill) {
+        wait_until_true([b] { return (b->verified[0][1].load() & b->verified[1][1].load() & bits({2})) != 0; });
+        b->flag[30].store(1);
+        ::pause();  // killed here
+      }
+    };
+  };
+  Procs ps;
+  ps.start_consumers(sc.name, b, 2, 1, 2, false);
+  ps.start_ranks(sc, b);
+  ASSERT_TRUE(wait_until_true([b] { return b->flag[28].load() == 1; })) << "rank 1 never waited for sync 2";
+  if (kill) {
+    ASSERT_TRUE(wait_until_true([b] { return b->flag[30].load() == 1; })) << "rank 0 never completed sync 2";
+    ps.ranks[0]->kill9();
+    EXPECT_EQ(ps.ranks[0]->wait(30s), 128 + SIGKILL);
+  } else {
+    EXPECT_EQ(ps.ranks[0]->wait(120s), 0);  // completed sync 2, drained, closed
+  }
+  b->flag[29].store(1);
+  EXPECT_EQ(ps.ranks[1]->wait(120s), 0);
+  for (auto& c : ps.consumers) EXPECT_EQ(c->wait(120s), 0);
+  if (!kill) {
+    EXPECT_EQ(b->result(0, 2), 0) << b->text(0, 2);
+  }
+  EXPECT_EQ(b->result(1, 2), 0) << b->text(1, 2);  // end_sync() returned, and begin_sync() gave version 2
+  for (int c = 0; c < 2; ++c) EXPECT_NE(b->verified[c][1].load() & bits({2}), 0u) << "consumer " << c;
+}
+
+}  // namespace
+
+TEST(ShardedRounds, RankZeroClosedAfterCompletingIsSuccessOnEveryRank) { rank_zero_gone_after_complete(false); }
+TEST(ShardedRounds, RankZeroKilledAfterCompletingIsSuccessOnEveryRank) { rank_zero_gone_after_complete(true); }
+
+// Rank 1's list of round 2 is taken (it passed every check of rank 0), then
+// rank 1 is SIGKILLed and a new rank 1 attaches while rank 0 is paused just
+// before it answers round 2 (round = 1 still). The new process sends other
+// bytes at step 2 (another epoch's, under this epoch's names). Round 2 must
+// fail on every rank, never complete with the old list's manifest over the
+// new process's chunks; the next five syncs are bit-exact. (The new process
+// used to join round 2 on the old list's layout: the consumers got wrong
+// bytes as a success.)
+TEST(ShardedRounds, RankRestartedInAnAgreedRoundFailsItNeverMixesLists) {
+  Board* b = Board::make();
+  Script sc;
+  sc.name = unique_name("rrejoin");
+  RegionGuard g{sc.name};
+  sc.named = true;
+  sc.in_process = [b](int r) {
+    if (r == 0)
+      on_point(TestPoint::kBeforeGo, 2, [b](const TestPointArgs&) {
+        b->flag[28].store(1);
+        wait_until_true([b] { return b->flag[29].load() == 1; });
+      });
+  };
+  // The first rank 1 stops inside step 2's begin_sync: it waits for rank 0's
+  // answer there (its list is taken) until it is killed.
+  Script first = sc;
+  first.last_step = [](int r) { return r == 0 ? 7 : 2; };
+  Procs ps;
+  ps.start_consumers(sc.name, b, 2, 1, 7, false);
+  ps.start_ranks(first, b);
+  ASSERT_TRUE(wait_until_true([b] { return b->flag[28].load() == 1; })) << "rank 0 never reached round 2's go";
+  ps.ranks[1]->kill9();
+  EXPECT_EQ(ps.ranks[1]->wait(30s), 128 + SIGKILL);
+  Script again = sc;
+  again.first_step = 2;
+  again.last_step = [](int) { return 7; };
+  again.data_epoch = [](int, int s) -> std::uint64_t { return s == 2 ? 9 : 1; };
+  again.in_process = [b](int) {
+    on_point(TestPoint::kPosted, 2, [b](const TestPointArgs&) { b->flag[31].store(1); });
+  };
+  Child rank1 = Child::spawn([&] { return run_rank(again, b, 1); });
+  // Rank 0 answers round 2 once the new rank 1 posted its list of round 2,
+  // or failed step 2 without posting.
+  EXPECT_TRUE(wait_until_true([b] { return b->flag[31].load() == 1 || b->rc[1][2].load() != 0; }));
+  b->flag[29].store(1);
+  EXPECT_EQ(ps.ranks[0]->wait(120s), 0);
+  EXPECT_EQ(rank1.wait(120s), 0);
+  for (auto& c : ps.consumers) EXPECT_EQ(c->wait(120s), 0) << "a consumer read wrong bytes (12) or failed";
+  EXPECT_NE(b->result(0, 2), 0) << "rank 0 completed round 2 on the dead process's list";
+  EXPECT_NE(b->result(1, 2), 0) << "the new rank 1 wrote round 2 on the dead process's list";
+  for (int c = 0; c < 2; ++c) EXPECT_EQ(b->verified[c][1].load() & bits({2}), 0u);
+  expect_recovered(b, 2, 2, 3, 7);
+}
+
+// Crafted round words (a corrupt region) are Corrupt at once on every rank,
+// never a success, a crash or a wait for the whole deadline.
+namespace {
+
+void short_timeouts(ProducerOptions& o, int) {
+  o.rank_timeout = 4s;
+  o.consumer_timeout = 4s;
+}
+
+}  // namespace
+
+// round_done names a later round while rank 1 waits for sync 2's fate
+// (rank 0 completes only after rank 1's end_sync returned). Rank 1:
+// Corrupt at once (await_done used to wait rank_timeout + consumer_timeout,
+// then find abandon() false and return success for a sync that never
+// completed); rank 0 fails with that reason.
+TEST(ShardedRounds, CraftedRoundDoneIsCorruptNotSuccess) {
+  Board* b = Board::make();
+  Script sc;
+  sc.name = unique_name("rcdone");
+  RegionGuard g{sc.name};
+  sc.steps = 2;
+  sc.options = short_timeouts;
+  sc.in_process = [b](int r) {
+    if (r == 1)
+      on_point(TestPoint::kAwaitDoneUndecided, 2, [b](const TestPointArgs& a) {
+        a.words->done->store(5u << 1);  // sync 5 completed: neither fate of sync 2
+        b->flag[28].store(1);
+      });
+    else  // rank 0 completes only once rank 1 has its result
+      on_point(TestPoint::kBeforeComplete, 2,
+               [b](const TestPointArgs&) { wait_until_true([b] { return b->rc[1][2].load() != 0; }); });
+  };
+  Procs ps;
+  ps.start_consumers(sc.name, b, 2, 1, 1, false);
+  ps.start_ranks(sc, b);
+  const auto t0 = std::chrono::steady_clock::now();
+  ps.expect_all_exit_0();
+  EXPECT_EQ(b->result(1, 2), code(Errc::kCorrupt)) << b->text(1, 2);
+  // Rank 0: rank 1's abort (Aborted, with its reason), or its own check.
+  EXPECT_NE(b->result(0, 2), 0) << b->text(0, 2);
+  EXPECT_TRUE(has(b->text(0, 2), "round_done names neither fate of sync 2")) << b->text(0, 2);
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, 60s);
+}
+
+// A post whose state no rank writes (5): rank 0 fails the round Corrupt at
+// once (it used to read it as "nothing posted" and wait rank_timeout, then
+// blame the rank with Timeout); the next syncs work.
+TEST(ShardedRounds, CraftedPostStateIsCorrupt) {
+  Board* b = Board::make();
+  Script sc;
+  sc.name = unique_name("rcpost");
+  RegionGuard g{sc.name};
+  sc.steps = 4;
+  sc.options = short_timeouts;
+  sc.before_begin = [b](int r, int s) {
+    if (r == 0 && s == 2) wait_until_true([b] { return b->flag[28].load() == 1; });
+  };
+  sc.in_process = [b](int r) {
+    if (r == 1)
+      on_point(TestPoint::kPosted, 2, [b](const TestPointArgs& a) {
+        a.words->seat(1).post.store(rounds::post_word(2, rounds::PostState::kList) + 4);  // state 5
+        b->flag[28].store(1);
+      });
+  };
+  Procs ps;
+  ps.start_consumers(sc.name, b, 2, 1, 4, false);
+  ps.start_ranks(sc, b);
+  ps.expect_all_exit_0();
+  EXPECT_EQ(b->result(0, 2), code(Errc::kCorrupt)) << b->text(0, 2);
+  EXPECT_EQ(b->result(1, 2), code(Errc::kCorrupt)) << b->text(1, 2);
+  expect_recovered(b, 2, 2, 3, 4);
+}
+
+// Rank 0's answer names another version than the round: rank 1 refuses it
+// (Corrupt) and abandons round 2 itself, so rank 0 fails at once (Aborted
+// with rank 1's reason) instead of waiting for rank 1's chunks until
+// rank_timeout + consumer_timeout (the abort used to name the bogus version).
+TEST(ShardedRounds, CraftedAnswerIsRefusedAtOnceOnEveryRank) {
+  Board* b = Board::make();
+  Script sc;
+  sc.name = unique_name("rcgo");
+  RegionGuard g{sc.name};
+  sc.steps = 4;
+  sc.options = [](ProducerOptions& o, int) {
+    o.rank_timeout = 20s;
+    o.consumer_timeout = 20s;
+  };
+  sc.in_process = [](int r) {
+    if (r == 1)
+      on_point(TestPoint::kJoined, 2, [](const TestPointArgs& a) { static_cast<rounds::Answer*>(a.answer)->version = 99; });
+  };
+  Procs ps;
+  ps.start_consumers(sc.name, b, 2, 1, 4, false);
+  const auto t0 = std::chrono::steady_clock::now();
+  ps.start_ranks(sc, b);
+  ASSERT_TRUE(wait_until_true([b] { return b->rc[0][2].load() != 0; }, 120s));
+  const auto took = std::chrono::steady_clock::now() - t0;
+  ps.expect_all_exit_0();
+  EXPECT_EQ(b->result(1, 2), code(Errc::kCorrupt)) << b->text(1, 2);
+  EXPECT_EQ(b->result(0, 2), code(Errc::kAborted)) << b->text(0, 2);
+  EXPECT_TRUE(has(b->text(0, 2), "does not fit this rank's pieces")) << b->text(0, 2);
+  EXPECT_LT(took, 30s) << "rank 0 waited for rank 1's chunks past rank_timeout";
+  expect_recovered(b, 2, 2, 3, 4);
+}
+
+// Rank 1 abandons sync 2 (its caller aborts) and is paused after winning
+// the abandon, before it writes the reason; rank 2 sees the sync abandoned
+// meanwhile. Rank 2 (and rank 0) must report rank 1's reason, never an
+// empty one (await_done used to read the text before it was written), and
+// only rank 1 writes it.
+TEST(ShardedRounds, OnlyTheAbandoningRankWritesTheReasonOthersWaitForIt) {
+  Board* b = Board::make();
+  Script sc;
+  sc.name = unique_name("rwhy");
+  RegionGuard g{sc.name};
+  sc.R = 3;
+  sc.steps = 4;
+  sc.act = [](int r, int s) { return r == 1 && s == 2 ? Act::kAbortMid : Act::kSend; };
+  sc.in_process = [b](int r) {
+    if (r == 1)
+      on_point(TestPoint::kAbandonWon, 2, [b](const TestPointArgs&) {
+        b->flag[28].store(1);
+        wait_until_true([b] { return b->flag[30].load() == 1 || b->rc[2][2].load() != 0; });
+      });
+    if (r == 2)
+      on_point(TestPoint::kAwaitReason, 2, [b](const TestPointArgs&) { b->flag[30].store(1); });
+  };
+  Procs ps;
+  ps.start_consumers(sc.name, b, 2, 1, 4, false);
+  ps.start_ranks(sc, b);
+  ps.expect_all_exit_0();
+  EXPECT_EQ(b->flag[28].load(), 1) << "rank 1 did not win the abandon of sync 2";
+  for (int r : {0, 2}) {
+    EXPECT_NE(b->result(r, 2), 0) << "rank " << r;
+    EXPECT_TRUE(has(b->text(r, 2), "rank 1's caller threw")) << "rank " << r << ": " << b->text(r, 2);
+  }
+  expect_recovered(b, 3, 2, 3, 4);
 }

@@ -28,7 +28,25 @@
 //   I3 recovery: every step after the last one with a failure succeeds on
 //      every rank (a failed round leaves nothing behind);
 //   I4 no deadlock: while a rank has not finished, some step is possible
-//      (every wait ends, at worst at its deadline).
+//      (every wait ends, at worst at its deadline);
+//   I5 (with deaths) a sync rank 0 completes has every rank's chunks from
+//      the process whose list rank 0 merged.
+//
+// With `deaths` (named rounds), two more failures: rank 0 closes or dies
+// between syncs (a rank in end_sync may have read completed() false just
+// before rank 0 completed: modelled as the rank finding rank 0 gone while
+// its sync is complete); a rank's process dies anywhere in a round (waiting
+// for go, after go, in end_sync) and a new process takes its seat
+// (rounds::rejoin) and runs the same step again. I2 then counts only the
+// ranks whose process lived through the step, and I3 does not apply once
+// rank 0 is gone. Rank 0's merge and its go are separate steps here, so a
+// seat can change hands between them.
+//
+// Each step function of rounds.cpp runs as one atomic step, so the model
+// cannot catch a mutant that splits one (look() as a load and a store
+// instead of its CAS: the race it opens is inside one step); nor
+// give_up() ignoring `force`, which only matters when rank 0 never answers
+// a round it began, which the model's rank 0 always does.
 //
 // The model's own mutant, count-only matching (rank 0 takes whatever list
 // a rank posted, as if the n-th post were always round n), must break I1.
@@ -60,11 +78,12 @@ enum Pc : std::uint8_t {
   kEnd,         // rank k: end_sync(), waits for the sync's fate
   kGather,      // rank 0: looks at rank j's post
   kGatherWait,  // rank 0: some list is missing; waits for a post to change
-  kMerge,       // rank 0: every list taken; merges, checks, answers
+  kMerge,       // rank 0: every list taken; copies, checks, merges
+  kGo,          // rank 0: answers go (a rank's seat may change hands between the checks and this)
   kAwait,       // rank 0: end_sync(), waits for the others' chunks
   kDone,
 };
-enum Out : std::uint8_t { kNone = 0, kOk = 1, kFail = 2, kSkipped = 3 };
+enum Out : std::uint8_t { kNone = 0, kOk = 1, kFail = 2, kSkipped = 3, kDied = 4 };
 
 struct Local {
   std::uint8_t pc = kBegin, step = 1, j = 1;
@@ -82,6 +101,12 @@ struct Mem {
   RankSeat seats[kMaxRanks]{};
   std::uint64_t aborted = 0;
   std::uint64_t published[kMaxRanks] = {};
+  // Deaths: the incarnation of each seat's process (a restart adds one),
+  // the incarnation whose list rank 0 merged for the round it answers, the
+  // one that published the seat's chunks; rank 0 closed or died.
+  std::uint64_t inc[kMaxRanks] = {}, merged_inc[kMaxRanks] = {}, published_inc[kMaxRanks] = {};
+  bool zero_gone = false;
+  std::byte list[64] = {};  // a restarted seat's reason (rounds::rejoin)
 };
 
 struct SeatState {
@@ -91,6 +116,8 @@ struct SeatState {
 
 struct State {
   std::uint64_t opened, ended, done, aborted, published[kMaxRanks];
+  std::uint64_t inc[kMaxRanks], merged_inc[kMaxRanks], published_inc[kMaxRanks];
+  bool zero_gone;
   SeatState seat[kMaxRanks];
   Local local[kMaxRanks];
   int faults, fault_step;
@@ -112,12 +139,26 @@ bool still_taken_count_only(const RankSeat& rs, std::uint64_t) {
   return rd::post_state(rs.post.load()) == rd::PostState::kTaken;
 }
 
+// A mutant of rounds.cpp: still_taken() always true.
+bool still_taken_always(const RankSeat&, std::uint64_t) { return true; }
+
 struct Config {
   int ranks = 2;
   int steps = 3;
   int budget = 1;      // failures injected per run
   bool named = false;  // the ranks name each sync's version (its step)
   bool count_only = false;
+  bool still_taken_always = false;
+  // Deaths (named rounds only): rank 0 closes or dies between syncs; a
+  // rank's process dies mid-round and a new one takes its seat and runs the
+  // same step again (the trainer restarted it).
+  bool deaths = false;
+  // Mutants of producer.cpp's side, as the code was before the review: the
+  // new process attaches as before rounds::rejoin (post = round|none); a
+  // rank hears go without checking its own post is taken; rank 0 completes
+  // without checking every post again; a rank that read completed() false
+  // throws when it then finds rank 0 gone.
+  bool old_attach = false, old_go = false, old_complete = false, old_gone = false;
 };
 
 class Model {
@@ -127,6 +168,8 @@ class Model {
       look_ = &look_count_only;
       still_taken_ = &still_taken_count_only;
     }
+    if (c.still_taken_always) still_taken_ = &still_taken_always;
+
   }
 
   // Explores every interleaving; "" or the first violation, with its trace.
@@ -160,6 +203,9 @@ class Model {
     for (int k = 0; k < kMaxRanks; ++k) {
       const RankSeat& rs = m_->seats[k];
       s.published[k] = m_->published[k];
+      s.inc[k] = m_->inc[k];
+      s.merged_inc[k] = m_->merged_inc[k];
+      s.published_inc[k] = m_->published_inc[k];
       s.seat[k] = {rs.post.load(),        rs.posted_bytes.load(),   rs.posted_hash.load(),
                    rs.left_round.load(),  rs.reply_round.load(),    rs.reply_version.load(),
                    rs.reply_first_seq.load(), rs.reply_rank_chunks.load(), rs.left_code.load(),
@@ -168,6 +214,7 @@ class Model {
     }
     s.faults = faults_;
     s.fault_step = fault_step_;
+    s.zero_gone = m_->zero_gone;
     return s;
   }
 
@@ -180,6 +227,9 @@ class Model {
       RankSeat& rs = m_->seats[k];
       const SeatState& t = s.seat[k];
       m_->published[k] = s.published[k];
+      m_->inc[k] = s.inc[k];
+      m_->merged_inc[k] = s.merged_inc[k];
+      m_->published_inc[k] = s.published_inc[k];
       rs.post = t.post;
       rs.posted_bytes = t.bytes;
       rs.posted_hash = t.hash;
@@ -195,6 +245,7 @@ class Model {
     }
     faults_ = s.faults;
     fault_step_ = s.fault_step;
+    m_->zero_gone = s.zero_gone;
   }
 
   // A canonical key of the state (field by field: no padding bytes).
@@ -213,12 +264,14 @@ class Model {
       const SeatState& t = s.seat[k];
       const Local& l = s.local[k];
       for (std::uint64_t v : {s.published[k], t.post, t.hash, t.left_round, t.reply_round, t.reply_version,
-                              std::uint64_t{t.left_code}, std::uint64_t{t.reply_status}, l.n, l.last})
+                              std::uint64_t{t.left_code}, std::uint64_t{t.reply_status}, l.n, l.last, t.bytes,
+                              s.inc[k], s.merged_inc[k], s.published_inc[k]})
         put(&v, 8);
       for (std::uint8_t v : {l.pc, l.step, l.j, std::uint8_t(l.extended), std::uint8_t(l.missing)}) put(&v, 1);
       put(l.seen, sizeof l.seen);
       put(l.out, sizeof l.out);
     }
+    put(&s.zero_gone, sizeof s.zero_gone);
     put(&s.faults, sizeof s.faults);
     put(&s.fault_step, sizeof s.fault_step);
     return XXH3_64bits(b, used);
@@ -262,6 +315,27 @@ class Model {
     if (!why.empty()) violate("next_round: " + why);
     return n;
   }
+  // Rank r's process dies, and a new one takes its seat (attach_rank) and
+  // runs the same step again.
+  void restart(int r) {
+    Local& l = loc_[r];
+    fault(r);
+    ++m_->inc[r];
+    m_->published[r] = 0;  // attach_rank zeroes the seat's published_seq
+    m_->published_inc[r] = m_->inc[r];
+    RankSeat& rs = m_->seats[r];
+    if (c_.old_attach) {
+      l.last = m_->ended.load();
+      rs.left_round = 0;
+      rs.left_code = 0;
+      rs.post = rd::post_word(l.last, rd::PostState::kNone);
+    } else {
+      l.last = rd::rejoin(words(), static_cast<std::uint32_t>(r), m_->list, sizeof m_->list, "restarted");
+    }
+    l.out[l.step] = kNone;
+    l.pc = kBegin;
+    l.extended = false;
+  }
   std::string name(int r, const char* what) const {
     return "rank " + std::to_string(r) + " step " + std::to_string(loc_[r].step) + " round " +
            std::to_string(loc_[r].n) + ": " + what;
@@ -275,8 +349,23 @@ class Model {
     auto pick = [&](bool enabled) { return enabled && choice == c++; };
     const rd::Words w = words();
     RankSeat& rs = m_->seats[r];
+    if (r > 0 && c_.deaths && c_.named &&
+        (l.pc == kWait || l.pc == kGiveUp || l.pc == kWrite || l.pc == kEnd) && pick(can_fault())) {
+      *what = name(r, "dies; a new process takes its seat");
+      restart(r);
+      return true;
+    }
     switch (l.pc) {
       case kBegin:
+        if (std::uint64_t t = 0; m_->inc[r] > 0 && !rd::next_round(l.last, c_.named ? l.step : 0, &t).empty()) {
+          // A restarted process whose seat dropped the round of this step:
+          // its begin_sync throws, and the step's outcome is the dead
+          // process's (I2 counts it as dead).
+          if (!pick(true)) return false;
+          *what = name(r, "is refused: its seat dropped this round");
+          advance(r, kDied);
+          return true;
+        }
         if (pick(true)) {  // begin_sync(): lists its pieces (tagged with its step) and posts or opens
           l.n = l.last = next(r);
           if (r == 0) {
@@ -284,7 +373,7 @@ class Model {
             start_pass(l);
             l.pc = c_.ranks > 1 ? kGather : kMerge;
           } else {
-            rd::post(rs, l.n, 0, l.step);
+            rd::post(rs, l.n, m_->inc[r], l.step);  // its list: the step, by this process
             l.pc = kWait;
           }
           *what = name(r, "begins");
@@ -303,6 +392,14 @@ class Model {
           advance(r, kFail);
           return true;
         }
+        if (pick(r == 0 && c_.deaths && l.step > 1 && can_fault())) {  // rank 0 closes (or dies) between syncs
+          fault(r);
+          m_->zero_gone = true;
+          *what = name(r, "closes (or dies)");
+          for (; l.step <= c_.steps; ++l.step) l.out[l.step] = kDied;
+          l.pc = kDone;
+          return true;
+        }
         if (pick(c_.named && can_fault())) {  // its caller never calls begin_sync() for this step
           fault(r);
           *what = name(r, "skips the step");
@@ -318,12 +415,24 @@ class Model {
           if (!pick(true)) return false;
           if (h == rd::Heard::kGo) {
             if (a.version != l.n) violate(name(r, "heard go with another version"));
+            if (!c_.old_go && rs.post.load() != rd::post_word(l.n, rd::PostState::kTaken)) {
+              // Go for a list this process did not post: abandons the sync.
+              if (rd::abandon_round(w, l.n) != rd::Decision::kOpposite) m_->aborted = l.n;
+              *what = name(r, "hears go for a list it did not post: abandons");
+              advance(r, kFail);
+              return true;
+            }
             l.pc = kWrite;
             *what = name(r, "hears go");
           } else {
             *what = name(r, h == rd::Heard::kFailed ? "hears the round failed" : "hears the round is over");
             advance(r, kFail);
           }
+          return true;
+        }
+        if (pick(m_->zero_gone)) {  // rank 0 closed or died: PeerDied / Closed
+          *what = name(r, "finds rank 0 gone");
+          advance(r, kFail);
           return true;
         }
         if (pick(can_time_out())) {  // its deadline passes (it gives up in a later step)
@@ -350,6 +459,7 @@ class Model {
       case kWrite:
         if (pick(true)) {
           m_->published[r] = l.n;
+          m_->published_inc[r] = m_->inc[r];
           l.pc = r == 0 ? kAwait : kEnd;
           *what = name(r, "publishes its chunks");
           return true;
@@ -365,6 +475,22 @@ class Model {
         return false;
 
       case kEnd:  // rank k's end_sync(): await_done()
+        if (pick(m_->zero_gone)) {
+          // It read completed() false (before rank 0 completed, if it did),
+          // then finds rank 0 closed or dead: decides the sync lost (CAS),
+          // which finds it complete if rank 0 completed it.
+          if (c_.old_gone) {
+            *what = name(r, "finds rank 0 gone: throws");
+            advance(r, kFail);
+            return true;
+          }
+          const rd::Decision d = rd::abandon_round(w, l.n);
+          if (d != rd::Decision::kOpposite) m_->aborted = l.n;
+          *what = name(r, d == rd::Decision::kOpposite ? "finds rank 0 gone, but the sync complete"
+                                                       : "finds rank 0 gone: abandons");
+          advance(r, d == rd::Decision::kOpposite ? kOk : kFail);
+          return true;
+        }
         if (rd::completed(w, l.n)) {
           if (!pick(true)) return false;
           *what = name(r, "sees the sync complete");
@@ -453,6 +579,22 @@ class Model {
                       std::to_string(m_->seats[k].posted_hash.load()));
               return true;
             }
+          for (int k = 1; k < c_.ranks; ++k) m_->merged_inc[k] = m_->seats[k].posted_bytes.load();
+          l.pc = kGo;
+          *what = name(r, "merges");
+          return true;
+        }
+        if (pick(can_fault())) {  // the pieces do not tile (or wait_acks timed out)
+          fault(r);
+          rd::fail(w, l.n, Errc::kInvalidArgument, "pieces");
+          *what = name(r, "refuses the pieces");
+          advance(r, kFail);
+          return true;
+        }
+        return false;
+
+      case kGo:
+        if (pick(true)) {
           rd::Answer a;
           a.round = l.n;
           a.version = l.n;
@@ -461,13 +603,6 @@ class Model {
           rd::go(w, a);
           l.pc = kWrite;
           *what = name(r, "answers go");
-          return true;
-        }
-        if (pick(can_fault())) {  // the pieces do not tile (or wait_acks timed out)
-          fault(r);
-          rd::fail(w, l.n, Errc::kInvalidArgument, "pieces");
-          *what = name(r, "refuses the pieces");
-          advance(r, kFail);
           return true;
         }
         return false;
@@ -484,7 +619,24 @@ class Model {
           if (m_->published[k] != l.n) behind = k;
         if (behind < 0) {
           if (!pick(true)) return false;
+          // Every post again: still the list rank 0 took (not a process that
+          // took the seat since).
+          for (int k = 1; k < c_.ranks && !c_.old_complete; ++k)
+            if (!still_taken_(m_->seats[k], l.n)) {
+              if (rd::abandon(w, l.n)) m_->aborted = l.n;
+              *what = name(r, "finds a post changed before complete: aborts");
+              advance(r, kFail);
+              return true;
+            }
           const bool ok = rd::complete(w, l.n);
+          for (int k = 1; k < c_.ranks && ok; ++k)
+            if (m_->published_inc[k] != m_->merged_inc[k]) {
+              *what = name(r, "completes the sync");
+              trace_.push_back(*what);
+              violate("I5: round " + std::to_string(l.n) + " completed with rank " + std::to_string(k) +
+                      "'s chunks written by another process than the one whose list rank 0 merged");
+              return true;
+            }
           *what = name(r, ok ? "completes the sync" : "finds the sync abandoned");
           advance(r, ok ? kOk : kFail);
           return true;
@@ -515,12 +667,15 @@ class Model {
   void finish() {
     ++finals_;
     for (int s = 1; s <= c_.steps; ++s) {
-      int ok = 0;
-      for (int r = 0; r < c_.ranks; ++r) ok += loc_[r].out[s] == kOk;
-      if (ok != 0 && ok != c_.ranks)
+      int ok = 0, alive = 0;
+      for (int r = 0; r < c_.ranks; ++r) {
+        ok += loc_[r].out[s] == kOk;
+        alive += loc_[r].out[s] != kDied;
+      }
+      if (ok != 0 && ok != alive)
         return violate("I2: step " + std::to_string(s) + " succeeded on " + std::to_string(ok) + " of " +
-                       std::to_string(c_.ranks) + " ranks");
-      if (s > fault_step_ && ok != c_.ranks)
+                       std::to_string(alive) + " ranks");
+      if (s > fault_step_ && ok != c_.ranks && !m_->zero_gone)
         return violate("I3: step " + std::to_string(s) + " failed although the last failure was in step " +
                        std::to_string(fault_step_));
     }
@@ -584,8 +739,12 @@ void check(const Config& c) {
 // three syncs (the same failures, one recovery fewer).
 #if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
 constexpr int kThreeRankSteps = 3;
+constexpr int kThreeRankDeaths = 1;
+constexpr int kTwoRankDeathSteps = 3;
 #else
 constexpr int kThreeRankSteps = 4;
+constexpr int kThreeRankDeaths = 2;  // 0.65 M states, about 1.5 s
+constexpr int kTwoRankDeathSteps = 4;
 #endif
 
 TEST(RoundModel, TwoRanksThreeFailuresNumbered) { check({2, 4, 3, false}); }
@@ -602,4 +761,57 @@ TEST(RoundModel, CountOnlyMatchingIsCaught) {
     const std::string v = m.run();
     EXPECT_NE(v.find("I1"), std::string::npos) << (named ? "named: " : "numbered: ") << v;
   }
+}
+
+// still_taken() always true (a copied list used although its rank withdrew
+// it meanwhile, or another process took the seat): a rank's withdrawal no
+// longer fails the round where it should, and a later step fails (I3).
+TEST(RoundModel, StillTakenAlwaysTrueIsCaught) {
+  Config c{2, 3, 2, false};
+  c.still_taken_always = true;
+  Model m(c);
+  const std::string v = m.run();
+  EXPECT_NE(v.find("I3"), std::string::npos) << v;
+}
+
+// Deaths (the review of issue 28): rank 0 closes or dies between syncs
+// (a rank that read completed() false before must still report the sync
+// rank 0 completed: I2 over the live ranks), and a rank's process dies
+// anywhere in a round and a new one takes its seat and runs the same step
+// again. New invariant I5: a sync rank 0 completes has each rank's chunks
+// from the process whose list it merged.
+TEST(RoundModel, TwoRanksDeathsAndRestartsNamed) {
+  Config c{2, kTwoRankDeathSteps, 3, true};
+  c.deaths = true;
+  check(c);
+}
+TEST(RoundModel, ThreeRanksDeathsAndRestartsNamed) {
+  Config c{3, 3, kThreeRankDeaths, true};
+  c.deaths = true;
+  check(c);
+}
+
+// The code before the review, in the model: a restarted process joined the
+// round in flight, heard go without checking its post, and rank 0 completed
+// without checking the posts again: the new process's chunks under the old
+// list (I5). The old attach alone breaks recovery (I3); the two other
+// checks alone are not caught (rounds::rejoin already keeps the new
+// process out of the round: they are a second line). A rank that found
+// rank 0 gone threw even when rank 0 had completed the sync (I2).
+TEST(RoundModel, CodeBeforeTheReviewIsCaught) {
+  Config mix{2, 3, 2, true};
+  mix.deaths = mix.old_attach = mix.old_go = mix.old_complete = true;
+  Model a(mix);
+  const std::string va = a.run();
+  EXPECT_NE(va.find("I5"), std::string::npos) << va;
+  Config attach{2, 3, 2, true};
+  attach.deaths = attach.old_attach = true;
+  Model c(attach);
+  const std::string vc = c.run();
+  EXPECT_NE(vc.find("I3"), std::string::npos) << vc;
+  Config gone{2, 3, 2, true};
+  gone.deaths = gone.old_gone = true;
+  Model b(gone);
+  const std::string vb = b.run();
+  EXPECT_NE(vb.find("I2"), std::string::npos) << vb;
 }

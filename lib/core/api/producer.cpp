@@ -51,6 +51,7 @@ struct Producer::Impl {
 
   // the sync in progress
   bool in_sync = false;
+  bool abandon_won = false;  // sharded: this rank decided the sync's fate (abandoned); abort() writes the reason
   std::uint64_t version = 0;         // of the sync in progress or the last one
   std::uint64_t last_completed = 0;  // last sync that was not aborted
   std::uint64_t next_seq = 1;
@@ -181,6 +182,30 @@ struct Producer::Impl {
     return rounds::Words{&h.round_open, &h.round, &h.round_done, &view.rank_seat(0), world};
   }
 
+  // Tests: a pause point (rounds.hpp, TestPoint); nothing in a real process.
+  void hit(TestPoint at, std::uint64_t n, void* answer = nullptr) {
+    if (!test_point) return;
+    const rounds::Words w = words();
+    test_point(TestPointArgs{at, n, &w, answer});
+  }
+
+  // Sharded, sync `n` abandoned by another rank: its reason, which that
+  // rank (the only one that writes it: it won the abandon) publishes just
+  // after; waited for up to rank_timeout (a rank that died in between
+  // leaves none).
+  std::string abandon_reason(std::uint64_t n) {
+    Header& h = view.header();
+    if (h.error_code.load(std::memory_order_acquire) == 0) {
+      hit(TestPoint::kAwaitReason, n);
+      const std::int64_t deadline = mono_ns() + opts.rank_timeout.count();
+      while (h.error_code.load(std::memory_order_acquire) == 0 && mono_ns() < deadline)
+        std::this_thread::sleep_for(std::chrono::microseconds(200));
+    }
+    if (h.error_code.load(std::memory_order_acquire) == 0)
+      return "the rank that abandoned it gave no reason within rank_timeout (it may have died)";
+    return read_error_text(h.error_text);
+  }
+
   static Errc errc_of(std::uint32_t v, Errc otherwise) {
     return v >= static_cast<std::uint32_t>(Errc::kInvalidArgument) && v <= static_cast<std::uint32_t>(Errc::kSystem)
                ? static_cast<Errc>(v)
@@ -249,6 +274,11 @@ struct Producer::Impl {
             [[fallthrough]];
           case rounds::Seen::kMissing:
             if (missing < 0) missing = static_cast<int>(k);
+            break;
+          case rounds::Seen::kCorrupt:
+            fail(Errc::kCorrupt,
+                 who + "'s post for " + round_n + " holds a state no rank writes: the region is corrupt; recreate it",
+                 "");
             break;
           case rounds::Seen::kGaveUp:
             fail(Errc::kTimeout,
@@ -358,6 +388,7 @@ struct Producer::Impl {
     RankSeat& rs = view.rank_seat(rank);
     rounds::post(rs, n, used, XXH3_64bits(view.rank_list(rank), used));
     detail::ring(h.rank_post);
+    hit(TestPoint::kPosted, n);
     const std::string round_n = "sync round " + std::to_string(n);
     std::int64_t deadline = mono_ns() + opts.rank_timeout.count();
     bool extended = false;
@@ -460,32 +491,53 @@ struct Producer::Impl {
       for (std::uint32_t j = 1; j < world; ++j) p += view.rank_seat(j).published_seq.load(std::memory_order_relaxed);
       return p;
     };
+    const std::string sync_n = "sync " + std::to_string(version);
+    auto corrupt = [&] {
+      return Error(Errc::kCorrupt, "the region's round_done names neither fate of " + sync_n +
+                                       ": the region is corrupt; recreate it (restart the trainer's ranks)");
+    };
+    // The sync cannot complete any more (rank 0 closed or died, or nothing
+    // moves): this rank abandons it, unless rank 0 completed it in between,
+    // which is success (the consumers have it).
+    auto lost = [&](Errc code, const std::string& why) {
+      switch (rounds::abandon_round(w, version)) {
+        case rounds::Decision::kOpposite:
+          return;
+        case rounds::Decision::kCorrupt:
+          throw corrupt();
+        case rounds::Decision::kSame:
+          throw Error(Errc::kAborted, sync_n + " was abandoned by another rank: " + abandon_reason(version));
+        case rounds::Decision::kWon:
+          abandon_won = true;
+          throw Error(code, why);
+      }
+    };
     std::uint64_t progress = progress_now();
     for (;;) {
-      auto ready = [&] {
-        return rounds::completed(w, version) || rounds::abandoned(w, version) || ring->aborted_now() ||
-               h.init_state.load(std::memory_order_acquire) == kInitClosed;
-      };
-      const WaitResult r = wait_until(h.rank_reply, ready, deadline, kLivenessPollNs);
       if (rounds::completed(w, version)) return;
-      ring->check_aborted();
+      hit(TestPoint::kAwaitDoneUndecided, version);
+      if (rounds::fate_corrupt(w, version)) throw corrupt();
       if (rounds::abandoned(w, version))
-        throw Error(Errc::kAborted, "sync " + std::to_string(version) + " was abandoned by another rank: " +
-                                        read_error_text(h.error_text));
+        throw Error(Errc::kAborted, sync_n + " was abandoned by another rank: " + abandon_reason(version));
+      ring->check_aborted();
       if (h.init_state.load(std::memory_order_acquire) == kInitClosed)
-        throw Error(Errc::kClosed, "producer rank 0 closed the region in the middle of sync " + std::to_string(version));
+        return lost(Errc::kClosed, "producer rank 0 closed the region in the middle of " + sync_n);
       if (rank_dead(view, 0))
-        throw Error(Errc::kPeerDied, rank_who(view, 0) + " died before sync " + std::to_string(version) +
+        return lost(Errc::kPeerDied, rank_who(view, 0) + " died before " + sync_n +
                                          " was complete: the sync is lost; restart the trainer's ranks together");
       if (const std::uint64_t p = progress_now(); p != progress) {
         progress = p;
         deadline = mono_ns() + budget;
-      } else if (r == WaitResult::kTimeout || mono_ns() >= deadline) {
-        if (!rounds::abandon(w, version)) return;  // rank 0 completed it just now
-        throw Error(Errc::kTimeout, rank_who(view, 0) + " did not complete sync " + std::to_string(version) +
+      } else if (mono_ns() >= deadline) {
+        return lost(Errc::kTimeout, rank_who(view, 0) + " did not complete " + sync_n +
                                         " and no rank published anything for rank_timeout + consumer_timeout: is "
                                         "it stuck?");
       }
+      auto ready = [&] {
+        return rounds::completed(w, version) || rounds::fate_corrupt(w, version) || rounds::abandoned(w, version) ||
+               ring->aborted_now() || h.init_state.load(std::memory_order_acquire) == kInitClosed;
+      };
+      (void)wait_until(h.rank_reply, ready, deadline, kLivenessPollNs);
     }
   }
 
@@ -494,16 +546,31 @@ struct Producer::Impl {
   // Aborted. The next sync starts clean: nothing here outlives this sync.
   void abort(std::string_view why, Errc code = Errc::kAborted) {
     if (!in_sync) return;
-    // Sharded: the sync's fate is decided once; rank 0 may have completed
-    // it already (every chunk is in), and then there is nothing to abort.
-    if (world > 1 && !rounds::abandon(words(), version)) {
-      ring->clear_sync();
-      next_seq = writer.next_seq();
-      in_sync = false;
-      return;
+    if (world > 1) {
+      // Sharded: the sync's fate is decided once; rank 0 may have completed
+      // it already (every chunk is in), and then there is nothing to abort.
+      const rounds::Decision d = abandon_won ? rounds::Decision::kWon : rounds::abandon_round(words(), version);
+      abandon_won = false;
+      if (d == rounds::Decision::kOpposite) {
+        ring->clear_sync();
+        next_seq = writer.next_seq();
+        in_sync = false;
+        return;
+      }
+      // Only the rank that abandoned the sync writes the reason (one text,
+      // never two mixed); the others wait for it to be there before they
+      // abort the consumers' sync.
+      if (d == rounds::Decision::kWon) {
+        hit(TestPoint::kAbandonWon, version);
+        set_error_text(code, std::string(why));
+      } else if (d == rounds::Decision::kCorrupt) {
+        set_error_text(Errc::kCorrupt, std::string(why));
+      } else {
+        (void)abandon_reason(version);
+      }
+    } else {
+      set_error_text(code, std::string(why));
     }
-    // A sync another rank aborted keeps that rank's reason.
-    if (!(world > 1 && ring->aborted_now())) set_error_text(code, std::string(why));
     try {
       engine->drain();
     } catch (...) {
@@ -711,13 +778,15 @@ Producer::Impl* attach_rank(Producer::Impl* m, std::string_view name, const Prod
   rs.error_code.store(0, std::memory_order_relaxed);
   rs.attach_unix_ns.store(static_cast<std::uint64_t>(unix_ns()), std::memory_order_relaxed);
   write_identity(rs.who, self_identity());
-  // Join the next round rank 0 has not ended yet. reply_round stays: rank 0
-  // only ever raises it, and it is no higher than `round` (a later round
-  // rank 0 fails meanwhile is answered to this seat too).
-  m->round = m->view.header().round.load(std::memory_order_acquire);
-  rs.left_round.store(0, std::memory_order_relaxed);
-  rs.left_code.store(0, std::memory_order_relaxed);
-  rs.post.store(rounds::post_word(m->round, rounds::PostState::kNone), std::memory_order_relaxed);
+  // Join the next round rank 0 has not ended yet, unless the seat's
+  // previous process posted for it (rank 0 may have taken that list: the
+  // round is in flight, and it is not this process's), which the seat then
+  // drops (rounds::rejoin). reply_round stays: rank 0 only ever raises it,
+  // and it is no higher than `round` (a later round rank 0 fails meanwhile
+  // is answered to this seat too).
+  m->round = rounds::rejoin(m->words(), o.rank, m->view.rank_list(o.rank), m->view.geo().manifest_bytes,
+                            "producer rank " + std::to_string(o.rank) +
+                                " was restarted in the middle of a sync round (its new process did not post its list)");
   rs.word.store(make_seat_word(seat_gen(old) + 1, kSeatActive), std::memory_order_seq_cst);
   detail::ring(m->view.header().rank_post);
   return m;
@@ -1026,6 +1095,7 @@ std::uint64_t Producer::Impl::lead_round(std::uint64_t n, std::uint64_t used) {
   ring->set_sync(version, first_seq);
   ring->enroll(version, first_seq);
   ring->announce(rec);
+  hit(TestPoint::kBeforeGo, n);
   rounds::Answer go;
   go.round = n;
   go.version = version;
@@ -1044,18 +1114,34 @@ std::uint64_t Producer::Impl::begin_sharded(std::uint64_t n, std::uint64_t used)
   const std::uint64_t S = view.geo().slot_bytes;
   std::uint64_t chunks_per_rank = 0;
   if (!leader()) {
-    const rounds::Answer a = join_round(n, used);
+    rounds::Answer a = join_round(n, used);
+    hit(TestPoint::kJoined, n, &a);
+    // The others must not wait for this rank's chunks: the sync of round n
+    // is abandoned (its fate decided), and its consumers' sync aborted.
+    auto refuse = [&](Errc code, const std::string& why) {
+      const rounds::Decision d = rounds::abandon_round(words(), n);
+      if (d == rounds::Decision::kWon || d == rounds::Decision::kCorrupt) set_error_text(code, why);
+      if (d != rounds::Decision::kOpposite) ring->abort(n);
+      throw Error(code, why);
+    };
+    // Rank 0 answers go only to a list it took: this seat's post of round n
+    // in state taken. Anything else means rank 0 agreed round n on another
+    // process's list (the one this seat had before this process attached):
+    // its layout is not this rank's pieces.
+    if (view.rank_seat(rank).post.load(std::memory_order_acquire) !=
+        rounds::post_word(n, rounds::PostState::kTaken))
+      refuse(Errc::kAborted, "rank 0 answered sync round " + std::to_string(n) + " for producer rank " +
+                                 std::to_string(rank) + " with a list this process did not post (the rank was "
+                                 "restarted in the middle of the round): the sync is abandoned");
     version = a.version;
     first_seq = a.first_seq;
     chunks_per_rank = a.rank_chunks;
     // What rank 0 gave must be this round's and fit this rank's own pieces.
     if (version != n || first_seq == 0 || chunk_count(stream_bytes, S) > chunks_per_rank ||
         chunks_per_rank > (1ull << 40)) {
-      const std::string why = "rank 0's answer to sync round " + std::to_string(n) +
-                              " does not fit this rank's pieces: the region is corrupt";
-      set_error_text(Errc::kCorrupt, why);
-      ring->abort(version);  // the others must not wait for this rank's chunks
-      throw Error(Errc::kCorrupt, why);
+      version = n;
+      refuse(Errc::kCorrupt, "rank 0's answer to sync round " + std::to_string(n) +
+                                 " does not fit this rank's pieces: the region is corrupt");
     }
   } else {
     chunks_per_rank = lead_round(n, used);
@@ -1187,9 +1273,26 @@ void Producer::end_sync() {
       // the others' chunks, the others for rank 0 to say so.
       if (m.leader()) {
         m.await_ranks();
-        if (!rounds::complete(m.words(), m.version))
-          throw Error(Errc::kAborted, "sync " + std::to_string(m.version) + " was abandoned by another rank: " +
-                                          read_error_text(m.view.header().error_text));
+        // Every rank's chunks are in; each must be from the process whose
+        // list rank 0 took (a process that took a seat since may have
+        // written chunks laid out by its own pieces).
+        for (std::uint32_t k = 1; k < m.world; ++k)
+          if (!rounds::still_taken(m.view.rank_seat(k), m.version))
+            throw Error(Errc::kPeerDied, "producer rank " + std::to_string(k) + " left sync " +
+                                             std::to_string(m.version) + " before it was complete (it was restarted, "
+                                             "or it gave up): restart the trainer's ranks together");
+        m.hit(TestPoint::kBeforeComplete, m.version);
+        switch (rounds::complete_round(m.words(), m.version)) {
+          case rounds::Decision::kWon:
+            break;
+          case rounds::Decision::kCorrupt:
+            throw Error(Errc::kCorrupt, "the region's round_done names neither fate of sync " +
+                                            std::to_string(m.version) + ": the region is corrupt; recreate it");
+          default:
+            throw Error(Errc::kAborted, "sync " + std::to_string(m.version) + " was abandoned by another rank: " +
+                                            m.abandon_reason(m.version));
+        }
+        m.hit(TestPoint::kAfterComplete, m.version);
       } else {
         m.await_done();
       }

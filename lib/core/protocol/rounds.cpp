@@ -1,6 +1,8 @@
 #include "protocol/rounds.hpp"
 
+#include <algorithm>
 #include <atomic>
+#include <cstring>
 
 #include "base/checks.hpp"
 
@@ -108,16 +110,28 @@ bool abandoned(const Words& w, std::uint64_t n) { return w.done->load(std::memor
 
 namespace {
 // Decides round n's fate (`fate`: n << 1, or n << 1 | 1) unless it is
-// decided already; true when it is `fate` now.
-bool decide(const Words& w, std::uint64_t n, std::uint64_t fate) {
+// decided already, and says who decided it.
+Decision decide(const Words& w, std::uint64_t n, std::uint64_t fate) {
   std::uint64_t cur = w.done->load(std::memory_order_acquire);
   while ((cur >> 1) < n)
-    if (w.done->compare_exchange_weak(cur, fate, std::memory_order_acq_rel, std::memory_order_acquire)) return true;
-  return cur == fate;
+    if (w.done->compare_exchange_weak(cur, fate, std::memory_order_acq_rel, std::memory_order_acquire))
+      return Decision::kWon;
+  if (cur == fate) return Decision::kSame;
+  if (cur == (fate ^ 1)) return Decision::kOpposite;
+  return Decision::kCorrupt;
 }
 }  // namespace
 
-bool abandon(const Words& w, std::uint64_t n) { return decide(w, n, n << 1 | 1); }
+Decision abandon_round(const Words& w, std::uint64_t n) { return decide(w, n, n << 1 | 1); }
+Decision complete_round(const Words& w, std::uint64_t n) { return decide(w, n, n << 1); }
+bool abandon(const Words& w, std::uint64_t n) {
+  const Decision d = abandon_round(w, n);
+  return d == Decision::kWon || d == Decision::kSame;
+}
+bool fate_corrupt(const Words& w, std::uint64_t n) {
+  const std::uint64_t cur = w.done->load(std::memory_order_acquire);
+  return (cur >> 1) >= n && cur != n << 1 && cur != (n << 1 | 1);
+}
 
 // ---------------------------------------------------------------- rank 0
 
@@ -128,6 +142,9 @@ Look look(RankSeat& rs, std::uint64_t n) {
   for (;;) {
     const std::uint64_t m = post_round(cur);
     const PostState s = post_state(cur);
+    // A state no rank writes, for this round or a later one: corrupt (one
+    // for an older round is overwritten when the rank posts round n).
+    if (s > PostState::kWithdrawn && m >= n) return {Seen::kCorrupt, m, Errc::kCorrupt};
     if (m == n) {
       switch (s) {
         case PostState::kList:
@@ -141,8 +158,10 @@ Look look(RankSeat& rs, std::uint64_t n) {
           return {Seen::kGaveUp, n, Errc::kTimeout};
         case PostState::kDropped:
           return {Seen::kDropped, n, static_cast<Errc>(rs.left_code.load(std::memory_order_relaxed))};
-        default:
+        case PostState::kNone:
           return {Seen::kMissing, n};
+        default:
+          return {Seen::kCorrupt, n, Errc::kCorrupt};
       }
     }
     if (m > n) {
@@ -184,6 +203,51 @@ void fail(const Words& w, std::uint64_t n, Errc code, std::string_view why) {
   w.ended->store(n, std::memory_order_release);
 }
 
-bool complete(const Words& w, std::uint64_t n) { return decide(w, n, n << 1); }
+bool complete(const Words& w, std::uint64_t n) { return complete_round(w, n) == Decision::kWon; }
+
+std::uint64_t rejoin(const Words& w, std::uint32_t k, std::byte* list_area, std::uint64_t list_bytes,
+                     std::string_view why) {
+  RankSeat& rs = w.seat(k);
+  // The seat's previous process is gone (the caller holds its lock byte):
+  // only rank 0 still changes the post (kList -> kTaken), so each CAS below
+  // fails only when rank 0 took the list meanwhile, and is tried again.
+  std::uint64_t cur = rs.post.load(std::memory_order_acquire);
+  for (;;) {
+    const std::uint64_t ended = w.ended->load(std::memory_order_acquire);
+    const std::uint64_t p = post_round(cur);
+    const PostState s = post_state(cur);
+    if (p <= ended) {
+      // No post for a round rank 0 has not ended: this process joins the
+      // next round rank 0 opens (or the one open now).
+      rs.left_round.store(0, std::memory_order_relaxed);
+      rs.left_code.store(0, std::memory_order_relaxed);
+      if (rs.post.compare_exchange_weak(cur, post_word(ended, PostState::kNone), std::memory_order_acq_rel,
+                                        std::memory_order_acquire))
+        return ended;
+      continue;
+    }
+    // The previous process posted for round p, not ended (in flight, or
+    // ahead of rank 0): rank 0 may have taken that list, or answer it. It
+    // is not this process's: the seat drops round p, and this process
+    // begins after it.
+    if (s == PostState::kDropped || s == PostState::kWithdrawn) return p;  // rank 0 fails p already
+    rs.left_round.store(p, std::memory_order_relaxed);
+    rs.left_code.store(static_cast<std::uint32_t>(Errc::kPeerDied), std::memory_order_relaxed);
+    // First withdrawn (rank 0 can no longer take or use the list), then the
+    // reason in the list area, then dropped.
+    if (!rs.post.compare_exchange_weak(cur, post_word(p, PostState::kWithdrawn), std::memory_order_acq_rel,
+                                       std::memory_order_acquire))
+      continue;
+    std::atomic_thread_fence(std::memory_order_release);
+    const std::uint64_t len = std::min<std::uint64_t>(why.size(), list_bytes);
+    std::memcpy(list_area, why.data(), len);
+    drop(rs, p, Errc::kPeerDied, len);
+    return p;
+  }
+}
 
 }  // namespace shmcast::detail::rounds
+
+namespace shmcast::detail {
+std::function<void(const TestPointArgs&)> test_point;
+}  // namespace shmcast::detail

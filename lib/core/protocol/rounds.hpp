@@ -31,6 +31,7 @@ enum class PostState : std::uint32_t {
   kDropped = 2,    // the rank failed the round before listing; its list area holds why
   kTaken = 3,      // rank 0 took the list (it will answer the round)
   kWithdrawn = 4,  // the rank gave up waiting for rank 0's answer
+  // 5..7 are never written: a post that holds one is corrupt.
 };
 inline constexpr std::uint64_t kMaxRound = (1ull << 61) - 1;
 constexpr std::uint64_t post_word(std::uint64_t round, PostState s) {
@@ -102,6 +103,19 @@ bool abandoned(const Words& w, std::uint64_t n);
 // (then nothing is to be aborted: the sync is the consumers').
 bool abandon(const Words& w, std::uint64_t n);
 
+// What deciding round n's fate found (abandon_round, complete_round).
+enum class Decision {
+  kWon,       // this call decided it: only this caller writes the reason (Header::error_text)
+  kSame,      // another call decided the same fate first
+  kOpposite,  // the other fate was decided first (abandon: rank 0 completed it; complete: a rank abandoned it)
+  kCorrupt,   // the fate word names round n or a later round, but neither fate of n: the region is corrupt
+};
+Decision abandon_round(const Words& w, std::uint64_t n);
+Decision complete_round(const Words& w, std::uint64_t n);
+// The fate word holds round n or a later one, but neither fate of round n
+// (nobody writes that: a corrupt region).
+bool fate_corrupt(const Words& w, std::uint64_t n);
+
 // ---------------------------------------------------------------- rank 0
 
 // Rank 0 begins round n.
@@ -114,6 +128,7 @@ enum class Seen {
   kGaveUp,   // rank k withdrew its post of round n (it waited too long for rank 0)
   kDropped,  // rank k failed round n before listing (code; its list area holds why)
   kAhead,    // rank k has posted a later round: it left round n (code), or skipped it
+  kCorrupt,  // rank k's post for round n or later holds a state nobody writes (5..7): corrupt
 };
 struct Look {
   Seen seen;
@@ -140,9 +155,41 @@ void fail(const Words& w, std::uint64_t n, Errc code, std::string_view why);
 // chunk). False when a rank abandoned it first.
 bool complete(const Words& w, std::uint64_t n);
 
+// A process that attaches to rank seat k (attach_rank) while rank 0 may be
+// in the middle of a round: returns the last round this process counts as
+// over (its next numbered round is that + 1). Rank 0's open round n is
+// joined only when the seat's previous process never posted for it; else
+// (its list may be taken, or answered, for round n: a round already in
+// flight) the seat's post says the rank dropped round n (PeerDied, with
+// `why` in its list area), so rank 0 fails round n, and the new process
+// starts at round n + 1. Never leaves a post of round n that rank 0 took.
+std::uint64_t rejoin(const Words& w, std::uint32_t k, std::byte* list_area, std::uint64_t list_bytes,
+                     std::string_view why);
+
 }  // namespace shmcast::detail::rounds
 
 namespace shmcast::detail {
+
+// Tests only: the places where a test process may pause or tamper with the
+// round words, to hit a narrow window deterministically. Unset (the
+// default) in every real process; producer.cpp calls it at each point.
+enum class TestPoint {
+  kAwaitDoneUndecided,  // rank k, await_done: completed(n) just read false
+  kBeforeComplete,      // rank 0, end_sync: every chunk is in, before complete(n)
+  kAfterComplete,       // rank 0, end_sync: complete(n) succeeded
+  kBeforeGo,            // rank 0, lead_round: every list taken and merged, before go(n)
+  kPosted,              // rank k, join_round: its list of round n is posted
+  kJoined,              // rank k, begin_sharded: rank 0's go for round n heard (answer: rounds::Answer*)
+  kAbandonWon,          // any rank, abort: it won abandon(n), before it writes the reason
+  kAwaitReason,         // any rank: round n is abandoned by another rank, waiting for its reason
+};
+struct TestPointArgs {
+  TestPoint at;
+  std::uint64_t round;
+  const rounds::Words* words;
+  void* answer;  // kJoined: the rounds::Answer the rank heard (the test may change it)
+};
+extern std::function<void(const TestPointArgs&)> test_point;
 
 // Restart (producer.cpp): a new rank 0 that finds the name taken by a region
 // whose rank 0 is dead removes it (holding kTakeoverLockByte, then byte 0,
