@@ -1037,7 +1037,10 @@ struct Relay::Impl {
     Writer w(Type::kRefused);
     w.str(why);
     send_down(d, w, false);
-    note_error("refused " + d.peer + ": " + why);
+    // A connection that never proved the key is anyone's: what it sent (a
+    // region name) goes to the rate-limited log, never to the status file's
+    // last_error (the refused count says it happened).
+    status_dirty = true;
     drop_down(d, "refused: " + why, false);
   }
 
@@ -1231,10 +1234,24 @@ struct Relay::Impl {
              mono_ns());
   }
 
-  // What a peer wrote, fit for one log line.
+  // What a peer wrote, fit for one log line and for the status file's JSON:
+  // control bytes become '?', bytes from 0x80 up "\\xNN" (a peer's bytes
+  // need not be UTF-8, which JSON requires).
   static std::string printable(const std::string& s, std::size_t max = 300) {
+    static constexpr char kHex[] = "0123456789abcdef";
     std::string out;
-    for (char c : s.substr(0, max)) out += (static_cast<unsigned char>(c) < 0x20 || c == 0x7f) ? '?' : c;
+    for (char ch : s.substr(0, max)) {
+      const auto c = static_cast<unsigned char>(ch);
+      if (c < 0x20 || c == 0x7f) {
+        out += '?';
+      } else if (c >= 0x80) {
+        out += "\\x";
+        out += kHex[c >> 4];
+        out += kHex[c & 15];
+      } else {
+        out += ch;
+      }
+    }
     if (s.size() > max) out += "...";
     return out;
   }
@@ -1508,6 +1525,11 @@ struct Relay::Impl {
     fail_upstream(why + " (not proven: a peer without the key can send this too; retrying, --exit-on-refusal to "
                         "exit instead)",
                   true);
+    // What the peer wrote stays in upstream.last_refusal (and the log):
+    // last_error says what happened in the relay's own words.
+    up.last_error = "refused this relay or did not prove the key (unproven: the peer's text is in "
+                    "upstream.last_refusal); retrying";
+    note_error("upstream " + from_addr.str() + ": " + up.last_error);
   }
 
   // Forgets the sync being received; buffers of chunks received but not
@@ -2768,10 +2790,12 @@ struct Relay::Impl {
     // A new file under a fresh name, then renamed over the status file
     // (shmcast/files.hpp): a link or another user's file planted in the
     // region directory is replaced, never written through or chmodded.
+    // Strings a peer sent are printable() already; replace keeps any other
+    // invalid UTF-8 from making dump() throw (it would end the relay).
     try {
-      replace_file(status_path, j.dump() + "\n", 0600);
+      replace_file(status_path, j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace) + "\n", 0600);
       status_failed = false;
-    } catch (const Error& e) {
+    } catch (const std::exception& e) {
       if (!status_failed) log(std::string("cannot write the status file (will retry): ") + e.what());
       status_failed = true;
     }

@@ -27,7 +27,14 @@
 //     Listens where a relay's upstream would (port 0: any), reports
 //     "listening PORT", and answers every connection with "refused" (in
 //     protocol 3 on a TCP socket, the default, or 2 on a UCX listener), then
-//     closes it, until killed. Reports "refused N".
+//     closes it, until killed. Reports "refused N". With --bytes 1 (protocol
+//     3) its text is not UTF-8: every other connection gets a refusal whose
+//     text holds bytes 0x80-0xff, the others a challenge for a region whose
+//     name does.
+//   relay_attacker bad-response --to 127.0.0.1:PORT --seconds S --report FILE
+//     Protocol 3. Connects again and again for S seconds (at most 200
+//     times), and answers each challenge with a response for a region whose
+//     name is not UTF-8 (bytes 0x80-0xff). Reports "sent N", "done".
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <poll.h>
@@ -557,7 +564,36 @@ void on_conn(ucp_conn_request_h req, void*) {
   g_conns.push_back(req);
 }
 
-int fake_upstream_v3(const sockaddr_in& at) {
+// A string of bytes that is not UTF-8.
+const std::string kNotUtf8 = std::string("\xff\xfe\xc3\x28 region \x80\xbf");
+
+int bad_response(const sockaddr_in& to, int seconds) {
+  const auto end = std::chrono::steady_clock::now() + std::chrono::seconds(seconds);
+  int sent = 0;
+  for (int i = 0; i < 200 && std::chrono::steady_clock::now() < end; ++i) {
+    const int fd = tcp_connect(to);
+    if (fd < 0) {
+      std::this_thread::sleep_for(20ms);
+      continue;
+    }
+    const std::vector<std::uint8_t> ch = tcp_read_frame(fd, 2000);
+    std::uint16_t type = 0;
+    if (ch.size() >= 16) std::memcpy(&type, ch.data() + 4, 2);
+    if (type == kChallenge) {
+      Msg resp(kResponse);
+      resp.random(32).random(32).str(kNotUtf8);
+      tcp_frame(fd, resp.b);
+      report("sent " + std::to_string(++sent));
+      (void)tcp_read_frame(fd, 1000);  // the refusal
+    }
+    ::close(fd);
+    std::this_thread::sleep_for(20ms);
+  }
+  report("done");
+  return 0;
+}
+
+int fake_upstream_v3(const sockaddr_in& at, bool bad_bytes) {
   const int lfd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
   const int one = 1;
   ::setsockopt(lfd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
@@ -574,6 +610,14 @@ int fake_upstream_v3(const sockaddr_in& at) {
     Msg m(kRefused);
     m.str("wrong key (the downstream's SHMCAST_RELAY_KEY / --key-file differs from this relay's) [sent by "
           "relay_attacker, which holds no key]");
+    if (bad_bytes && refused % 2 == 0) {
+      m = Msg(kRefused);
+      m.str("wrong key " + kNotUtf8);
+    } else if (bad_bytes) {
+      m = Msg(kChallenge);
+      std::array<std::uint8_t, 32> nonce{};
+      m.u32(3).u64(1).raw(nonce.data(), nonce.size()).str(kNotUtf8);
+    }
     tcp_frame(fd, m.b);
     report("refused " + std::to_string(++refused));
     std::this_thread::sleep_for(50ms);
@@ -641,10 +685,10 @@ int fake_upstream(const sockaddr_in& at) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  if (argc < 2) die("usage: relay_attacker forge|flood|fake-upstream [options]");
+  if (argc < 2) die("usage: relay_attacker forge|flood|fake-upstream|bad-response [options]");
   const std::string mode = argv[1];
   std::string to, listen;
-  int seconds = 5, conns = 0, raw = 0, proto = 3, sustain = 0;
+  int seconds = 5, conns = 0, raw = 0, proto = 3, sustain = 0, bad_bytes = 0;
   for (int i = 2; i + 1 < argc; i += 2) {
     const std::string k = argv[i], v = argv[i + 1];
     if (k == "--to") to = v;
@@ -654,6 +698,7 @@ int main(int argc, char** argv) {
     else if (k == "--raw") raw = std::stoi(v);
     else if (k == "--proto") proto = std::stoi(v);
     else if (k == "--sustain") sustain = std::stoi(v);
+    else if (k == "--bytes") bad_bytes = std::stoi(v);
     else if (k == "--report") g_report = v;
     else die("unknown option " + k);
   }
@@ -666,6 +711,8 @@ int main(int argc, char** argv) {
   }
   if (mode == "forge") return forge(loopback(to), seconds);
   if (mode == "flood") return flood(loopback(to), conns, raw, seconds, sustain != 0);
-  if (mode == "fake-upstream") return proto == 2 ? fake_upstream(loopback(listen)) : fake_upstream_v3(loopback(listen));
+  if (mode == "fake-upstream")
+    return proto == 2 ? fake_upstream(loopback(listen)) : fake_upstream_v3(loopback(listen), bad_bytes != 0);
+  if (mode == "bad-response") return bad_response(loopback(to), seconds);
   die("unknown mode " + mode);
 }

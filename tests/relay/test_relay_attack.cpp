@@ -150,6 +150,61 @@ TEST(RelayAttack, FakeUpstreamRefusalsNeverStopAKeyedRelay) {
   EXPECT_EQ(w.wait(), 0) << slurp(c.file("worker1.txt"));
 }
 
+// Review of issue 27, H1. Bytes that are not UTF-8 from peers without the
+// key: responses for a region whose name holds bytes 0x80-0xff (on the
+// source's listener), and a fake upstream whose refusals and challenges do
+// (for a relay on node 2). Before the fix the peer's text went into the
+// status file's last_error, nlohmann's dump() threw on it (type_error 316),
+// and the relay died of SIGABRT (std::terminate, from the final status
+// write) after the first such message. Now both relays keep running, their
+// status files stay valid JSON without the peer's bytes in last_error, and
+// a keyed downstream of the source still gets its sync.
+TEST(RelayAttack, NonUtf8BytesFromKeylessPeersNeverEndTheRelay) {
+  Cluster c(3, "utf8");
+  const Source src = start_source(c, 1);
+  ASSERT_NE(src.port, 0);
+  Proc& bad = attacker(c, "bad", 1,
+                       {"bad-response", "--to", "127.0.0.1:" + std::to_string(src.port), "--seconds", "2", "--report",
+                        c.file("bad.txt")});
+  ASSERT_TRUE(c.wait_line(c.file("bad.txt"), "done", 120s)) << bad.output();
+  const long sent = report_value(c.file("bad.txt"), "sent");
+  ASSERT_GE(sent, 1) << slurp(c.file("bad.txt"));
+  const json s0 = c.wait_status(0, [&](const json& j) { return j.value("refused", 0) >= sent; }, 20s);
+  ASSERT_FALSE(s0.is_null()) << src.relay->output().substr(0, 4000);
+  EXPECT_TRUE(src.relay->running()) << src.relay->output().substr(0, 4000);
+  EXPECT_EQ(s0.value("last_error", "").find("region"), std::string::npos) << s0.dump();
+  // A fake upstream that answers with bytes that are not UTF-8.
+  Proc& fake = attacker(c, "fake", 2,
+                        {"fake-upstream", "--listen", "127.0.0.1:0", "--bytes", "1", "--report", c.file("fake.txt")});
+  long fport = -1;
+  for (auto end = std::chrono::steady_clock::now() + 60s; fport <= 0 && std::chrono::steady_clock::now() < end;
+       std::this_thread::sleep_for(5ms))
+    fport = report_value(c.file("fake.txt"), "listening");
+  ASSERT_GT(fport, 0) << fake.output();
+  Proc& victim = c.relay(2, static_cast<int>(fport), false);
+  // Both kinds of answer (a refusal, a challenge for another region) came.
+  const json s2 = c.wait_status(2, [](const json& j) {
+    return j.contains("upstream") && j["upstream"].value("refusals", 0) >= 2;
+  }, 30s);
+  ASSERT_FALSE(s2.is_null()) << victim.output();
+  EXPECT_TRUE(victim.running()) << victim.output();
+  EXPECT_NE(s2["upstream"].value("last_refusal", "").find("\\x"), std::string::npos) << s2.dump();
+  EXPECT_EQ(s2.value("last_error", "").find("\\x"), std::string::npos) << s2.dump();
+  // The source still serves a keyed downstream.
+  Proc& down = c.relay(1, src.port, false);
+  ASSERT_FALSE(c.wait_status(1, [](const json& j) { return upstream_connected(j); }).is_null()) << down.output();
+  c.wait_status(0, [](const json& j) { return downstream_ready(j); });
+  Proc& w = c.peer("worker1", 1, {"consume", c.region(), "--syncs", "1", "--report", c.file("worker1.txt")});
+  ASSERT_TRUE(c.wait_line(c.file("worker1.txt"), "attached"));
+  c.touch(c.file("go.1"));
+  EXPECT_EQ(w.wait(60s), 0) << slurp(c.file("worker1.txt"));
+  EXPECT_TRUE(src.relay->running()) << src.relay->output().substr(0, 4000);
+  EXPECT_TRUE(victim.running()) << victim.output();
+  EXPECT_EQ(src.relay->term(), 0) << src.relay->output().substr(0, 4000);
+  EXPECT_EQ(victim.term(), 0) << victim.output();
+  fake.kill9();
+}
+
 // Item 2 of issue 27, the other half: a real key mismatch. The downstream
 // with another key is refused by the upstream; it says so in its log, in its
 // status file (upstream.refusals, upstream.last_refusal) and in
