@@ -564,6 +564,7 @@ struct Relay::Impl {
   bool kick_lw = false, kick_up = false;  // requests were posted: wake the worker's progress thread
   std::map<std::uint64_t, std::unique_ptr<Down>> downs;
   std::uint64_t next_conn = 1;
+  std::int64_t accept_paused_until_ns = 0;  // accept4 ran out of descriptors: listen_fd is not polled until then
   bool lw_junk_busy = false;  // a tagged message on the listener's worker is being drained
   std::uint64_t refused = 0;  // downstreams refused at the handshake (wrong key, region)
   std::uint64_t rejected = 0; // connections refused at once (too many pending handshakes)
@@ -949,15 +950,22 @@ struct Relay::Impl {
   }
 
   void accept_conns() {
-    if (listen_fd < 0) return;
+    if (listen_fd < 0 || mono_ns() < accept_paused_until_ns) return;
     for (int i = 0; i < 256; ++i) {  // then the rest of the loop's work
       sockaddr_storage ss{};
       socklen_t len = sizeof ss;
       const int fd = ::accept4(listen_fd, reinterpret_cast<sockaddr*>(&ss), &len, SOCK_NONBLOCK | SOCK_CLOEXEC);
       if (fd < 0) {
         if (errno == EINTR || errno == ECONNABORTED) continue;
-        if (errno != EAGAIN && errno != EWOULDBLOCK)
-          rlog.log("accept", std::string("accept: ") + std::strerror(errno), mono_ns());  // EMFILE: the next loop retries
+        if (errno == EAGAIN || errno == EWOULDBLOCK) return;
+        const int err = errno;
+        rlog.log("accept", std::string("accept: ") + std::strerror(err), mono_ns());
+        // Out of descriptors (or kernel memory): the connection stays in the
+        // backlog and the socket stays readable, so polling it would spin.
+        // It is left alone for 100 ms (wait_events), while connections that
+        // end free descriptors.
+        if (err == EMFILE || err == ENFILE || err == ENOBUFS || err == ENOMEM)
+          accept_paused_until_ns = mono_ns() + 100'000'000;
         return;
       }
       CtrlSocket sock(fd);
@@ -1179,7 +1187,9 @@ struct Relay::Impl {
       std::lock_guard<std::mutex> g(sink.mu);
       list.swap(sink.conns);
     }
-    for (auto& [id, req] : list) {
+    for (std::size_t i = 0; i < list.size(); ++i) {
+      const auto [id, req] = list[i];
+      if (req == nullptr) continue;  // rejected below, with its listener's first
       auto it = downs.find(id);
       if (it == downs.end() || !it->second->listener) continue;  // its listener is gone, and the request with it
       Down& d = *it->second;
@@ -1203,6 +1213,17 @@ struct Relay::Impl {
       ep.err_handler.cb = ep_error_cb;
       ep.err_handler.arg = d.arg.get();
       const ucs_status_t st = ucp_ep_create(lw->get(), &ep, &d.ep);
+      // Later requests for this connection in the same batch are refused
+      // before its listener goes (close_data_listener refuses only those
+      // still in the sink): each request is answered, none left dangling.
+      for (std::size_t k = i + 1; k < list.size(); ++k)
+        if (list[k].first == d.id && list[k].second != nullptr) {
+          ucp_listener_reject(d.listener, list[k].second);
+          list[k].second = nullptr;
+          rlog.log("reject", "data connection for downstream " + std::to_string(d.id) +
+                                 " refused (it has its data connection)",
+                   mono_ns());
+        }
       close_data_listener(d);
       if (st != UCS_OK) {
         d.ep = nullptr;
@@ -2835,7 +2856,7 @@ struct Relay::Impl {
       fds.push_back({up.w->fd(), POLLIN, 0});
     }
     // The control channels.
-    if (listen_fd >= 0) fds.push_back({listen_fd, POLLIN, 0});
+    if (listen_fd >= 0 && mono_ns() >= accept_paused_until_ns) fds.push_back({listen_fd, POLLIN, 0});
     for (const auto& [id, d] : downs)
       if (d->sock.is_open())
         fds.push_back({d->sock.fd(), static_cast<short>(POLLIN | (d->sock.want_write() ? POLLOUT : 0)), 0});
