@@ -215,13 +215,14 @@ struct Down {
   std::int64_t closing_ns = 0;
   std::unique_ptr<EpArg> arg;
   std::string peer;
-  std::string source;    // the peer's address without the port (Admission)
+  std::string source;    // the peer's address without the port (its data connection comes from it)
   bool pending = false;  // counted by the listener's Admission (handshake not done)
   State state = kHandshake;
   auth::Transcript tr;
   std::string session;
   std::uint64_t send_seq = 0;
   std::int64_t deadline_ns = 0;
+  std::int64_t first_deadline_ns = 0;  // for its response to the challenge (kHandshake)
   std::int64_t since_unix_ns = 0;
   std::uint64_t version = 0;  // sync it takes part in (kActive)
   std::uint64_t frags_sent = 0;  // of the sync in progress
@@ -736,7 +737,7 @@ struct Relay::Impl {
     std::uint32_t region_consumers = 0;
     std::string region_error;
   } st;
-  std::int64_t next_status_ns = 0;
+  std::int64_t next_status_ns = 0, next_status_write_ns = 0;
   std::atomic<bool> status_dirty{true};
 
   explicit Impl(RelayOptions opts)
@@ -764,6 +765,8 @@ struct Relay::Impl {
     if (o.max_pending == 0 || o.max_pending_per_source == 0)
       throw Error(Errc::kInvalidArgument, "max_pending and max_pending_per_source must be at least 1");
     if (o.max_lag.count() <= 0) throw Error(Errc::kInvalidArgument, "max_lag must be positive");
+    if (o.first_response_timeout.count() <= 0)
+      throw Error(Errc::kInvalidArgument, "first_response_timeout must be positive");
     status_path = o.status_path.empty() ? default_status_path(o.region) : o.status_path;
     if (status_path == "-") status_path.clear();
     wake_fd = ::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
@@ -969,12 +972,16 @@ struct Relay::Impl {
         return;
       }
       CtrlSocket sock(fd);
-      const std::string peer = ucx::sockaddr_str(ss), src = source_of(ss);
+      const std::string peer = ucx::sockaddr_str(ss), src = source_key(ss);
       if (stopping) continue;  // closed
       // At most o.max_pending handshakes at once, o.max_pending_per_source
-      // from one address: the rest are closed now, before they hold
-      // anything (docs/relay.md, "Limits").
-      if (!admission.admit(src)) {
+      // from one address (an IPv6 /64): a newcomer beyond either takes the
+      // place of an older one, which is closed (Admission; docs/relay.md,
+      // "Limits").
+      const std::uint64_t id = next_conn_id(&next_conn, [this](std::uint64_t id) { return downs.count(id) != 0; });
+      std::uint64_t evict = 0;
+      const Admission::Verdict verdict = admission.admit(src, id, mono_ns(), &evict);
+      if (verdict == Admission::Verdict::kRefused) {
         ++rejected;
         status_dirty = true;
         rlog.log("reject", "connection from " + peer + " refused at once: " + std::to_string(admission.pending()) +
@@ -984,17 +991,23 @@ struct Relay::Impl {
                  mono_ns());
         continue;
       }
+      if (verdict == Admission::Verdict::kEvicted)
+        if (auto v = downs.find(evict); v != downs.end()) {
+          v->second->pending = false;  // Admission let it go already
+          drop_down(*v->second, "evicted: it sent no response, and " + peer + " needs its pending slot");
+        }
       ctrl_tune(fd);
       auto d = std::make_unique<Down>();
-      d->id = next_conn_id(&next_conn, [this](std::uint64_t id) { return downs.count(id) != 0; });
+      d->id = id;
       d->sock = std::move(sock);
       d->peer = peer;
-      d->source = src;
+      d->source = source_of(ss);  // its exact address (its data connection must come from it)
       d->pending = true;
       d->tr.region = o.region;
       d->tr.conn = d->id;
       d->tr.server_nonce = auth::nonce();
       d->deadline_ns = mono_ns() + o.handshake_timeout.count();
+      d->first_deadline_ns = mono_ns() + std::min(o.first_response_timeout, o.handshake_timeout).count();
       d->since_unix_ns = unix_ns();
       Down& dr = *d;
       downs.emplace(d->id, std::move(d));
@@ -1011,7 +1024,7 @@ struct Relay::Impl {
   void leave_pending(Down& d) {
     if (!d.pending) return;
     d.pending = false;
-    admission.release(d.source);
+    admission.release(d.id);
   }
 
   // Ends a downstream connection: its control channel closes once what was
@@ -2182,7 +2195,9 @@ struct Relay::Impl {
   void check_timers() {
     const std::int64_t now = mono_ns();
     for (auto& [id, d] : downs) {
-      if (d->state == Down::kHandshake && now > d->deadline_ns) drop_down(*d, "no handshake response in time");
+      if (d->state == Down::kHandshake && now > d->first_deadline_ns)
+        drop_down(*d, "no response to the challenge within " +
+                          std::to_string(o.first_response_timeout.count() / 1000000) + " ms (--first-response-timeout)");
       if (d->state == Down::kJoining && now > d->deadline_ns) drop_down(*d, "no data connection in time");
       if (d->state == Down::kActive && d->pending_data > 0 && now - d->progress_ns > o.peer_timeout.count())
         drop_down(*d, "took no chunk for " + std::to_string(o.peer_timeout.count() / 1000000) + " ms (stalled)");
@@ -2750,8 +2765,11 @@ struct Relay::Impl {
   void write_status(bool force) {
     if (status_path.empty()) return;
     const std::int64_t now = mono_ns();
-    if (!force && !status_dirty && now < next_status_ns) return;
+    // At most one write per 100 ms however often the state changes (a flood
+    // of connections changes it on every pass), and one a second at least.
+    if (!force && (now < next_status_write_ns || (!status_dirty && now < next_status_ns))) return;
     next_status_ns = now + 1'000'000'000;
+    next_status_write_ns = now + 100'000'000;
     status_dirty = false;
     nlohmann::json j;
     {
@@ -2807,6 +2825,7 @@ struct Relay::Impl {
     j["downstream_ready"] = ready;
     j["refused"] = refused;
     j["rejected"] = rejected;
+    j["evicted"] = admission.evicted();
     j["ignored"] = ignored;
     // A new file under a fresh name, then renamed over the status file
     // (shmcast/files.hpp): a link or another user's file planted in the

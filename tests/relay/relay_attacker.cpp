@@ -15,14 +15,15 @@
 //     and junk tags, for about 100 ms. Protocol 3: a forged response (a
 //     wrong proof), other message types, garbage and a frame that announces
 //     4 GiB. Reports "round N id I" per round, "sent M", "done".
-//   relay_attacker flood --to 127.0.0.1:PORT --conns N [--raw M] [--sustain 1] --seconds S --report FILE
+//   relay_attacker flood --to 127.0.0.1:PORT --conns N [--raw M] [--sustain 1] [--sources K] --seconds S --report FILE
 //     Opens N UCX connections (at most 1000) that never answer the
 //     challenge, and M plain TCP connections (at most 1000) that never send
 //     a byte, holds them for S seconds, then closes them. With --sustain 1,
 //     every connection the relay closes is opened again (at most N + M open
-//     at once) until the S seconds are over. Reports "opened N", "raw M",
-//     "rejected R" (UCX connections the relay refused or closed),
-//     "reopened K", "done".
+//     at once) until the S seconds are over. With --sources K the plain TCP
+//     connections come from 127.0.0.2 ... 127.0.0.(K+1) in turn. Reports
+//     "opened N", "raw M", "rejected R" (UCX connections the relay refused
+//     or closed), "reopened K", "done".
 //   relay_attacker fake-upstream --listen 127.0.0.1:PORT [--proto 2|3] --report FILE
 //     Listens where a relay's upstream would (port 0: any), reports
 //     "listening PORT", and answers every connection with "refused" (in
@@ -286,9 +287,21 @@ bool v2_challenge(ucp_worker_h w, Challenge* c) {
 
 // ---- protocol 3: framed messages on a TCP connection
 
+// --sources N: raw TCP connections come from 127.0.0.2 ... 127.0.0.(N+1) in
+// turn (0: the kernel's choice, 127.0.0.1).
+int g_sources = 0, g_next_source = 0;
+void bind_source(int fd) {
+  if (g_sources <= 0) return;
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl((127u << 24) | static_cast<std::uint32_t>(2 + g_next_source++ % g_sources));
+  (void)::bind(fd, reinterpret_cast<const sockaddr*>(&a), sizeof a);
+}
+
 int tcp_connect(const sockaddr_in& to) {
   const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
   if (fd < 0) return -1;
+  bind_source(fd);
   if (::connect(fd, reinterpret_cast<const sockaddr*>(&to), sizeof to) != 0) {
     ::close(fd);
     return -1;
@@ -473,6 +486,7 @@ int flood(const sockaddr_in& to, int conns, int raw, int seconds, bool sustain) 
     for (int i = 0; i < raw; ++i) {
       const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
       if (fd < 0) break;
+      bind_source(fd);
       if (::connect(fd, reinterpret_cast<const sockaddr*>(&to), sizeof to) == 0) {
         fds.push_back(fd);
       } else if (errno == EINPROGRESS) {
@@ -699,6 +713,7 @@ int main(int argc, char** argv) {
     else if (k == "--proto") proto = std::stoi(v);
     else if (k == "--sustain") sustain = std::stoi(v);
     else if (k == "--bytes") bad_bytes = std::stoi(v);
+    else if (k == "--sources") g_sources = std::stoi(v);
     else if (k == "--report") g_report = v;
     else die("unknown option " + k);
   }
