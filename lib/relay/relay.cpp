@@ -566,7 +566,8 @@ struct Relay::Impl {
   std::map<std::uint64_t, std::unique_ptr<Down>> downs;
   std::uint64_t next_conn = 1;
   std::int64_t accept_paused_until_ns = 0;  // accept4 ran out of descriptors: listen_fd is not polled until then
-  bool lw_junk_busy = false;  // a tagged message on the listener's worker is being drained
+  int lw_junk_busy = 0;  // tagged messages on the listener's worker being drained
+  static constexpr int kJunkBatch = 64;  // junk receives posted per pass, and in flight, at most
   std::uint64_t refused = 0;  // downstreams refused at the handshake (wrong key, region)
   std::uint64_t rejected = 0; // connections refused at once (too many pending handshakes)
   std::uint64_t ignored = 0;  // junk: tagged messages that are not chunk bytes
@@ -603,7 +604,7 @@ struct Relay::Impl {
     std::uint64_t recv_seq = 0;
     std::uint32_t tag_base = 0;     // of this connection's data tags
     std::uint64_t syncs_begun = 0;  // sync messages received on it
-    bool junk_busy = false;         // a tagged message that is not chunk bytes is being drained
+    int junk_busy = 0;              // tagged messages that are not chunk bytes being drained
     std::deque<std::vector<std::uint8_t>> ctrl;  // verified, not yet acted on
     std::uint64_t chunk_bytes = 0;               // the source's slot size, once known
     std::int64_t since_unix_ns = 0;
@@ -1253,19 +1254,21 @@ struct Relay::Impl {
   // there is junk (a peer that reached UCX's own port). Drained, so that it
   // does not pile up in UCX's unexpected queue.
   void drain_lw_junk() {
-    if (!lw || lw_junk_busy) return;
-    ucp_tag_recv_info_t info{};
-    ucp_tag_message_h m = ucp_tag_probe_nb(lw->get(), 0, 0, 1, &info);
-    if (m == nullptr) return;
-    Op* op = new_op(Op::kJunkRecv, lw->get());
-    op->msg.resize(64);  // a larger one is received truncated (an error), and dropped all the same
-    ucp_request_param_t p = recv_param(op);
-    lw_junk_busy = true;
-    track(op, ucp_tag_msg_recv_nbx(lw->get(), op->msg.data(), op->msg.size(), m, &p));
-    ++ignored;
-    status_dirty = true;
-    rlog.log("ignored", "a tagged message of " + std::to_string(info.length) + " bytes on the downstream worker: dropped",
-             mono_ns());
+    while (lw && lw_junk_busy < kJunkBatch) {  // a batch per pass
+      ucp_tag_recv_info_t info{};
+      ucp_tag_message_h m = ucp_tag_probe_nb(lw->get(), 0, 0, 1, &info);
+      if (m == nullptr) return;
+      Op* op = new_op(Op::kJunkRecv, lw->get());
+      op->msg.resize(64);  // a larger one is received truncated (an error), and dropped all the same
+      ucp_request_param_t p = recv_param(op);
+      ++lw_junk_busy;
+      track(op, ucp_tag_msg_recv_nbx(lw->get(), op->msg.data(), op->msg.size(), m, &p));
+      ++ignored;
+      status_dirty = true;
+      rlog.log("ignored",
+               "a tagged message of " + std::to_string(info.length) + " bytes on the downstream worker: dropped",
+               mono_ns());
+    }
   }
 
   // What a peer wrote, fit for one log line and for the status file's JSON:
@@ -1506,7 +1509,7 @@ struct Relay::Impl {
     up.session.clear();
     up.syncs_begun = 0;
     up.ctrl.clear();
-    up.junk_busy = false;
+    up.junk_busy = 0;
     ++up.connects;
     set_state("connecting");
   }
@@ -1591,7 +1594,7 @@ struct Relay::Impl {
     ++up.gen;
     retired.push_back(Retired{std::move(up.arg), std::move(up.w), mono_ns()});
     up.ctrl.clear();
-    up.junk_busy = false;
+    up.junk_busy = 0;
   }
 
   void reap_retired() {
@@ -1669,21 +1672,41 @@ struct Relay::Impl {
   }
 
   // Tagged messages other than chunk bytes on the upstream's worker: junk
-  // (a peer that reached UCX's own port). Drained.
+  // (a peer that reached UCX's own port), drained a batch per pass. Junk
+  // is a tag without bit 63, or (once authenticated) a data tag whose serial
+  // is neither the current sync's nor that of a sync the upstream announced
+  // and this relay has not begun yet (its sync message still queued in
+  // up.ctrl, or the next one: its fragments may come before its message);
+  // before that, every tagged message. UCX shows only the first message of
+  // a tag and mask: junk queued behind a fragment that is awaited is
+  // drained once that fragment is taken.
   void drain_up_junk() {
-    if (!up.w || up.state == Up::kIdle || up.junk_busy) return;
-    ucp_tag_recv_info_t info{};
-    ucp_tag_message_h m = ucp_tag_probe_nb(up.w->get(), 0, wire::kDataBit, 1, &info);
-    if (m == nullptr) return;
-    Op* op = new_op(Op::kJunkRecv, up.w->get());
-    op->gen = up.gen;
-    op->msg.resize(64);
-    ucp_request_param_t p = recv_param(op);
-    up.junk_busy = true;
-    track(op, ucp_tag_msg_recv_nbx(up.w->get(), op->msg.data(), op->msg.size(), m, &p));
-    ++ignored;
-    status_dirty = true;
-    rlog.log("ignored", "a tagged message that is not chunk bytes on the upstream's worker: dropped", mono_ns());
+    if (!up.w || up.state == Up::kIdle) return;
+    while (up.junk_busy < kJunkBatch) {
+      ucp_tag_recv_info_t info{};
+      ucp_tag_message_h m = ucp_tag_probe_nb(up.w->get(), 0, wire::kDataBit, 1, &info);
+      if (m == nullptr) {
+        m = ucp_tag_probe_nb(up.w->get(), wire::kDataBit, wire::kDataBit, 0, &info);
+        if (m == nullptr) return;
+        if (up.state == Up::kAuthed) {
+          const std::uint32_t serial = static_cast<std::uint32_t>(info.sender_tag >> 32) & wire::kSerialMask;
+          const std::uint32_t cur = wire::data_serial(up.tag_base, up.syncs_begun);
+          if (((serial - cur) & wire::kSerialMask) <= up.ctrl.size() + 1) return;  // awaited, or soon
+        }
+        m = ucp_tag_probe_nb(up.w->get(), info.sender_tag, wire::kFullMask, 1, &info);
+        if (m == nullptr) return;
+      }
+      Op* op = new_op(Op::kJunkRecv, up.w->get());
+      op->gen = up.gen;
+      op->msg.resize(64);
+      ucp_request_param_t p = recv_param(op);
+      ++up.junk_busy;
+      track(op, ucp_tag_msg_recv_nbx(up.w->get(), op->msg.data(), op->msg.size(), m, &p));
+      ++ignored;
+      status_dirty = true;
+      rlog.log("ignored", "a tagged message that is not chunk bytes of this sync on the upstream's worker: dropped",
+               mono_ns());
+    }
   }
 
   // Why chunks of `chunk_bytes` do not fit this node ("" when they do).
@@ -2130,8 +2153,8 @@ struct Relay::Impl {
         return;
       }
       case Op::kJunkRecv: {
-        if (op->worker == (lw ? lw->get() : nullptr)) lw_junk_busy = false;
-        else if (op->gen == up.gen) up.junk_busy = false;
+        if (op->worker == (lw ? lw->get() : nullptr)) --lw_junk_busy;
+        else if (op->gen == up.gen && up.junk_busy > 0) --up.junk_busy;
         return;
       }
       case Op::kClose: {  // a downstream's data endpoint is closed: service_downs() ends it
