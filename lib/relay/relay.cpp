@@ -215,13 +215,14 @@ struct Down {
   std::int64_t closing_ns = 0;
   std::unique_ptr<EpArg> arg;
   std::string peer;
-  std::string source;    // the peer's address without the port (Admission)
+  std::string source;    // the peer's address without the port (its data connection comes from it)
   bool pending = false;  // counted by the listener's Admission (handshake not done)
   State state = kHandshake;
   auth::Transcript tr;
   std::string session;
   std::uint64_t send_seq = 0;
   std::int64_t deadline_ns = 0;
+  std::int64_t first_deadline_ns = 0;  // for its response to the challenge (kHandshake)
   std::int64_t since_unix_ns = 0;
   std::uint64_t version = 0;  // sync it takes part in (kActive)
   std::uint64_t frags_sent = 0;  // of the sync in progress
@@ -564,7 +565,9 @@ struct Relay::Impl {
   bool kick_lw = false, kick_up = false;  // requests were posted: wake the worker's progress thread
   std::map<std::uint64_t, std::unique_ptr<Down>> downs;
   std::uint64_t next_conn = 1;
-  bool lw_junk_busy = false;  // a tagged message on the listener's worker is being drained
+  std::int64_t accept_paused_until_ns = 0;  // accept4 ran out of descriptors: listen_fd is not polled until then
+  int lw_junk_busy = 0;  // tagged messages on the listener's worker being drained
+  static constexpr int kJunkBatch = 64;  // junk receives posted per pass, and in flight, at most
   std::uint64_t refused = 0;  // downstreams refused at the handshake (wrong key, region)
   std::uint64_t rejected = 0; // connections refused at once (too many pending handshakes)
   std::uint64_t ignored = 0;  // junk: tagged messages that are not chunk bytes
@@ -601,7 +604,7 @@ struct Relay::Impl {
     std::uint64_t recv_seq = 0;
     std::uint32_t tag_base = 0;     // of this connection's data tags
     std::uint64_t syncs_begun = 0;  // sync messages received on it
-    bool junk_busy = false;         // a tagged message that is not chunk bytes is being drained
+    int junk_busy = 0;              // tagged messages that are not chunk bytes being drained
     std::deque<std::vector<std::uint8_t>> ctrl;  // verified, not yet acted on
     std::uint64_t chunk_bytes = 0;               // the source's slot size, once known
     std::int64_t since_unix_ns = 0;
@@ -735,7 +738,7 @@ struct Relay::Impl {
     std::uint32_t region_consumers = 0;
     std::string region_error;
   } st;
-  std::int64_t next_status_ns = 0;
+  std::int64_t next_status_ns = 0, next_status_write_ns = 0;
   std::atomic<bool> status_dirty{true};
 
   explicit Impl(RelayOptions opts)
@@ -763,6 +766,8 @@ struct Relay::Impl {
     if (o.max_pending == 0 || o.max_pending_per_source == 0)
       throw Error(Errc::kInvalidArgument, "max_pending and max_pending_per_source must be at least 1");
     if (o.max_lag.count() <= 0) throw Error(Errc::kInvalidArgument, "max_lag must be positive");
+    if (o.first_response_timeout.count() <= 0)
+      throw Error(Errc::kInvalidArgument, "first_response_timeout must be positive");
     status_path = o.status_path.empty() ? default_status_path(o.region) : o.status_path;
     if (status_path == "-") status_path.clear();
     wake_fd = ::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
@@ -949,24 +954,35 @@ struct Relay::Impl {
   }
 
   void accept_conns() {
-    if (listen_fd < 0) return;
+    if (listen_fd < 0 || mono_ns() < accept_paused_until_ns) return;
     for (int i = 0; i < 256; ++i) {  // then the rest of the loop's work
       sockaddr_storage ss{};
       socklen_t len = sizeof ss;
       const int fd = ::accept4(listen_fd, reinterpret_cast<sockaddr*>(&ss), &len, SOCK_NONBLOCK | SOCK_CLOEXEC);
       if (fd < 0) {
         if (errno == EINTR || errno == ECONNABORTED) continue;
-        if (errno != EAGAIN && errno != EWOULDBLOCK)
-          rlog.log("accept", std::string("accept: ") + std::strerror(errno), mono_ns());  // EMFILE: the next loop retries
+        if (errno == EAGAIN || errno == EWOULDBLOCK) return;
+        const int err = errno;
+        rlog.log("accept", std::string("accept: ") + std::strerror(err), mono_ns());
+        // Out of descriptors (or kernel memory): the connection stays in the
+        // backlog and the socket stays readable, so polling it would spin.
+        // It is left alone for 100 ms (wait_events), while connections that
+        // end free descriptors.
+        if (err == EMFILE || err == ENFILE || err == ENOBUFS || err == ENOMEM)
+          accept_paused_until_ns = mono_ns() + 100'000'000;
         return;
       }
       CtrlSocket sock(fd);
-      const std::string peer = ucx::sockaddr_str(ss), src = source_of(ss);
+      const std::string peer = ucx::sockaddr_str(ss), src = source_key(ss);
       if (stopping) continue;  // closed
       // At most o.max_pending handshakes at once, o.max_pending_per_source
-      // from one address: the rest are closed now, before they hold
-      // anything (docs/relay.md, "Limits").
-      if (!admission.admit(src)) {
+      // from one address (an IPv6 /64): a newcomer beyond either takes the
+      // place of an older one, which is closed (Admission; docs/relay.md,
+      // "Limits").
+      const std::uint64_t id = next_conn_id(&next_conn, [this](std::uint64_t id) { return downs.count(id) != 0; });
+      std::uint64_t evict = 0;
+      const Admission::Verdict verdict = admission.admit(src, id, mono_ns(), &evict);
+      if (verdict == Admission::Verdict::kRefused) {
         ++rejected;
         status_dirty = true;
         rlog.log("reject", "connection from " + peer + " refused at once: " + std::to_string(admission.pending()) +
@@ -976,17 +992,23 @@ struct Relay::Impl {
                  mono_ns());
         continue;
       }
+      if (verdict == Admission::Verdict::kEvicted)
+        if (auto v = downs.find(evict); v != downs.end()) {
+          v->second->pending = false;  // Admission let it go already
+          drop_down(*v->second, "evicted: it sent no response, and " + peer + " needs its pending slot");
+        }
       ctrl_tune(fd);
       auto d = std::make_unique<Down>();
-      d->id = next_conn_id(&next_conn, [this](std::uint64_t id) { return downs.count(id) != 0; });
+      d->id = id;
       d->sock = std::move(sock);
       d->peer = peer;
-      d->source = src;
+      d->source = source_of(ss);  // its exact address (its data connection must come from it)
       d->pending = true;
       d->tr.region = o.region;
       d->tr.conn = d->id;
       d->tr.server_nonce = auth::nonce();
       d->deadline_ns = mono_ns() + o.handshake_timeout.count();
+      d->first_deadline_ns = mono_ns() + std::min(o.first_response_timeout, o.handshake_timeout).count();
       d->since_unix_ns = unix_ns();
       Down& dr = *d;
       downs.emplace(d->id, std::move(d));
@@ -1003,7 +1025,7 @@ struct Relay::Impl {
   void leave_pending(Down& d) {
     if (!d.pending) return;
     d.pending = false;
-    admission.release(d.source);
+    admission.release(d.id);
   }
 
   // Ends a downstream connection: its control channel closes once what was
@@ -1037,7 +1059,10 @@ struct Relay::Impl {
     Writer w(Type::kRefused);
     w.str(why);
     send_down(d, w, false);
-    note_error("refused " + d.peer + ": " + why);
+    // A connection that never proved the key is anyone's: what it sent (a
+    // region name) goes to the rate-limited log, never to the status file's
+    // last_error (the refused count says it happened).
+    status_dirty = true;
     drop_down(d, "refused: " + why, false);
   }
 
@@ -1176,7 +1201,9 @@ struct Relay::Impl {
       std::lock_guard<std::mutex> g(sink.mu);
       list.swap(sink.conns);
     }
-    for (auto& [id, req] : list) {
+    for (std::size_t i = 0; i < list.size(); ++i) {
+      const auto [id, req] = list[i];
+      if (req == nullptr) continue;  // rejected below, with its listener's first
       auto it = downs.find(id);
       if (it == downs.end() || !it->second->listener) continue;  // its listener is gone, and the request with it
       Down& d = *it->second;
@@ -1200,6 +1227,17 @@ struct Relay::Impl {
       ep.err_handler.cb = ep_error_cb;
       ep.err_handler.arg = d.arg.get();
       const ucs_status_t st = ucp_ep_create(lw->get(), &ep, &d.ep);
+      // Later requests for this connection in the same batch are refused
+      // before its listener goes (close_data_listener refuses only those
+      // still in the sink): each request is answered, none left dangling.
+      for (std::size_t k = i + 1; k < list.size(); ++k)
+        if (list[k].first == d.id && list[k].second != nullptr) {
+          ucp_listener_reject(d.listener, list[k].second);
+          list[k].second = nullptr;
+          rlog.log("reject", "data connection for downstream " + std::to_string(d.id) +
+                                 " refused (it has its data connection)",
+                   mono_ns());
+        }
       close_data_listener(d);
       if (st != UCS_OK) {
         d.ep = nullptr;
@@ -1216,25 +1254,41 @@ struct Relay::Impl {
   // there is junk (a peer that reached UCX's own port). Drained, so that it
   // does not pile up in UCX's unexpected queue.
   void drain_lw_junk() {
-    if (!lw || lw_junk_busy) return;
-    ucp_tag_recv_info_t info{};
-    ucp_tag_message_h m = ucp_tag_probe_nb(lw->get(), 0, 0, 1, &info);
-    if (m == nullptr) return;
-    Op* op = new_op(Op::kJunkRecv, lw->get());
-    op->msg.resize(64);  // a larger one is received truncated (an error), and dropped all the same
-    ucp_request_param_t p = recv_param(op);
-    lw_junk_busy = true;
-    track(op, ucp_tag_msg_recv_nbx(lw->get(), op->msg.data(), op->msg.size(), m, &p));
-    ++ignored;
-    status_dirty = true;
-    rlog.log("ignored", "a tagged message of " + std::to_string(info.length) + " bytes on the downstream worker: dropped",
-             mono_ns());
+    while (lw && lw_junk_busy < kJunkBatch) {  // a batch per pass
+      ucp_tag_recv_info_t info{};
+      ucp_tag_message_h m = ucp_tag_probe_nb(lw->get(), 0, 0, 1, &info);
+      if (m == nullptr) return;
+      Op* op = new_op(Op::kJunkRecv, lw->get());
+      op->msg.resize(64);  // a larger one is received truncated (an error), and dropped all the same
+      ucp_request_param_t p = recv_param(op);
+      ++lw_junk_busy;
+      track(op, ucp_tag_msg_recv_nbx(lw->get(), op->msg.data(), op->msg.size(), m, &p));
+      ++ignored;
+      status_dirty = true;
+      rlog.log("ignored",
+               "a tagged message of " + std::to_string(info.length) + " bytes on the downstream worker: dropped",
+               mono_ns());
+    }
   }
 
-  // What a peer wrote, fit for one log line.
+  // What a peer wrote, fit for one log line and for the status file's JSON:
+  // control bytes become '?', bytes from 0x80 up "\\xNN" (a peer's bytes
+  // need not be UTF-8, which JSON requires).
   static std::string printable(const std::string& s, std::size_t max = 300) {
+    static constexpr char kHex[] = "0123456789abcdef";
     std::string out;
-    for (char c : s.substr(0, max)) out += (static_cast<unsigned char>(c) < 0x20 || c == 0x7f) ? '?' : c;
+    for (char ch : s.substr(0, max)) {
+      const auto c = static_cast<unsigned char>(ch);
+      if (c < 0x20 || c == 0x7f) {
+        out += '?';
+      } else if (c >= 0x80) {
+        out += "\\x";
+        out += kHex[c >> 4];
+        out += kHex[c & 15];
+      } else {
+        out += ch;
+      }
+    }
     if (s.size() > max) out += "...";
     return out;
   }
@@ -1455,7 +1509,7 @@ struct Relay::Impl {
     up.session.clear();
     up.syncs_begun = 0;
     up.ctrl.clear();
-    up.junk_busy = false;
+    up.junk_busy = 0;
     ++up.connects;
     set_state("connecting");
   }
@@ -1508,6 +1562,11 @@ struct Relay::Impl {
     fail_upstream(why + " (not proven: a peer without the key can send this too; retrying, --exit-on-refusal to "
                         "exit instead)",
                   true);
+    // What the peer wrote stays in upstream.last_refusal (and the log):
+    // last_error says what happened in the relay's own words.
+    up.last_error = "refused this relay or did not prove the key (unproven: the peer's text is in "
+                    "upstream.last_refusal); retrying";
+    note_error("upstream " + from_addr.str() + ": " + up.last_error);
   }
 
   // Forgets the sync being received; buffers of chunks received but not
@@ -1535,7 +1594,7 @@ struct Relay::Impl {
     ++up.gen;
     retired.push_back(Retired{std::move(up.arg), std::move(up.w), mono_ns()});
     up.ctrl.clear();
-    up.junk_busy = false;
+    up.junk_busy = 0;
   }
 
   void reap_retired() {
@@ -1613,21 +1672,41 @@ struct Relay::Impl {
   }
 
   // Tagged messages other than chunk bytes on the upstream's worker: junk
-  // (a peer that reached UCX's own port). Drained.
+  // (a peer that reached UCX's own port), drained a batch per pass. Junk
+  // is a tag without bit 63, or (once authenticated) a data tag whose serial
+  // is neither the current sync's nor that of a sync the upstream announced
+  // and this relay has not begun yet (its sync message still queued in
+  // up.ctrl, or the next one: its fragments may come before its message);
+  // before that, every tagged message. UCX shows only the first message of
+  // a tag and mask: junk queued behind a fragment that is awaited is
+  // drained once that fragment is taken.
   void drain_up_junk() {
-    if (!up.w || up.state == Up::kIdle || up.junk_busy) return;
-    ucp_tag_recv_info_t info{};
-    ucp_tag_message_h m = ucp_tag_probe_nb(up.w->get(), 0, wire::kDataBit, 1, &info);
-    if (m == nullptr) return;
-    Op* op = new_op(Op::kJunkRecv, up.w->get());
-    op->gen = up.gen;
-    op->msg.resize(64);
-    ucp_request_param_t p = recv_param(op);
-    up.junk_busy = true;
-    track(op, ucp_tag_msg_recv_nbx(up.w->get(), op->msg.data(), op->msg.size(), m, &p));
-    ++ignored;
-    status_dirty = true;
-    rlog.log("ignored", "a tagged message that is not chunk bytes on the upstream's worker: dropped", mono_ns());
+    if (!up.w || up.state == Up::kIdle) return;
+    while (up.junk_busy < kJunkBatch) {
+      ucp_tag_recv_info_t info{};
+      ucp_tag_message_h m = ucp_tag_probe_nb(up.w->get(), 0, wire::kDataBit, 1, &info);
+      if (m == nullptr) {
+        m = ucp_tag_probe_nb(up.w->get(), wire::kDataBit, wire::kDataBit, 0, &info);
+        if (m == nullptr) return;
+        if (up.state == Up::kAuthed) {
+          const std::uint32_t serial = static_cast<std::uint32_t>(info.sender_tag >> 32) & wire::kSerialMask;
+          const std::uint32_t cur = wire::data_serial(up.tag_base, up.syncs_begun);
+          if (((serial - cur) & wire::kSerialMask) <= up.ctrl.size() + 1) return;  // awaited, or soon
+        }
+        m = ucp_tag_probe_nb(up.w->get(), info.sender_tag, wire::kFullMask, 1, &info);
+        if (m == nullptr) return;
+      }
+      Op* op = new_op(Op::kJunkRecv, up.w->get());
+      op->gen = up.gen;
+      op->msg.resize(64);
+      ucp_request_param_t p = recv_param(op);
+      ++up.junk_busy;
+      track(op, ucp_tag_msg_recv_nbx(up.w->get(), op->msg.data(), op->msg.size(), m, &p));
+      ++ignored;
+      status_dirty = true;
+      rlog.log("ignored", "a tagged message that is not chunk bytes of this sync on the upstream's worker: dropped",
+               mono_ns());
+    }
   }
 
   // Why chunks of `chunk_bytes` do not fit this node ("" when they do).
@@ -2074,8 +2153,8 @@ struct Relay::Impl {
         return;
       }
       case Op::kJunkRecv: {
-        if (op->worker == (lw ? lw->get() : nullptr)) lw_junk_busy = false;
-        else if (op->gen == up.gen) up.junk_busy = false;
+        if (op->worker == (lw ? lw->get() : nullptr)) --lw_junk_busy;
+        else if (op->gen == up.gen && up.junk_busy > 0) --up.junk_busy;
         return;
       }
       case Op::kClose: {  // a downstream's data endpoint is closed: service_downs() ends it
@@ -2139,7 +2218,9 @@ struct Relay::Impl {
   void check_timers() {
     const std::int64_t now = mono_ns();
     for (auto& [id, d] : downs) {
-      if (d->state == Down::kHandshake && now > d->deadline_ns) drop_down(*d, "no handshake response in time");
+      if (d->state == Down::kHandshake && now > d->first_deadline_ns)
+        drop_down(*d, "no response to the challenge within " +
+                          std::to_string(o.first_response_timeout.count() / 1000000) + " ms (--first-response-timeout)");
       if (d->state == Down::kJoining && now > d->deadline_ns) drop_down(*d, "no data connection in time");
       if (d->state == Down::kActive && d->pending_data > 0 && now - d->progress_ns > o.peer_timeout.count())
         drop_down(*d, "took no chunk for " + std::to_string(o.peer_timeout.count() / 1000000) + " ms (stalled)");
@@ -2707,8 +2788,11 @@ struct Relay::Impl {
   void write_status(bool force) {
     if (status_path.empty()) return;
     const std::int64_t now = mono_ns();
-    if (!force && !status_dirty && now < next_status_ns) return;
+    // At most one write per 100 ms however often the state changes (a flood
+    // of connections changes it on every pass), and one a second at least.
+    if (!force && (now < next_status_write_ns || (!status_dirty && now < next_status_ns))) return;
     next_status_ns = now + 1'000'000'000;
+    next_status_write_ns = now + 100'000'000;
     status_dirty = false;
     nlohmann::json j;
     {
@@ -2764,14 +2848,17 @@ struct Relay::Impl {
     j["downstream_ready"] = ready;
     j["refused"] = refused;
     j["rejected"] = rejected;
+    j["evicted"] = admission.evicted();
     j["ignored"] = ignored;
     // A new file under a fresh name, then renamed over the status file
     // (shmcast/files.hpp): a link or another user's file planted in the
     // region directory is replaced, never written through or chmodded.
+    // Strings a peer sent are printable() already; replace keeps any other
+    // invalid UTF-8 from making dump() throw (it would end the relay).
     try {
-      replace_file(status_path, j.dump() + "\n", 0600);
+      replace_file(status_path, j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace) + "\n", 0600);
       status_failed = false;
-    } catch (const Error& e) {
+    } catch (const std::exception& e) {
       if (!status_failed) log(std::string("cannot write the status file (will retry): ") + e.what());
       status_failed = true;
     }
@@ -2811,7 +2898,7 @@ struct Relay::Impl {
       fds.push_back({up.w->fd(), POLLIN, 0});
     }
     // The control channels.
-    if (listen_fd >= 0) fds.push_back({listen_fd, POLLIN, 0});
+    if (listen_fd >= 0 && mono_ns() >= accept_paused_until_ns) fds.push_back({listen_fd, POLLIN, 0});
     for (const auto& [id, d] : downs)
       if (d->sock.is_open())
         fds.push_back({d->sock.fd(), static_cast<short>(POLLIN | (d->sock.want_write() ? POLLOUT : 0)), 0});

@@ -15,19 +15,27 @@
 //     and junk tags, for about 100 ms. Protocol 3: a forged response (a
 //     wrong proof), other message types, garbage and a frame that announces
 //     4 GiB. Reports "round N id I" per round, "sent M", "done".
-//   relay_attacker flood --to 127.0.0.1:PORT --conns N [--raw M] [--sustain 1] --seconds S --report FILE
+//   relay_attacker flood --to 127.0.0.1:PORT --conns N [--raw M] [--sustain 1] [--sources K] --seconds S --report FILE
 //     Opens N UCX connections (at most 1000) that never answer the
 //     challenge, and M plain TCP connections (at most 1000) that never send
 //     a byte, holds them for S seconds, then closes them. With --sustain 1,
 //     every connection the relay closes is opened again (at most N + M open
-//     at once) until the S seconds are over. Reports "opened N", "raw M",
-//     "rejected R" (UCX connections the relay refused or closed),
-//     "reopened K", "done".
+//     at once) until the S seconds are over. With --sources K the plain TCP
+//     connections come from 127.0.0.2 ... 127.0.0.(K+1) in turn. Reports
+//     "opened N", "raw M", "rejected R" (UCX connections the relay refused
+//     or closed), "reopened K", "done".
 //   relay_attacker fake-upstream --listen 127.0.0.1:PORT [--proto 2|3] --report FILE
 //     Listens where a relay's upstream would (port 0: any), reports
 //     "listening PORT", and answers every connection with "refused" (in
 //     protocol 3 on a TCP socket, the default, or 2 on a UCX listener), then
-//     closes it, until killed. Reports "refused N".
+//     closes it, until killed. Reports "refused N". With --bytes 1 (protocol
+//     3) its text is not UTF-8: every other connection gets a refusal whose
+//     text holds bytes 0x80-0xff, the others a challenge for a region whose
+//     name does.
+//   relay_attacker bad-response --to 127.0.0.1:PORT --seconds S --report FILE
+//     Protocol 3. Connects again and again for S seconds (at most 200
+//     times), and answers each challenge with a response for a region whose
+//     name is not UTF-8 (bytes 0x80-0xff). Reports "sent N", "done".
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <poll.h>
@@ -279,9 +287,21 @@ bool v2_challenge(ucp_worker_h w, Challenge* c) {
 
 // ---- protocol 3: framed messages on a TCP connection
 
+// --sources N: raw TCP connections come from 127.0.0.2 ... 127.0.0.(N+1) in
+// turn (0: the kernel's choice, 127.0.0.1).
+int g_sources = 0, g_next_source = 0;
+void bind_source(int fd) {
+  if (g_sources <= 0) return;
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl((127u << 24) | static_cast<std::uint32_t>(2 + g_next_source++ % g_sources));
+  (void)::bind(fd, reinterpret_cast<const sockaddr*>(&a), sizeof a);
+}
+
 int tcp_connect(const sockaddr_in& to) {
   const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
   if (fd < 0) return -1;
+  bind_source(fd);
   if (::connect(fd, reinterpret_cast<const sockaddr*>(&to), sizeof to) != 0) {
     ::close(fd);
     return -1;
@@ -466,6 +486,7 @@ int flood(const sockaddr_in& to, int conns, int raw, int seconds, bool sustain) 
     for (int i = 0; i < raw; ++i) {
       const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
       if (fd < 0) break;
+      bind_source(fd);
       if (::connect(fd, reinterpret_cast<const sockaddr*>(&to), sizeof to) == 0) {
         fds.push_back(fd);
       } else if (errno == EINPROGRESS) {
@@ -557,7 +578,36 @@ void on_conn(ucp_conn_request_h req, void*) {
   g_conns.push_back(req);
 }
 
-int fake_upstream_v3(const sockaddr_in& at) {
+// A string of bytes that is not UTF-8.
+const std::string kNotUtf8 = std::string("\xff\xfe\xc3\x28 region \x80\xbf");
+
+int bad_response(const sockaddr_in& to, int seconds) {
+  const auto end = std::chrono::steady_clock::now() + std::chrono::seconds(seconds);
+  int sent = 0;
+  for (int i = 0; i < 200 && std::chrono::steady_clock::now() < end; ++i) {
+    const int fd = tcp_connect(to);
+    if (fd < 0) {
+      std::this_thread::sleep_for(20ms);
+      continue;
+    }
+    const std::vector<std::uint8_t> ch = tcp_read_frame(fd, 2000);
+    std::uint16_t type = 0;
+    if (ch.size() >= 16) std::memcpy(&type, ch.data() + 4, 2);
+    if (type == kChallenge) {
+      Msg resp(kResponse);
+      resp.random(32).random(32).str(kNotUtf8);
+      tcp_frame(fd, resp.b);
+      report("sent " + std::to_string(++sent));
+      (void)tcp_read_frame(fd, 1000);  // the refusal
+    }
+    ::close(fd);
+    std::this_thread::sleep_for(20ms);
+  }
+  report("done");
+  return 0;
+}
+
+int fake_upstream_v3(const sockaddr_in& at, bool bad_bytes) {
   const int lfd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
   const int one = 1;
   ::setsockopt(lfd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
@@ -574,6 +624,14 @@ int fake_upstream_v3(const sockaddr_in& at) {
     Msg m(kRefused);
     m.str("wrong key (the downstream's SHMCAST_RELAY_KEY / --key-file differs from this relay's) [sent by "
           "relay_attacker, which holds no key]");
+    if (bad_bytes && refused % 2 == 0) {
+      m = Msg(kRefused);
+      m.str("wrong key " + kNotUtf8);
+    } else if (bad_bytes) {
+      m = Msg(kChallenge);
+      std::array<std::uint8_t, 32> nonce{};
+      m.u32(3).u64(1).raw(nonce.data(), nonce.size()).str(kNotUtf8);
+    }
     tcp_frame(fd, m.b);
     report("refused " + std::to_string(++refused));
     std::this_thread::sleep_for(50ms);
@@ -641,10 +699,10 @@ int fake_upstream(const sockaddr_in& at) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  if (argc < 2) die("usage: relay_attacker forge|flood|fake-upstream [options]");
+  if (argc < 2) die("usage: relay_attacker forge|flood|fake-upstream|bad-response [options]");
   const std::string mode = argv[1];
   std::string to, listen;
-  int seconds = 5, conns = 0, raw = 0, proto = 3, sustain = 0;
+  int seconds = 5, conns = 0, raw = 0, proto = 3, sustain = 0, bad_bytes = 0;
   for (int i = 2; i + 1 < argc; i += 2) {
     const std::string k = argv[i], v = argv[i + 1];
     if (k == "--to") to = v;
@@ -654,6 +712,8 @@ int main(int argc, char** argv) {
     else if (k == "--raw") raw = std::stoi(v);
     else if (k == "--proto") proto = std::stoi(v);
     else if (k == "--sustain") sustain = std::stoi(v);
+    else if (k == "--bytes") bad_bytes = std::stoi(v);
+    else if (k == "--sources") g_sources = std::stoi(v);
     else if (k == "--report") g_report = v;
     else die("unknown option " + k);
   }
@@ -666,6 +726,8 @@ int main(int argc, char** argv) {
   }
   if (mode == "forge") return forge(loopback(to), seconds);
   if (mode == "flood") return flood(loopback(to), conns, raw, seconds, sustain != 0);
-  if (mode == "fake-upstream") return proto == 2 ? fake_upstream(loopback(listen)) : fake_upstream_v3(loopback(listen));
+  if (mode == "fake-upstream")
+    return proto == 2 ? fake_upstream(loopback(listen)) : fake_upstream_v3(loopback(listen), bad_bytes != 0);
+  if (mode == "bad-response") return bad_response(loopback(to), seconds);
   die("unknown mode " + mode);
 }

@@ -341,23 +341,99 @@ TEST(RelayConfig, AddressesAndKeys) {
 }
 
 // Issue 27, item 3: at most N pending handshakes in total and M per source
-// address; a released one makes room again.
+// address; a released one makes room again; never more are pending.
 TEST(RelayGuard, AdmissionCapsPendingHandshakesInTotalAndPerSource) {
   relay::Admission a(5, 2);
-  EXPECT_TRUE(a.admit("10.0.0.1"));
-  EXPECT_TRUE(a.admit("10.0.0.1"));
-  EXPECT_FALSE(a.admit("10.0.0.1"));  // per source
-  EXPECT_TRUE(a.admit("10.0.0.2"));
-  EXPECT_TRUE(a.admit("10.0.0.2"));
-  EXPECT_TRUE(a.admit("10.0.0.3"));
-  EXPECT_FALSE(a.admit("10.0.0.4"));  // in total
+  std::uint64_t ev = 0, id = 0;
+  using V = relay::Admission::Verdict;
+  EXPECT_EQ(a.admit("10.0.0.1", ++id, 0, &ev), V::kAdmitted);
+  EXPECT_EQ(a.admit("10.0.0.1", ++id, 0, &ev), V::kAdmitted);
+  EXPECT_EQ(a.admit("10.0.0.1", ++id, 0, &ev), V::kEvicted);  // per source: its own oldest goes
+  EXPECT_EQ(ev, 1u);
+  EXPECT_EQ(a.pending_from("10.0.0.1"), 2u);
+  EXPECT_EQ(a.admit("10.0.0.2", ++id, 0, &ev), V::kAdmitted);
+  EXPECT_EQ(a.admit("10.0.0.2", ++id, 0, &ev), V::kAdmitted);
+  EXPECT_EQ(a.admit("10.0.0.3", ++id, 0, &ev), V::kAdmitted);
   EXPECT_EQ(a.pending(), 5u);
-  EXPECT_EQ(a.refused(), 2u);
-  a.release("10.0.0.1");
+  a.release(2);
   EXPECT_EQ(a.pending_from("10.0.0.1"), 1u);
-  EXPECT_TRUE(a.admit("10.0.0.4"));
-  a.release("never-admitted");  // ignored
+  EXPECT_EQ(a.admit("10.0.0.4", ++id, 0, &ev), V::kAdmitted);
+  a.release(9999);  // never admitted: ignored
   EXPECT_EQ(a.pending(), 5u);
+  EXPECT_EQ(a.evicted(), 1u);
+  EXPECT_EQ(a.refused(), 0u);
+}
+
+// Review of issue 27, M2: when a cap is full the newcomer is not refused
+// (idle connections would keep a keyed peer out): it takes the place of the
+// oldest pending connection of its own source when that cap is full, else
+// of the oldest of the source that holds the most, so a peer with one
+// pending connection is evicted only when every source holds one. Before
+// the fix the newcomer was refused (Admission had no eviction).
+TEST(RelayGuard, AdmissionEvictsTheOldestIdleConnectionInsteadOfRefusingTheNewcomer) {
+  using V = relay::Admission::Verdict;
+  relay::Admission a(4, 3);
+  std::uint64_t ev = 0;
+  ASSERT_EQ(a.admit("10.0.0.9", 1, 0, &ev), V::kAdmitted);  // the keyed peer, first
+  ASSERT_EQ(a.admit("10.0.0.1", 2, 0, &ev), V::kAdmitted);
+  ASSERT_EQ(a.admit("10.0.0.1", 3, 0, &ev), V::kAdmitted);
+  ASSERT_EQ(a.admit("10.0.0.2", 4, 0, &ev), V::kAdmitted);
+  // Full in total: the newcomer (another source) takes the place of
+  // 10.0.0.1's oldest (it holds the most), not of 1 (older, but alone).
+  EXPECT_EQ(a.admit("10.0.0.3", 5, 0, &ev), V::kEvicted);
+  EXPECT_EQ(ev, 2u);
+  // Now 9, 1, 2, 3 hold one each: the oldest of all goes.
+  EXPECT_EQ(a.admit("10.0.0.4", 6, 0, &ev), V::kEvicted);
+  EXPECT_EQ(ev, 1u);
+  EXPECT_EQ(a.pending(), 4u);
+  EXPECT_EQ(a.evicted(), 2u);
+  // A flood from one source only ever evicts its own.
+  relay::Admission b(10, 2);
+  ASSERT_EQ(b.admit("10.0.0.9", 10, 0, &ev), V::kAdmitted);
+  for (std::uint64_t id = 11; id < 100; ++id) {
+    const V v = b.admit("10.0.0.1", id, 0, &ev);
+    EXPECT_NE(v, V::kRefused);
+    if (v == V::kEvicted) EXPECT_NE(ev, 10u);
+  }
+  EXPECT_EQ(b.pending_from("10.0.0.9"), 1u);
+  EXPECT_EQ(b.pending_from("10.0.0.1"), 2u);
+  // Many sources filling the total cap never evict a lone connection while
+  // some source holds two.
+  relay::Admission t(8, 4);
+  ASSERT_EQ(t.admit("10.0.0.9", 200, 0, &ev), V::kAdmitted);
+  for (std::uint64_t id = 201; id < 400; ++id) {
+    const V v = t.admit("10.0.1." + std::to_string(id % 3), id, 0, &ev);
+    if (v == V::kEvicted) EXPECT_NE(ev, 200u);
+  }
+  EXPECT_EQ(t.pending_from("10.0.0.9"), 1u);
+  // A released (authenticated) connection is never evicted.
+  relay::Admission r(1, 1);
+  ASSERT_EQ(r.admit("10.0.0.1", 1, 0, &ev), V::kAdmitted);
+  r.release(1);
+  EXPECT_EQ(r.admit("10.0.0.1", 2, 0, &ev), V::kAdmitted);
+}
+
+// Review of issue 27, M2: the per-source cap counts an IPv6 /64 as one
+// source (one host holds a whole /64); IPv4 and IPv4-mapped addresses count
+// one each. Before the fix each IPv6 address was its own source.
+TEST(RelayGuard, AdmissionSourceIsTheIpv4AddressOrTheIpv6Slash64) {
+  auto v6 = [](const char* text) {
+    sockaddr_storage ss{};
+    auto* a = reinterpret_cast<sockaddr_in6*>(&ss);
+    a->sin6_family = AF_INET6;
+    a->sin6_port = htons(4242);
+    EXPECT_EQ(::inet_pton(AF_INET6, text, &a->sin6_addr), 1) << text;
+    return ss;
+  };
+  sockaddr_storage v4{};
+  reinterpret_cast<sockaddr_in*>(&v4)->sin_family = AF_INET;
+  reinterpret_cast<sockaddr_in*>(&v4)->sin_port = htons(4242);
+  ::inet_pton(AF_INET, "192.0.2.7", &reinterpret_cast<sockaddr_in*>(&v4)->sin_addr);
+  EXPECT_EQ(relay::source_key(v4), "192.0.2.7");
+  EXPECT_EQ(relay::source_key(v6("2001:db8:1:2::1")), "2001:db8:1:2::/64");
+  EXPECT_EQ(relay::source_key(v6("2001:db8:1:2:ffff:1:2:3")), "2001:db8:1:2::/64");
+  EXPECT_NE(relay::source_key(v6("2001:db8:1:3::1")), "2001:db8:1:2::/64");
+  EXPECT_EQ(relay::source_key(v6("::ffff:192.0.2.7")), "192.0.2.7");
 }
 
 // Issue 27, item 3: a topic prints `burst` lines per window, then counts;

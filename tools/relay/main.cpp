@@ -71,7 +71,7 @@ int main(int argc, char** argv) {
   bool no_checksums = false, region_checksums = false, group_access = false, inline_progress = false,
        direct = false, exit_on_refusal = false;
   std::uint32_t slots = 4, max_consumers = 8, buffers = 4, max_pending = 64, max_pending_per_source = 8;
-  double consumer_timeout = 60, peer_timeout = 20, handshake_timeout = 10, upstream_timeout = 90, max_lag = 0.3;
+  double consumer_timeout = 60, peer_timeout = 20, handshake_timeout = 10, first_response_timeout = 2, upstream_timeout = 90, max_lag = 0.3;
   app.add_option("region", region, "Region name (the same on every node)")->required();
   app.add_option("--from", from, "Upstream relay HOST:PORT (omit on the source node)");
   app.add_option("--listen", listen, "Accept downstream relays on HOST:PORT (port 0: any free port)");
@@ -93,6 +93,9 @@ int main(int argc, char** argv) {
                  "Seconds the upstream may send nothing in the middle of a sync before it is dropped")
       ->check(CLI::Range(0.1, 86400.0));
   app.add_option("--handshake-timeout", handshake_timeout, "Seconds for a connection's key handshake")
+      ->check(CLI::Range(0.1, 3600.0));
+  app.add_option("--first-response-timeout", first_response_timeout,
+                 "Seconds a connection to the listener may take to answer the challenge (default 2)")
       ->check(CLI::Range(0.1, 3600.0));
   app.add_option("--max-lag", max_lag,
                  "Seconds a downstream may lag behind the other downstream relays (not taking a fragment they took) "
@@ -149,6 +152,7 @@ int main(int argc, char** argv) {
   auto secs = [](double s) { return std::chrono::nanoseconds(static_cast<std::int64_t>(s * 1e9)); };
   o.peer_timeout = secs(peer_timeout);
   o.handshake_timeout = secs(handshake_timeout);
+  o.first_response_timeout = secs(first_response_timeout);
   o.max_lag = secs(max_lag);
   o.max_pending = max_pending;
   o.max_pending_per_source = max_pending_per_source;

@@ -86,10 +86,17 @@ struct RelayOptions {
   // saved a core per node but did not raise the rate over TCP.
   bool direct_receive = false;
   Duration handshake_timeout = std::chrono::seconds(10);
+  // A connection to the listener must send its response to the challenge
+  // within this (the rest of the handshake has handshake_timeout): a peer
+  // that sends nothing holds a pending slot this long at most.
+  Duration first_response_timeout = std::chrono::seconds(2);
   // Connections that have not proven the key yet: at most max_pending at
-  // once, and at most max_pending_per_source from one source address; a
-  // connection beyond either is refused at once (a flood of connections
-  // without the key holds a bounded number of descriptors).
+  // once, and at most max_pending_per_source from one source address (an
+  // IPv6 /64 counts as one). A newcomer beyond either takes the place of
+  // the oldest pending connection of its own source when that cap is full,
+  // else of the oldest of the source holding the most; that one is closed.
+  // A flood of connections without the key holds a bounded number of
+  // descriptors, and cannot keep keyed peers on other addresses out.
   std::uint32_t max_pending = 64;
   std::uint32_t max_pending_per_source = 8;
   // A downstream relay that has not taken a fragment which another
