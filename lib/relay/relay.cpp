@@ -571,6 +571,7 @@ struct Relay::Impl {
   std::uint64_t refused = 0;  // downstreams refused at the handshake (wrong key, region)
   std::uint64_t rejected = 0; // connections refused at once (too many pending handshakes)
   std::uint64_t ignored = 0;  // junk: tagged messages that are not chunk bytes
+  std::uint64_t unproven = 0; // connections dropped before they proved the key (deadlines, bad proofs, closes)
   Admission admission;
   RateLog rlog;
 
@@ -1036,8 +1037,12 @@ struct Relay::Impl {
     const std::string line = "downstream " + std::to_string(d.id) + " (" + d.peer + ") dropped: " + why;
     // Connections that never proved the key are anyone's: their drops are
     // rate-limited; an authenticated downstream's always print.
-    if (d.state == Down::kHandshake) rlog.log("drop", line, mono_ns());
-    else log(line);
+    if (d.state == Down::kHandshake) {
+      ++unproven;
+      rlog.log("drop", line, mono_ns());
+    } else {
+      log(line);
+    }
     if (d.state == Down::kActive) {
       std::lock_guard<std::mutex> g(smu);
       st.last_error = "downstream " + d.peer + ": " + why;
@@ -2850,6 +2855,7 @@ struct Relay::Impl {
     j["rejected"] = rejected;
     j["evicted"] = admission.evicted();
     j["ignored"] = ignored;
+    j["unproven"] = unproven;
     // A new file under a fresh name, then renamed over the status file
     // (shmcast/files.hpp): a link or another user's file planted in the
     // region directory is replaced, never written through or chmodded.
