@@ -111,7 +111,9 @@ struct Pieces {
 };
 
 // What a rank does at a step.
-enum class Act { kSend, kSkip, kSkipSync, kAbortMid, kBadPieces };
+// kAbortMid: writes its first tensor, then aborts; kAbortFirst: aborts
+// before writing anything (the sync can then never complete).
+enum class Act { kSend, kSkip, kSkipSync, kAbortMid, kAbortFirst, kBadPieces };
 
 struct Script {
   std::string name;
@@ -188,8 +190,8 @@ int run_rank(const Script& sc, Board* b, int r) {
         const std::uint64_t v = p.begin_sync(pc.specs, want);
         if (v != static_cast<std::uint64_t>(s)) rc = 10;  // every step takes one round: versions are steps
         if (sc.after_begin) sc.after_begin(r, s);
-        if (a == Act::kAbortMid) {
-          p.write(0, pc.data[0].data());
+        if (a == Act::kAbortMid || a == Act::kAbortFirst) {
+          if (a == Act::kAbortMid) p.write(0, pc.data[0].data());
           p.abort_sync("rank " + std::to_string(r) + "'s caller threw in the middle of step " + std::to_string(s));
           rc = kSkipped;
         } else {
@@ -440,7 +442,8 @@ TEST(ShardedRounds, SkipSyncKeepsNumberedRoundsInStep) {
 }
 
 // Item 3, a rank's exception in the middle of a sync: rank 1's caller
-// aborts sync 2 after its first write (R = 3). Rank 0 and rank 2: Aborted
+// aborts sync 2 after begin_sync, before it writes (R = 3: rank 1's piece is
+// one tensor, so once it is written rank 0 may complete the sync first). Rank 0 and rank 2: Aborted
 // with rank 1's reason; the next syncs work. (The abort used to wedge every
 // later sync, as a consumer timeout did.)
 TEST(ShardedRounds, ARanksExceptionMidSyncFailsOneSyncOnly) {
@@ -449,7 +452,7 @@ TEST(ShardedRounds, ARanksExceptionMidSyncFailsOneSyncOnly) {
   sc.name = unique_name("rthrow");
   RegionGuard g{sc.name};
   sc.R = 3;
-  sc.act = [](int r, int s) { return r == 1 && s == 2 ? Act::kAbortMid : Act::kSend; };
+  sc.act = [](int r, int s) { return r == 1 && s == 2 ? Act::kAbortFirst : Act::kSend; };
   Procs ps;
   ps.start_consumers(sc.name, b, 2, 1, 7, false);
   ps.start_ranks(sc, b);
@@ -850,7 +853,10 @@ TEST(ShardedRounds, OnlyTheAbandoningRankWritesTheReasonOthersWaitForIt) {
   RegionGuard g{sc.name};
   sc.R = 3;
   sc.steps = 4;
-  sc.act = [](int r, int s) { return r == 1 && s == 2 ? Act::kAbortMid : Act::kSend; };
+  // Rank 1 aborts before it writes: with its first tensor written, its
+  // whole piece could be in and rank 0 could complete the sync before the
+  // abort (a success on every rank, as under TSan once).
+  sc.act = [](int r, int s) { return r == 1 && s == 2 ? Act::kAbortFirst : Act::kSend; };
   sc.in_process = [b](int r) {
     if (r == 1)
       on_point(TestPoint::kAbandonWon, 2, [b](const TestPointArgs&) {
