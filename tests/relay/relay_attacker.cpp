@@ -21,9 +21,14 @@
 //     a byte, holds them for S seconds, then closes them. With --sustain 1,
 //     every connection the relay closes is opened again (at most N + M open
 //     at once) until the S seconds are over. With --sources K the plain TCP
-//     connections come from 127.0.0.2 ... 127.0.0.(K+1) in turn. Reports
-//     "opened N", "raw M", "rejected R" (UCX connections the relay refused
-//     or closed), "reopened K", "done".
+//     connections come from 127.0.0.2 ... 127.0.0.(K+1) in turn. The UCX
+//     connections are made by child processes, 50 each: UCX's client side
+//     can die of an assertion when a relay closes a connection that is
+//     still connecting, and a group that dies is started again (its
+//     connections with it) instead of ending the whole flood. Reports
+//     "opened N", "raw M", "flooding", then "crashed C" (groups started
+//     again), "rejected R" (UCX connections the relay refused or closed),
+//     "reopened K", "done".
 //   relay_attacker fake-upstream --listen 127.0.0.1:PORT [--proto 2|3] --report FILE
 //     Listens where a relay's upstream would (port 0: any), reports
 //     "listening PORT", and answers every connection with "refused" (in
@@ -38,19 +43,24 @@
 //     name is not UTF-8 (bytes 0x80-0xff). Reports "sent N", "done".
 #include <arpa/inet.h>
 #include <netinet/in.h>
+#include <fcntl.h>
 #include <poll.h>
+#include <sys/prctl.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
+#include <sys/wait.h>
 #include <ucp/api/ucp.h>
 #include <unistd.h>
 
 #include <array>
+#include <csignal>
 #include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
 #include <fstream>
+#include <memory>
 #include <mutex>
 #include <random>
 #include <string>
@@ -459,23 +469,150 @@ int forge(const sockaddr_in& to, int seconds) {
   return 0;
 }
 
+// One group of the flood's UCX connections, in a child process of its own
+// with its own UCX context: UCX 1.13's client side can die of an assertion
+// (tcp_sockcm_ep.c:80, `cep->comm_ctx.offset == 0`) when a server closes a
+// connection that is still connecting, which is what a relay under flood
+// does. A group that dies so takes only its own connections with it, and
+// the parent opens them again (a flood that reconnects). Writes "opened N"
+// on `out` once its connections are made, and "rejected R reopened K" when
+// its time is over.
+[[noreturn]] void flood_group(int out, const sockaddr_in& to, int n, std::chrono::steady_clock::time_point end,
+                              bool sustain) {
+  ucp_context_h ctx = make_context();
+  ucp_worker_h w = make_worker(ctx);
+  set_am(w);
+  std::vector<std::unique_ptr<EpState>> states;
+  std::vector<ucp_ep_h> eps;
+  for (int i = 0; i < n; ++i) {
+    states.push_back(std::make_unique<EpState>());
+    ucp_ep_h ep = connect_to(w, to, states.back().get());
+    if (ep) eps.push_back(ep);
+    else states.pop_back();
+    ucp_worker_progress(w);
+  }
+  const auto say = [out](const std::string& line) {
+    const std::string l = line + "\n";
+    (void)!::write(out, l.data(), l.size());
+  };
+  say("opened " + std::to_string(eps.size()));
+  std::uint64_t reopened = 0, rejected = 0;
+  while (std::chrono::steady_clock::now() < end) {
+    const unsigned progressed = ucp_worker_progress(w);
+    if (sustain) {
+      // UCX connections the relay refused or closed: again (a few per round,
+      // so the loop keeps progressing).
+      int budget = 8;
+      for (std::size_t i = 0; i < eps.size() && budget > 0; ++i) {
+        if (!states[i]->failed) continue;
+        ++rejected;
+        close_ep(w, eps[i]);
+        states[i] = std::make_unique<EpState>();
+        ucp_ep_h ep = connect_to(w, to, states[i].get());
+        if (ep == nullptr) {
+          states[i]->failed = true;  // retried next round
+          continue;
+        }
+        eps[i] = ep;
+        ++reopened;
+        --budget;
+      }
+    }
+    if (progressed == 0) std::this_thread::sleep_for(1ms);
+  }
+  for (const auto& st : states) rejected += st->failed ? 1 : 0;
+  say("rejected " + std::to_string(rejected) + " reopened " + std::to_string(reopened));
+  for (ucp_ep_h ep : eps) close_ep(w, ep);
+  ucp_worker_destroy(w);
+  ucp_cleanup(ctx);
+  ::_exit(0);
+}
+
+struct Group {
+  pid_t pid = -1;
+  int fd = -1;  // the read end of its pipe
+  int size = 0;
+  int opened = -1;  // -1: not reported yet
+  std::uint64_t rejected = 0, reopened = 0;
+  std::string buf;
+};
+
+void start_group(Group& g, const sockaddr_in& to, std::chrono::steady_clock::time_point end, bool sustain) {
+  int p[2];
+  if (::pipe2(p, O_CLOEXEC) != 0) die(std::string("pipe2: ") + std::strerror(errno));
+  const pid_t parent = ::getpid();
+  const pid_t pid = ::fork();
+  if (pid < 0) die(std::string("fork: ") + std::strerror(errno));
+  if (pid == 0) {
+    // Only the pipe: the parent's TCP connections stay the parent's.
+    if (::dup2(p[1], 3) != 3) ::_exit(2);
+    ::close_range(4, ~0u, 0);
+    (void)::prctl(PR_SET_PDEATHSIG, SIGKILL);  // a flood killed with -9 takes its groups along
+    if (::getppid() != parent) ::_exit(0);
+    flood_group(3, to, g.size, end, sustain);
+  }
+  ::close(p[1]);
+  if (g.fd >= 0) ::close(g.fd);
+  g.pid = pid;
+  g.fd = p[0];
+  g.opened = -1;
+  g.buf.clear();
+}
+
+// Reads what a group wrote; false once its pipe is closed.
+bool read_group(Group& g) {
+  char b[256];
+  const ssize_t n = ::read(g.fd, b, sizeof b);
+  if (n <= 0) return n < 0 && (errno == EAGAIN || errno == EINTR);
+  g.buf.append(b, static_cast<std::size_t>(n));
+  for (std::size_t nl; (nl = g.buf.find('\n')) != std::string::npos;) {
+    const std::string line = g.buf.substr(0, nl);
+    g.buf.erase(0, nl + 1);
+    unsigned long long a = 0, c = 0;
+    if (std::sscanf(line.c_str(), "opened %llu", &a) == 1) {
+      g.opened = static_cast<int>(a);
+    } else if (std::sscanf(line.c_str(), "rejected %llu reopened %llu", &a, &c) == 2) {
+      g.rejected += a;
+      g.reopened += c;
+    }
+  }
+  return true;
+}
+
+// What an ended group wrote last (its pipe is at its end: bounded).
+void drain_group(Group& g) {
+  for (int i = 0; i < 64 && g.fd >= 0; ++i) {
+    pollfd p{g.fd, POLLIN, 0};
+    if (::poll(&p, 1, 100) <= 0 || !read_group(g)) break;
+  }
+}
+
 int flood(const sockaddr_in& to, int conns, int raw, int seconds, bool sustain) {
   if (conns < 0 || conns > 1000 || raw < 0 || raw > 1000) die("--conns and --raw: 0..1000");
-  ucp_context_h ctx = make_context();
-  constexpr int kPerWorker = 50;
-  std::vector<ucp_worker_h> workers;
-  std::vector<std::unique_ptr<EpState>> states;
-  std::vector<std::pair<ucp_worker_h, ucp_ep_h>> eps;
-  for (int i = 0; i < conns; ++i) {
-    if (i % kPerWorker == 0) {
-      workers.push_back(make_worker(ctx));
-      set_am(workers.back());
-    }
-    states.push_back(std::make_unique<EpState>());
-    ucp_ep_h ep = connect_to(workers.back(), to, states.back().get());
-    if (ep) eps.emplace_back(workers.back(), ep);
-    for (ucp_worker_h w : workers) ucp_worker_progress(w);
+  const auto end = std::chrono::steady_clock::now() + std::chrono::seconds(seconds);
+  constexpr int kPerGroup = 50;
+  std::vector<Group> groups((conns + kPerGroup - 1) / kPerGroup);
+  for (std::size_t i = 0; i < groups.size(); ++i) {
+    groups[i].size = std::min(kPerGroup, conns - static_cast<int>(i) * kPerGroup);
+    start_group(groups[i], to, end, sustain);
   }
+  // A group that died of a signal (a UCX assertion on its side) is started
+  // again, its connections with it; "crashed" counts them.
+  std::uint64_t crashed = 0;
+  const auto reap = [&] {
+    for (Group& g : groups) {
+      if (g.fd >= 0) (void)read_group(g);
+      int status = 0;
+      if (g.pid <= 0 || ::waitpid(g.pid, &status, WNOHANG) != g.pid) continue;
+      drain_group(g);
+      g.pid = -1;
+      if (WIFSIGNALED(status) && std::chrono::steady_clock::now() + 2s < end) {
+        ++crashed;
+        start_group(g, to, end, sustain);
+      }
+    }
+  };
+  for (Group& g : groups) (void)::fcntl(g.fd, F_SETFL, O_NONBLOCK);
   // Plain TCP connections, all at once and without blocking: a relay slow
   // to accept fills its listen backlog, and a blocking connect() then waits
   // for the kernel's SYN retries (minutes). Those not connected within 10 s
@@ -499,7 +636,6 @@ int flood(const sockaddr_in& to, int conns, int raw, int seconds, bool sustain) 
     while (!pending.empty() && std::chrono::steady_clock::now() < until) {
       std::vector<pollfd> ps;
       for (int fd : pending) ps.push_back({fd, POLLOUT, 0});
-      for (ucp_worker_h w : workers) ucp_worker_progress(w);
       if (::poll(ps.data(), ps.size(), 10) <= 0) continue;
       std::vector<int> still;
       for (const pollfd& p : ps) {
@@ -518,32 +654,28 @@ int flood(const sockaddr_in& to, int conns, int raw, int seconds, bool sustain) 
     }
     for (int fd : pending) ::close(fd);
   }
-  report("opened " + std::to_string(eps.size()));
+  // Every group has made its connections (within 60 s).
+  const auto opened_by = std::chrono::steady_clock::now() + 60s;
+  const auto all_opened = [&] {
+    for (const Group& g : groups)
+      if (g.opened < 0) return false;
+    return true;
+  };
+  while (!all_opened() && std::chrono::steady_clock::now() < opened_by) {
+    reap();
+    std::this_thread::sleep_for(5ms);
+  }
+  int opened = 0;
+  for (const Group& g : groups) opened += std::max(g.opened, 0);
+  report("opened " + std::to_string(opened));
   report("raw " + std::to_string(fds.size()));
   report("flooding");
-  const auto end = std::chrono::steady_clock::now() + std::chrono::seconds(seconds);
-  std::uint64_t reopened = 0, rejected = 0;
+  std::uint64_t reopened = 0;
   while (std::chrono::steady_clock::now() < end) {
-    unsigned n = 0;
-    for (ucp_worker_h w : workers) n += ucp_worker_progress(w);
+    reap();
     if (sustain) {
-      // UCX connections the relay refused or closed, and TCP ones it closed:
-      // again (a few per round, so the loop keeps progressing).
+      // TCP connections the relay closed: again (a few per round).
       int budget = 32;
-      for (std::size_t i = 0; i < eps.size() && budget > 0; ++i) {
-        if (!states[i]->failed) continue;
-        ++rejected;
-        close_ep(eps[i].first, eps[i].second);
-        states[i] = std::make_unique<EpState>();
-        ucp_ep_h ep = connect_to(eps[i].first, to, states[i].get());
-        if (ep == nullptr) {
-          states[i]->failed = false;  // retried next round
-          continue;
-        }
-        eps[i].second = ep;
-        ++reopened;
-        --budget;
-      }
       for (int& fd : fds) {
         if (budget <= 0) break;
         pollfd p{fd, POLLIN, 0};
@@ -557,15 +689,35 @@ int flood(const sockaddr_in& to, int conns, int raw, int seconds, bool sustain) 
         --budget;
       }
     }
-    if (n == 0) std::this_thread::sleep_for(1ms);
+    std::this_thread::sleep_for(1ms);
   }
-  for (const auto& s : states) rejected += s->failed ? 1 : 0;
+  // The groups end on their own at the same deadline.
+  const auto wait_by = std::chrono::steady_clock::now() + 10s;
+  for (Group& g : groups) {
+    while (g.pid > 0 && std::chrono::steady_clock::now() < wait_by) {
+      int status = 0;
+      if (::waitpid(g.pid, &status, WNOHANG) == g.pid) {
+        g.pid = -1;
+        break;
+      }
+      (void)read_group(g);
+      std::this_thread::sleep_for(5ms);
+    }
+    if (g.pid > 0) {
+      ::kill(g.pid, SIGKILL);
+      ::waitpid(g.pid, nullptr, 0);
+    }
+    drain_group(g);
+  }
+  std::uint64_t rejected = 0;
+  for (const Group& g : groups) {
+    rejected += g.rejected;
+    reopened += g.reopened;
+  }
+  report("crashed " + std::to_string(crashed));
   report("rejected " + std::to_string(rejected));
   report("reopened " + std::to_string(reopened));
   for (int fd : fds) ::close(fd);
-  for (auto& [w, ep] : eps) close_ep(w, ep);
-  for (ucp_worker_h w : workers) ucp_worker_destroy(w);
-  ucp_cleanup(ctx);
   report("done");
   return 0;
 }
