@@ -28,6 +28,8 @@
 #include "protocol/fd_channel.hpp"
 #include "support.hpp"
 
+#include "proc_support.hpp"
+
 namespace fdchan_test {
 
 // A memfd of `bytes` holding fill_pattern(seed). -1 on failure.
@@ -149,70 +151,8 @@ struct RawServer {
   }
 };
 
-// A real process: argv[0] exec'd (searched in PATH) with stdout and stderr
-// into `log`; killed at scope exit if still running.
-struct Proc {
-  pid_t pid = -1;
-  int status = 0;
-  bool done = false;
-  std::string log;
-
-  static Proc start(const std::vector<std::string>& argv, const std::string& log) {
-    Proc p;
-    p.log = log;
-    p.pid = ::fork();
-    if (p.pid == 0) {
-      const int fd = ::open(log.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-      ::dup2(fd, 1);
-      ::dup2(fd, 2);
-      std::vector<char*> args;
-      for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
-      args.push_back(nullptr);
-      ::execvp(args[0], args.data());
-      ::_exit(127);
-    }
-    return p;
-  }
-  Proc() = default;
-  Proc(Proc&& o) noexcept : pid(o.pid), status(o.status), done(o.done), log(std::move(o.log)) { o.pid = -1; }
-  Proc& operator=(Proc&&) = delete;
-  // Exit code, 128 + signal, or -1 when it did not end within `timeout` (then it is killed).
-  int wait(std::chrono::milliseconds timeout = std::chrono::seconds(60)) {
-    const auto end = std::chrono::steady_clock::now() + timeout;
-    while (!done && std::chrono::steady_clock::now() < end) {
-      if (::waitpid(pid, &status, WNOHANG) == pid)
-        done = true;
-      else
-        std::this_thread::sleep_for(std::chrono::milliseconds(2));
-    }
-    if (!done) {
-      ::kill(pid, SIGKILL);
-      ::waitpid(pid, &status, 0);
-      done = true;
-      return -1;
-    }
-    return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-  }
-  void signal(int sig) const {
-    if (pid > 0 && !done) ::kill(pid, sig);
-  }
-  std::string output() const;
-  ~Proc() {
-    if (pid > 0 && !done) {
-      ::kill(pid, SIGKILL);
-      ::waitpid(pid, &status, 0);
-    }
-  }
-};
-
-inline std::string slurp(const std::string& path) {
-  std::ifstream f(path);
-  std::stringstream ss;
-  ss << f.rdbuf();
-  return ss.str();
-}
-
-inline std::string Proc::output() const { return slurp(log); }
+using shmcast_test::Proc;
+using shmcast_test::slurp;
 
 // Waits until `file` holds a complete line starting with `key`; returns it
 // (without the newline), or "" when none came within `timeout`.

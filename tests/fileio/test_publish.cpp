@@ -11,6 +11,7 @@
 #include <sstream>
 #include <thread>
 
+#include "proc_support.hpp"
 #include "st_support.hpp"
 
 using namespace st_test;
@@ -25,77 +26,13 @@ namespace {
 
 const std::string kPublish = SHMCAST_PUBLISH_BIN;
 
-struct Proc {
-  pid_t pid = -1;
-  int status = 0;
-  bool done = false;
-  std::string out, err;
+using shmcast_test::Proc;
 
-  static Proc start(const std::vector<std::string>& argv, const std::string& tag) {
-    Proc p;
-    p.out = "/tmp/shmcast-pubtest-" + tag + "-" + std::to_string(::getpid()) + ".out";
-    p.err = p.out.substr(0, p.out.size() - 4) + ".err";
-    p.pid = ::fork();
-    if (p.pid == 0) {
-      const int o = ::open(p.out.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600);
-      const int e = ::open(p.err.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600);
-      ::dup2(o, 1);
-      ::dup2(e, 2);
-      std::vector<char*> args;
-      for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
-      args.push_back(nullptr);
-      ::execvp(args[0], args.data());
-      ::_exit(127);
-    }
-    return p;
-  }
-  int wait(std::chrono::seconds timeout = 60s) {
-    const auto end = std::chrono::steady_clock::now() + timeout;
-    while (!done && std::chrono::steady_clock::now() < end) {
-      if (::waitpid(pid, &status, WNOHANG) == pid)
-        done = true;
-      else
-        std::this_thread::sleep_for(2ms);
-    }
-    if (!done) {
-      ::kill(pid, SIGKILL);
-      ::waitpid(pid, &status, 0);
-      done = true;
-      return -1;
-    }
-    return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-  }
-  static std::string slurp(const std::string& p) {
-    std::ifstream f(p);
-    std::stringstream ss;
-    ss << f.rdbuf();
-    return ss.str();
-  }
-  std::string stdout_text() const { return slurp(out); }
-  std::string stderr_text() const { return slurp(err); }
-  std::string both() const { return "stdout: " + stdout_text() + "\nstderr: " + stderr_text(); }
-  // Handshake: waits until stderr holds `needle`.
-  bool wait_stderr(const std::string& needle, std::chrono::seconds timeout = 30s) {
-    const auto end = std::chrono::steady_clock::now() + timeout;
-    while (std::chrono::steady_clock::now() < end) {
-      if (stderr_text().find(needle) != std::string::npos) return true;
-      if (::waitpid(pid, &status, WNOHANG) == pid) {
-        done = true;
-        return stderr_text().find(needle) != std::string::npos;
-      }
-      std::this_thread::sleep_for(2ms);
-    }
-    return false;
-  }
-  ~Proc() {
-    if (pid > 0 && !done) {
-      ::kill(pid, SIGKILL);
-      ::waitpid(pid, &status, 0);
-    }
-    ::unlink(out.c_str());
-    ::unlink(err.c_str());
-  }
-};
+// A run of a tool, its stdout and stderr in files of their own (removed with it).
+Proc tool(const std::vector<std::string>& argv, const std::string& tag) {
+  const std::string base = "/tmp/shmcast-pubtest-" + tag + "-" + std::to_string(::getpid());
+  return Proc::start(argv, {.log = base + ".out", .err = base + ".err", .remove_logs = true});
+}
 
 // The last JSON line of a tool's stdout.
 json last_json(const std::string& text) {
@@ -307,7 +244,7 @@ TEST(PublishTool, ConsumerGetsEveryByteAndTheToolReportsJson) {
   const auto want = make_checkpoint(d.path);
   const std::string name = unique_name("tool");
   RegionGuard g{name};
-  Proc p = Proc::start({kPublish, d.path.string(), "--region", name, "--slot-mb", "2", "--wait-consumers", "1",
+  Proc p = tool({kPublish, d.path.string(), "--region", name, "--slot-mb", "2", "--wait-consumers", "1",
                         "--json", "--window-mb", "1"},
                        "tool");
   shmcast::Consumer c = shmcast::Consumer::open(name, consumer_options());
@@ -330,7 +267,7 @@ TEST(PublishTool, StoreKeepsTheCheckpointForConsumersThatComeLater) {
   const auto want = make_checkpoint(d.path);
   const std::string name = unique_name("store");
   RegionGuard g{name};
-  Proc p = Proc::start({kPublish, d.path.string(), "--region", name, "--store", "--keep", "--json"}, "tool");
+  Proc p = tool({kPublish, d.path.string(), "--region", name, "--store", "--keep", "--json"}, "tool");
   ASSERT_EQ(p.wait(), 0) << p.both();
   const json j = last_json(p.stdout_text());
   EXPECT_EQ(j.value("mode", ""), "store") << p.both();
@@ -351,7 +288,7 @@ TEST(PublishTool, IoOptionSelectsThePath) {
   for (const std::string& io : paths) {
     const std::string name = unique_name("toolio");
     RegionGuard g{name};
-    Proc p = Proc::start({kPublish, d.path.string(), "--region", name, "--slot-mb", "2", "--io", io, "--json"},
+    Proc p = tool({kPublish, d.path.string(), "--region", name, "--slot-mb", "2", "--io", io, "--json"},
                          "toolio");
     const int rc = p.wait();
     const json j = last_json(p.stdout_text());
@@ -372,7 +309,7 @@ TEST(PublishTool, RepeatPublishesSeveralSyncs) {
   const auto want = make_checkpoint(d.path);
   const std::string name = unique_name("toolrep");
   RegionGuard g{name};
-  Proc p = Proc::start({kPublish, d.path.string(), "--region", name, "--slot-mb", "2", "--wait-consumers", "1",
+  Proc p = tool({kPublish, d.path.string(), "--region", name, "--slot-mb", "2", "--wait-consumers", "1",
                         "--repeat", "3"},
                        "toolrep");
   shmcast::Consumer c = shmcast::Consumer::open(name, consumer_options());
@@ -390,7 +327,7 @@ TEST(PublishTool, SigtermWhileWaitingForConsumersExits130AndRemovesTheRegion) {
   make_checkpoint(d.path);
   const std::string name = unique_name("toolsig");
   RegionGuard g{name};
-  Proc p = Proc::start({kPublish, d.path.string(), "--region", name, "--slot-mb", "2", "--wait-consumers", "1",
+  Proc p = tool({kPublish, d.path.string(), "--region", name, "--slot-mb", "2", "--wait-consumers", "1",
                         "--wait-timeout", "60"},
                        "toolsig");
   ASSERT_TRUE(p.wait_stderr("waiting for 1 consumer")) << p.both();
@@ -405,7 +342,7 @@ TEST(PublishTool, WaitTimeoutExits6) {
   make_checkpoint(d.path);
   const std::string name = unique_name("tooltmo");
   RegionGuard g{name};
-  Proc p = Proc::start({kPublish, d.path.string(), "--region", name, "--slot-mb", "2", "--wait-consumers", "1",
+  Proc p = tool({kPublish, d.path.string(), "--region", name, "--slot-mb", "2", "--wait-consumers", "1",
                         "--wait-timeout", "0.2", "--json"},
                        "tooltmo");
   EXPECT_EQ(p.wait(), 6) << p.both();
@@ -417,7 +354,7 @@ TEST(PublishTool, InvalidCheckpointExits4WithoutCreatingTheRegion) {
   write_file(d / "bad.safetensors", raw_file(R"({"a":{"dtype":"U8","shape":[4],"data_offsets":[0,5]}})", 5));
   const std::string name = unique_name("toolbad");
   RegionGuard g{name};
-  Proc p = Proc::start({kPublish, (d / "bad.safetensors").string(), "--region", name, "--json"}, "toolbad");
+  Proc p = tool({kPublish, (d / "bad.safetensors").string(), "--region", name, "--json"}, "toolbad");
   EXPECT_EQ(p.wait(), 4) << p.both();
   EXPECT_NE(p.stderr_text().find("needs 4"), std::string::npos) << p.both();
   EXPECT_EQ(last_json(p.stdout_text()).value("ok", true), false);
@@ -429,14 +366,14 @@ TEST(PublishTool, UnsupportedDtypeExits1WithoutCreatingTheRegion) {
   write_file(d / "f4.safetensors", file_bytes({make_tensor("q", "F4", {8}, 1)}));
   const std::string name = unique_name("toolf4");
   RegionGuard g{name};
-  Proc p = Proc::start({kPublish, (d / "f4.safetensors").string(), "--region", name}, "toolf4");
+  Proc p = tool({kPublish, (d / "f4.safetensors").string(), "--region", name}, "toolf4");
   EXPECT_EQ(p.wait(), 1) << p.both();
   EXPECT_NE(p.stderr_text().find("F4"), std::string::npos) << p.both();
   EXPECT_EQ(::access(shmcast::region_path(name).c_str(), F_OK), -1);
 }
 
 TEST(PublishTool, MissingCheckpointExits3) {
-  Proc p = Proc::start({kPublish, "/nonexistent/ckpt", "--region", unique_name("toolnf")}, "toolnf");
+  Proc p = tool({kPublish, "/nonexistent/ckpt", "--region", unique_name("toolnf")}, "toolnf");
   EXPECT_EQ(p.wait(), 3) << p.both();
 }
 
@@ -450,7 +387,7 @@ TEST(PublishTool, UsageErrorsExit2) {
            {kPublish, d.path.string(), "--region", "x", "--io", "mmap"},
            {kPublish, d.path.string(), "--region", "x", "--slots", "1"},
        }) {
-    Proc p = Proc::start(args, "toolusage");
+    Proc p = tool(args, "toolusage");
     EXPECT_EQ(p.wait(), 2) << args.back() << "\n" << p.both();
   }
 }
@@ -458,7 +395,7 @@ TEST(PublishTool, UsageErrorsExit2) {
 TEST(PublishTool, ListValidatesAndListsWithoutARegion) {
   TempDir d;
   const auto want = make_checkpoint(d.path);
-  Proc p = Proc::start({kPublish, d.path.string(), "--list", "--json"}, "toollist");
+  Proc p = tool({kPublish, d.path.string(), "--list", "--json"}, "toollist");
   ASSERT_EQ(p.wait(), 0) << p.both();
   const json j = last_json(p.stdout_text());
   EXPECT_EQ(j.value("sharded", false), true);
@@ -476,11 +413,11 @@ TEST(PublishTool, RoundTripThroughDumpIsBitExact) {
   const auto want = make_checkpoint(d / "ckpt");
   const std::string name = unique_name("tooldump");
   RegionGuard g{name};
-  Proc pub = Proc::start({kPublish, (d / "ckpt").string(), "--region", name, "--slot-mb", "2", "--wait-consumers",
+  Proc pub = tool({kPublish, (d / "ckpt").string(), "--region", name, "--slot-mb", "2", "--wait-consumers",
                           "1", "--json"},
                          "tooldump-p");
   const fs::path out = d / "dumped.safetensors";
-  Proc dump = Proc::start({SHMCAST_INSPECT_BIN, "dump", name, "--out", out.string(), "--timeout", "60", "--json"},
+  Proc dump = tool({SHMCAST_INSPECT_BIN, "dump", name, "--out", out.string(), "--timeout", "60", "--json"},
                           "tooldump-d");
   ASSERT_EQ(dump.wait(), 0) << dump.both();
   ASSERT_EQ(pub.wait(), 0) << pub.both();

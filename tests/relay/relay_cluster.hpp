@@ -25,6 +25,8 @@
 #include <thread>
 #include <vector>
 
+#include "proc_support.hpp"
+
 namespace relay_test {
 
 using namespace std::chrono_literals;
@@ -34,12 +36,8 @@ inline const std::string kRelay = SHMCAST_RELAY_BIN;
 inline const std::string kPeer = RELAY_PEER_BIN;
 inline const std::string kKey = "relay-test-key-0123456789abcdef";
 
-inline std::string slurp(const std::string& path) {
-  std::ifstream f(path);
-  std::stringstream ss;
-  ss << f.rdbuf();
-  return ss.str();
-}
+using shmcast_test::Proc;
+using shmcast_test::slurp;
 
 inline bool has_line(const std::string& path, const std::string& line) {
   std::istringstream in(slurp(path));
@@ -47,76 +45,6 @@ inline bool has_line(const std::string& path, const std::string& line) {
     if (l == line) return true;
   return false;
 }
-
-// A child process: fork + exec with extra environment, output to a log.
-struct Proc {
-  pid_t pid = -1;
-  int status = 0;
-  bool done = false;
-  std::string log;
-
-  // nofile_soft > 0: the child's soft RLIMIT_NOFILE (as a login shell's
-  // usual 1024, whatever this process has).
-  static std::unique_ptr<Proc> start(const std::vector<std::string>& argv, const std::map<std::string, std::string>& env,
-                                     const std::string& log, rlim_t nofile_soft = 0) {
-    auto p = std::make_unique<Proc>();
-    p->log = log;
-    p->pid = ::fork();
-    if (p->pid == 0) {
-      if (rlimit rl{}; nofile_soft > 0 && ::getrlimit(RLIMIT_NOFILE, &rl) == 0) {
-        rl.rlim_cur = std::min(nofile_soft, rl.rlim_max);
-        ::setrlimit(RLIMIT_NOFILE, &rl);
-      }
-      const int fd = ::open(log.c_str(), O_WRONLY | O_CREAT | O_APPEND, 0600);
-      ::dup2(fd, 1);
-      ::dup2(fd, 2);
-      for (const auto& [k, v] : env) {
-        if (v.empty()) ::unsetenv(k.c_str());
-        else ::setenv(k.c_str(), v.c_str(), 1);
-      }
-      std::vector<char*> args;
-      for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
-      args.push_back(nullptr);
-      ::execvp(args[0], args.data());
-      ::_exit(127);
-    }
-    return p;
-  }
-  // Exit code, 128+signal, or -1 when it did not end in time (then killed).
-  int wait(std::chrono::seconds timeout = 90s) {
-    const auto end = std::chrono::steady_clock::now() + timeout;
-    while (!done && std::chrono::steady_clock::now() < end) {
-      if (::waitpid(pid, &status, WNOHANG) == pid) done = true;
-      else std::this_thread::sleep_for(2ms);
-    }
-    if (!done) {
-      ::kill(pid, SIGKILL);
-      ::waitpid(pid, &status, 0);
-      done = true;
-      return -1;
-    }
-    return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-  }
-  bool running() {
-    if (done) return false;
-    if (::waitpid(pid, &status, WNOHANG) == pid) done = true;
-    return !done;
-  }
-  void kill9() {
-    if (!done) {
-      ::kill(pid, SIGKILL);
-      ::waitpid(pid, &status, 0);
-      done = true;
-    }
-  }
-  int term(std::chrono::seconds timeout = 30s) {
-    if (done) return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-    ::kill(pid, SIGTERM);
-    return wait(timeout);
-  }
-  std::string output() const { return slurp(log); }
-  ~Proc() { kill9(); }
-};
 
 // Nodes 0..n-1 of one test: node 0 has the trainer and the source relay.
 class Cluster {
@@ -172,7 +100,8 @@ class Cluster {
     if (!wrapper_.empty()) argv.insert(argv.begin(), wrapper_.begin(), wrapper_.end());
     auto e = env(node, key);
     for (const auto& [k, v] : extra_env) e[k] = v;
-    procs_.push_back(Proc::start(argv, e, file(tag + ".log"), nofile_soft));
+    procs_.push_back(std::make_unique<Proc>(
+        Proc::start(argv, {.log = file(tag + ".log"), .append = true, .env = e, .nofile_soft = nofile_soft})));
     return *procs_.back();
   }
   // Extra environment for the relays of `node` started from now on.

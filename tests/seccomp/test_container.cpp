@@ -15,6 +15,7 @@
 #include <thread>
 #include <vector>
 
+#include "proc_support.hpp"
 #include "shmcast/shmcast.hpp"
 
 using namespace std::chrono_literals;
@@ -29,55 +30,7 @@ const std::string kNoPidfd = kDir + "/no-pidfd.json";
 
 int exit_for(shmcast::Errc e) { return 20 + static_cast<int>(e); }
 
-struct Proc {
-  pid_t pid = -1;
-  int status = 0;
-  bool done = false;
-  std::string log;
-
-  static Proc start(const std::vector<std::string>& argv, const std::string& log) {
-    Proc p;
-    p.log = log;
-    p.pid = ::fork();
-    if (p.pid == 0) {
-      int fd = ::open(log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600);
-      ::dup2(fd, 1);
-      ::dup2(fd, 2);
-      std::vector<char*> args;
-      for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
-      args.push_back(nullptr);
-      ::execvp(args[0], args.data());
-      ::_exit(127);
-    }
-    return p;
-  }
-  int wait(std::chrono::seconds timeout = 60s) {
-    const auto end = std::chrono::steady_clock::now() + timeout;
-    while (!done && std::chrono::steady_clock::now() < end) {
-      if (::waitpid(pid, &status, WNOHANG) == pid) done = true;
-      else std::this_thread::sleep_for(2ms);
-    }
-    if (!done) {
-      ::kill(pid, SIGKILL);
-      ::waitpid(pid, &status, 0);
-      done = true;
-      return -1;
-    }
-    return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-  }
-  std::string output() const {
-    std::ifstream f(log);
-    std::stringstream ss;
-    ss << f.rdbuf();
-    return ss.str();
-  }
-  ~Proc() {
-    if (pid > 0 && !done) {
-      ::kill(pid, SIGKILL);
-      ::waitpid(pid, &status, 0);
-    }
-  }
-};
+using shmcast_test::Proc;
 
 std::string unique(const std::string& tag) { return "ct-" + tag + "-" + std::to_string(::getpid()); }
 

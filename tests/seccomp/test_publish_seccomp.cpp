@@ -12,6 +12,7 @@
 #include <sstream>
 #include <thread>
 
+#include "proc_support.hpp"
 #include "st_support.hpp"
 
 using namespace st_test;
@@ -24,68 +25,22 @@ const std::string kRunner = SHMCAST_SECCOMP_RUN;
 const std::string kPublish = SHMCAST_PUBLISH_BIN;
 const std::string kDir = SHMCAST_SECCOMP_PROFILE_DIR;
 
-struct Proc {
-  pid_t pid = -1;
-  int status = 0;
-  bool done = false;
-  std::string out, err;
-  static Proc start(const std::vector<std::string>& argv, const std::string& tag) {
-    Proc p;
-    p.out = "/tmp/shmcast-pubsec-" + tag + "-" + std::to_string(::getpid()) + ".out";
-    p.err = p.out.substr(0, p.out.size() - 4) + ".err";
-    p.pid = ::fork();
-    if (p.pid == 0) {
-      const int o = ::open(p.out.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600);
-      const int e = ::open(p.err.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600);
-      ::dup2(o, 1);
-      ::dup2(e, 2);
-      std::vector<char*> args;
-      for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
-      args.push_back(nullptr);
-      ::execvp(args[0], args.data());
-      ::_exit(127);
-    }
-    return p;
-  }
-  int wait(std::chrono::seconds timeout = 60s) {
-    const auto end = std::chrono::steady_clock::now() + timeout;
-    while (!done && std::chrono::steady_clock::now() < end) {
-      if (::waitpid(pid, &status, WNOHANG) == pid)
-        done = true;
-      else
-        std::this_thread::sleep_for(2ms);
-    }
-    if (!done) {
-      ::kill(pid, SIGKILL);
-      ::waitpid(pid, &status, 0);
-      done = true;
-      return -1;
-    }
-    return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-  }
-  static std::string slurp(const std::string& p) {
-    std::ifstream f(p);
-    std::stringstream ss;
-    ss << f.rdbuf();
-    return ss.str();
-  }
-  std::string both() const { return "stdout: " + slurp(out) + "\nstderr: " + slurp(err); }
-  json last_json() const {
-    std::istringstream in(slurp(out));
-    std::string line, last;
-    while (std::getline(in, line))
-      if (!line.empty() && line[0] == '{') last = line;
-    return last.empty() ? json() : json::parse(last);
-  }
-  ~Proc() {
-    if (pid > 0 && !done) {
-      ::kill(pid, SIGKILL);
-      ::waitpid(pid, &status, 0);
-    }
-    ::unlink(out.c_str());
-    ::unlink(err.c_str());
-  }
-};
+using shmcast_test::Proc;
+
+// A run of a tool, its stdout and stderr in files of their own (removed with it).
+Proc tool(const std::vector<std::string>& argv, const std::string& tag) {
+  const std::string base = "/tmp/shmcast-pubsec-" + tag + "-" + std::to_string(::getpid());
+  return Proc::start(argv, {.log = base + ".out", .err = base + ".err", .remove_logs = true});
+}
+
+// The last JSON line of a tool's stdout.
+json last_json(const Proc& p) {
+  std::istringstream in(p.stdout_text());
+  std::string line, last;
+  while (std::getline(in, line))
+    if (!line.empty() && line[0] == '{') last = line;
+  return last.empty() ? json() : json::parse(last);
+}
 
 std::vector<Tensor> make_checkpoint(const fs::path& dir) {
   std::vector<Tensor> ts = {make_tensor("embed", "BF16", {1200, 1024}, 1), make_tensor("norm", "F32", {1024}, 2),
@@ -99,7 +54,7 @@ std::vector<Tensor> make_checkpoint(const fs::path& dir) {
 json publish_under(const std::string& profile, const std::vector<Tensor>& want, const fs::path& ckpt) {
   const std::string name = shmcast_test::unique_name("pubsec");
   shmcast_test::RegionGuard g{name};
-  Proc p = Proc::start({kRunner, "--profile", profile, "--", kPublish, ckpt.string(), "--region", name, "--slot-mb",
+  Proc p = tool({kRunner, "--profile", profile, "--", kPublish, ckpt.string(), "--region", name, "--slot-mb",
                         "2", "--wait-consumers", "1", "--json"},
                        "pub");
   shmcast::ConsumerOptions co;
@@ -117,7 +72,7 @@ json publish_under(const std::string& profile, const std::vector<Tensor>& want, 
   c.read_into(dst);
   for (std::size_t i = 0; i < got.size() && i < want.size(); ++i) EXPECT_EQ(got[i], want[i].data) << want[i].name;
   EXPECT_EQ(p.wait(), 0) << p.both();
-  return p.last_json();
+  return last_json(p);
 }
 
 }  // namespace
@@ -145,11 +100,11 @@ TEST(PublishSeccomp, ForcingIoUringUnderDockerDefaultSaysWhatToDo) {
   make_checkpoint(d.path);
   const std::string name = shmcast_test::unique_name("pubsecf");
   shmcast_test::RegionGuard g{name};
-  Proc p = Proc::start({kRunner, "--profile", kDir + "/docker-default.json", "--", kPublish, d.path.string(),
+  Proc p = tool({kRunner, "--profile", kDir + "/docker-default.json", "--", kPublish, d.path.string(),
                         "--region", name, "--io", "buffered", "--json"},
                        "force");
   EXPECT_EQ(p.wait(), 1) << p.both();
-  const json j = p.last_json();
+  const json j = last_json(p);
   EXPECT_NE(j.value("error", "").find("io_uring is not available"), std::string::npos) << p.both();
   EXPECT_NE(j.value("error", "").find("--io pread"), std::string::npos) << p.both();
 }
