@@ -34,6 +34,9 @@
 
 #include "admission.hpp"
 #include "auth.hpp"
+#include "base/clock.hpp"
+#include "base/sys.hpp"
+#include "base/text.hpp"
 #include "ctrl.hpp"
 #include "ratelog.hpp"
 #include "ucx.hpp"
@@ -42,34 +45,25 @@
 namespace shmcast::relay {
 
 using namespace std::chrono_literals;
+using detail::coarse_bytes;
+using detail::mono_ns;
+using detail::retry_eintr;
+using detail::unix_ns;
 using wire::SyncPlan;
 using wire::Type;
 using wire::Writer;
 
 namespace {
 
-std::int64_t mono_ns() {
-  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
-      .count();
-}
-std::int64_t unix_ns() {
-  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::system_clock::now().time_since_epoch())
-      .count();
-}
 std::string fmt_gbs(std::uint64_t bytes, double seconds) {
   char b[64];
   std::snprintf(b, sizeof b, "%.3f GB/s", seconds > 0 ? static_cast<double>(bytes) / seconds / 1e9 : 0.0);
   return b;
 }
-std::string fmt_bytes(std::uint64_t n) {
-  char b[64];
-  if (n >= (1ull << 30)) std::snprintf(b, sizeof b, "%.2f GiB", static_cast<double>(n) / (1ull << 30));
-  else if (n >= (1ull << 20)) std::snprintf(b, sizeof b, "%.1f MiB", static_cast<double>(n) / (1ull << 20));
-  else std::snprintf(b, sizeof b, "%llu B", static_cast<unsigned long long>(n));
-  return b;
+// Slot sizes are multiples of kDataAlign (Producer::create rounds them up).
+std::uint64_t align_slot(std::uint64_t n) {
+  return (n + limits::kDataAlign - 1) / limits::kDataAlign * limits::kDataAlign;
 }
-constexpr std::uint64_t kSlotAlign = 2ull << 20;
-std::uint64_t align_slot(std::uint64_t n) { return (n + kSlotAlign - 1) / kSlotAlign * kSlotAlign; }
 
 struct Op;
 // An endpoint failure, as the error handler reports it.
@@ -436,8 +430,7 @@ std::string load_key(const std::string& key_file) {
     }
     char buf[4096];
     for (;;) {
-      const ssize_t n = ::read(fd, buf, sizeof buf);
-      if (n < 0 && errno == EINTR) continue;
+      const ssize_t n = retry_eintr([&] { return ::read(fd, buf, sizeof buf); });
       if (n < 0) {
         const int e = errno;
         ::close(fd);
@@ -959,9 +952,10 @@ struct Relay::Impl {
     for (int i = 0; i < 256; ++i) {  // then the rest of the loop's work
       sockaddr_storage ss{};
       socklen_t len = sizeof ss;
-      const int fd = ::accept4(listen_fd, reinterpret_cast<sockaddr*>(&ss), &len, SOCK_NONBLOCK | SOCK_CLOEXEC);
+      const int fd = retry_eintr(
+          [&] { return ::accept4(listen_fd, reinterpret_cast<sockaddr*>(&ss), &len, SOCK_NONBLOCK | SOCK_CLOEXEC); });
       if (fd < 0) {
-        if (errno == EINTR || errno == ECONNABORTED) continue;
+        if (errno == ECONNABORTED) continue;
         if (errno == EAGAIN || errno == EWOULDBLOCK) return;
         const int err = errno;
         rlog.log("accept", std::string("accept: ") + std::strerror(err), mono_ns());
@@ -1380,7 +1374,7 @@ struct Relay::Impl {
     if (source) {
       const double s = static_cast<double>(mono_ns() - out.start_ns) * 1e-9;
       log("sync " + std::to_string(out.plan->version) + " sent to " + std::to_string(n) + " downstream: " +
-          fmt_bytes(out.plan->payload_bytes) + " in " + std::to_string(s) + " s (" +
+          coarse_bytes(out.plan->payload_bytes) + " in " + std::to_string(s) + " s (" +
           fmt_gbs(out.plan->payload_bytes, s) + ")");
       std::lock_guard<std::mutex> g(smu);
       ++st.syncs;
@@ -1473,14 +1467,14 @@ struct Relay::Impl {
       void* p = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
       if (p == MAP_FAILED)
         throw Error(Errc::kSystem, "cannot allocate " + std::to_string(o.buffers) + " receive buffers of " +
-                                       fmt_bytes(bytes) + ": " + std::strerror(errno) + " (lower --buffers)",
+                                       coarse_bytes(bytes) + ": " + std::strerror(errno) + " (lower --buffers)",
                     errno);
       b.p = static_cast<std::byte*>(p);
       b.reg = ucx::register_memory(ctx->get(), p, bytes);
       bufs.push_back(b);
     }
     buf_bytes = bytes;
-    log("receive buffers: " + std::to_string(o.buffers) + " x " + fmt_bytes(bytes) + ", registered with UCX");
+    log("receive buffers: " + std::to_string(o.buffers) + " x " + coarse_bytes(bytes) + ", registered with UCX");
     return true;
   }
 
@@ -1941,7 +1935,7 @@ struct Relay::Impl {
     const int n = forward_begin(plan);
     set_state("syncing");
     log("sync " + std::to_string(plan->version) + " from upstream: " + std::to_string(plan->specs.size()) +
-        " tensors, " + fmt_bytes(plan->payload_bytes) + ", " + std::to_string(plan->data_chunks.size()) +
+        " tensors, " + coarse_bytes(plan->payload_bytes) + ", " + std::to_string(plan->data_chunks.size()) +
         " chunks of " + std::to_string(plan->total_frags()) + " fragments; forwarding to " + std::to_string(n) +
         " downstream" + (in.direct ? "; receiving into this node's slots" : ""));
   }
@@ -2086,7 +2080,7 @@ struct Relay::Impl {
         forward_end();
         push_writer(WCmd{WCmd::kEnd, in.plan, -1, 0, nullptr, 0, 0, 0, {}});
         const double s = static_cast<double>(mono_ns() - in.start_ns) * 1e-9;
-        log("sync " + std::to_string(p.version) + " received and forwarded: " + fmt_bytes(p.payload_bytes) + " in " +
+        log("sync " + std::to_string(p.version) + " received and forwarded: " + coarse_bytes(p.payload_bytes) + " in " +
             std::to_string(s) + " s (" + fmt_gbs(p.payload_bytes, s) + ")");
         std::lock_guard<std::mutex> g(smu);
         ++st.syncs;
@@ -2379,7 +2373,7 @@ struct Relay::Impl {
       }
       const std::uint64_t S = cons->slot_bytes();
       log("attached to region " + o.region + " as consumer (seat " + std::to_string(cons->seat()) + ", slots of " +
-          fmt_bytes(S) + ")");
+          coarse_bytes(S) + ")");
       {
         std::lock_guard<std::mutex> g(smu);
         st.region_ready = true;
@@ -2625,7 +2619,7 @@ struct Relay::Impl {
     region_slots = ws.prod->slots();
     wake();
     log(std::string(fresh ? "region recreated: " : "region created: ") + o.region + " in " + region_dir() + ", " +
-        std::to_string(ws.prod->slots()) + " slots of " + fmt_bytes(ws.prod->slot_bytes()));
+        std::to_string(ws.prod->slots()) + " slots of " + coarse_bytes(ws.prod->slot_bytes()));
     std::lock_guard<std::mutex> g(smu);
     st.region_ready = true;
     st.region_slot_bytes = ws.prod->slot_bytes();
