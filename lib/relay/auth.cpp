@@ -9,6 +9,8 @@
 #include <cstring>
 #include <vector>
 
+#include "base/sys.hpp"
+
 namespace shmcast::relay::auth {
 
 namespace {
@@ -19,9 +21,8 @@ std::span<const std::uint8_t> bytes_of(std::string_view s) {
 
 void random_bytes(std::uint8_t* p, std::size_t n) {
   while (n > 0) {
-    const ssize_t got = ::getrandom(p, n, 0);
+    const ssize_t got = detail::retry_eintr([&] { return ::getrandom(p, n, 0); });
     if (got < 0) {
-      if (errno == EINTR) continue;
       throw Error(Errc::kSystem, std::string("getrandom: ") + std::strerror(errno), errno);
     }
     p += got;

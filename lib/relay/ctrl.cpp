@@ -8,6 +8,7 @@
 #include <cerrno>
 #include <cstring>
 
+#include "base/sys.hpp"
 #include "shmcast/shmcast.hpp"
 
 namespace shmcast::relay {
@@ -46,12 +47,12 @@ bool CtrlSocket::send(std::span<const std::uint8_t> msg, std::size_t max_out) {
 
 bool CtrlSocket::flush() {
   while (fd_ >= 0 && out_off_ < out_.size()) {
-    const ssize_t n = ::send(fd_, out_.data() + out_off_, out_.size() - out_off_, MSG_NOSIGNAL | MSG_DONTWAIT);
+    const ssize_t n = detail::retry_eintr(
+        [&] { return ::send(fd_, out_.data() + out_off_, out_.size() - out_off_, MSG_NOSIGNAL | MSG_DONTWAIT); });
     if (n > 0) {
       out_off_ += static_cast<std::size_t>(n);
       continue;
     }
-    if (n < 0 && errno == EINTR) continue;
     if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return true;
     err_ = std::string("send: ") + (n < 0 ? std::strerror(errno) : "wrote nothing");
     return false;
@@ -76,7 +77,7 @@ bool CtrlSocket::receive(std::size_t max_frame, std::vector<std::vector<std::uin
     const std::size_t want = 64u << 10;
     const std::size_t old = in_.size();
     in_.resize(old + want);
-    const ssize_t n = ::recv(fd_, in_.data() + old, want, MSG_DONTWAIT);
+    const ssize_t n = detail::retry_eintr([&] { return ::recv(fd_, in_.data() + old, want, MSG_DONTWAIT); });
     if (n > 0) {
       in_.resize(old + static_cast<std::size_t>(n));
       got += static_cast<std::size_t>(n);
@@ -86,8 +87,6 @@ bool CtrlSocket::receive(std::size_t max_frame, std::vector<std::vector<std::uin
         err_ = "the peer closed the connection";
         more = false;
         got = budget;  // stop, then report once the frames are out
-      } else if (errno == EINTR) {
-        continue;
       } else if (errno == EAGAIN || errno == EWOULDBLOCK) {
         more = false;
       } else {

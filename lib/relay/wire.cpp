@@ -29,7 +29,7 @@ std::string chunk_problem(std::uint64_t chunk_bytes, const ChunkRoom& room) {
     return n % (1ull << 30) == 0 ? std::to_string(n >> 30) + " GiB"
                                  : n % (1ull << 20) == 0 ? std::to_string(n >> 20) + " MiB" : std::to_string(n) + " bytes";
   };
-  if (chunk_bytes == 0 || chunk_bytes % (2ull << 20) != 0)
+  if (chunk_bytes == 0 || chunk_bytes % limits::kDataAlign != 0)
     return "chunks of " + std::to_string(chunk_bytes) + " bytes are not a slot size (a multiple of 2 MiB)";
   if (chunk_bytes > kMaxChunkBytes)
     return "chunks of " + fmt(chunk_bytes) + " are larger than the relay's maximum of " + fmt(kMaxChunkBytes) +

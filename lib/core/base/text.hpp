@@ -2,11 +2,23 @@
 #pragma once
 
 #include <cstdint>
+#include <cstdio>
 #include <string>
 
 namespace shmcast::detail {
 
 // "1.0 GiB", "64 MiB", "512 B"
 std::string human_bytes(std::uint64_t bytes);
+
+// "512 B", "64.0 MiB", "1.50 GiB": sizes of slots, chunks and syncs in the
+// relay's log lines (no KiB; one decimal for MiB, two for GiB). Inline:
+// shmcast_relay links libshmcast, whose detail:: symbols a shared build hides.
+inline std::string coarse_bytes(std::uint64_t n) {
+  char b[64];
+  if (n >= (1ull << 30)) std::snprintf(b, sizeof b, "%.2f GiB", static_cast<double>(n) / (1ull << 30));
+  else if (n >= (1ull << 20)) std::snprintf(b, sizeof b, "%.1f MiB", static_cast<double>(n) / (1ull << 20));
+  else std::snprintf(b, sizeof b, "%llu B", static_cast<unsigned long long>(n));
+  return b;
+}
 
 }  // namespace shmcast::detail
