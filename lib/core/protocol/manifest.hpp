@@ -64,6 +64,30 @@ std::string decode_manifest(std::span<const std::byte> bytes, std::uint64_t expe
                             std::uint64_t expect_stream_bytes, std::uint64_t slot_bytes, SyncInfo* out,
                             bool check_names = true, ManifestCheck mode = ManifestCheck::kFull);
 
+// The rules decode_manifest applies, one part of a manifest at a time, for
+// a reader that streams a manifest too large to copy whole (the inspect
+// tool's probe, probe/manifest_stream.cpp): one definition of each rule.
+// Each returns an empty string when valid, else why not.
+//
+// The header, for a manifest of `used` bytes announced by a sync record of
+// (expect_version, expect_stream_bytes): magic, format, entry size, sync
+// version, stream size, world size, tensor and piece counts, and where the
+// rank table, pieces and names blob lie.
+std::string manifest_header_problem(const ManifestHeader& h, std::uint64_t used, std::uint64_t expect_version,
+                                    std::uint64_t expect_stream_bytes);
+// An entry's name: its length, and that it lies inside a names blob of
+// `names_bytes` bytes (name_problem checks the name's bytes).
+std::string entry_name_problem(const ManifestEntry& e, std::uint64_t names_bytes);
+// An entry's dtype, shape and byte size; adds its size to *logical, the sum
+// of the entries so far, which must stay within the stream limit.
+std::string entry_shape_problem(const ManifestEntry& e, std::uint64_t* logical);
+// A valid entry as a tensor: dtype, shape, nbytes, stream offset (no name,
+// no pieces).
+TensorInfo entry_tensor(const ManifestEntry& e);
+// The rank table: each rank's sub-stream within the limit, and together the
+// stream's size.
+std::string rank_bytes_problem(std::span<const std::uint64_t> rank_bytes, std::uint64_t stream_bytes);
+
 // The structure of piece `p` given the pieces before it: its tensor index
 // and rank exist, pieces run in (rank, offset) order, aligned, without
 // overlap, inside their rank's sub-stream, and not across a slot boundary
