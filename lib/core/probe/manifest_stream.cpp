@@ -3,9 +3,9 @@
 // The manifest is read with pread in bounded pieces, never through the
 // mapping and never whole: memory stays bounded however large it is (a
 // 256 MiB manifest of millions of tensors), and a file cut under us gives a
-// short read, not SIGBUS. Every byte is hashed and every entry validated (by
-// decode_manifest, one window of entries at a time), but only the first
-// `limit` entries are kept and decoded.
+// short read, not SIGBUS. Every byte is hashed and every entry validated
+// (by decode_manifest's own rules, protocol/manifest.hpp, as its bytes go
+// by), but only the first `limit` entries are kept and decoded.
 #include "probe/manifest_stream.hpp"
 
 #include <unistd.h>
@@ -13,7 +13,6 @@
 
 #include <algorithm>
 #include <chrono>
-#include <cstdlib>
 #include <cstring>
 #include <new>
 #include <string>
@@ -33,7 +32,7 @@ namespace P = shmcast::probe;
 namespace {
 
 constexpr std::size_t kReadPiece = 1u << 20;  // bytes per pread of the manifest
-constexpr std::size_t kWindow = 4096;         // entries validated per decode_manifest call
+constexpr std::size_t kWindow = 4096;         // entries (and pieces) per pread
 
 // Sequential, hashed reads of [off, off + len) of a file.
 class HashedReader {
@@ -71,16 +70,6 @@ class HashedReader {
   XXH3_state_t* state_ = nullptr;
 };
 
-// "tensor K: why" from a window starting at entry `first` -> "tensor first+K: why".
-std::string shift_index(const std::string& why, std::uint64_t first) {
-  const std::string pre = "tensor ";
-  if (why.compare(0, pre.size(), pre) != 0) return why;
-  char* end = nullptr;
-  const unsigned long long k = std::strtoull(why.c_str() + pre.size(), &end, 10);
-  if (end == why.c_str() + pre.size()) return why;
-  return pre + std::to_string(first + k) + end;
-}
-
 struct NameWant {
   std::uint64_t start, bytes;
   std::size_t tensor;  // index into the kept tensors
@@ -112,19 +101,11 @@ std::string stream_manifest(int fd, std::uint64_t moff, const RecordSnapshot& re
     *shrank = true;
     return "the file shrank while it was read";
   }
-  // The structure the windows below rely on (decode_manifest checks the same
-  // on a whole manifest).
+  // The header, the entries, the rank table and the pieces by
+  // decode_manifest's rules; the name rules for the kept entries only.
   const std::uint64_t used = rec.manifest_used;
-  if (h.magic != kManifestMagic) return done("bad manifest magic");
-  if (h.format != kManifestVersion) return done("unknown manifest format " + std::to_string(h.format));
-  if (h.entry_bytes != sizeof(ManifestEntry)) return done("bad manifest entry size");
-  if (h.tensor_count > (used - sizeof h) / sizeof(ManifestEntry)) return done("tensor count exceeds the manifest");
-  if (h.world_size < 1 || h.world_size > kMaxRanks) return done("bad world size");
-  const std::uint64_t names_at = sizeof h + std::uint64_t{h.tensor_count} * sizeof(ManifestEntry) +
-                                 std::uint64_t{h.world_size} * 8 + std::uint64_t{h.piece_count} * sizeof(ManifestPiece);
-  if (names_at > used) return done("rank table and pieces run past the manifest");
-  if (h.names_offset != names_at) return done("names blob is not where the pieces end");
-  if (h.names_bytes > used - names_at) return done("names blob runs past the manifest");
+  if (std::string bad = manifest_header_problem(h, used, rec.version, rec.stream_bytes); !bad.empty())
+    return done(bad);
 
   const std::size_t keep = limit == 0 ? h.tensor_count : std::min<std::uint64_t>(limit, h.tensor_count);
   std::vector<TensorInfo> kept;
@@ -132,58 +113,27 @@ std::string stream_manifest(int fd, std::uint64_t moff, const RecordSnapshot& re
   kept.reserve(keep);
   wants.reserve(keep);
   std::vector<ManifestEntry> win(std::min<std::uint64_t>(kWindow, h.tensor_count));
-  std::vector<std::byte> synth;
-  std::uint64_t end_prev = 0, payload = 0;
-  std::uint64_t first = 0;
-  do {
+  std::uint64_t end_prev = 0, payload = 0, logical = 0;
+  for (std::uint64_t first = 0; first < h.tensor_count; first += kWindow) {
     const std::size_t w = static_cast<std::size_t>(std::min<std::uint64_t>(kWindow, h.tensor_count - first));
-    if (w > 0 && !rd.read(win.data(), w * sizeof(ManifestEntry))) {
+    if (!rd.read(win.data(), w * sizeof(ManifestEntry))) {
       *shrank = true;
       return "the file shrank while it was read";
     }
-    if (!why.empty()) continue;  // only hashing now
-    // The window as a manifest of its own, names replaced by a blank blob as
-    // long as the longest name (decode_manifest checks only their lengths
-    // and bounds; their real bounds are checked here).
-    std::uint64_t blob = 0;
-    for (std::size_t k = 0; k < w; ++k) {
-      const ManifestEntry& e = win[k];
-      if (e.name_bytes <= kMaxNameBytes) blob = std::max<std::uint64_t>(blob, e.name_bytes);
-    }
-    // Entries only (the pieces are checked below, as they stream by).
-    ManifestHeader wh = h;
-    wh.tensor_count = static_cast<std::uint32_t>(w);
-    wh.world_size = 1;
-    wh.piece_count = 0;
-    wh.names_offset = sizeof wh + w * sizeof(ManifestEntry) + 8;
-    wh.names_bytes = blob;
-    synth.assign(wh.names_offset + blob, std::byte{0});
-    std::memcpy(synth.data(), &wh, sizeof wh);
-    for (std::size_t k = 0; k < w; ++k) {
-      ManifestEntry e = win[k];
-      e.name_offset = 0;
-      std::memcpy(synth.data() + sizeof wh + k * sizeof e, &e, sizeof e);
-    }
-    std::memcpy(synth.data() + sizeof wh + w * sizeof(ManifestEntry), &h.stream_bytes, 8);
-    SyncInfo part;
-    why = decode_manifest(synth, rec.version, rec.stream_bytes, slot_bytes, &part, /*check_names=*/false,
-                          ManifestCheck::kEntries);
-    if (!why.empty()) {
-      why = shift_index(why, first);
-      continue;
-    }
     for (std::size_t k = 0; k < w && why.empty(); ++k) {
       const ManifestEntry& e = win[k];
-      if (std::uint64_t{e.name_offset} + e.name_bytes > h.names_bytes)
-        why = "tensor " + std::to_string(first + k) + ": name runs past the names blob";
+      std::string bad = entry_name_problem(e, h.names_bytes);
+      if (bad.empty()) bad = entry_shape_problem(e, &logical);
+      if (!bad.empty()) {
+        why = "tensor " + std::to_string(first + k) + ": " + bad;
+        break;
+      }
+      if (kept.size() < keep) {
+        wants.push_back({e.name_offset, e.name_bytes, kept.size()});
+        kept.push_back(entry_tensor(e));
+      }
     }
-    if (!why.empty()) continue;
-    for (std::size_t k = 0; k < w && kept.size() < keep; ++k) {
-      part.tensors[k].name.clear();
-      wants.push_back({win[k].name_offset, win[k].name_bytes, kept.size()});
-      kept.push_back(std::move(part.tensors[k]));
-    }
-  } while ((first += kWindow) < h.tensor_count);
+  }
   // The ranks' sub-streams, then the pieces (structure; the kept tensors
   // take theirs).
   std::vector<std::uint64_t> rank_bytes(h.world_size);
@@ -191,12 +141,7 @@ std::string stream_manifest(int fd, std::uint64_t moff, const RecordSnapshot& re
     *shrank = true;
     return "the file shrank while it was read";
   }
-  std::uint64_t sum = 0;
-  for (std::uint64_t b : rank_bytes) {
-    if (b > kMaxStreamBytes) sum = ~0ull;
-    if (sum != ~0ull) sum += b;
-  }
-  if (why.empty() && sum != h.stream_bytes) why = "the ranks' sub-streams do not add up to the stream size";
+  if (why.empty()) why = rank_bytes_problem(rank_bytes, h.stream_bytes);
   if (why.empty() && (store ? rec.chunks != 1 || h.stream_bytes > slot_bytes
                             : rec.chunks != sync_chunks(rank_bytes, slot_bytes)))
     why = "sync record's chunk count disagrees with the ranks' sub-streams";

@@ -243,13 +243,11 @@ std::string decode_manifest(std::span<const std::byte> bytes, std::uint64_t expe
                             std::uint64_t expect_stream_bytes, std::uint64_t slot_bytes, SyncInfo* out,
                             bool check_names, ManifestCheck mode) {
   const bool partial = mode == ManifestCheck::kRankPost;
-  const bool entries_only = mode == ManifestCheck::kEntries;
   if (bytes.size() < sizeof(ManifestHeader)) return "manifest shorter than its header";
   ManifestHeader h;
   std::memcpy(&h, bytes.data(), sizeof h);
   if (std::string why = manifest_header_problem(h, bytes.size(), expect_version, expect_stream_bytes); !why.empty())
     return why;
-  if (entries_only && h.piece_count != 0) return "an entries-only check of a manifest with pieces";
   const std::uint64_t ranks_at = sizeof h + std::uint64_t{h.tensor_count} * sizeof(ManifestEntry);
   const std::uint64_t pieces_at = ranks_at + std::uint64_t{h.world_size} * 8;
   const char* names = reinterpret_cast<const char*>(bytes.data() + h.names_offset);  // where the header says, checked
@@ -315,11 +313,6 @@ std::string decode_manifest(std::span<const std::byte> bytes, std::uint64_t expe
     }
     payload += p.nbytes;
     t.shards.push_back(sh);
-  }
-  if (entries_only) {
-    info.payload_bytes = h.payload_bytes;
-    *out = std::move(info);
-    return {};
   }
   if (payload != h.payload_bytes) return "payload size disagrees with the pieces";
   for (std::uint32_t i = 0; i < h.tensor_count; ++i) {

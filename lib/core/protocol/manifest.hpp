@@ -51,14 +51,12 @@ std::string merge_posts(std::span<const SyncInfo> posts, std::vector<TensorSpec>
 // or why the bytes are not a valid manifest for (version, stream_bytes,
 // slot_bytes).
 // `check_names` false skips the name rules (UTF-8, NUL, duplicates) and
-// leaves the names empty: for a reader that validates windows of entries
-// with placeholder names (shmcast-inspect show --limit).
+// leaves the names empty. (The probe, which once passed false for windows
+// of entries, streams with the rules below now; every caller passes true.)
 enum class ManifestCheck {
   kFull,     // a sync's manifest: every tensor's pieces are one whole piece,
              // or shards along one dim that tile it exactly
   kRankPost, // a rank's list: exactly one piece per entry, no tiling
-  kEntries,  // the entries alone (piece_count 0): a window of a large
-             // manifest whose pieces the reader checks on its own
 };
 std::string decode_manifest(std::span<const std::byte> bytes, std::uint64_t expect_version,
                             std::uint64_t expect_stream_bytes, std::uint64_t slot_bytes, SyncInfo* out,
@@ -69,10 +67,10 @@ std::string decode_manifest(std::span<const std::byte> bytes, std::uint64_t expe
 // tool's probe, probe/manifest_stream.cpp): one definition of each rule.
 // Each returns an empty string when valid, else why not.
 //
-// The header, for a manifest of `used` bytes announced by a sync record of
-// (expect_version, expect_stream_bytes): magic, format, entry size, sync
-// version, stream size, world size, tensor and piece counts, and where the
-// rank table, pieces and names blob lie.
+// The header, for a manifest of `used` (>= sizeof(ManifestHeader)) bytes
+// announced by a sync record of (expect_version, expect_stream_bytes):
+// magic, format, entry size, sync version, stream size, world size, tensor
+// and piece counts, and where the rank table, pieces and names blob lie.
 std::string manifest_header_problem(const ManifestHeader& h, std::uint64_t used, std::uint64_t expect_version,
                                     std::uint64_t expect_stream_bytes);
 // An entry's name: its length, and that it lies inside a names blob of

@@ -479,6 +479,8 @@ TEST(Probe, HostileManifestFields) {
       {"stream", [](std::string& m) { mhead(m)->stream_bytes += 256; }, "stream size disagrees with the sync record"},
       {"world", [](std::string& m) { mhead(m)->world_size = 0; }, "bad world size"},
       {"count", [](std::string& m) { mhead(m)->tensor_count = 1000000; }, "tensor count exceeds the manifest"},
+      // The consumer's limits (decode_manifest's rules, which the probe shares).
+      {"pieces", [](std::string& m) { mhead(m)->piece_count = (1u << 20) + 1; }, "more than 1048576 pieces"},
       {"names at", [](std::string& m) { mhead(m)->names_offset += 8; }, "names blob is not where the pieces end"},
       {"names len", [](std::string& m) { mhead(m)->names_bytes += 4096; }, "names blob runs past the manifest"},
       {"name len", [](std::string& m) { mentry(m, 1)->name_bytes = 0; }, "tensor 1: bad name length"},
