@@ -36,6 +36,7 @@
 #include "file_io.hpp"
 #include "format.hpp"
 #include "shmcast/files.hpp"
+#include "shmcast/safetensors.hpp"
 
 namespace shmcast::inspect {
 
@@ -117,30 +118,14 @@ struct TempFile {
   }
 };
 
-// safetensors dtype for a shmcast dtype; false when safetensors has none
-// (the tensor is then written as U8 bytes and its real dtype is recorded in
-// the metadata).
+// safetensors dtype for a shmcast dtype, from fileio's table
+// (safetensors::from_shmcast); false when safetensors has none (the tensor
+// is then written as U8 bytes and its real dtype is recorded in the
+// metadata).
 bool safetensors_dtype(DType d, std::string* out) {
-  switch (d) {
-    case DType::kBool: *out = "BOOL"; return true;
-    case DType::kU8: *out = "U8"; return true;
-    case DType::kI8: *out = "I8"; return true;
-    case DType::kI16: *out = "I16"; return true;
-    case DType::kI32: *out = "I32"; return true;
-    case DType::kI64: *out = "I64"; return true;
-    case DType::kU16: *out = "U16"; return true;
-    case DType::kU32: *out = "U32"; return true;
-    case DType::kU64: *out = "U64"; return true;
-    case DType::kF16: *out = "F16"; return true;
-    case DType::kBF16: *out = "BF16"; return true;
-    case DType::kF32: *out = "F32"; return true;
-    case DType::kF64: *out = "F64"; return true;
-    case DType::kF8E4M3FN: *out = "F8_E4M3"; return true;
-    case DType::kF8E5M2: *out = "F8_E5M2"; return true;
-    case DType::kF8E8M0FNU: *out = "F8_E8M0"; return true;
-    case DType::kC64: *out = "C64"; return true;
-    default: *out = "U8"; return false;
-  }
+  const std::string_view name = safetensors::from_shmcast(d);
+  *out = name.empty() ? std::string("U8") : std::string(name);
+  return !name.empty();
 }
 
 int exit_for(Errc code) {

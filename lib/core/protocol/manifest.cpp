@@ -186,33 +186,71 @@ std::uint64_t encode_manifest(std::span<const TensorSpec> specs, std::span<const
   return encode_manifest(specs, pieces, rank_bytes, sync_version, payload_bytes, out, capacity);
 }
 
-std::string decode_manifest(std::span<const std::byte> bytes, std::uint64_t expect_version,
-                            std::uint64_t expect_stream_bytes, std::uint64_t slot_bytes, SyncInfo* out,
-                            bool check_names, ManifestCheck mode) {
-  const bool partial = mode == ManifestCheck::kRankPost;
-  const bool entries_only = mode == ManifestCheck::kEntries;
-  if (bytes.size() < sizeof(ManifestHeader)) return "manifest shorter than its header";
-  ManifestHeader h;
-  std::memcpy(&h, bytes.data(), sizeof h);
+std::string manifest_header_problem(const ManifestHeader& h, std::uint64_t used, std::uint64_t expect_version,
+                                    std::uint64_t expect_stream_bytes) {
   if (h.magic != kManifestMagic) return "bad manifest magic";
   if (h.format != kManifestVersion) return "unknown manifest format " + std::to_string(h.format);
   if (h.entry_bytes != sizeof(ManifestEntry)) return "bad manifest entry size";
   if (h.sync_version != expect_version) return "manifest is for another sync version";
   if (h.stream_bytes != expect_stream_bytes) return "manifest stream size disagrees with the sync record";
   if (h.world_size < 1 || h.world_size > kMaxRanks) return "bad world size " + std::to_string(h.world_size);
-  const std::uint64_t room = bytes.size() - sizeof h;
+  const std::uint64_t room = used - sizeof h;
   if (h.tensor_count > room / sizeof(ManifestEntry)) return "tensor count exceeds the manifest";
   if (h.tensor_count > kMaxTensors) return "more than " + std::to_string(kMaxTensors) + " tensors";
   if (h.piece_count > kMaxTensors) return "more than " + std::to_string(kMaxTensors) + " pieces";
   if (h.stream_bytes > kMaxStreamBytes) return "stream larger than 64 TiB";
-  if (entries_only && h.piece_count != 0) return "an entries-only check of a manifest with pieces";
+  const std::uint64_t names_at = sizeof h + std::uint64_t{h.tensor_count} * sizeof(ManifestEntry) +
+                                 std::uint64_t{h.world_size} * 8 + std::uint64_t{h.piece_count} * sizeof(ManifestPiece);
+  if (names_at > used) return "rank table and pieces run past the manifest";
+  if (h.names_offset != names_at) return "names blob is not where the pieces end";
+  if (h.names_bytes > used - names_at) return "names blob runs past the manifest";
+  return {};
+}
+
+std::string entry_name_problem(const ManifestEntry& e, std::uint64_t names_bytes) {
+  if (e.name_bytes == 0 || e.name_bytes > kMaxNameBytes) return "bad name length";
+  if (std::uint64_t{e.name_offset} + e.name_bytes > names_bytes) return "name runs past the names blob";
+  return {};
+}
+
+std::string entry_shape_problem(const ManifestEntry& e, std::uint64_t* logical) {
+  if (e.ndim > kMaxDims) return "more than 8 dimensions";
+  std::uint64_t n;
+  if (!shape_bytes(static_cast<DType>(e.dtype), e.shape, e.ndim, &n)) return "unknown dtype or bad shape";
+  if (n != e.nbytes) return "byte size disagrees with dtype and shape";
+  if (n > kMaxStreamBytes || __builtin_add_overflow(*logical, n, logical)) return "too large";
+  return {};
+}
+
+TensorInfo entry_tensor(const ManifestEntry& e) {
+  TensorInfo t;
+  t.dtype = static_cast<DType>(e.dtype);
+  t.shape.assign(e.shape, e.shape + e.ndim);
+  t.nbytes = e.nbytes;
+  t.stream_offset = e.stream_offset;
+  return t;
+}
+
+std::string rank_bytes_problem(std::span<const std::uint64_t> rank_bytes, std::uint64_t stream_bytes) {
+  std::uint64_t sum = 0;
+  for (std::uint64_t b : rank_bytes)
+    if (b > kMaxStreamBytes || __builtin_add_overflow(sum, b, &sum)) return "a rank's sub-stream is too large";
+  if (sum != stream_bytes) return "the ranks' sub-streams do not add up to the stream size";
+  return {};
+}
+
+std::string decode_manifest(std::span<const std::byte> bytes, std::uint64_t expect_version,
+                            std::uint64_t expect_stream_bytes, std::uint64_t slot_bytes, SyncInfo* out,
+                            bool check_names, ManifestCheck mode) {
+  const bool partial = mode == ManifestCheck::kRankPost;
+  if (bytes.size() < sizeof(ManifestHeader)) return "manifest shorter than its header";
+  ManifestHeader h;
+  std::memcpy(&h, bytes.data(), sizeof h);
+  if (std::string why = manifest_header_problem(h, bytes.size(), expect_version, expect_stream_bytes); !why.empty())
+    return why;
   const std::uint64_t ranks_at = sizeof h + std::uint64_t{h.tensor_count} * sizeof(ManifestEntry);
   const std::uint64_t pieces_at = ranks_at + std::uint64_t{h.world_size} * 8;
-  const std::uint64_t names_at = pieces_at + std::uint64_t{h.piece_count} * sizeof(ManifestPiece);
-  if (names_at > bytes.size()) return "rank table and pieces run past the manifest";
-  if (h.names_offset != names_at) return "names blob is not where the pieces end";
-  if (h.names_bytes > bytes.size() - names_at) return "names blob runs past the manifest";
-  const char* names = reinterpret_cast<const char*>(bytes.data() + names_at);
+  const char* names = reinterpret_cast<const char*>(bytes.data() + h.names_offset);  // where the header says, checked
 
   SyncInfo info;
   info.version = h.sync_version;
@@ -220,10 +258,7 @@ std::string decode_manifest(std::span<const std::byte> bytes, std::uint64_t expe
   info.world_size = h.world_size;
   info.rank_bytes.resize(h.world_size);
   std::memcpy(info.rank_bytes.data(), bytes.data() + ranks_at, std::uint64_t{h.world_size} * 8);
-  std::uint64_t sum = 0;
-  for (std::uint64_t b : info.rank_bytes)
-    if (b > kMaxStreamBytes || __builtin_add_overflow(sum, b, &sum)) return "a rank's sub-stream is too large";
-  if (sum != h.stream_bytes) return "the ranks' sub-streams do not add up to the stream size";
+  if (std::string why = rank_bytes_problem(info.rank_bytes, h.stream_bytes); !why.empty()) return why;
   info.tensors.reserve(h.tensor_count);
   std::unordered_set<std::string_view> seen;
   if (check_names) seen.reserve(h.tensor_count);
@@ -232,26 +267,16 @@ std::string decode_manifest(std::span<const std::byte> bytes, std::uint64_t expe
   for (std::uint32_t i = 0; i < h.tensor_count; ++i) {
     ManifestEntry e;
     std::memcpy(&e, bytes.data() + sizeof h + std::uint64_t{i} * sizeof e, sizeof e);
-    if (e.name_bytes == 0 || e.name_bytes > kMaxNameBytes) return at(i, "bad name length");
-    if (std::uint64_t{e.name_offset} + e.name_bytes > h.names_bytes) return at(i, "name runs past the names blob");
+    if (std::string why = entry_name_problem(e, h.names_bytes); !why.empty()) return at(i, why);
     const std::string_view name(names + e.name_offset, e.name_bytes);
     if (check_names) {
       if (std::string why = name_problem(name); !why.empty()) return at(i, why);
       if (!seen.insert(name).second) return at(i, "name appears twice in the manifest");
     }
-    if (e.ndim > kMaxDims) return at(i, "more than 8 dimensions");
-    const DType dt = static_cast<DType>(e.dtype);
-    std::uint64_t n;
-    if (!shape_bytes(dt, e.shape, e.ndim, &n)) return at(i, "unknown dtype or bad shape");
-    if (n != e.nbytes) return at(i, "byte size disagrees with dtype and shape");
-    if (n > kMaxStreamBytes || __builtin_add_overflow(logical, n, &logical)) return at(i, "too large");
+    if (std::string why = entry_shape_problem(e, &logical); !why.empty()) return at(i, why);
     first_offset[i] = e.stream_offset;
-    TensorInfo t;
+    TensorInfo t = entry_tensor(e);
     if (check_names) t.name.assign(name);
-    t.dtype = dt;
-    t.shape.assign(e.shape, e.shape + e.ndim);
-    t.nbytes = e.nbytes;
-    t.stream_offset = e.stream_offset;
     info.tensors.push_back(std::move(t));
   }
   // Pieces: sorted by (rank, offset), aligned, inside their rank's
@@ -288,11 +313,6 @@ std::string decode_manifest(std::span<const std::byte> bytes, std::uint64_t expe
     }
     payload += p.nbytes;
     t.shards.push_back(sh);
-  }
-  if (entries_only) {
-    info.payload_bytes = h.payload_bytes;
-    *out = std::move(info);
-    return {};
   }
   if (payload != h.payload_bytes) return "payload size disagrees with the pieces";
   for (std::uint32_t i = 0; i < h.tensor_count; ++i) {

@@ -51,18 +51,40 @@ std::string merge_posts(std::span<const SyncInfo> posts, std::vector<TensorSpec>
 // or why the bytes are not a valid manifest for (version, stream_bytes,
 // slot_bytes).
 // `check_names` false skips the name rules (UTF-8, NUL, duplicates) and
-// leaves the names empty: for a reader that validates windows of entries
-// with placeholder names (shmcast-inspect show --limit).
+// leaves the names empty. (The probe, which once passed false for windows
+// of entries, streams with the rules below now; every caller passes true.)
 enum class ManifestCheck {
   kFull,     // a sync's manifest: every tensor's pieces are one whole piece,
              // or shards along one dim that tile it exactly
   kRankPost, // a rank's list: exactly one piece per entry, no tiling
-  kEntries,  // the entries alone (piece_count 0): a window of a large
-             // manifest whose pieces the reader checks on its own
 };
 std::string decode_manifest(std::span<const std::byte> bytes, std::uint64_t expect_version,
                             std::uint64_t expect_stream_bytes, std::uint64_t slot_bytes, SyncInfo* out,
                             bool check_names = true, ManifestCheck mode = ManifestCheck::kFull);
+
+// The rules decode_manifest applies, one part of a manifest at a time, for
+// a reader that streams a manifest too large to copy whole (the inspect
+// tool's probe, probe/manifest_stream.cpp): one definition of each rule.
+// Each returns an empty string when valid, else why not.
+//
+// The header, for a manifest of `used` (>= sizeof(ManifestHeader)) bytes
+// announced by a sync record of (expect_version, expect_stream_bytes):
+// magic, format, entry size, sync version, stream size, world size, tensor
+// and piece counts, and where the rank table, pieces and names blob lie.
+std::string manifest_header_problem(const ManifestHeader& h, std::uint64_t used, std::uint64_t expect_version,
+                                    std::uint64_t expect_stream_bytes);
+// An entry's name: its length, and that it lies inside a names blob of
+// `names_bytes` bytes (name_problem checks the name's bytes).
+std::string entry_name_problem(const ManifestEntry& e, std::uint64_t names_bytes);
+// An entry's dtype, shape and byte size; adds its size to *logical, the sum
+// of the entries so far, which must stay within the stream limit.
+std::string entry_shape_problem(const ManifestEntry& e, std::uint64_t* logical);
+// A valid entry as a tensor: dtype, shape, nbytes, stream offset (no name,
+// no pieces).
+TensorInfo entry_tensor(const ManifestEntry& e);
+// The rank table: each rank's sub-stream within the limit, and together the
+// stream's size.
+std::string rank_bytes_problem(std::span<const std::uint64_t> rank_bytes, std::uint64_t stream_bytes);
 
 // The structure of piece `p` given the pieces before it: its tensor index
 // and rank exist, pieces run in (rank, offset) order, aligned, without
