@@ -1,4 +1,7 @@
 // The fd channel; see fd_channel.hpp and docs/protocol.md ("The fd channel").
+// One object, one job, so one file past 800 lines: the server (socket made
+// like a region, SO_PEERCRED check, the serve loop) and the client (connect,
+// receive, check the SCM_RIGHTS fds) share the frame format and its checks.
 #include "protocol/fd_channel.hpp"
 
 #include <fcntl.h>
