@@ -187,8 +187,8 @@ Producer::Impl* attach_rank(Producer::Impl* m, std::string_view name, const Prod
 
 Producer Producer::create(std::string_view name, const ProducerOptions& o) {
   const std::int64_t t0 = mono_ns();
-  std::string why = validate_name(name);
-  if (!why.empty()) throw Error(Errc::kBadName, why + ": '" + std::string(name) + "'");
+  require_valid_name(name);
+  std::string why;
   if (o.world_size < 1 || o.world_size > limits::kMaxRanks || o.rank >= o.world_size)
     throw Error(Errc::kInvalidArgument, "rank " + std::to_string(o.rank) + " of world_size " +
                                             std::to_string(o.world_size) + ": need 0 <= rank < world_size <= " +
