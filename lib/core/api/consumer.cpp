@@ -293,8 +293,7 @@ Consumer::~Consumer() = default;
 
 Consumer Consumer::open(std::string_view name, const ConsumerOptions& o) {
   const std::int64_t t0 = mono_ns();
-  std::string why = validate_name(name);
-  if (!why.empty()) throw Error(Errc::kBadName, why + ": '" + std::string(name) + "'");
+  require_valid_name(name);
   const std::string dir = region_dir();
   const std::int64_t deadline = t0 + o.open_timeout.count();
   auto impl = std::make_unique<Impl>();

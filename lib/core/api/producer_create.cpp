@@ -1,0 +1,296 @@
+// api/ (layer 6): a producer's region from create to close. create()
+// checks the options, picks the engine, and then rank 0 creates the region
+// (taking over a stale one whose producer is dead) while ranks 1.. of a
+// sharded producer attach to rank 0's; close (close_quietly) marks the
+// region closed, or a rank leaves its seat. Runs on the caller's thread.
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <thread>
+
+#include "api/producer_impl.hpp"
+#include "base/checks.hpp"
+#include "engine/engine.hpp"
+#include "protocol/ring.hpp"
+#include "protocol/rounds.hpp"
+#include "shm/doorbell.hpp"
+#include "shm/liveness.hpp"
+#include "shm/region.hpp"
+#include "shmcast/shmcast.hpp"
+
+namespace shmcast {
+
+using namespace detail;
+
+// A region of this name exists. Takes it over when its producer is proven
+// dead (its lock byte is free and we now hold it, so no one can revive it),
+// by removing the name; throws kExists or kPermission when it is alive, not
+// ours, or its liveness cannot be told. Returns false when the name vanished.
+// While it holds byte 0 of the old file it also holds kTakeoverLockByte
+// (taken first, released last), so a rank attaching meanwhile never takes
+// this lock for a live rank 0 (attach_rank). `before_unlink` (tests): runs
+// with both locks held, just before the name is removed.
+bool detail::take_over_stale(const std::string& dir, std::string_view name, bool replace_stale, bool group_access,
+                             const std::function<void()>& before_unlink) {
+  MappedFile old;
+  try {
+    old = MappedFile::open_unmapped(dir, name, true);  // read-write: the lock probe below takes the lock
+  } catch (const Error& e) {
+    if (e.code() == Errc::kNotFound) return false;
+    throw Error(e.code() == Errc::kPermission ? Errc::kPermission : Errc::kExists,
+                "region '" + std::string(name) + "' exists but cannot be inspected, so it is left alone: " + e.what());
+  }
+  const std::string why = trust_problem(old, TrustPolicy{group_access, {}});
+  if (!why.empty()) throw Error(Errc::kPermission, why + "; pick another region name, or have its owner remove it");
+  int rc = lock_byte(old.fd(), kTakeoverLockByte);
+  if (rc == -EAGAIN)
+    throw Error(Errc::kExists, "region '" + std::string(name) + "' in " + dir +
+                                   " is being taken over by another producer right now: pick another name, or stop "
+                                   "that producer");
+  if (rc == 0) rc = lock_byte(old.fd(), kProducerLockByte);
+  if (rc == -EAGAIN)
+    throw Error(Errc::kExists, "region '" + std::string(name) + "' in " + dir +
+                                   " belongs to a live producer: pick another name, or stop that producer");
+  if (rc != 0)
+    throw Error(Errc::kExists, "region '" + std::string(name) + "' exists and the liveness of its producer cannot be "
+                               "checked (" + std::strerror(-rc) + "): it is left alone; remove it with "
+                               "`shmcast-inspect rm " + std::string(name) + "` if it is dead");
+  if (!replace_stale)
+    throw Error(Errc::kExists, "region '" + std::string(name) + "' exists (its producer is gone); remove it with "
+                               "`shmcast-inspect rm " + std::string(name) + "` or set replace_stale");
+  // The old producer is dead: take the name over. Attached consumers keep
+  // the old mapping, see the producer died, and reopen.
+  if (before_unlink) before_unlink();
+  if (!old.unlink_if_same() && old.still_at_path())
+    throw Error(Errc::kPermission, "cannot replace stale region " + old.path() + ": " + std::strerror(errno), errno);
+  return true;
+}
+
+namespace {
+
+void init_header(RegionView& v, std::uint64_t features) {
+  Header& hdr = v.header();
+  // The file is fresh from posix_fallocate, so every byte is zero already:
+  // write the fixed header and the producer's identity, flip init_state last.
+  hdr.fixed = make_fixed_header(v.geo(), features);
+  hdr.fixed.created_unix_ns = static_cast<std::uint64_t>(unix_ns());
+  write_identity(hdr.producer, self_identity());
+  hdr.generation.store(1, std::memory_order_relaxed);
+  if (v.geo().world_size > 1) {
+    RankSeat& rs = v.rank_seat(0);
+    write_identity(rs.who, self_identity());
+    rs.attach_unix_ns.store(static_cast<std::uint64_t>(unix_ns()), std::memory_order_relaxed);
+    rs.word.store(make_seat_word(1, kSeatActive), std::memory_order_relaxed);
+  }
+  std::atomic_thread_fence(std::memory_order_release);
+  hdr.init_state.store(kInitReady, std::memory_order_release);
+}
+
+}  // namespace
+
+namespace {
+
+// Why `f` (a ready region, header `h`) is not one a rank may join, or "":
+// its rank 0 must hold lock byte 0 while no takeover holds
+// kTakeoverLockByte, and the file must still be the one at the path. In
+// that order: a takeover locks the takeover byte before byte 0 and removes
+// the name before it lets go of either, so byte 0 held and then the
+// takeover byte free means byte 0 is rank 0's own, or the takeover has
+// finished, and then the path names another file.
+std::string live_region_problem(const MappedFile& f, const Header& h) {
+  if (peer_alive(f.fd(), kProducerLockByte, h.producer) == Alive::kNo) return "a live rank 0 (the region's rank 0 is dead)";
+  if (lock_held(f.fd(), kTakeoverLockByte) == Alive::kYes)
+    return "rank 0 to finish replacing the region (a new rank 0 is taking over the stale one)";
+  if (!f.still_at_path()) return "rank 0 to create the region again (this file was removed or replaced)";
+  return "";
+}
+
+// Rank r >= 1 of a sharded producer: attaches to the region rank 0 created,
+// a live one: the file at the path whose rank 0 holds its lock (not a stale
+// file a new rank 0 is replacing), checked again once this rank holds its
+// own lock byte; else it waits and opens the path again, up to rank_timeout.
+Producer::Impl* attach_rank(Producer::Impl* m, std::string_view name, const ProducerOptions& o) {
+  const std::string dir = region_dir();
+  const std::int64_t deadline = mono_ns() + o.rank_timeout.count();
+  std::string waiting = "the region to appear";
+  for (;;) {
+    try {
+      MappedFile f = MappedFile::open(dir, name, true);
+      if (std::string why = trust_problem(f, TrustPolicy{o.group_access, {}}); !why.empty())
+        throw Error(Errc::kPermission, why);
+      if (f.size() >= kHeaderBytes) {
+        const Header& live = *reinterpret_cast<const Header*>(f.data());
+        const std::uint32_t init = live.init_state.load(std::memory_order_acquire);
+        const HeaderFixed snap = snapshot_header(f.data());
+        if (init == kInitReady) {
+          const Geometry g = checked_geometry(f, snap);
+          if (snap.world_size != o.world_size)
+            throw Error(Errc::kInvalidArgument, "region '" + std::string(name) + "' was created by rank 0 for " +
+                                                    std::to_string(snap.world_size) + " ranks, this rank says " +
+                                                    std::to_string(o.world_size) + ": give every rank the same world_size");
+          waiting = live_region_problem(f, live);
+          if (waiting.empty()) {
+            const int rc = lock_byte(f.fd(), rank_lock_byte(o.rank));
+            if (rc == -EAGAIN)
+              throw Error(Errc::kExists, "producer rank " + std::to_string(o.rank) + " of region '" +
+                                             std::string(name) +
+                                             "' is already attached by a live process: give each rank its own rank "
+                                             "number");
+            if (rc != 0)
+              throw Error(Errc::kSystem, std::string("cannot lock the rank's byte: ") + std::strerror(-rc), -rc);
+            // Again, now that this rank holds its byte: a takeover that began
+            // meanwhile, or a file replaced meanwhile, is not joined.
+            waiting = live_region_problem(f, live);
+            if (waiting.empty()) {
+              m->checksums = (snap.features & kFeatureChecksums) != 0;
+              m->path = f.path();
+              m->view = RegionView(std::move(f), g);
+              break;
+            }
+            unlock_byte(f.fd(), rank_lock_byte(o.rank));
+          }
+        } else {
+          waiting = init == kInitClosed ? "rank 0 to create the region again (it is closed)"
+                                        : "rank 0 to finish creating the region";
+        }
+      }
+    } catch (const Error& e) {
+      if (e.code() != Errc::kNotFound) throw;
+    }
+    if (mono_ns() >= deadline)
+      throw Error(Errc::kTimeout, "producer rank " + std::to_string(o.rank) + " gave up waiting for " + waiting + " at " +
+                                      region_path(name) + " (rank_timeout): is rank 0 running, with the same SHMCAST_DIR?");
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  RankSeat& rs = m->view.rank_seat(o.rank);
+  const std::uint64_t old = rs.word.load(std::memory_order_acquire);
+  rs.published_seq.store(0, std::memory_order_relaxed);
+  rs.error_code.store(0, std::memory_order_relaxed);
+  rs.attach_unix_ns.store(static_cast<std::uint64_t>(unix_ns()), std::memory_order_relaxed);
+  write_identity(rs.who, self_identity());
+  // Join the next round rank 0 has not ended yet, unless the seat's
+  // previous process posted for it (rank 0 may have taken that list: the
+  // round is in flight, and it is not this process's), which the seat then
+  // drops (rounds::rejoin). reply_round stays: rank 0 only ever raises it,
+  // and it is no higher than `round` (a later round rank 0 fails meanwhile
+  // is answered to this seat too).
+  m->round = rounds::rejoin(m->words(), o.rank, m->view.rank_list(o.rank), m->view.geo().manifest_bytes,
+                            "producer rank " + std::to_string(o.rank) +
+                                " was restarted in the middle of a sync round (its new process did not post its list)");
+  rs.word.store(make_seat_word(seat_gen(old) + 1, kSeatActive), std::memory_order_seq_cst);
+  detail::ring(m->view.header().rank_post);
+  return m;
+}
+
+}  // namespace
+
+Producer Producer::create(std::string_view name, const ProducerOptions& o) {
+  const std::int64_t t0 = mono_ns();
+  require_valid_name(name);
+  std::string why;
+  if (o.world_size < 1 || o.world_size > limits::kMaxRanks || o.rank >= o.world_size)
+    throw Error(Errc::kInvalidArgument, "rank " + std::to_string(o.rank) + " of world_size " +
+                                            std::to_string(o.world_size) + ": need 0 <= rank < world_size <= " +
+                                            std::to_string(limits::kMaxRanks));
+  if (o.consumer_timeout.count() <= 0) throw Error(Errc::kInvalidArgument, "consumer_timeout must be positive");
+  if (o.rank_timeout.count() <= 0) throw Error(Errc::kInvalidArgument, "rank_timeout must be positive");
+  const bool store = o.mode == RegionMode::kStore;
+  if (store && o.world_size != 1)
+    throw Error(Errc::kInvalidArgument, "a store region takes one producer rank (world_size 1): gather the "
+                                        "shards on one rank, or use a ring region");
+  auto impl = std::make_unique<Impl>();
+  impl->name = std::string(name);
+  impl->opts = o;
+  impl->rank = o.rank;
+  impl->world = o.world_size;
+  // The engine (and a required pin's CUDA) before the region exists: a
+  // create refused for want of a GPU leaves nothing a consumer could open.
+  const bool cuda = o.engine == CopyEngine::kCuda || (o.engine == CopyEngine::kAuto && cuda_available());
+  impl->engine = cuda ? make_cuda_producer_engine() : make_host_producer_engine();
+  if (o.pin == Pin::kYes && !cuda_available())
+    throw Error(Errc::kCudaUnavailable, "cannot pin region '" + impl->name + "': " + cuda_unavailable_reason());
+  if (o.rank > 0) {
+    attach_rank(impl.get(), name, o);
+  } else {
+    Geometry g{};
+    if (store) {
+      if (o.store_bytes == 0)
+        throw Error(Errc::kInvalidArgument, "a store region needs store_bytes: the room for one version "
+                                            "(store_bytes_needed(tensors))");
+      why = compute_geometry(o.max_consumers, 2, o.store_bytes, o.manifest_bytes, &g, 1, true);
+    } else {
+      why = compute_geometry(o.max_consumers, o.slots, o.slot_bytes, o.manifest_bytes, &g, o.world_size);
+    }
+    if (!why.empty()) throw Error(Errc::kInvalidArgument, why);
+    const std::string dir = region_dir();
+    MappedFile file;
+    for (int attempt = 0;; ++attempt) {
+      try {
+        file = MappedFile::create(dir, name, g.total_bytes, o.group_access, kProducerLockByte);
+        break;
+      } catch (const Error& e) {
+        if (e.code() != Errc::kExists || attempt >= 2) throw;
+        take_over_stale(dir, name, o.replace_stale, o.group_access);  // detail::
+      }
+    }
+    impl->path = file.path();
+    impl->checksums = o.checksums;
+    impl->view = RegionView(std::move(file), g);
+    init_header(impl->view, (o.checksums ? kFeatureChecksums : 0) | (store ? kFeatureStore : 0));
+  }
+  impl->ring.emplace(&impl->view, ProducerRingOptions{o.stall_policy, o.consumer_timeout.count(), o.rank, o.world_size,
+                                                      impl->view.geo().store});
+  impl->create_s = static_cast<double>(mono_ns() - t0) * 1e-9;
+  if (o.pin != Pin::kNo) {
+    impl->pin = cuda_pin(impl->view.file().data(), impl->view.file().size());
+    if (!impl->pin.pinned && o.pin == Pin::kYes)
+      throw Error(Errc::kCudaUnavailable, "cannot pin region '" + impl->name + "': " + impl->pin.why);
+  }
+  return Producer(std::move(impl));
+}
+
+void Producer::Impl::leave_rank() noexcept {
+  RankSeat& rs = view.rank_seat(rank);
+  const std::uint64_t w = rs.word.load(std::memory_order_acquire);
+  rs.word.store(make_seat_word(seat_gen(w), kSeatFree), std::memory_order_release);
+  detail::ring(view.header().rank_post);
+  unlock_byte(view.fd(), rank_lock_byte(rank));
+}
+
+void Producer::Impl::close_quietly() noexcept {
+  if (view.file().inherited()) {
+    // A forked child's copy: the parent's region, seat and engine are not
+    // ours to close. Forget them without touching any of it.
+    (void)engine.release();
+    view.file().unmap();
+    return;
+  }
+  if (!view.mapped()) return;
+  try {
+    abort("the producer closed in the middle of the sync");
+  } catch (...) {
+  }
+  if (!leader()) {
+    // A rank leaves; the region is rank 0's.
+    engine.reset();
+    if (pin.pinned) cuda_unpin(view.file().data(), view.file().size());
+    pin.pinned = false;
+    leave_rank();
+    view.file().unmap();
+    return;
+  }
+  Header& h = view.header();
+  h.init_state.store(kInitClosed, std::memory_order_release);
+  // The record is unchanged: a sync published before close stays readable.
+  ring_keep_parity(h.sync.announce);
+  detail::ring(h.publish);
+  if (opts.unlink_on_close) view.file().unlink_if_same();
+  engine.reset();
+  if (pin.pinned) cuda_unpin(view.file().data(), view.file().size());  // unregister before unmap
+  pin.pinned = false;
+  unlock_byte(view.fd(), kProducerLockByte);
+  view.file().unmap();
+}
+
+}  // namespace shmcast

@@ -1,0 +1,131 @@
+// api/ (layer 6), private to the producer: Producer::Impl, the state behind
+// the public Producer, for its four modes: a ring region of one rank (the
+// default), a store region (RegionMode::kStore, two banks), a sharded ring
+// (world_size > 1, the ranks agree on each sync in rounds) and a sync whose
+// chunks are lent to the caller (lend_chunk(), or fill_spans() for a store).
+// Its methods run on the caller's thread, one call at a time (the bytes of
+// lent spans and slots may be filled from any thread); the engine's
+// completion threads only run the publish callbacks ChunkWriter hands them.
+//
+// Its methods live in one file per concern:
+//   producer.cpp         the public Producer methods, thin: checks of open
+//                        state, then a call into Impl; getters
+//   producer_create.cpp  create (options checks, rank 0 creates, ranks 1..
+//                        attach), taking over a stale region, close
+//   producer_write.cpp   a sync of every mode: begin_sync's checks and the
+//                        ring's begin, write() (the ring write path),
+//                        end_sync, abort
+//   producer_ranks.cpp   sharded producers: the rounds, rank 0's gather and
+//                        merge, the other ranks' join, end_sync's waits
+//   producer_store.cpp   store regions (begin, fill_spans) and lent chunks
+//                        (lend_chunk, publish_chunks)
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "base/checks.hpp"
+#include "engine/engine.hpp"
+#include "protocol/ring.hpp"
+#include "protocol/rounds.hpp"
+#include "shmcast/shmcast.hpp"
+
+namespace shmcast {
+
+// Hidden: a member of the exported class Producer would be exported with it
+// from a shared libshmcast (lib/shmcast.map), and Impl is no public API.
+struct __attribute__((visibility("hidden"))) Producer::Impl {
+  // ---- the region, every mode (set by create(), fixed until close)
+  std::string name, path;
+  ProducerOptions opts;
+  detail::RegionView view;
+  std::optional<detail::ProducerRing> ring;
+  std::unique_ptr<detail::ProducerEngine> engine;
+  detail::PinInfo pin;
+  double create_s = 0;
+  bool checksums = false;
+
+  // ---- the sync in progress, every mode
+  bool in_sync = false;
+  std::uint64_t version = 0;         // of the sync in progress or the last one
+  std::uint64_t last_completed = 0;  // last sync that was not aborted
+  std::uint64_t next_seq = 1;
+  std::uint64_t first_seq = 0;    // of the sync in progress
+  std::uint64_t rank_chunks = 0;  // chunks per rank of the sync in progress
+  std::vector<TensorSpec> specs;
+  std::vector<std::uint64_t> offsets;
+  std::uint64_t stream_bytes = 0, payload_bytes = 0;  // this rank's
+  std::uint64_t sync_payload = 0;  // the whole sync's (rank 0)
+  std::size_t next_tensor = 0;
+  std::uint64_t part_done = 0;
+  detail::ChunkWriter writer;  // the sync's chunks
+  SyncLayout layout;   // of the sync in progress or the last one begun
+  std::int64_t sync_start_ns = 0;
+
+  // ---- sharded producers (world > 1): rank 0 leads each round, the others join it
+  std::uint32_t rank = 0, world = 1;
+  std::uint64_t round = 0;   // the last round this rank took (its id is that sync's version)
+  bool abandon_won = false;  // sharded: this rank decided the sync's fate (abandoned); abort() writes the reason
+  bool leader() const { return rank == 0; }
+
+  // ---- store regions
+  detail::RecordSnapshot store_rec{};  // store regions: the record end_sync() announces
+  bool lent = false;                   // store regions: fill_spans() lent the bank to the caller
+
+  // ---- lent chunks (ring regions of one rank)
+  bool lent_chunks = false;  // ring regions: lend_chunk() lent slots to the caller
+
+  ~Impl() { close_quietly(); }
+
+  void require_open() const {
+    if (view.file().inherited()) detail::throw_inherited("Producer", view.file());
+    if (!view.mapped()) throw Error(Errc::kClosed, "this producer is closed");
+  }
+
+  // ---- producer_create.cpp: closing
+  void leave_rank() noexcept;
+  void close_quietly() noexcept;
+
+  // ---- producer_write.cpp: a sync of every mode, the ring's write path
+  std::uint64_t begin_sync(std::span<const TensorSpec> tensors, std::uint64_t want);
+  std::uint64_t begin_ring(std::uint64_t want);
+  void complete_below(std::uint64_t pos);
+  static constexpr std::uint64_t kWhole = ~0ull;  // write_tensor's len: the whole tensor
+  void write_tensor(std::size_t index, const detail::Buffer& src, void* stream, std::uint64_t from = 0,
+                    std::uint64_t len = kWhole);
+  void write_tensor_in_sync(std::size_t index, const detail::Buffer& src, void* stream, std::uint64_t from,
+                            std::uint64_t len);
+  void end_sync();
+  void set_error_text(Errc code, const std::string& text);
+  void abort(std::string_view why, Errc code = Errc::kAborted);
+
+  // ---- producer_ranks.cpp: sharded producers, rounds (rounds.hpp, docs/protocol.md §9)
+  detail::rounds::Words words() const;
+  // Tests: a pause point (rounds.hpp, TestPoint); nothing in a real process.
+  void hit(detail::TestPoint at, std::uint64_t n, void* answer = nullptr);
+  std::string abandon_reason(std::uint64_t n);
+  void fail_round(std::uint64_t n, Errc code, const std::string& why);
+  void drop_round(std::uint64_t n, Errc code, const std::string& what) noexcept;
+  std::vector<SyncInfo> gather(std::uint64_t n, std::uint64_t used0);
+  detail::rounds::Answer join_round(std::uint64_t n, std::uint64_t used);
+  std::uint64_t lead_round(std::uint64_t n, std::uint64_t used);
+  std::uint64_t begin_sharded(std::uint64_t n, std::uint64_t used);
+  void end_sharded();
+  void await_ranks();
+  void await_done();
+  void skip_sync(std::string_view why, std::uint64_t want);
+
+  // ---- producer_store.cpp: store regions and lent chunks
+  std::uint64_t begin_store(std::uint64_t want);
+  std::vector<std::span<std::byte>> fill_spans();
+  std::span<std::byte> lend_chunk(std::uint64_t c);
+  void publish_chunks(std::uint64_t end);
+};
+
+}  // namespace shmcast
