@@ -1,6 +1,6 @@
 // Model check of the sharded producers' rounds (lib/core/protocol/rounds.{hpp,cpp},
 // docs/protocol.md §9 "Rounds"). Two or three ranks run a few syncs each,
-// as small programs that mirror producer.cpp's control flow (begin_sync,
+// as small programs that mirror api/producer_ranks.cpp's control flow (begin_sync,
 // the wait for rank 0's answer, writing, end_sync; rank 0: open, gather,
 // merge, answer, await the others) and call the real step functions of
 // rounds.cpp on real RankSeats. Every interleaving of their steps is
@@ -153,7 +153,7 @@ struct Config {
   // rank's process dies mid-round and a new one takes its seat and runs the
   // same step again (the trainer restarted it).
   bool deaths = false;
-  // Mutants of producer.cpp's side, as the code was before the review: the
+  // Mutants of the producer's side (api/producer_ranks.cpp), as the code was before the review: the
   // new process attaches as before rounds::rejoin (post = round|none); a
   // rank hears go without checking its own post is taken; rank 0 completes
   // without checking every post again; a rank that read completed() false
@@ -342,7 +342,7 @@ class Model {
   }
 
   // Rank r takes its choice-th enabled step; false when there is none.
-  // Every step mirrors what producer.cpp does at that point.
+  // Every step mirrors what api/producer_ranks.cpp does at that point.
   bool act(int r, int choice, std::string* what) {
     Local& l = loc_[r];
     int c = 0;

@@ -1,6 +1,6 @@
 // protocol/ (sharded producers): the rounds in which R producer ranks agree on
 // one sync, as single steps on the shared words (docs/protocol.md §9,
-// "Rounds"). producer.cpp drives these steps with its waits, deadlines and
+// "Rounds"). api/producer_ranks.cpp drives these steps with its waits, deadlines and
 // liveness checks; the model check (tests/unit/test_rounds.cpp) drives the
 // same steps in every interleaving of 2 and 3 ranks with failures injected.
 // Each function here is one step: a few loads and at most one store or CAS
@@ -172,7 +172,7 @@ namespace shmcast::detail {
 
 // Tests only: the places where a test process may pause or tamper with the
 // round words, to hit a narrow window deterministically. Unset (the
-// default) in every real process; producer.cpp calls it at each point.
+// default) in every real process; api/producer_ranks.cpp calls it at each point.
 enum class TestPoint {
   kAwaitDoneUndecided,  // rank k, await_done: completed(n) just read false
   kBeforeComplete,      // rank 0, end_sync: every chunk is in, before complete(n)
@@ -191,7 +191,7 @@ struct TestPointArgs {
 };
 extern std::function<void(const TestPointArgs&)> test_point;
 
-// Restart (producer.cpp): a new rank 0 that finds the name taken by a region
+// Restart (api/producer_create.cpp): a new rank 0 that finds the name taken by a region
 // whose rank 0 is dead removes it (holding kTakeoverLockByte, then byte 0,
 // until the name is gone), so that ranks attaching meanwhile never join the
 // old file. `before_unlink` runs with both locks held (tests pause there).
