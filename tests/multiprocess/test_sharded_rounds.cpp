@@ -441,6 +441,35 @@ TEST(ShardedRounds, SkipSyncKeepsNumberedRoundsInStep) {
   expect_recovered(b, 2, 2, 3, 7);
 }
 
+// The same, with rank 1 quick and rank 0 slow: rank 1 skips step 2 and is
+// already in step 3's begin_sync() when rank 0 begins round 2. Rank 0 still
+// gets rank 1's reason: rank 1 writes its list of round 3 over the reason
+// only once rank 0 has ended round 2. (Before, on a fast machine, rank 0
+// found round 3's list and said only "failed sync round 2 (Aborted) and went
+// on to round 3"; the GPU machine's Python test saw it.)
+TEST(ShardedRounds, SkipSyncReasonSurvivesARankThatWentOnAtOnce) {
+  Board* b = Board::make();
+  Script sc;
+  sc.name = unique_name("rskipfast");
+  RegionGuard g{sc.name};
+  sc.act = [](int r, int s) { return r == 1 && s == 2 ? Act::kSkipSync : Act::kSend; };
+  sc.in_step = [](int r, int s) { return !(r == 1 && s == 2); };  // rank 1 goes on to step 3 at once
+  sc.before_begin = [b](int r, int s) {
+    if (r == 1 && s == 3) b->flag[0].store(1);
+    if (r == 0 && s == 2) {
+      wait_until_true([b] { return b->flag[0].load() != 0; });
+      std::this_thread::sleep_for(200ms);  // rank 1 is past before_begin, in begin_sync(3): it had its list written
+    }
+  };
+  Procs ps;
+  ps.start_consumers(sc.name, b, 2, 1, 7, false);
+  ps.start_ranks(sc, b);
+  ps.expect_all_exit_0();
+  EXPECT_EQ(b->result(0, 2), code(Errc::kAborted)) << b->text(0, 2);
+  EXPECT_TRUE(has(b->text(0, 2), "rank 1's caller failed before step 2")) << b->text(0, 2);
+  expect_recovered(b, 2, 2, 3, 7);
+}
+
 // Item 3, a rank's exception in the middle of a sync: rank 1's caller
 // aborts sync 2 after begin_sync, before it writes (R = 3: rank 1's piece is
 // one tensor, so once it is written rank 0 may complete the sync first). Rank 0 and rank 2: Aborted

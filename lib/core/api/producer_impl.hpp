@@ -72,6 +72,7 @@ struct __attribute__((visibility("hidden"))) Producer::Impl {
   std::uint32_t rank = 0, world = 1;
   std::uint64_t round = 0;   // the last round this rank took (its id is that sync's version)
   bool abandon_won = false;  // sharded: this rank decided the sync's fate (abandoned); abort() writes the reason
+  std::uint64_t dropped = 0;  // ranks 1..: the round it dropped last, whose reason its list area may still hold
   bool leader() const { return rank == 0; }
 
   // ---- store regions
@@ -112,6 +113,7 @@ struct __attribute__((visibility("hidden"))) Producer::Impl {
   std::string abandon_reason(std::uint64_t n);
   void fail_round(std::uint64_t n, Errc code, const std::string& why);
   void drop_round(std::uint64_t n, Errc code, const std::string& what) noexcept;
+  void settle_dropped() noexcept;
   std::vector<SyncInfo> gather(std::uint64_t n, std::uint64_t used0);
   detail::rounds::Answer join_round(std::uint64_t n, std::uint64_t used);
   std::uint64_t lead_round(std::uint64_t n, std::uint64_t used);

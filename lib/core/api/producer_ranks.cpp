@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <cstring>
 #include <thread>
+#include <utility>
 
 #include "api/producer_impl.hpp"
 #include "base/checks.hpp"
@@ -94,7 +95,25 @@ void Producer::Impl::drop_round(std::uint64_t n, Errc code, const std::string& w
   const std::uint64_t len = std::min<std::uint64_t>(why.size(), view.geo().manifest_bytes);
   std::memcpy(view.rank_list(rank), why.data(), len);
   rounds::drop(view.rank_seat(rank), n, code, len);
+  dropped = n;
   detail::ring(view.header().rank_post);
+}
+
+// Ranks 1..: before this rank writes its list area again (its next round's
+// list, or the reason it drops that one), rank 0 must have read the reason
+// it left there for the round it dropped: until rank 0 has ended that round
+// (Header::round), or for rank_timeout at most (rank 0 late, dead or gone;
+// it then names the failure without the reason). Without this wait a rank
+// that raised before a sync and went on at once overwrote its reason with
+// its next list, and rank 0 reported only "failed sync round N and went on".
+void Producer::Impl::settle_dropped() noexcept {
+  if (dropped == 0 || leader()) return;
+  const std::uint64_t n = std::exchange(dropped, 0);
+  if (view.file().size_now() != view.geo().total_bytes) return;  // cut: nothing is read from it
+  const rounds::Words w = words();
+  const std::int64_t deadline = mono_ns() + opts.rank_timeout.count();
+  while (w.ended->load(std::memory_order_acquire) < n && mono_ns() < deadline)
+    std::this_thread::sleep_for(std::chrono::microseconds(200));
 }
 
 // Rank 0: takes every rank's list of round `n` (rounds::look), and decodes
@@ -572,6 +591,7 @@ void Producer::Impl::skip_sync(std::string_view why, std::uint64_t want) {
   std::uint64_t n = 0;
   if (const std::string bad = rounds::next_round(round, want, &n); !bad.empty())
     throw Error(Errc::kInvalidArgument, "skip_sync(): " + bad);
+  settle_dropped();
   drop_round(n, Errc::kAborted, std::string(why));
 }
 

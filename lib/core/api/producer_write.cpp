@@ -42,6 +42,7 @@ std::uint64_t Producer::Impl::begin_sync(std::span<const TensorSpec> tensors, st
   if (world > 1) {
     if (const std::string why = rounds::next_round(round, want, &n); !why.empty())
       throw Error(Errc::kInvalidArgument, "begin_sync(): " + why);
+    settle_dropped();  // the reason of a round it dropped is read before its list area is written again
   } else if (want != 0 && want <= version) {
     throw Error(Errc::kInvalidArgument, "begin_sync() version " + std::to_string(want) +
                                             " is not greater than the last, " + std::to_string(version));
