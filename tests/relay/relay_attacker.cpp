@@ -81,8 +81,11 @@ void report(const std::string& line) {
   f << line << "\n";
 }
 
+bool g_in_group = false;  // a flood group's child process: it ends with _exit, never exit
+
 [[noreturn]] void die(const std::string& what) {
   std::fprintf(stderr, "relay_attacker: %s\n", what.c_str());
+  if (g_in_group) ::_exit(2);
   std::exit(2);
 }
 
@@ -505,12 +508,15 @@ int forge(const sockaddr_in& to, int seconds) {
       int budget = 8;
       for (std::size_t i = 0; i < eps.size() && budget > 0; ++i) {
         if (!states[i]->failed) continue;
-        ++rejected;
-        close_ep(w, eps[i]);
+        if (eps[i] != nullptr) {
+          ++rejected;
+          close_ep(w, eps[i]);
+          eps[i] = nullptr;
+        }
         states[i] = std::make_unique<EpState>();
         ucp_ep_h ep = connect_to(w, to, states[i].get());
         if (ep == nullptr) {
-          states[i]->failed = true;  // retried next round
+          states[i]->failed = true;  // retried next round (nothing left to close)
           continue;
         }
         eps[i] = ep;
@@ -520,9 +526,10 @@ int forge(const sockaddr_in& to, int seconds) {
     }
     if (progressed == 0) std::this_thread::sleep_for(1ms);
   }
-  for (const auto& st : states) rejected += st->failed ? 1 : 0;
+  for (std::size_t i = 0; i < eps.size(); ++i) rejected += eps[i] != nullptr && states[i]->failed ? 1 : 0;
   say("rejected " + std::to_string(rejected) + " reopened " + std::to_string(reopened));
-  for (ucp_ep_h ep : eps) close_ep(w, ep);
+  for (ucp_ep_h ep : eps)
+    if (ep != nullptr) close_ep(w, ep);
   ucp_worker_destroy(w);
   ucp_cleanup(ctx);
   ::_exit(0);
@@ -540,6 +547,7 @@ struct Group {
 void start_group(Group& g, const sockaddr_in& to, std::chrono::steady_clock::time_point end, bool sustain) {
   int p[2];
   if (::pipe2(p, O_CLOEXEC) != 0) die(std::string("pipe2: ") + std::strerror(errno));
+  (void)::fcntl(p[0], F_SETFL, O_NONBLOCK);  // the parent polls every group's pipe, a restarted one too
   const pid_t parent = ::getpid();
   const pid_t pid = ::fork();
   if (pid < 0) die(std::string("fork: ") + std::strerror(errno));
@@ -549,7 +557,12 @@ void start_group(Group& g, const sockaddr_in& to, std::chrono::steady_clock::tim
     ::close_range(4, ~0u, 0);
     (void)::prctl(PR_SET_PDEATHSIG, SIGKILL);  // a flood killed with -9 takes its groups along
     if (::getppid() != parent) ::_exit(0);
-    flood_group(3, to, g.size, end, sustain);
+    g_in_group = true;
+    try {
+      flood_group(3, to, g.size, end, sustain);
+    } catch (...) {
+      ::_exit(4);
+    }
   }
   ::close(p[1]);
   if (g.fd >= 0) ::close(g.fd);
@@ -606,13 +619,15 @@ int flood(const sockaddr_in& to, int conns, int raw, int seconds, bool sustain) 
       if (g.pid <= 0 || ::waitpid(g.pid, &status, WNOHANG) != g.pid) continue;
       drain_group(g);
       g.pid = -1;
-      if (WIFSIGNALED(status) && std::chrono::steady_clock::now() + 2s < end) {
+      // Ended early (a signal, or an error exit) with time left: again, a
+      // bounded number of times in all.
+      const bool early = WIFSIGNALED(status) || (WIFEXITED(status) && WEXITSTATUS(status) != 0);
+      if (early && crashed < 100 && std::chrono::steady_clock::now() + 2s < end) {
         ++crashed;
         start_group(g, to, end, sustain);
       }
     }
   };
-  for (Group& g : groups) (void)::fcntl(g.fd, F_SETFL, O_NONBLOCK);
   // Plain TCP connections, all at once and without blocking: a relay slow
   // to accept fills its listen backlog, and a blocking connect() then waits
   // for the kernel's SYN retries (minutes). Those not connected within 10 s
