@@ -41,6 +41,7 @@ struct Proc {
     std::map<std::string, std::string> env{};  // set; an empty value unsets
     rlim_t nofile_soft = 0;  // > 0: the child's soft RLIMIT_NOFILE (as a login shell's usual 1024)
     bool remove_logs = false;  // the log files are removed with the Proc
+    std::chrono::milliseconds wait_default{std::chrono::seconds(60)};  // wait() without a timeout
   };
 
   pid_t pid = -1;
@@ -48,12 +49,14 @@ struct Proc {
   bool done = false;
   std::string log, err;
   bool remove_logs = false;
+  std::chrono::milliseconds wait_default{std::chrono::seconds(60)};
 
   static Proc start(const std::vector<std::string>& argv, const Io& io) {
     Proc p;
     p.log = io.log;
     p.err = io.err;
     p.remove_logs = io.remove_logs;
+    p.wait_default = io.wait_default;
     p.pid = ::fork();
     if (p.pid == 0) {
       if (rlimit rl{}; io.nofile_soft > 0 && ::getrlimit(RLIMIT_NOFILE, &rl) == 0) {
@@ -84,7 +87,7 @@ struct Proc {
   Proc() = default;
   Proc(Proc&& o) noexcept
       : pid(o.pid), status(o.status), done(o.done), log(std::move(o.log)), err(std::move(o.err)),
-        remove_logs(o.remove_logs) {
+        remove_logs(o.remove_logs), wait_default(o.wait_default) {
     o.pid = -1;
     o.remove_logs = false;
   }
@@ -92,7 +95,9 @@ struct Proc {
 
   // Exit code, 128 + signal, or -1 when it did not end within `timeout`
   // (then it is killed).
-  int wait(std::chrono::milliseconds timeout = std::chrono::seconds(90)) {
+  int wait() { return wait(wait_default); }
+  int wait(std::chrono::milliseconds timeout) {
+    if (pid <= 0) return -1;  // never started (fork failed): nothing to reap
     const auto end = std::chrono::steady_clock::now() + timeout;
     while (!done && std::chrono::steady_clock::now() < end) {
       if (::waitpid(pid, &status, WNOHANG) == pid) done = true;

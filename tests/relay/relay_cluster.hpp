@@ -101,7 +101,11 @@ class Cluster {
     auto e = env(node, key);
     for (const auto& [k, v] : extra_env) e[k] = v;
     procs_.push_back(std::make_unique<Proc>(
-        Proc::start(argv, {.log = file(tag + ".log"), .append = true, .env = e, .nofile_soft = nofile_soft})));
+        Proc::start(argv, {.log = file(tag + ".log"),
+                           .append = true,
+                           .env = e,
+                           .nofile_soft = nofile_soft,
+                           .wait_default = std::chrono::seconds(90)})));
     return *procs_.back();
   }
   // Extra environment for the relays of `node` started from now on.
