@@ -1,8 +1,12 @@
 // Model check of the sharded producers' rounds (lib/core/protocol/rounds.{hpp,cpp},
 // docs/protocol.md §9 "Rounds"). Two or three ranks run a few syncs each,
-// as small programs that mirror api/producer_ranks.cpp's control flow (begin_sync,
-// the wait for rank 0's answer, writing, end_sync; rank 0: open, gather,
-// merge, answer, await the others) and call the real step functions of
+// as small programs that mirror the producer's control flow
+// (api/producer_ranks.cpp and producer_write.cpp: begin_sync, the wait for
+// rank 0's answer, writing, end_sync; rank 0: open, gather, merge, answer,
+// await the others; not the wait of a rank that dropped a round before it
+// writes its list area again, settle_dropped: it only removes
+// interleavings, all of which the model still explores, as happen once that
+// wait's deadline passes) and call the real step functions of
 // rounds.cpp on real RankSeats. Every interleaving of their steps is
 // explored (a depth-first search over states, each state visited once),
 // with up to `budget` failures injected anywhere one can happen:
@@ -342,7 +346,7 @@ class Model {
   }
 
   // Rank r takes its choice-th enabled step; false when there is none.
-  // Every step mirrors what api/producer_ranks.cpp does at that point.
+  // Every step mirrors what the producer (api/producer_ranks.cpp, producer_write.cpp) does at that point.
   bool act(int r, int choice, std::string* what) {
     Local& l = loc_[r];
     int c = 0;

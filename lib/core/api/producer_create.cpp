@@ -178,6 +178,12 @@ Producer::Impl* attach_rank(Producer::Impl* m, std::string_view name, const Prod
   m->round = rounds::rejoin(m->words(), o.rank, m->view.rank_list(o.rank), m->view.geo().manifest_bytes,
                             "producer rank " + std::to_string(o.rank) +
                                 " was restarted in the middle of a sync round (its new process did not post its list)");
+  // A round the seat dropped that rank 0 has not ended: its reason is in the
+  // list area until rank 0 reads it (settle_dropped, before the first list).
+  if (const std::uint64_t post = rs.post.load(std::memory_order_acquire);
+      rounds::post_state(post) == rounds::PostState::kDropped && rounds::post_round(post) == m->round &&
+      m->round > m->words().ended->load(std::memory_order_acquire))
+    m->dropped = m->round;
   rs.word.store(make_seat_word(seat_gen(old) + 1, kSeatActive), std::memory_order_seq_cst);
   detail::ring(m->view.header().rank_post);
   return m;

@@ -101,19 +101,32 @@ void Producer::Impl::drop_round(std::uint64_t n, Errc code, const std::string& w
 
 // Ranks 1..: before this rank writes its list area again (its next round's
 // list, or the reason it drops that one), rank 0 must have read the reason
-// it left there for the round it dropped: until rank 0 has ended that round
-// (Header::round), or for rank_timeout at most (rank 0 late, dead or gone;
-// it then names the failure without the reason). Without this wait a rank
-// that raised before a sync and went on at once overwrote its reason with
-// its next list, and rank 0 reported only "failed sync round N and went on".
+// it left there for the round n it dropped: the rank waits until rank 0 has
+// ended round n (Header::round), and no longer once rank 0 never will read
+// it (it began a later round, closed the region, or died), nor past
+// rank_timeout (then rank 0 names the failure without the reason). Without
+// this wait a rank that raised before a sync and went on at once overwrote
+// its reason with its next list, and rank 0 reported only "failed sync
+// round N and went on".
 void Producer::Impl::settle_dropped() noexcept {
   if (dropped == 0 || leader()) return;
   const std::uint64_t n = std::exchange(dropped, 0);
   if (view.file().size_now() != view.geo().total_bytes) return;  // cut: nothing is read from it
   const rounds::Words w = words();
+  const Header& h = view.header();
+  auto settled = [&] {
+    return w.ended->load(std::memory_order_acquire) >= n || w.opened->load(std::memory_order_acquire) > n ||
+           h.init_state.load(std::memory_order_acquire) == kInitClosed;
+  };
   const std::int64_t deadline = mono_ns() + opts.rank_timeout.count();
-  while (w.ended->load(std::memory_order_acquire) < n && mono_ns() < deadline)
+  std::int64_t next_liveness = 0;
+  while (!settled() && mono_ns() < deadline) {
+    if (mono_ns() >= next_liveness) {
+      if (rank_dead(view, 0)) return;
+      next_liveness = mono_ns() + kLivenessPollNs;
+    }
     std::this_thread::sleep_for(std::chrono::microseconds(200));
+  }
 }
 
 // Rank 0: takes every rank's list of round `n` (rounds::look), and decodes

@@ -172,7 +172,8 @@ namespace shmcast::detail {
 
 // Tests only: the places where a test process may pause or tamper with the
 // round words, to hit a narrow window deterministically. Unset (the
-// default) in every real process; api/producer_ranks.cpp calls it at each point.
+// default) in every real process; the producer calls it at each point
+// (api/producer_ranks.cpp, and api/producer_write.cpp for kAbandonWon).
 enum class TestPoint {
   kAwaitDoneUndecided,  // rank k, await_done: completed(n) just read false
   kBeforeComplete,      // rank 0, end_sync: every chunk is in, before complete(n)
