@@ -4,8 +4,10 @@
 // mapping and never whole: memory stays bounded however large it is (a
 // 256 MiB manifest of millions of tensors), and a file cut under us gives a
 // short read, not SIGBUS. Every byte is hashed and every entry validated
-// (by decode_manifest's own rules, protocol/manifest.hpp, as its bytes go
-// by), but only the first `limit` entries are kept and decoded.
+// with decode_manifest's per-entry and header rules (protocol/manifest.hpp)
+// as its bytes go by; only the first `limit` entries are kept and decoded.
+// The rules that need all entries at once (duplicate names, whole pieces,
+// tiling, logical bytes against the payload) are the consumer's alone.
 #include "probe/manifest_stream.hpp"
 
 #include <unistd.h>
