@@ -10,9 +10,12 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <functional>
 #include <random>
+#include <stdexcept>
 #include <string>
 #include <thread>
 #include <vector>
@@ -20,6 +23,26 @@
 #include "shmcast/shmcast.hpp"
 
 namespace shmcast_test {
+
+// A private region directory under /dev/shm, exported as SHMCAST_DIR for the
+// library while it lives, so that tests never see each other's regions.
+struct RegionDir {
+  std::string path;
+  explicit RegionDir(const std::string& tag) {
+    std::string templ = "/dev/shm/shmcast-" + tag + "-XXXXXX";
+    if (::mkdtemp(templ.data()) == nullptr) throw std::runtime_error("mkdtemp failed");
+    path = templ;
+    ::setenv("SHMCAST_DIR", path.c_str(), 1);
+  }
+  ~RegionDir() {
+    std::error_code ec;
+    std::filesystem::remove_all(path, ec);
+    ::unsetenv("SHMCAST_DIR");
+  }
+  RegionDir(const RegionDir&) = delete;
+  RegionDir& operator=(const RegionDir&) = delete;
+  std::string file(const std::string& name) const { return path + "/shmcast." + name; }
+};
 
 inline std::string unique_name(const std::string& tag) {
   static int n = 0;

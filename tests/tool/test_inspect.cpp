@@ -53,21 +53,8 @@ ProducerOptions small_opts(bool unlink_on_close = true) {
 }
 
 // A private region directory, exported as SHMCAST_DIR for the library.
-struct TempDir {
-  std::string path;
-  TempDir() {
-    char templ[] = "/dev/shm/shmcast-tooltest-XXXXXX";
-    const char* p = ::mkdtemp(templ);
-    if (p == nullptr) throw std::runtime_error("mkdtemp failed");
-    path = p;
-    ::setenv("SHMCAST_DIR", path.c_str(), 1);
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path, ec);
-    ::unsetenv("SHMCAST_DIR");
-  }
-  std::string file(const std::string& name) const { return path + "/shmcast." + name; }
+struct TempDir : shmcast_test::RegionDir {
+  TempDir() : RegionDir("tooltest") {}
 };
 
 // ---- running the tool

@@ -23,6 +23,7 @@
 #include "base/layout.hpp"
 #include "shmcast/probe.hpp"
 #include "shmcast/shmcast.hpp"
+#include "support.hpp"
 
 using namespace shmcast;
 using namespace std::chrono_literals;
@@ -34,21 +35,8 @@ namespace {
 constexpr std::uint64_t kSlot = 2ull << 20;
 
 // A private region directory, exported as SHMCAST_DIR for the library.
-struct TempDir {
-  std::string path;
-  TempDir() {
-    char templ[] = "/dev/shm/shmcast-probetest-XXXXXX";
-    const char* p = ::mkdtemp(templ);
-    if (p == nullptr) throw std::runtime_error("mkdtemp failed");
-    path = p;
-    ::setenv("SHMCAST_DIR", path.c_str(), 1);
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path, ec);
-    ::unsetenv("SHMCAST_DIR");
-  }
-  std::string file(const std::string& name) const { return path + "/shmcast." + name; }
+struct TempDir : shmcast_test::RegionDir {
+  TempDir() : RegionDir("probetest") {}
 };
 
 ProducerOptions small_opts() {
