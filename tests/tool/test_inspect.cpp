@@ -29,6 +29,7 @@
 
 #include "base/layout.hpp"
 #include "protocol/ring.hpp"
+#include "region_edit.hpp"
 #include "support.hpp"
 
 using namespace shmcast;
@@ -1250,25 +1251,7 @@ std::vector<std::string> temp_files(const std::string& dir) {
   return v;
 }
 
-// Rewrites the manifest of the current sync in a region file and fixes the
-// sync record's hash to match, as a buggy or hostile producer could.
-void rewrite_manifest(const std::string& path, const std::function<void(std::string&)>& edit) {
-  const int fd = ::open(path.c_str(), O_RDWR);
-  ASSERT_GE(fd, 0) << path;
-  detail::HeaderFixed f{};
-  ASSERT_EQ(::pread(fd, &f, sizeof f, 0), static_cast<ssize_t>(sizeof f));
-  const off_t rec = offsetof(detail::Header, sync);
-  std::uint64_t used = 0;
-  ASSERT_EQ(::pread(fd, &used, 8, rec + offsetof(detail::SyncRecord, manifest_used)), 8);
-  ASSERT_GE(used, sizeof(detail::ManifestHeader));
-  std::string m(used, '\0');
-  ASSERT_EQ(::pread(fd, m.data(), used, static_cast<off_t>(f.manifest_offset)), static_cast<ssize_t>(used));
-  edit(m);
-  ASSERT_EQ(::pwrite(fd, m.data(), used, static_cast<off_t>(f.manifest_offset)), static_cast<ssize_t>(used));
-  const std::uint64_t h = XXH3_64bits(m.data(), m.size());
-  ASSERT_EQ(::pwrite(fd, &h, 8, rec + offsetof(detail::SyncRecord, manifest_hash)), 8);
-  ::close(fd);
-}
+using shmcast_test::rewrite_manifest;
 
 detail::ManifestEntry* manifest_entry(std::string& m, std::size_t i) {
   return reinterpret_cast<detail::ManifestEntry*>(m.data() + sizeof(detail::ManifestHeader) +

@@ -23,6 +23,7 @@
 #include "base/layout.hpp"
 #include "shmcast/probe.hpp"
 #include "shmcast/shmcast.hpp"
+#include "region_edit.hpp"
 #include "support.hpp"
 
 using namespace shmcast;
@@ -102,28 +103,7 @@ void copy_region(const TempDir& dir, const std::string& from, const std::string&
 
 detail::HeaderFixed* fixed_of(std::string& bytes) { return reinterpret_cast<detail::HeaderFixed*>(bytes.data()); }
 
-// Rewrites the manifest of the current sync in a region file and fixes the
-// sync record's hash to match (unless `rehash` is false), as a buggy or
-// hostile producer could.
-void rewrite_manifest(const std::string& path, const std::function<void(std::string&)>& edit, bool rehash = true) {
-  const int fd = ::open(path.c_str(), O_RDWR);
-  ASSERT_GE(fd, 0) << path;
-  detail::HeaderFixed f{};
-  ASSERT_EQ(::pread(fd, &f, sizeof f, 0), static_cast<ssize_t>(sizeof f));
-  const off_t rec = offsetof(detail::Header, sync);
-  std::uint64_t used = 0;
-  ASSERT_EQ(::pread(fd, &used, 8, rec + offsetof(detail::SyncRecord, manifest_used)), 8);
-  ASSERT_GE(used, sizeof(detail::ManifestHeader));
-  std::string m(used, '\0');
-  ASSERT_EQ(::pread(fd, m.data(), used, static_cast<off_t>(f.manifest_offset)), static_cast<ssize_t>(used));
-  edit(m);
-  ASSERT_EQ(::pwrite(fd, m.data(), used, static_cast<off_t>(f.manifest_offset)), static_cast<ssize_t>(used));
-  if (rehash) {
-    const std::uint64_t h = XXH3_64bits(m.data(), m.size());
-    ASSERT_EQ(::pwrite(fd, &h, 8, rec + offsetof(detail::SyncRecord, manifest_hash)), 8);
-  }
-  ::close(fd);
-}
+using shmcast_test::rewrite_manifest;
 
 detail::ManifestHeader* mhead(std::string& m) { return reinterpret_cast<detail::ManifestHeader*>(m.data()); }
 detail::ManifestEntry* mentry(std::string& m, std::size_t i) {
