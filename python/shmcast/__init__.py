@@ -46,6 +46,7 @@ from ._shmcast import (  # noqa: F401  (exceptions: shmcast.Error and one subcla
     SystemFailure,
     Timeout,
     Unsupported,
+    NeedsFullSync,
     VersionMismatch,
     cuda_available,
     cuda_unavailable_reason,
@@ -78,7 +79,7 @@ __all__ = [
     "store_bytes_for",
     "Error", "InvalidArgument", "BadName", "Exists", "NotFound", "RegionFull", "Permission", "Corrupt",
     "VersionMismatch", "Timeout", "PeerDied", "Closed", "NoSeat", "Evicted", "Aborted", "Checksum", "CudaError",
-    "CudaUnavailable", "SystemFailure", "Unsupported",
+    "CudaUnavailable", "SystemFailure", "Unsupported", "NeedsFullSync",
     "cuda_available", "cuda_unavailable_reason", "region_dir", "region_path", "unlink_region", "validate_name",
     "dtype_name", "torch_dtype", "supported_dtypes",
 ]

@@ -262,7 +262,7 @@ TEST(FaultMatrix, ForeignOrWrongVersionRegion) {
       {"layout_version+1", offsetof(d::HeaderFixed, layout_version), d::kLayoutVersion + 1, 4, Errc::kVersionMismatch},
       {"layout_version=0", offsetof(d::HeaderFixed, layout_version), 0, 4, Errc::kVersionMismatch},
       {"layout_version=max", offsetof(d::HeaderFixed, layout_version), 0xffffffffu, 4, Errc::kVersionMismatch},
-      {"unknown_feature", offsetof(d::HeaderFixed, features), 1ull << 40, 8, Errc::kCorrupt},
+      {"unknown_feature", offsetof(d::HeaderFixed, features), 1ull << 40, 8, Errc::kVersionMismatch},
       {"header_bytes", offsetof(d::HeaderFixed, header_bytes), 8192, 4, Errc::kCorrupt},
       {"bad_magic", offsetof(d::HeaderFixed, magic), 0x5245484f54ull, 8, Errc::kCorrupt},
   };

@@ -39,15 +39,17 @@ TEST(Checks, EveryErrcHasOneNameAndKeepsItsValue) {
   EXPECT_EQ(static_cast<int>(Errc::kInvalidArgument), 1);
   EXPECT_EQ(static_cast<int>(Errc::kSystem), 18);
   EXPECT_EQ(static_cast<int>(Errc::kUnsupported), 19);
+  EXPECT_EQ(static_cast<int>(Errc::kNeedsFullSync), 20);
   std::vector<std::string> names;
-  for (int c = 1; c <= static_cast<int>(Errc::kUnsupported); ++c) {
+  for (int c = 1; c <= static_cast<int>(Errc::kNeedsFullSync); ++c) {
     const std::string n = errc_name(static_cast<Errc>(c));
     EXPECT_NE(n, "Unknown") << c;
     for (const std::string& m : names) EXPECT_NE(n, m) << c;
     names.push_back(n);
   }
   EXPECT_STREQ(errc_name(Errc::kUnsupported), "Unsupported");
-  EXPECT_STREQ(errc_name(static_cast<Errc>(20)), "Unknown");
+  EXPECT_STREQ(errc_name(Errc::kNeedsFullSync), "NeedsFullSync");
+  EXPECT_STREQ(errc_name(static_cast<Errc>(21)), "Unknown");
   const Error e(Errc::kUnsupported, "no peer access: use a host-slot region");
   EXPECT_EQ(std::string(e.what()), "shmcast Unsupported: no peer access: use a host-slot region");
 }

@@ -288,3 +288,67 @@ TEST(Manifest, CountAndStreamAreBounded) {
   EXPECT_NE(why.find("more than"), std::string::npos) << why;
   EXPECT_NE(validate_spec({"t", DType::kU8, {static_cast<std::int64_t>(kMaxStreamBytes + 1)}}), "");
 }
+
+// Delta pieces (§6, ManifestPiece::base_version): the piece's stream bytes
+// are a blob of any size a blob of its piece can have; its logical size
+// follows from the tensor. Every delta piece of a sync names one earlier
+// version.
+namespace {
+Encoded encode_delta(const std::vector<TensorSpec>& specs, const std::vector<std::uint64_t>& wire,
+                     const std::vector<std::uint64_t>& bases, std::uint64_t version) {
+  std::vector<TensorSpec> packed(specs.size());
+  for (std::size_t i = 0; i < specs.size(); ++i) packed[i] = TensorSpec{"", DType::kRaw, {static_cast<std::int64_t>(wire[i])}};
+  Encoded e;
+  std::uint64_t payload = 0;
+  e.stream = pack(packed, S, &e.offsets, &payload);
+  e.payload = payload;
+  std::vector<ManifestPiece> pieces(specs.size());
+  for (std::size_t i = 0; i < specs.size(); ++i) {
+    pieces[i].tensor = static_cast<std::uint32_t>(i);
+    pieces[i].dim = kWholePiece;
+    pieces[i].offset = e.offsets[i];
+    pieces[i].nbytes = wire[i];
+    pieces[i].base_version = bases[i];
+  }
+  e.bytes.resize(manifest_size(specs));
+  const std::uint64_t rank_bytes[1] = {e.stream};
+  EXPECT_NE(encode_manifest(specs, pieces, rank_bytes, version, payload, e.bytes.data(), e.bytes.size()), 0u);
+  return e;
+}
+}  // namespace
+
+TEST(Manifest, DeltaPiecesDecodeWithTheirLogicalSize) {
+  const std::vector<TensorSpec> specs = {{"a", DType::kBF16, {64, 100}}, {"b", DType::kC128, {3}}};
+  const std::uint64_t blob = 64 + 16 * 2 + 32;  // header, 2 blocks' table, a payload
+  Encoded e = encode_delta(specs, {blob, specs[1].nbytes()}, {7, 0}, 9);
+  SyncInfo info;
+  ASSERT_EQ(decode_manifest(e.bytes, 9, e.stream, S, &info), "");
+  EXPECT_TRUE(info.delta());
+  EXPECT_EQ(info.base_version, 7u);
+  EXPECT_EQ(info.payload_bytes, specs[0].nbytes() + specs[1].nbytes());
+  EXPECT_EQ(info.wire_bytes, blob + specs[1].nbytes());
+  EXPECT_EQ(info.tensors[0].shards[0].nbytes, specs[0].nbytes());
+  EXPECT_EQ(info.tensors[0].shards[0].wire_bytes, blob);
+  EXPECT_EQ(info.tensors[0].shards[0].base_version, 7u);
+  EXPECT_EQ(info.tensors[1].shards[0].base_version, 0u);
+  EXPECT_EQ(info.tensors[1].shards[0].wire_bytes, specs[1].nbytes());
+}
+
+TEST(Manifest, DeltaPiecesAreChecked) {
+  const std::vector<TensorSpec> specs = {{"a", DType::kBF16, {64, 100}}, {"b", DType::kF32, {10}}};
+  const std::uint64_t a = 64 + 16 * 2, b = 64 + 16;
+  SyncInfo info;
+  // A base that is not before the sync.
+  Encoded e = encode_delta(specs, {a, b}, {9, 9}, 9);
+  EXPECT_NE(decode_manifest(e.bytes, 9, e.stream, S, &info), "");
+  // Two bases in one sync.
+  e = encode_delta(specs, {a, b}, {7, 8}, 9);
+  EXPECT_NE(decode_manifest(e.bytes, 9, e.stream, S, &info), "");
+  // A blob too short for its header and table, or longer than every block dense.
+  e = encode_delta(specs, {a - 16, b}, {7, 7}, 9);
+  EXPECT_NE(decode_manifest(e.bytes, 9, e.stream, S, &info), "");
+  e = encode_delta(specs, {a + specs[0].nbytes() + 16, b}, {7, 7}, 9);
+  EXPECT_NE(decode_manifest(e.bytes, 9, e.stream, S, &info), "");
+  e = encode_delta(specs, {a, b}, {7, 7}, 9);
+  EXPECT_EQ(decode_manifest(e.bytes, 9, e.stream, S, &info), "");
+}

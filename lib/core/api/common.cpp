@@ -33,6 +33,7 @@ const char* errc_name(Errc c) noexcept {
     case Errc::kCudaUnavailable: return "CudaUnavailable";
     case Errc::kSystem: return "System";
     case Errc::kUnsupported: return "Unsupported";
+    case Errc::kNeedsFullSync: return "NeedsFullSync";
   }
   return "Unknown";
 }

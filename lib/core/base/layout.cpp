@@ -75,7 +75,11 @@ std::string validate_header(const HeaderFixed& h, std::uint64_t file_bytes, bool
   }
   if (h.header_bytes != kHeaderBytes)
     return printf_u64("header_bytes is %llu, expected %llu", h.header_bytes, kHeaderBytes);
-  if (h.features & ~kKnownFeatures) return printf_u64("unknown feature bits 0x%llx", h.features & ~kKnownFeatures);
+  if (h.features & ~kKnownFeatures) {
+    *version_mismatch = true;  // a newer shmcast's region: reading it as ours would misread it
+    return printf_u64("unknown feature bits 0x%llx (a newer shmcast made the region: use the same shmcast on both "
+                      "sides)", h.features & ~kKnownFeatures);
+  }
   if (h.total_bytes != file_bytes)
     return printf_u64("header says %llu bytes but the file has %llu (truncated or resized)", h.total_bytes, file_bytes);
   // Recompute the geometry from the creation parameters and demand an exact

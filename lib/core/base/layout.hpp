@@ -41,7 +41,13 @@ inline constexpr std::uint64_t kFeatureChecksums = 1ull << 0;  // SlotDesc::chec
 // filling one bank (seq alternates them), a manifest area per bank, one
 // producer rank; readers hold a bank through Seat::hold_seq (docs/protocol.md §9).
 inline constexpr std::uint64_t kFeatureStore = 1ull << 1;
-inline constexpr std::uint64_t kKnownFeatures = kFeatureChecksums | kFeatureStore;
+// Delta syncs: the producer may send a piece as a delta blob against the
+// piece as an earlier version held it (ManifestPiece::base_version,
+// docs/protocol.md §12); consumers ask for full syncs through
+// Seat::full_after. A reader that does not know the bit must not open the
+// region: it would copy blobs as tensor bytes.
+inline constexpr std::uint64_t kFeatureDelta = 1ull << 2;
+inline constexpr std::uint64_t kKnownFeatures = kFeatureChecksums | kFeatureStore | kFeatureDelta;
 
 enum InitState : std::uint32_t {
   kInitCreating = 0,  // file exists, creator still writing
@@ -181,7 +187,11 @@ struct alignas(64) Seat {
   // Store mode: the chunk (bank content) this consumer reads or views, 0 =
   // none. The producer does not refill a bank a live consumer holds.
   std::atomic<std::uint64_t> hold_seq;       // 104
-  std::uint8_t reserved2[16];                // 112
+  // Delta regions: this consumer cannot apply a delta and asks for a full
+  // sync after version full_after (monotone; 0 = no request unless the
+  // producer has sent no full sync yet). docs/protocol.md §9.
+  std::atomic<std::uint64_t> full_after;     // 112
+  std::uint8_t reserved2[8];                 // 120
 
   // ---- [128, 192) written by the producer
   std::atomic<std::uint64_t> included_gen;   // 128 seat generation the producer enrolled
@@ -271,7 +281,7 @@ static_assert(offsetof(Header, publish) == 264);
 static_assert(offsetof(Header, release) == 320);
 static_assert(offsetof(Header, error_text) == 384);
 static_assert(offsetof(Seat, released_seq) == 64);
-static_assert(offsetof(Seat, hold_seq) == 104 && offsetof(Seat, included_gen) == 128);
+static_assert(offsetof(Seat, hold_seq) == 104 && offsetof(Seat, full_after) == 112 && offsetof(Seat, included_gen) == 128);
 static_assert(offsetof(Seat, error_text) == 192);
 static_assert(offsetof(SlotDesc, fill_seq) == 32 && offsetof(SlotDesc, filled) == 40);
 static_assert(offsetof(SlotDesc, manifest_used) == 48 && offsetof(SlotDesc, manifest_hash) == 56);
@@ -324,8 +334,8 @@ struct ManifestPiece {
   std::int64_t start;           // 8
   std::int64_t length;          // 16
   std::uint64_t offset;         // 24 in the rank's sub-stream
-  std::uint64_t nbytes;         // 32
-  std::uint64_t reserved;       // 40
+  std::uint64_t nbytes;         // 32 bytes in the sub-stream (a delta piece: its blob's)
+  std::uint64_t base_version;   // 40 0: the piece's bytes; else a delta blob against version base_version
 };
 static_assert(sizeof(ManifestPiece) == 48);
 

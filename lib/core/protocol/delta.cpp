@@ -407,6 +407,19 @@ std::uint64_t max_blob_bytes(std::uint32_t w, std::uint64_t n) {
   return total;
 }
 
+std::uint32_t elem_width(DType dtype) {
+  const std::size_t z = dtype_size(dtype);
+  if (z == 1 || z == 2 || z == 4 || z == 8) return static_cast<std::uint32_t>(z);
+  return z > 8 && z % 8 == 0 ? 8 : 1;
+}
+
+bool piece_fits(DType dtype, std::uint64_t logical, std::uint64_t wire) {
+  const std::uint32_t w = elem_width(dtype);
+  if (logical % w != 0 || logical > limits::kMaxStreamBytes) return false;
+  const std::uint64_t n = logical / w;
+  return wire >= head_bytes(n) && wire <= max_blob_bytes(w, n);
+}
+
 unsigned threads_for(std::uint64_t bytes) {
   const unsigned hw = std::max(1u, std::thread::hardware_concurrency());
   const std::uint64_t by_size = bytes / kBytesPerThread;

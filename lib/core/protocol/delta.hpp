@@ -40,6 +40,17 @@ std::uint64_t head_bytes(std::uint64_t n);
 // The largest blob of n elements of w bytes (every block dense).
 std::uint64_t max_blob_bytes(std::uint32_t w, std::uint64_t n);
 
+// ---- tensors
+
+// The element width a delta of a `dtype` tensor compares and copies: the
+// dtype's size when it is 1, 2, 4 or 8 bytes, 8 for 16-byte dtypes (c128),
+// 1 for raw bytes.
+std::uint32_t elem_width(DType dtype);
+// Whether a blob of `wire` bytes can carry a piece of `logical` bytes of
+// `dtype` (at least its header and table, at most every block dense): the
+// manifest's check of a delta piece's size (docs/protocol.md §6).
+bool piece_fits(DType dtype, std::uint64_t logical, std::uint64_t wire);
+
 // ---- checksum
 
 // The content checksum of bytes [data, data + bytes) (delta_format.hpp).

@@ -1,6 +1,7 @@
 #include "protocol/manifest.hpp"
 
 #include "base/checks.hpp"
+#include "protocol/delta.hpp"
 
 #include <cstring>
 #include <string_view>
@@ -281,7 +282,7 @@ std::string decode_manifest(std::span<const std::byte> bytes, std::uint64_t expe
   }
   // Pieces: sorted by (rank, offset), aligned, inside their rank's
   // sub-stream, no overlap, no straddling when they fit in a slot.
-  std::uint64_t payload = 0, end_prev = 0;
+  std::uint64_t payload = 0, wire = 0, end_prev = 0;
   std::uint32_t rank_prev = 0;
   for (std::uint32_t k = 0; k < h.piece_count; ++k) {
     ManifestPiece p;
@@ -294,10 +295,21 @@ std::string decode_manifest(std::span<const std::byte> bytes, std::uint64_t expe
     ShardInfo sh;
     sh.rank = p.rank;
     sh.stream_offset = p.offset;
-    sh.nbytes = p.nbytes;
+    sh.wire_bytes = p.nbytes;
+    sh.base_version = p.base_version;
+    // A delta piece (§12): its stream bytes are a blob; its logical size
+    // follows from its tensor and range. Every delta piece of a sync names
+    // the same, earlier, version.
+    if (p.base_version != 0) {
+      if (p.base_version >= h.sync_version) return where + ": a delta against a version not before the sync's";
+      if (info.base_version != 0 && info.base_version != p.base_version)
+        return where + ": delta pieces against different versions";
+      info.base_version = p.base_version;
+    }
     if (p.dim == kWholePiece) {
       if (p.start != 0 || p.length != 0) return where + ": a whole piece with a range";
-      if (p.nbytes != t.nbytes) return where + ": whole piece size disagrees with its tensor";
+      sh.nbytes = t.nbytes;
+      if (p.base_version == 0 && p.nbytes != t.nbytes) return where + ": whole piece size disagrees with its tensor";
     } else {
       if (p.dim >= t.shape.size()) return where + ": shard dim is not a dimension of its tensor";
       const std::int64_t extent = t.shape[p.dim];
@@ -305,16 +317,21 @@ std::string decode_manifest(std::span<const std::byte> bytes, std::uint64_t expe
         return where + ": shard range lies outside its tensor";
       std::uint64_t rb, nb;
       if (!row_bytes_along(t.dtype, t.shape.data(), t.shape.size(), p.dim, &rb) ||
-          __builtin_mul_overflow(rb, static_cast<std::uint64_t>(p.length), &nb) || nb != p.nbytes)
+          __builtin_mul_overflow(rb, static_cast<std::uint64_t>(p.length), &nb) ||
+          (p.base_version == 0 && nb != p.nbytes))
         return where + ": shard size disagrees with its range";
+      sh.nbytes = nb;
       sh.dim = p.dim;
       sh.start = p.start;
       sh.length = p.length;
     }
-    payload += p.nbytes;
+    if (p.base_version != 0 && !delta::piece_fits(t.dtype, sh.nbytes, p.nbytes))
+      return where + ": a delta blob of impossible size for its piece";
+    payload += sh.nbytes;
+    wire += p.nbytes;
     t.shards.push_back(sh);
   }
-  if (payload != h.payload_bytes) return "payload size disagrees with the pieces";
+  if (wire != h.payload_bytes) return "payload size disagrees with the pieces";
   for (std::uint32_t i = 0; i < h.tensor_count; ++i) {
     TensorInfo& t = info.tensors[i];
     if (t.shards.empty()) return at(i, "has no piece");
@@ -345,6 +362,7 @@ std::string decode_manifest(std::span<const std::byte> bytes, std::uint64_t expe
   }
   if (!partial && payload != logical) return "payload size disagrees with the tensors";
   info.payload_bytes = payload;
+  info.wire_bytes = wire;
   *out = std::move(info);
   return {};
 }
@@ -396,9 +414,10 @@ std::string merge_posts(std::span<const SyncInfo> posts, std::vector<TensorSpec>
       p.start = sh.start;
       p.length = sh.length;
       p.offset = sh.stream_offset;
-      p.nbytes = sh.nbytes;
+      p.nbytes = sh.wire_bytes;
+      p.base_version = sh.base_version;
       pieces->push_back(p);
-      payload += sh.nbytes;
+      payload += sh.wire_bytes;
     }
   }
   // Names must stay alive past `index`: they live in `posts`.

@@ -409,6 +409,9 @@ void ConsumerRing::claim() {
     s.bytes_done.store(0, std::memory_order_relaxed);
     s.error_code.store(0, std::memory_order_relaxed);
     s.error_text[0] = 0;
+    // Delta regions: a consumer that attaches asks for a full sync after the
+    // newest version announced (it holds none of them); protocol.md §9.
+    s.full_after.store(v_->header().sync.version.load(std::memory_order_relaxed), std::memory_order_relaxed);
     s.attach_unix_ns.store(static_cast<std::uint64_t>(unix_ns()), std::memory_order_relaxed);
     write_identity(s.consumer, me);
     s.word.store(make_seat_word(gen_, kSeatActive), std::memory_order_seq_cst);

@@ -64,6 +64,8 @@ enum class Errc : int {
   kSystem,               // unexpected OS error (errno attached)
   kUnsupported,          // this setup cannot do it (e.g. device slots on a GPU the consumer cannot
                          // reach); the message names the reason and the alternative
+  kNeedsFullSync,        // a delta sync whose base these destinations do not hold (other buffers, a
+                         // version this consumer did not apply): a full sync was requested; wait for it
 };
 
 SHMCAST_API const char* errc_name(Errc code) noexcept;
@@ -139,7 +141,12 @@ struct ShardInfo {
   std::int64_t start = 0;
   std::int64_t length = 0;
   std::uint64_t stream_offset = 0;
-  std::uint64_t nbytes = 0;
+  std::uint64_t nbytes = 0;        // the piece's bytes (logical)
+  // Delta syncs (ProducerOptions::delta): a piece sent as a delta blob of
+  // `wire_bytes` bytes against the piece as version `base_version` held it;
+  // base_version 0: its bytes, wire_bytes == nbytes.
+  std::uint64_t wire_bytes = 0;
+  std::uint64_t base_version = 0;
 };
 
 // Part of a tensor a consumer reads: the rows [start, start + length) along
@@ -177,8 +184,22 @@ struct SyncInfo {
   std::uint32_t world_size = 1;       // producer ranks; rank r's chunk j is first_seq + j * R + r
   std::vector<std::uint64_t> rank_bytes;  // each rank's sub-stream length
   std::vector<TensorInfo> tensors;
+  // Delta syncs: the version whose content the sync's delta pieces are
+  // applied to (0: a full sync), and the bytes the pieces take in the
+  // stream (blobs; payload_bytes stays the tensors' logical size).
+  std::uint64_t base_version = 0;
+  std::uint64_t wire_bytes = 0;
+  bool delta() const noexcept { return base_version != 0; }
   // Index of a tensor by name, or -1.
   SHMCAST_API std::ptrdiff_t find(std::string_view name) const;
+};
+
+// What the last sync moved (Producer::last_sync, Consumer::last_sync).
+struct SyncReport {
+  std::uint64_t version = 0;        // 0: none yet
+  bool delta = false;               // sent as deltas ("delta") or whole ("full")
+  std::uint64_t logical_bytes = 0;  // the tensors' bytes (a consumer: of its selections)
+  std::uint64_t payload_bytes = 0;  // the bytes that crossed the region (blobs for a delta)
 };
 
 // A contiguous piece of one tensor inside a slot, valid only during visit().
@@ -299,6 +320,19 @@ struct ProducerOptions {
   // begin a sync (rank 0, kTimeout naming the missing rank) or for rank 0 to
   // answer (ranks 1..).
   Duration rank_timeout = std::chrono::seconds(120);
+  // Delta syncs (ring regions of one rank): the producer keeps a base, a
+  // copy of the bytes it last sent (host memory, delta_base_bytes()), and
+  // sends each tensor as the elements that changed since then (compared as
+  // raw words: bit-exact for any dtype), docs/protocol.md §12. A sync goes
+  // out full (a keyframe) when there is no base yet, the tensors' names,
+  // dtypes or shapes changed, a consumer asked for one (it attached late,
+  // skipped a version, was handed other destinations, or found a checksum
+  // mismatch), the previous sync was aborted, every keyframe_every-th sync
+  // (0: never on a schedule), or when the deltas would take more than
+  // delta_max_ratio of the full size (they would not pay).
+  bool delta = false;
+  std::uint32_t keyframe_every = 0;
+  double delta_max_ratio = 0.5;
 };
 
 struct ConsumerOptions {
@@ -447,6 +481,10 @@ class SHMCAST_API Producer {
   CopyEngine engine() const;   // kHost or kCuda: the engine chosen at create
   double pin_seconds() const;  // time spent in cudaHostRegister
   double create_seconds() const;  // time to create and fallocate the region
+  // The last completed sync: full or delta, logical and payload bytes.
+  SyncReport last_sync() const;
+  // Bytes of the delta base (ProducerOptions::delta), 0 without deltas.
+  std::uint64_t delta_base_bytes() const;
 
   // Marks the region closed (consumers get Errc::kClosed after the last
   // sync), unpins, unmaps and, by default, unlinks the name.
@@ -549,6 +587,9 @@ class SHMCAST_API Consumer {
   bool pinned() const;
   double pin_seconds() const;
   double open_seconds() const;
+  // The last sync read_into() or read_into_device() completed: full or
+  // delta, logical and payload bytes.
+  SyncReport last_sync() const;
 
   // Leaves the seat; the producer stops waiting for this consumer.
   void close();

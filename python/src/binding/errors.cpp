@@ -21,7 +21,7 @@ py::str text(std::string_view s, const char* errors) {
 
 namespace {
 
-constexpr int kMaxErrc = static_cast<int>(Errc::kUnsupported);
+constexpr int kMaxErrc = static_cast<int>(Errc::kNeedsFullSync);
 std::array<PyObject*, kMaxErrc + 1> g_exc_by_code{};  // index: Errc value
 PyObject* g_exc_base = nullptr;
 
@@ -101,6 +101,9 @@ void register_exceptions(py::module_& m) {
       {Errc::kUnsupported, "Unsupported", nullptr,
        "This setup cannot do it (e.g. device slots on a GPU the consumer cannot reach); the message says why and "
        "what to use instead."},
+      {Errc::kNeedsFullSync, "NeedsFullSync", nullptr,
+       "A delta sync these destinations cannot take (other buffers, or a version they do not hold); a full sync "
+       "was requested: wait for the next sync."},
   };
   for (const Row& r : rows) {
     py::object t = r.extra ? make_exception(m, r.name, errc_name(r.code), {base.ptr(), r.extra}, r.doc)
