@@ -200,6 +200,13 @@ CUresult cuMemcpyHtoDAsync(CUdeviceptr dst, const void* src, size_t n, CUstream 
   (void)s;
   return CUDA_ERROR_NOT_SUPPORTED;
 }
+CUresult cuMemcpyDtoDAsync(CUdeviceptr d, CUdeviceptr s, size_t n, CUstream st) {
+  (void)d;
+  (void)s;
+  (void)n;
+  (void)st;
+  return CUDA_ERROR_NOT_SUPPORTED;
+}
 CUresult cuMemcpy2DAsync(const CUDA_MEMCPY2D* c, CUstream s) {
   (void)c;
   (void)s;

@@ -376,6 +376,7 @@ CUresult cuLaunchHostFunc(CUstream s, CUhostFn fn, void* u) { (void)s; (void)fn;
 CUresult cuMemcpyDtoHAsync(void* d, CUdeviceptr s, size_t n, CUstream st) { (void)d; (void)s; (void)n; (void)st; NS; }
 CUresult cuMemcpyHtoDAsync(CUdeviceptr d, const void* s, size_t n, CUstream st) { (void)d; (void)s; (void)n; (void)st; NS; }
 CUresult cuMemcpy2DAsync(const CUDA_MEMCPY2D* c, CUstream s) { (void)c; (void)s; NS; }
+CUresult cuMemcpyDtoDAsync(CUdeviceptr d, CUdeviceptr s, size_t n, CUstream st) { (void)d; (void)s; (void)n; (void)st; NS; }
 CUresult cuMemHostRegister(void* p, size_t n, unsigned int f) { (void)p; (void)n; (void)f; NS; }
 CUresult cuMemHostUnregister(void* p) { (void)p; NS; }
 CUresult cuMemAlloc(CUdeviceptr* p, size_t n) { (void)p; (void)n; NS; }

@@ -16,6 +16,8 @@
 #include "shm/doorbell.hpp"
 #include "engine/engine.hpp"
 #include "shm/liveness.hpp"
+#include "protocol/delta.hpp"
+#include "engine/delta_cuda.hpp"
 #include "protocol/manifest.hpp"
 #include "shm/region.hpp"
 #include "protocol/ring.hpp"
@@ -115,6 +117,38 @@ struct Consumer::Impl {
   std::uint64_t last_version = 0;
   std::uint64_t next_chunk = 0;  // chunks of this sync already released
 
+  // ---- delta syncs (a region with kFeatureDelta, docs/protocol.md §9, §12)
+  bool delta_region = false;
+  // The destinations the last read_into() filled completely, and the version
+  // they hold: a delta sync applies only to exactly these (0: none).
+  std::uint64_t applied_version = 0;
+  std::vector<void*> applied_dsts;
+  std::vector<Selection> applied_sels;
+  bool applied_device = false;
+  SyncReport report;
+  std::unique_ptr<delta::CudaCodec> codec;  // read_into_device of a delta sync
+  void* blob_dev = nullptr;                 // its device buffer for blobs (blob_dev_bytes)
+  std::uint64_t blob_dev_bytes = 0;
+  int blob_dev_device = -1;
+
+  // Asks the producer for a full sync after version `after` (Seat::full_after).
+  void request_full(std::uint64_t after) {
+    if (!ring || ring->seat() < 0) return;
+    Seat& s = view.seat(static_cast<std::uint32_t>(ring->seat()));
+    if (after > s.full_after.load(std::memory_order_relaxed)) s.full_after.store(after, std::memory_order_release);
+    detail::ring(view.header().release);  // a producer waiting on the bell looks again
+  }
+  bool same_destinations(std::span<void* const> dsts, std::span<const Selection> sels, bool device) const {
+    if (device != applied_device || !std::equal(dsts.begin(), dsts.end(), applied_dsts.begin(), applied_dsts.end()))
+      return false;
+    if (sels.size() != applied_sels.size()) return false;
+    for (std::size_t i = 0; i < sels.size(); ++i)
+      if (sels[i].dim != applied_sels[i].dim || sels[i].start != applied_sels[i].start ||
+          sels[i].length != applied_sels[i].length)
+        return false;
+    return true;
+  }
+
   ~Impl() { close_quietly(); }
 
   void require_open() const {
@@ -212,7 +246,7 @@ struct Consumer::Impl {
     for (std::uint32_t t = 0; t < info.tensors.size(); ++t) {
       const auto& sh = info.tensors[t].shards;
       for (std::uint32_t k = 0; k < sh.size(); ++k)
-        by_rank[sh[k].rank].push_back(PieceRef{sh[k].stream_offset, sh[k].nbytes, t, k});
+        by_rank[sh[k].rank].push_back(PieceRef{sh[k].stream_offset, sh[k].wire_bytes, t, k});
     }
     for (auto& v : by_rank)
       std::sort(v.begin(), v.end(), [](const PieceRef& a, const PieceRef& b) { return a.offset < b.offset; });
@@ -240,8 +274,15 @@ struct Consumer::Impl {
   // Copies what `dsts` (with `sels`) want of the sync through `e`: for each
   // piece, the blocks of its intersection with the selection, clipped to the
   // bytes of each range as it arrives.
+  // `collect` (read_delta_device): delta pieces' blobs are copied by the
+  // engine to device memory, piece (tensor t, shard k) at collect->base +
+  // collect->at[t][k], instead of applied.
+  struct Collect {
+    std::byte* base = nullptr;
+    std::vector<std::vector<std::uint64_t>> at;
+  };
   void read_planned(ConsumerEngine& e, std::span<void* const> dsts, std::span<const Selection> sels, bool device,
-                    bool follow) {
+                    bool follow, const Collect* collect = nullptr) {
     check_dsts(dsts.size());
     if (!sels.empty() && sels.size() != info.tensors.size())
       throw Error(Errc::kInvalidArgument, "got " + std::to_string(sels.size()) + " selections for a sync of " +
@@ -258,6 +299,7 @@ struct Consumer::Impl {
       for (std::size_t k = 0; k < ti.shards.size(); ++k) plan_piece(ti, ti.shards[k], sel, &plan[t][k]);
     }
     std::vector<std::size_t> cursor(info.world_size, 0);
+    std::vector<std::byte> blob;  // a delta piece's blob, gathered across chunks
     for_each_chunk(
         e,
         [&](const std::byte* data, std::uint32_t rank, std::uint64_t start, std::uint64_t bytes) {
@@ -265,6 +307,23 @@ struct Consumer::Impl {
                  [&](const PieceRef& p, std::uint64_t off, const std::byte* src, std::uint64_t n) {
                    void* dst = dsts[p.tensor];
                    if (dst == nullptr) return;
+                   const ShardInfo& sh = info.tensors[p.tensor].shards[p.shard];
+                   if (sh.base_version != 0) {
+                     if (collect != nullptr) {
+                       e.copy(Buffer{collect->base, true, {}}, collect->at[p.tensor][p.shard] + off, src, n);
+                       return;
+                     }
+                     // A delta blob: applied once whole (in place when one range holds it).
+                     const Selection& sel = sels.empty() ? whole : sels[p.tensor];
+                     if (off == 0 && n == sh.wire_bytes) {
+                       apply_blob(e, p, sel, dst, device, std::span<const std::byte>(src, n));
+                       return;
+                     }
+                     if (off == 0) blob.resize(sh.wire_bytes);
+                     std::memcpy(blob.data() + off, src, n);
+                     if (off + n == sh.wire_bytes) apply_blob(e, p, sel, dst, device, blob);
+                     return;
+                   }
                    const Buffer buf{dst, device, {}};
                    const std::byte* base = src - off;  // the piece's first byte (maybe in an earlier slot)
                    for (const Block& b : plan[p.tensor][p.shard])
@@ -278,6 +337,77 @@ struct Consumer::Impl {
         },
         follow);
   }
+
+  // Applies a delta piece's blob to `dst` (the tensor's destination, laid
+  // out as `sel`): on the host, or (device) through a device copy of the blob
+  // on the engine's stream.
+  void apply_blob(ConsumerEngine& e, const PieceRef& p, const Selection& sel, void* dst, bool device,
+                  std::span<const std::byte> blob) {
+    const TensorInfo& ti = info.tensors[p.tensor];
+    const ShardInfo& sh = ti.shards[p.shard];
+    const std::uint32_t w = delta::elem_width(ti.dtype);
+    const Selection piece{sh.dim, sh.start, sh.length};
+    const delta::SliceMap map = delta::slice_map(ti.shape, w, piece, sel);
+    const std::uint64_t dst_bytes = sel.nbytes(ti);
+    const bool verify = opts.verify_checksums && delta::covers_piece(map);
+    if (device)  // read_into_device() of a delta sync collects the blobs (read_delta_device)
+      throw Error(Errc::kInvalidArgument, "a delta blob read for a device destination without collecting it");
+    (void)e;
+    delta::apply(blob, w, map, dst, dst_bytes, verify);
+  }
+
+  // A read into `dsts` that delta syncs may later build on: a delta sync
+  // is read only into the destinations the last complete read filled (else
+  // kNeedsFullSync, after asking for a full sync); a complete read makes
+  // these destinations the base; a failed one leaves them unknown.
+  template <class F>
+  void read_tracked(std::span<void* const> dsts, std::span<const Selection> sels, bool device, F&& read) {
+    if (!delta_region) {
+      const bool was_delta = state == State::kManifest && info.delta();
+      read();
+      set_report(dsts, sels, was_delta);
+      return;
+    }
+    if (state == State::kManifest && info.delta() &&
+        (applied_version != info.base_version || !same_destinations(dsts, sels, device))) {
+      request_full(info.version);
+      release_rest();
+      applied_version = 0;
+      throw Error(Errc::kNeedsFullSync,
+                  "sync " + std::to_string(info.version) + " of '" + name + "' is a delta against version " +
+                      std::to_string(info.base_version) + ", and these destinations are not the ones the last "
+                      "read filled (other buffers, selections or device): a full sync was requested; call "
+                      "wait_sync() again and read that one");
+    }
+    const std::uint64_t v = info.version;
+    const bool was_delta = state == State::kManifest && info.delta();
+    applied_version = 0;
+    try {
+      read();
+    } catch (...) {
+      request_full(v);  // the destinations now hold neither version
+      throw;
+    }
+    applied_version = v;
+    applied_dsts.assign(dsts.begin(), dsts.end());
+    applied_sels.assign(sels.begin(), sels.end());
+    applied_device = device;
+    set_report(dsts, sels, was_delta);
+  }
+  void set_report(std::span<void* const> dsts, std::span<const Selection> sels, bool was_delta) {
+    SyncReport r;
+    r.version = info.version;
+    r.delta = was_delta;
+    for (std::size_t t = 0; t < info.tensors.size() && t < dsts.size(); ++t) {
+      if (dsts[t] == nullptr) continue;
+      const TensorInfo& ti = info.tensors[t];
+      r.logical_bytes += sels.empty() ? ti.nbytes : sels[t].nbytes(ti);
+      for (const ShardInfo& sh : ti.shards) r.payload_bytes += sh.base_version != 0 ? sh.wire_bytes : 0;
+    }
+    if (!was_delta) r.payload_bytes = r.logical_bytes;
+    report = r;
+  }
+  void read_delta_device(std::span<void* const> dsts, std::span<const Selection> sels, void* stream);
 
   void check_dsts(std::size_t n) const {
     if (n != info.tensors.size())
@@ -337,6 +467,7 @@ Consumer Consumer::open(std::string_view name, const ConsumerOptions& o) {
           }
           if ((init == kInitReady && a != Alive::kNo) || kept) {
             impl->checksums = (snap.features & kFeatureChecksums) != 0;
+            impl->delta_region = (snap.features & kFeatureDelta) != 0;
             impl->view = RegionView(std::move(f), g);
             break;
           }
@@ -401,11 +532,11 @@ Consumer Consumer::open(std::string_view name, const ConsumerOptions& o) {
   return Consumer(std::move(impl));
 }
 
-const SyncInfo& Consumer::wait_sync(Duration timeout) {
-  Impl& m = *impl_;
-  m.require_open();
-  if (m.state != State::kIdle) m.release_rest();  // the previous sync was not read: skip it
-  const std::int64_t deadline = mono_ns() + timeout.count();
+namespace {
+
+// The next sync this consumer takes part in, its manifest copied and
+// checked: m.info, state kManifest.
+void next_sync(Consumer::Impl& m, std::int64_t deadline) {
   const Geometry& g = m.view.geo();
   RecordSnapshot rec{};
   auto corrupt = [&](const std::string& why) {
@@ -476,7 +607,25 @@ const SyncInfo& Consumer::wait_sync(Duration timeout) {
   unhold_on_error.r = nullptr;
   m.last_version = rec.version;
   m.state = State::kManifest;
-  return m.info;
+  if (m.info.delta() && !m.delta_region) throw corrupt("a delta sync in a region created without deltas");
+}
+
+}  // namespace
+
+const SyncInfo& Consumer::wait_sync(Duration timeout) {
+  Impl& m = *impl_;
+  m.require_open();
+  if (m.state != State::kIdle) m.release_rest();  // the previous sync was not read: skip it
+  const std::int64_t deadline = mono_ns() + timeout.count();
+  for (;;) {
+    next_sync(m, deadline);
+    if (!m.info.delta() || m.info.base_version == m.applied_version) return m.info;
+    // A delta against a version this consumer's destinations do not hold (it
+    // attached late, or skipped or failed a sync): never applied. It asks for
+    // a full sync, lets this one go and waits for the next.
+    m.request_full(m.info.version);
+    m.release_rest();
+  }
 }
 
 void Consumer::read_into(std::span<void* const> dsts) { read_into(dsts, {}); }
@@ -485,12 +634,26 @@ void Consumer::read_into(std::span<void* const> dsts, std::span<const Selection>
   Impl& m = *impl_;
   m.require_open();
   const bool follow = !(m.checksums && m.opts.verify_checksums);  // a checksum needs the whole chunk first
-  m.read_planned(*m.host_engine, dsts, selections, false, follow);
+  m.read_tracked(dsts, selections, false, [&] { m.read_planned(*m.host_engine, dsts, selections, false, follow); });
 }
+
+namespace {
+// visit(), visit_chunks() and read_to_staging() hand out the stream's bytes
+// as tensors: a delta sync's blobs are not (wait_sync() gives such a reader,
+// which never applies a sync, only full ones).
+void refuse_delta(Consumer::Impl& m, const char* what) {
+  if (m.state != State::kManifest || !m.info.delta()) return;
+  m.request_full(m.info.version);
+  m.release_rest();
+  throw Error(Errc::kNeedsFullSync, std::string(what) + " of a delta sync: its bytes are deltas, not tensors; use "
+                                    "read_into() or read_into_device() (a full sync was requested)");
+}
+}  // namespace
 
 void Consumer::visit(const std::function<void(const Piece&)>& fn) {
   Impl& m = *impl_;
   m.require_open();
+  refuse_delta(m, "visit()");
   if (m.state == State::kManifest) {
     for (std::size_t j = 0; j < m.info.tensors.size(); ++j)
       if (m.info.tensors[j].nbytes == 0) fn(Piece{j, 0, nullptr, 0, 0, false});
@@ -515,6 +678,7 @@ void Consumer::visit_chunks(
     const std::function<void(std::uint64_t, const std::byte*, std::uint64_t, std::function<void()>)>& fn) {
   Impl& m = *impl_;
   m.require_open();
+  refuse_delta(m, "visit_chunks()");
   if (m.state == State::kManifest && m.info.world_size > 1)
     throw Error(Errc::kInvalidArgument, "visit_chunks() reads a sync of one producer rank; a sharded sync's chunks "
                                         "hold pieces of several ranks: use visit()");
@@ -574,14 +738,21 @@ void Consumer::read_into_device(std::span<void* const> dsts, void* stream, std::
   m.check_dsts(dsts.size());
   if (!m.cuda_engine) m.cuda_engine = make_cuda_consumer_engine();
   ConsumerEngine& e = *m.cuda_engine;
-  e.begin(stream);
-  m.read_planned(e, dsts, selections, true, false);
-  e.end(stream);
+  m.read_tracked(dsts, selections, true, [&] {
+    if (m.state == State::kManifest && m.info.delta()) {
+      m.read_delta_device(dsts, selections, stream);
+      return;
+    }
+    e.begin(stream);
+    m.read_planned(e, dsts, selections, true, false);
+    e.end(stream);
+  });
 }
 
 std::vector<void*> Consumer::read_to_staging(int device, void* stream) {
   Impl& m = *impl_;
   m.require_open();
+  refuse_delta(m, "read_to_staging()");
   if (m.state != State::kManifest) throw Error(Errc::kInvalidArgument, "no sync to read: call wait_sync() first");
   if (!m.cuda_engine) m.cuda_engine = make_cuda_consumer_engine();
   ConsumerEngine& e = *m.cuda_engine;
@@ -613,6 +784,53 @@ std::vector<void*> Consumer::read_to_staging(int device, void* stream) {
   e.end(stream);
   return out;
 }
+
+// read_into_device() of a delta sync: the CUDA engine copies each delta
+// piece's blob from the slots into a device buffer (one H2D per range, the
+// slots released as the copies complete) and every other piece (raw pieces
+// of a delta sync) into its destination, as any read does; then the CUDA
+// codec applies the blobs on `stream`, after those copies. Waits for
+// `stream`, so a rejected blob or a checksum mismatch throws here
+// (kCorrupt). Device memory: the sync's blobs (wire_bytes), kept by the codec.
+void Consumer::Impl::read_delta_device(std::span<void* const> dsts, std::span<const Selection> sels, void* stream) {
+  check_dsts(dsts.size());
+  const Selection whole{};
+  Collect col;
+  col.at.resize(info.tensors.size());
+  std::uint64_t total = 0;
+  for (std::size_t t = 0; t < info.tensors.size(); ++t) {
+    if (dsts[t] == nullptr) continue;
+    const TensorInfo& ti = info.tensors[t];
+    col.at[t].resize(ti.shards.size());
+    for (std::size_t k = 0; k < ti.shards.size(); ++k) {
+      if (ti.shards[k].base_version == 0) continue;
+      col.at[t][k] = total;
+      total += align_up(ti.shards[k].wire_bytes, 256);
+    }
+  }
+  if (!codec) codec = std::make_unique<delta::CudaCodec>();
+  col.base = total > 0 ? static_cast<std::byte*>(codec->buffer(0, total, stream)) : nullptr;
+  ConsumerEngine& e = *cuda_engine;
+  e.begin(stream);
+  read_planned(e, dsts, sels, true, false, &col);
+  e.end(stream);  // `stream` waits for the copies
+  for (std::size_t t = 0; t < info.tensors.size(); ++t) {
+    if (dsts[t] == nullptr) continue;
+    const TensorInfo& ti = info.tensors[t];
+    const Selection& sel = sels.empty() ? whole : sels[t];
+    const std::uint32_t w = delta::elem_width(ti.dtype);
+    for (std::size_t k = 0; k < ti.shards.size(); ++k) {
+      const ShardInfo& sh = ti.shards[k];
+      if (sh.base_version == 0) continue;
+      const delta::SliceMap map = delta::slice_map(ti.shape, w, Selection{sh.dim, sh.start, sh.length}, sel);
+      codec->apply(col.base + col.at[t][k], sh.wire_bytes, w, map, dsts[t], sel.nbytes(ti),
+                   opts.verify_checksums && delta::covers_piece(map), stream);
+    }
+  }
+  codec->finish(stream);
+}
+
+SyncReport Consumer::last_sync() const { return impl_->report; }
 
 const SyncInfo& Consumer::sync() const { return impl_->info; }
 std::uint64_t Consumer::last_version() const { return impl_->last_version; }

@@ -127,6 +127,8 @@ bool Producer::pinned() const { return impl_->pin.pinned; }
 CopyEngine Producer::engine() const { return impl_->engine->is_cuda() ? CopyEngine::kCuda : CopyEngine::kHost; }
 double Producer::pin_seconds() const { return impl_->pin.seconds; }
 double Producer::create_seconds() const { return impl_->create_s; }
+SyncReport Producer::last_sync() const { return impl_->report; }
+std::uint64_t Producer::delta_base_bytes() const { return impl_->delta.base_bytes; }
 void Producer::close() {
   if (impl_) impl_->close_quietly();
 }

@@ -205,6 +205,11 @@ Producer Producer::create(std::string_view name, const ProducerOptions& o) {
   if (store && o.world_size != 1)
     throw Error(Errc::kInvalidArgument, "a store region takes one producer rank (world_size 1): gather the "
                                         "shards on one rank, or use a ring region");
+  if (o.delta && (store || o.world_size != 1))
+    throw Error(Errc::kInvalidArgument, "delta syncs need a ring region of one producer rank (a store region keeps "
+                                        "full versions; sharded producers send full syncs)");
+  if (o.delta && !(o.delta_max_ratio > 0.0 && o.delta_max_ratio <= 1.0))
+    throw Error(Errc::kInvalidArgument, "delta_max_ratio must be in (0, 1]");
   auto impl = std::make_unique<Impl>();
   impl->name = std::string(name);
   impl->opts = o;
@@ -243,7 +248,8 @@ Producer Producer::create(std::string_view name, const ProducerOptions& o) {
     impl->path = file.path();
     impl->checksums = o.checksums;
     impl->view = RegionView(std::move(file), g);
-    init_header(impl->view, (o.checksums ? kFeatureChecksums : 0) | (store ? kFeatureStore : 0));
+    init_header(impl->view, (o.checksums ? kFeatureChecksums : 0) | (store ? kFeatureStore : 0) |
+                                (o.delta ? kFeatureDelta : 0));
   }
   impl->ring.emplace(&impl->view, ProducerRingOptions{o.stall_policy, o.consumer_timeout.count(), o.rank, o.world_size,
                                                       impl->view.geo().store});

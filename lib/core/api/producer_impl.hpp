@@ -19,6 +19,8 @@
 //                        merge, the other ranks' join, end_sync's waits
 //   producer_store.cpp   store regions (begin, fill_spans) and lent chunks
 //                        (lend_chunk, publish_chunks)
+//   producer_delta.cpp   delta syncs (ProducerOptions::delta): the base,
+//                        keyframes, staged encoding, full-sync requests
 #pragma once
 
 #include <cstddef>
@@ -31,6 +33,8 @@
 #include <vector>
 
 #include "base/checks.hpp"
+#include "base/layout.hpp"
+#include "engine/delta_cuda.hpp"
 #include "engine/engine.hpp"
 #include "protocol/ring.hpp"
 #include "protocol/rounds.hpp"
@@ -82,6 +86,45 @@ struct __attribute__((visibility("hidden"))) Producer::Impl {
   // ---- lent chunks (ring regions of one rank)
   bool lent_chunks = false;  // ring regions: lend_chunk() lent slots to the caller
 
+  // ---- delta syncs (ProducerOptions::delta; producer_delta.cpp)
+  struct DeltaState {
+    // One tensor's base: on the host, or (a tensor written from a GPU,
+    // contiguous, at the last full sync) on its device.
+    struct Base {
+      std::unique_ptr<std::byte[]> host;
+      void* dev = nullptr;  // the codec's allocation
+      std::uint64_t bytes = 0;
+    };
+    // A staged tensor from a GPU: encoded by end_sync() (sources stay valid until it returns).
+    struct Pending {
+      const void* src = nullptr;
+      void* stream = nullptr;
+      std::uint64_t head_at = 0, out_at = 0, blob = 0;
+    };
+    std::vector<TensorSpec> specs;  // the tensors the base holds
+    std::vector<Base> base;
+    std::uint64_t base_bytes = 0;
+    std::unique_ptr<detail::delta::CudaCodec> codec;  // device bases (made on first use)
+    std::vector<Pending> pending;                     // per tensor; src null: not from a GPU
+    bool force_full = false;                          // a base changed outside the codec this sync
+    bool valid = false;              // the base holds version base_version, as the consumers got it
+    std::uint64_t base_version = 0;
+    std::uint64_t last_full = 0;     // version of the last full sync (0: none)
+    std::uint64_t deltas_since_full = 0;
+    // the sync in progress
+    bool staged = false;             // encoding into blobs; announced by end_sync()
+    bool full = false;               // a keyframe (or a staged sync that fell back)
+    std::string full_why;
+    std::uint64_t want = 0;          // begin_sync's version (staged)
+    std::vector<std::vector<std::byte>> blobs;
+    std::vector<std::byte> scratch;  // a tensor gathered from parts, strides or the device
+    std::uint64_t wire = 0, logical = 0;
+  } delta;
+  // A delta sync's stream: each tensor's blob size (write_tensor_in_sync
+  // writes that many bytes); empty: the tensors' own sizes.
+  std::vector<std::uint64_t> wire_sizes;
+  SyncReport report;  // the last completed sync
+
   ~Impl() { close_quietly(); }
 
   void require_open() const {
@@ -95,7 +138,8 @@ struct __attribute__((visibility("hidden"))) Producer::Impl {
 
   // ---- producer_write.cpp: a sync of every mode, the ring's write path
   std::uint64_t begin_sync(std::span<const TensorSpec> tensors, std::uint64_t want);
-  std::uint64_t begin_ring(std::uint64_t want);
+  // `pieces`: a delta sync's (one rank's blobs); empty: the specs' own.
+  std::uint64_t begin_ring(std::uint64_t want, std::span<const detail::ManifestPiece> pieces = {});
   void complete_below(std::uint64_t pos);
   static constexpr std::uint64_t kWhole = ~0ull;  // write_tensor's len: the whole tensor
   void write_tensor(std::size_t index, const detail::Buffer& src, void* stream, std::uint64_t from = 0,
@@ -105,6 +149,22 @@ struct __attribute__((visibility("hidden"))) Producer::Impl {
   void end_sync();
   void set_error_text(Errc code, const std::string& text);
   void abort(std::string_view why, Errc code = Errc::kAborted);
+
+  // ---- producer_delta.cpp: delta syncs
+  bool seat_wants_full() const;
+  std::uint64_t begin_delta(std::uint64_t want);
+  const std::byte* delta_source(const detail::Buffer& src, std::uint64_t from, std::uint64_t len,
+                                std::byte* into);
+  void write_keyframe(std::size_t index, const detail::Buffer& src, void* stream, std::uint64_t from,
+                      std::uint64_t len);
+  void write_staged(std::size_t index, const detail::Buffer& src, void* stream, std::uint64_t from,
+                    std::uint64_t len);
+  void end_staged();
+  void encode_pending(std::vector<detail::Buffer>* sources);
+  void delta_done();
+  detail::delta::CudaCodec& codec();
+  void base_on_host(std::size_t i);
+  void base_on_device(std::size_t i, void* stream);
 
   // ---- producer_ranks.cpp: sharded producers, rounds (rounds.hpp, docs/protocol.md §9)
   detail::rounds::Words words() const;

@@ -101,6 +101,9 @@ std::span<std::byte> Producer::Impl::lend_chunk(std::uint64_t c) {
                                         "fill_spans()");
   if (world > 1)
     throw Error(Errc::kInvalidArgument, "lend_chunk() is for a producer of one rank: sharded ranks write()");
+  if (opts.delta)
+    throw Error(Errc::kInvalidArgument, "lend_chunk() hands out the stream's chunks, but a delta producer encodes "
+                                        "tensors: write() them");
   if (!in_sync) throw Error(Errc::kInvalidArgument, "lend_chunk() outside a sync: call begin_sync() first");
   if (!lent_chunks && (next_tensor != 0 || part_done != 0))
     throw Error(Errc::kInvalidArgument, "lend_chunk() after tensors of this sync were written: a sync is filled "

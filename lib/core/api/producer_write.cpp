@@ -99,20 +99,25 @@ std::uint64_t Producer::Impl::begin_sync(std::span<const TensorSpec> tensors, st
   }
   if (world > 1) return begin_sharded(n, used);
   if (view.geo().store) return begin_store(want);
+  if (opts.delta) return begin_delta(want);
   return begin_ring(want);
 }
 
 // A ring region of one rank: the manifest is rewritten in place and
 // announced at once; the chunks follow as write() fills them.
-std::uint64_t Producer::Impl::begin_ring(std::uint64_t want) {
+std::uint64_t Producer::Impl::begin_ring(std::uint64_t want, std::span<const ManifestPiece> pieces) {
   // Nobody may still be reading the manifest area we are about to rewrite.
   if (last_completed > 0) ring->wait_acks(last_completed);
   sync_start_ns = mono_ns();
   version = want != 0 ? want : version + 1;
   writer = ChunkWriter(&*ring, &view, version, next_seq, stream_bytes, checksums);
   ring->begin_announce();  // consumers copying the old manifest will see it change
-  const std::uint64_t used = encode_manifest(specs, offsets, version, stream_bytes, payload_bytes, view.manifest(),
-                                             view.geo().manifest_bytes);
+  const std::uint64_t one_rank[1] = {stream_bytes};
+  const std::uint64_t used =
+      pieces.empty() ? encode_manifest(specs, offsets, version, stream_bytes, payload_bytes, view.manifest(),
+                                       view.geo().manifest_bytes)
+                     : encode_manifest(specs, pieces, one_rank, version, payload_bytes, view.manifest(),
+                                       view.geo().manifest_bytes);
   RecordSnapshot rec{};
   rec.version = version;
   rec.first_seq = next_seq;
@@ -158,7 +163,12 @@ void Producer::Impl::write_tensor(std::size_t index, const Buffer& src, void* st
     throw Error(Errc::kInvalidArgument, "write() in a sync whose slots were lent out by lend_chunk(): fill them, "
                                         "publish_chunks(), then end_sync()");
   try {
-    write_tensor_in_sync(index, src, stream, from, len);
+    if (delta.staged)
+      write_staged(index, src, stream, from, len);
+    else if (opts.delta && delta.full)
+      write_keyframe(index, src, stream, from, len);
+    else
+      write_tensor_in_sync(index, src, stream, from, len);
   } catch (const Error& e) {
     abort(e.what(), e.code());
     throw;
@@ -183,7 +193,7 @@ void Producer::Impl::write_tensor_in_sync(std::size_t index, const Buffer& src, 
                                             (next_tensor < specs.size() ? specs[next_tensor].name : "") + "'), got " +
                                             std::to_string(index));
   }
-  const std::uint64_t n = specs[index].local_nbytes();
+  const std::uint64_t n = wire_sizes.empty() ? specs[index].local_nbytes() : wire_sizes[index];
   if (from != part_done || (len != kWhole && len > n - from))
     throw Error(Errc::kInvalidArgument, "write_part() of '" + specs[index].name + "': bytes [" + std::to_string(from) +
                                             ", +" + std::to_string(len) + ") do not follow the " +
@@ -240,6 +250,7 @@ void Producer::Impl::end_sync() {
                                             specs[next_tensor].name + "' (index " +
                                             std::to_string(next_tensor) + ")");
   try {
+    if (delta.staged) end_staged();  // announces the sync and writes it (producer_delta.cpp)
     complete_below(stream_bytes);
     engine->drain();
     if (world > 1) end_sharded();  // waits for the other ranks (producer_ranks.cpp)
@@ -258,6 +269,10 @@ void Producer::Impl::end_sync() {
   // A store region: every byte is in place (the chunk is published), so the
   // record may now point readers at it.
   if (view.geo().store) ring->announce(store_rec);
+  if (opts.delta)
+    delta_done();
+  else
+    report = SyncReport{version, false, payload_bytes, payload_bytes};
   if (!leader()) {
     RankSeat& rs = view.rank_seat(rank);
     rs.syncs_done.fetch_add(1, std::memory_order_relaxed);
@@ -282,6 +297,15 @@ void Producer::Impl::set_error_text(Errc code, const std::string& text) {
 // Aborted. The next sync starts clean: nothing here outlives this sync.
 void Producer::Impl::abort(std::string_view why, Errc code) {
   if (!in_sync) return;
+  if (opts.delta) {
+    delta.valid = false;  // the base may be ahead of what the consumers hold: the next sync is full
+    if (delta.staged) {   // nothing was announced
+      delta.staged = false;
+      delta.blobs.clear();
+      in_sync = false;
+      return;
+    }
+  }
   if (world > 1) {
     // Sharded: the sync's fate is decided once; rank 0 may have completed
     // it already (every chunk is in), and then there is nothing to abort.

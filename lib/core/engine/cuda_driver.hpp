@@ -51,6 +51,7 @@ namespace shmcast::detail::cu {
   X(cuMemcpyDtoHAsync)          \
   X(cuMemcpyHtoDAsync)          \
   X(cuMemcpy2DAsync)            \
+  X(cuMemcpyDtoDAsync)          \
   X(cuMemHostRegister)          \
   X(cuMemHostUnregister)        \
   X(cuMemAlloc)                 \

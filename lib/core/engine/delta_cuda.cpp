@@ -5,11 +5,13 @@
 // kept for the life of the process, like the primary contexts they live in.
 #include "engine/delta_cuda.hpp"
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <mutex>
 #include <string>
 #include <unordered_map>
+#include <vector>
 
 #include "engine/cuda_driver.hpp"
 #include "protocol/delta.hpp"
@@ -182,6 +184,9 @@ struct CudaCodec::Impl {
   CUcontext ctx = nullptr;
   const Module* mod = nullptr;
   CUdeviceptr scratch = 0;
+  CUdeviceptr bufs[4] = {};
+  std::uint64_t buf_bytes[4] = {};
+  std::vector<CUdeviceptr> owned;  // alloc()
 
   // Binds to the stream's context on first use; makes it current for the scope.
   struct Use {
@@ -240,6 +245,9 @@ struct CudaCodec::Impl {
       const bool push = d->cuCtxGetCurrent(&cur) != CUDA_SUCCESS || cur != ctx;
       if (push && d->cuCtxPushCurrent(ctx) != CUDA_SUCCESS) return;
       (void)d->cuMemFree(scratch);
+      for (CUdeviceptr b : bufs)
+        if (b != 0) (void)d->cuMemFree(b);
+      for (CUdeviceptr b : owned) (void)d->cuMemFree(b);
       CUcontext popped = nullptr;
       if (push) (void)d->cuCtxPopCurrent(&popped);
     }
@@ -319,6 +327,77 @@ Header CudaCodec::read_header(const void* head, void* stream) {
   SHMCAST_DCK(*u.i.d, u.i.d->cuMemcpyDtoHAsync(&h, dptr(head), sizeof h, u.s), "cuMemcpyDtoHAsync of the header");
   SHMCAST_DCK(*u.i.d, u.i.d->cuStreamSynchronize(u.s), "waiting for the stream (cuStreamSynchronize)");
   return h;
+}
+
+void* CudaCodec::buffer(int i, std::uint64_t bytes, void* stream) {
+  if (i < 0 || i >= 4) bad_arg("codec buffer " + std::to_string(i) + " is not 0..3");
+  Impl::Use u(*impl_, stream);
+  Impl& m = u.i;
+  if (m.bufs[i] != 0 && m.buf_bytes[i] >= bytes) return reinterpret_cast<void*>(static_cast<std::uintptr_t>(m.bufs[i]));
+  if (m.bufs[i] != 0) {
+    SHMCAST_DCK(*m.d, m.d->cuStreamSynchronize(u.s), "waiting for the stream (cuStreamSynchronize)");
+    (void)m.d->cuMemFree(m.bufs[i]);
+    m.bufs[i] = 0;
+    m.buf_bytes[i] = 0;
+  }
+  const std::uint64_t want = bytes < 256 ? 256 : bytes + bytes / 8;  // some room to grow into
+  const CUresult e = m.d->cuMemAlloc(&m.bufs[i], want);
+  if (e != CUDA_SUCCESS)
+    throw Error(Errc::kCuda, "cuMemAlloc of " + std::to_string(want) + " bytes for the delta codec failed: " +
+                                 cu::error_text(*m.d, e) + " (free GPU memory, or turn deltas off)");
+  m.buf_bytes[i] = want;
+  return reinterpret_cast<void*>(static_cast<std::uintptr_t>(m.bufs[i]));
+}
+
+void* CudaCodec::alloc(std::uint64_t bytes, void* stream) {
+  Impl::Use u(*impl_, stream);
+  Impl& m = u.i;
+  CUdeviceptr p = 0;
+  const CUresult e = m.d->cuMemAlloc(&p, bytes < 256 ? 256 : bytes);
+  if (e != CUDA_SUCCESS)
+    throw Error(Errc::kCuda, "cuMemAlloc of " + std::to_string(bytes) + " bytes for a delta base failed: " +
+                                 cu::error_text(*m.d, e) + " (a delta producer keeps a copy of each tensor it sends "
+                                 "from a GPU on that GPU: free GPU memory, or turn deltas off)");
+  m.owned.push_back(p);
+  return reinterpret_cast<void*>(static_cast<std::uintptr_t>(p));
+}
+
+void CudaCodec::release(void* p) noexcept {
+  if (p == nullptr || !impl_ || impl_->d == nullptr) return;
+  Impl& m = *impl_;
+  const CUdeviceptr d = dptr(p);
+  const auto it = std::find(m.owned.begin(), m.owned.end(), d);
+  if (it == m.owned.end()) return;
+  m.owned.erase(it);
+  CUcontext cur = nullptr;
+  const bool push = m.d->cuCtxGetCurrent(&cur) != CUDA_SUCCESS || cur != m.ctx;
+  if (push && m.d->cuCtxPushCurrent(m.ctx) != CUDA_SUCCESS) return;
+  (void)m.d->cuMemFree(d);
+  CUcontext popped = nullptr;
+  if (push) (void)m.d->cuCtxPopCurrent(&popped);
+}
+
+void CudaCodec::upload(void* dev, const void* host, std::uint64_t bytes, void* stream) {
+  if (bytes == 0) return;
+  Impl::Use u(*impl_, stream);
+  SHMCAST_DCK(*u.i.d, u.i.d->cuMemcpyHtoDAsync(dptr(dev), host, bytes, u.s), "cuMemcpyHtoDAsync");
+}
+
+void CudaCodec::download(void* host, const void* dev, std::uint64_t bytes, void* stream) {
+  if (bytes == 0) return;
+  Impl::Use u(*impl_, stream);
+  SHMCAST_DCK(*u.i.d, u.i.d->cuMemcpyDtoHAsync(host, dptr(dev), bytes, u.s), "cuMemcpyDtoHAsync");
+}
+
+void CudaCodec::copy(void* dev_dst, const void* dev_src, std::uint64_t bytes, void* stream) {
+  if (bytes == 0) return;
+  Impl::Use u(*impl_, stream);
+  SHMCAST_DCK(*u.i.d, u.i.d->cuMemcpyDtoDAsync(dptr(dev_dst), dptr(dev_src), bytes, u.s), "cuMemcpyDtoDAsync");
+}
+
+void CudaCodec::wait(void* stream) {
+  Impl::Use u(*impl_, stream);
+  SHMCAST_DCK(*u.i.d, u.i.d->cuStreamSynchronize(u.s), "waiting for the stream (cuStreamSynchronize)");
 }
 
 }  // namespace shmcast::detail::delta

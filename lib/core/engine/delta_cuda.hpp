@@ -80,6 +80,23 @@ class CudaCodec {
   // Waits for `stream` and returns the header at `head` (device memory).
   Header read_header(const void* head, void* stream);
 
+  // Device memory for the codec's callers, in its context (bound by
+  // `stream`), 256-byte aligned: buffer(i, bytes) is the codec's buffer i
+  // (0..3) of at least `bytes`, kept and reused (grown after waiting for
+  // `stream`); freed with the codec.
+  void* buffer(int i, std::uint64_t bytes, void* stream);
+  // Device memory of `bytes` in the codec's context, owned by the codec
+  // until release(p) or its destruction (kCuda when the device is full).
+  void* alloc(std::uint64_t bytes, void* stream);
+  void release(void* p) noexcept;
+  // Copies on `stream`: host memory may be pageable (then the call returns
+  // once the bytes are taken); device to device.
+  void upload(void* dev, const void* host, std::uint64_t bytes, void* stream);
+  void download(void* host, const void* dev, std::uint64_t bytes, void* stream);
+  void copy(void* dev_dst, const void* dev_src, std::uint64_t bytes, void* stream);
+  // Waits for `stream`.
+  void wait(void* stream);
+
  private:
   struct Impl;
   std::unique_ptr<Impl> impl_;

@@ -31,5 +31,12 @@ void CudaCodec::apply(const void*, std::uint64_t, std::uint32_t, const SliceMap&
 void CudaCodec::checksum(const void*, std::uint64_t, void*, void*) { no_cuda(); }
 void CudaCodec::finish(void*) { no_cuda(); }
 Header CudaCodec::read_header(const void*, void*) { no_cuda(); }
+void* CudaCodec::buffer(int, std::uint64_t, void*) { no_cuda(); }
+void* CudaCodec::alloc(std::uint64_t, void*) { no_cuda(); }
+void CudaCodec::release(void*) noexcept {}
+void CudaCodec::upload(void*, const void*, std::uint64_t, void*) { no_cuda(); }
+void CudaCodec::download(void*, const void*, std::uint64_t, void*) { no_cuda(); }
+void CudaCodec::copy(void*, const void*, std::uint64_t, void*) { no_cuda(); }
+void CudaCodec::wait(void*) { no_cuda(); }
 
 }  // namespace shmcast::detail::delta

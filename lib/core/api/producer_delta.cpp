@@ -1,0 +1,429 @@
+// api/ (layer 6): delta syncs of a producer (ProducerOptions::delta; ring
+// regions of one rank). docs/protocol.md §12 is the blob format, §9 the
+// full-sync requests.
+//
+// The producer keeps a base: the bytes of every tensor as it last sent
+// them, in host memory. A sync is decided at begin_sync():
+//   - full (a keyframe) when there is no valid base (the first sync, or the
+//     last one was aborted), the tensors changed (names, dtypes, shapes), a
+//     consumer asked for one (Seat::full_after), or keyframe_every says so:
+//     it goes out as today (begin_ring at once), and each tensor's bytes are
+//     copied into the base as they are written;
+//   - else staged: each write() compares the tensor with its base as raw
+//     words and encodes the changed elements into a private blob, updating
+//     the base (delta::plan, delta::encode); nothing is announced yet.
+//     end_sync() then announces the blobs as the sync's pieces (each naming
+//     the base version) and streams them through the ring, or, when a
+//     consumer asked for a full sync meanwhile or the blobs would take more
+//     than delta_max_ratio of the full size, streams the base (which now
+//     holds the new bytes) as a full sync.
+// An aborted sync leaves the base ahead of what consumers hold: the next
+// sync is full.
+#include <algorithm>
+#include <cstring>
+
+#include "api/producer_impl.hpp"
+#include "base/checks.hpp"
+#include "protocol/delta.hpp"
+#include "protocol/manifest.hpp"
+#include "protocol/ring.hpp"
+#include "shm/region.hpp"
+#include "shmcast/shmcast.hpp"
+
+namespace shmcast {
+
+using namespace detail;
+
+namespace {
+
+bool same_tensors(const std::vector<TensorSpec>& a, const std::vector<TensorSpec>& b) {
+  if (a.size() != b.size()) return false;
+  for (std::size_t i = 0; i < a.size(); ++i)
+    if (a[i].name != b[i].name || a[i].dtype != b[i].dtype || a[i].shape != b[i].shape ||
+        a[i].shard_dim != b[i].shard_dim || a[i].shard_start != b[i].shard_start ||
+        a[i].shard_length != b[i].shard_length)
+      return false;
+  return true;
+}
+
+// Tensors whose elements are words of 1, 2, 4 or 8 bytes are sent as
+// deltas; others (c128: 16-byte elements, whose slices a word map cannot
+// address) as their bytes.
+bool delta_encodes(DType dtype) { return delta::elem_width(dtype) == dtype_size(dtype); }
+
+}  // namespace
+
+// Whether a live seat asked for a full sync after a version the last full
+// sync does not cover (protocol.md §9).
+bool Producer::Impl::seat_wants_full() const {
+  for (std::uint32_t i = 0; i < view.geo().max_consumers; ++i) {
+    const Seat& s = view.seat(i);
+    if (seat_state(s.word.load(std::memory_order_acquire)) != kSeatActive) continue;
+    if (s.full_after.load(std::memory_order_acquire) >= delta.last_full) return true;
+  }
+  return false;
+}
+
+std::uint64_t Producer::Impl::begin_delta(std::uint64_t want) {
+  DeltaState& d = delta;
+  std::string why;
+  if (!d.valid)
+    why = d.base_version == 0 ? "first sync" : "the last sync was aborted";
+  else if (!same_tensors(specs, d.specs))
+    why = "the tensors changed";
+  else if (opts.keyframe_every > 0 && d.deltas_since_full + 1 >= opts.keyframe_every)
+    why = "keyframe_every";
+  else if (seat_wants_full())
+    why = "a consumer asked for a full sync";
+  d.valid = false;  // until this sync completes
+  d.wire = 0;
+  d.logical = 0;
+  d.force_full = false;
+  for (const TensorSpec& t : specs) d.logical += t.local_nbytes();
+  if (!why.empty()) {
+    // A keyframe: the base takes the tensors' bytes as they are written.
+    if (!same_tensors(specs, d.specs)) {
+      for (DeltaState::Base& b : d.base)
+        if (b.dev != nullptr) d.codec->release(b.dev);
+      d.base.clear();
+      d.base.resize(specs.size());
+      d.base_bytes = 0;
+      d.specs = specs;
+    }
+    d.full_why = why;
+    d.staged = false;
+    d.full = true;
+    wire_sizes.clear();
+    return begin_ring(want);
+  }
+  // Staged: encoded by write() (host) or end_sync() (GPU), announced by end_sync().
+  if (last_completed > 0) ring->wait_acks(last_completed);
+  d.staged = true;
+  d.full = false;
+  d.want = want;
+  d.blobs.assign(specs.size(), {});
+  d.pending.assign(specs.size(), {});
+  sync_start_ns = mono_ns();
+  in_sync = true;
+  next_tensor = 0;
+  part_done = 0;
+  lent_chunks = false;
+  return want != 0 ? want : version + 1;
+}
+
+delta::CudaCodec& Producer::Impl::codec() {
+  if (!delta.codec) delta.codec = std::make_unique<delta::CudaCodec>();
+  return *delta.codec;
+}
+
+// Tensor i's base in host memory (its bytes unset), dropping a device one.
+void Producer::Impl::base_on_host(std::size_t i) {
+  DeltaState::Base& b = delta.base[i];
+  const std::uint64_t n = specs[i].local_nbytes();
+  if (b.dev != nullptr) {
+    codec().release(b.dev);
+    b.dev = nullptr;
+    delta.base_bytes -= b.bytes;
+    b.bytes = 0;
+  }
+  if (!b.host && n > 0) {
+    b.host.reset(new std::byte[n]);
+    b.bytes = n;
+    delta.base_bytes += n;
+  }
+}
+
+// Tensor i's base on the device of `stream` (its bytes unset), dropping a host one.
+void Producer::Impl::base_on_device(std::size_t i, void* stream) {
+  DeltaState::Base& b = delta.base[i];
+  const std::uint64_t n = specs[i].local_nbytes();
+  if (b.host) {
+    b.host.reset();
+    delta.base_bytes -= b.bytes;
+    b.bytes = 0;
+  }
+  if (b.dev == nullptr && n > 0) {
+    b.dev = codec().alloc(n, stream);
+    b.bytes = n;
+    delta.base_bytes += n;
+  }
+}
+
+// The source of bytes [from, from + len) of a tensor as one contiguous host
+// range: `src` itself when it is contiguous host memory, else gathered into
+// `into` (strided rows, device memory through the engine).
+const std::byte* Producer::Impl::delta_source(const Buffer& src, std::uint64_t from, std::uint64_t len,
+                                              std::byte* into) {
+  if (!src.device && src.layout.rows == 0) return static_cast<const std::byte*>(src.ptr);
+  engine->copy(into, src, from, len);
+  engine->drain();
+  return into;
+}
+
+// A keyframe's write in a delta producer. From a GPU, contiguous: the base
+// is on that GPU (a device-to-device copy on the caller's stream) and the
+// tensor goes through the ring as any write_device(). Else the bytes go
+// into a host base first, then from there through the ring.
+void Producer::Impl::write_keyframe(std::size_t index, const Buffer& src, void* stream, std::uint64_t from,
+                                    std::uint64_t len) {
+  const std::uint64_t n = specs[index].local_nbytes();
+  const std::uint64_t to = len == kWhole ? n : from + len;
+  if (index != next_tensor || from != part_done || to > n || to <= from || src.ptr == nullptr ||
+      (src.device && !engine->is_cuda())) {
+    write_tensor_in_sync(index, src, stream, from, len);  // its checks throw (or an empty tensor goes)
+    return;
+  }
+  if (src.device && src.layout.rows == 0) {
+    base_on_device(index, stream);
+    codec().copy(static_cast<std::byte*>(delta.base[index].dev) + from, src.ptr, to - from, stream);
+    write_tensor_in_sync(index, src, stream, from, len);
+    return;
+  }
+  if (from == 0) base_on_host(index);
+  std::byte* base = delta.base[index].host.get() + from;
+  if (src.device) engine->begin(stream);
+  const std::byte* p = delta_source(src, 0, to - from, base);
+  if (p != base) std::memcpy(base, p, to - from);
+  write_tensor_in_sync(index, Buffer{base, false, {}}, nullptr, from, to - from);
+}
+
+// A staged write: tensor `index`'s bytes [from, to) are gathered (parts)
+// and, once whole, encoded against the base: on the host now, or (a base
+// on the GPU) recorded for end_sync(), which encodes every such tensor on
+// its GPU.
+void Producer::Impl::write_staged(std::size_t index, const Buffer& src, void* stream, std::uint64_t from,
+                                  std::uint64_t len) {
+  if (index != next_tensor)
+    throw Error(Errc::kInvalidArgument, "tensors must be written in manifest order: expected index " +
+                                            std::to_string(next_tensor) + ", got " + std::to_string(index));
+  const TensorSpec& t = specs[index];
+  const std::uint64_t n = t.local_nbytes();
+  if (from != part_done || (len != kWhole && len > n - from))
+    throw Error(Errc::kInvalidArgument, "write_part() of '" + t.name + "': bytes [" + std::to_string(from) + ", +" +
+                                            std::to_string(len) + ") do not follow the " + std::to_string(part_done) +
+                                            " written of its " + std::to_string(n));
+  const std::uint64_t to = len == kWhole ? n : from + len;
+  if (src.layout.rows != 0) {
+    std::uint64_t total;
+    if (__builtin_mul_overflow(src.layout.rows, src.layout.row_bytes, &total) || total != n ||
+        src.layout.pitch_bytes < src.layout.row_bytes)
+      throw Error(Errc::kInvalidArgument, "strided layout of '" + t.name +
+                                              "' does not match its size (rows x row_bytes must equal nbytes, "
+                                              "pitch_bytes >= row_bytes)");
+  }
+  if (to > from && src.ptr == nullptr) throw Error(Errc::kInvalidArgument, "null source for tensor '" + t.name + "'");
+  if (src.device && !engine->is_cuda())
+    throw Error(Errc::kInvalidArgument, "write_device() on a producer with the host copy engine: create it with "
+                                        "engine = CopyEngine::kCuda (or kAuto on a machine with a GPU), or copy "
+                                        "the tensor to host memory and write() it");
+  DeltaState::Base& b = delta.base[index];
+  if (b.dev != nullptr) {
+    // A base on the GPU. A contiguous GPU source, 8-byte aligned: encoded
+    // on the GPU by end_sync(). Anything else updates the base as it is
+    // and makes this sync full (the base then holds the new bytes).
+    if (from == 0 && to == n && src.device && src.layout.rows == 0 && delta_encodes(t.dtype) &&
+        reinterpret_cast<std::uintptr_t>(src.ptr) % 8 == 0) {
+      delta.pending[index] = DeltaState::Pending{src.ptr, stream};
+      ++next_tensor;
+      return;
+    }
+    if (src.device && src.layout.rows == 0) {
+      codec().copy(static_cast<std::byte*>(b.dev) + from, src.ptr, to - from, stream);
+      codec().wait(stream);
+    } else {
+      delta.scratch.resize(to - from);
+      if (src.device) engine->begin(stream);
+      const std::byte* p = delta_source(src, 0, to - from, delta.scratch.data());
+      codec().upload(static_cast<std::byte*>(b.dev) + from, p, to - from, stream);
+      codec().wait(stream);
+    }
+    delta.force_full = true;
+    part_done = to < n ? to : 0;
+    if (to == n) ++next_tensor;
+    return;
+  }
+  if (src.device) engine->begin(stream);
+  const std::byte* next = nullptr;
+  static const std::byte kEmpty[8] = {};
+  if (n == 0) {
+    next = kEmpty;  // an empty tensor: an empty blob
+  } else if (from == 0 && to == n) {
+    if (!src.device && src.layout.rows == 0) {
+      next = static_cast<const std::byte*>(src.ptr);
+    } else {
+      delta.scratch.resize(n);
+      next = delta_source(src, 0, n, delta.scratch.data());
+    }
+  } else {
+    // Parts: gathered until the tensor is whole.
+    delta.scratch.resize(n);
+    const std::byte* p = delta_source(src, 0, to - from, delta.scratch.data() + from);
+    if (p != delta.scratch.data() + from) std::memcpy(delta.scratch.data() + from, p, to - from);
+    part_done = to;
+    if (to < n) return;
+    next = delta.scratch.data();
+  }
+  part_done = 0;
+  std::vector<std::byte>& blob = delta.blobs[index];
+  if (!b.host && n > 0) {  // (a tensor of the last full sync that was empty then cannot be: same shapes)
+    throw Error(Errc::kInvalidArgument, "tensor '" + t.name + "' has no delta base: start a new producer");
+  }
+  if (!delta_encodes(t.dtype)) {
+    // Sent as its bytes (a raw piece of the delta sync).
+    blob.assign(next, next + n);
+    if (n > 0) std::memcpy(b.host.get(), next, n);
+  } else {
+    const std::uint32_t w = delta::elem_width(t.dtype);
+    std::byte empty_base[8] = {};
+    std::byte* base = n == 0 ? empty_base : b.host.get();
+    const delta::Plan p = delta::plan(base, next, w, n / w);
+    blob.resize(p.blob_bytes());
+    delta::encode(p, base, next, blob.data(), blob.size());
+  }
+  delta.wire += blob.size();
+  ++next_tensor;
+}
+
+// The tensors write_staged() recorded from GPUs: every one planned on its
+// GPU into one head buffer, the blob sizes read back at once, then encoded
+// into one blob buffer, which the ring then copies from (device to slot:
+// only the blobs cross PCIe). `sources[i]` becomes the blob of tensor i.
+void Producer::Impl::encode_pending(std::vector<Buffer>* sources) {
+  DeltaState& d = delta;
+  std::uint64_t heads = 0;
+  void* stream = nullptr;
+  for (std::size_t i = 0; i < specs.size(); ++i) {
+    DeltaState::Pending& p = d.pending[i];
+    if (p.src == nullptr) continue;
+    if (stream == nullptr) stream = p.stream;
+    const std::uint32_t w = delta::elem_width(specs[i].dtype);
+    p.head_at = heads;
+    heads += align_up(delta::head_bytes(specs[i].local_nbytes() / w), 256);
+  }
+  if (heads == 0) return;
+  delta::CudaCodec& c = codec();
+  auto* head = static_cast<std::byte*>(c.buffer(0, heads, stream));
+  for (std::size_t i = 0; i < specs.size(); ++i) {
+    const DeltaState::Pending& p = d.pending[i];
+    if (p.src == nullptr) continue;
+    const std::uint32_t w = delta::elem_width(specs[i].dtype);
+    c.plan(d.base[i].dev, p.src, w, specs[i].local_nbytes() / w, head + p.head_at, p.stream);
+  }
+  // Every tensor's header (its payload size) in one copy back.
+  std::vector<std::byte> host_heads(heads);
+  for (std::size_t i = 0; i < specs.size(); ++i)
+    if (d.pending[i].src != nullptr && d.pending[i].stream != stream) c.wait(d.pending[i].stream);
+  c.download(host_heads.data(), head, heads, stream);
+  c.wait(stream);
+  std::uint64_t outs = 0;
+  for (std::size_t i = 0; i < specs.size(); ++i) {
+    DeltaState::Pending& p = d.pending[i];
+    if (p.src == nullptr) continue;
+    delta::Header h;
+    std::memcpy(&h, host_heads.data() + p.head_at, sizeof h);
+    const std::uint32_t w = delta::elem_width(specs[i].dtype);
+    p.blob = delta::head_bytes(specs[i].local_nbytes() / w) + h.payload_bytes;
+    p.out_at = outs;
+    outs += align_up(p.blob, 256);
+  }
+  auto* out = static_cast<std::byte*>(c.buffer(1, outs, stream));
+  for (std::size_t i = 0; i < specs.size(); ++i) {
+    const DeltaState::Pending& p = d.pending[i];
+    if (p.src == nullptr) continue;
+    const std::uint32_t w = delta::elem_width(specs[i].dtype);
+    c.encode(d.base[i].dev, p.src, w, specs[i].local_nbytes() / w, head + p.head_at, out + p.out_at, p.blob,
+             p.stream);
+  }
+  for (std::size_t i = 0; i < specs.size(); ++i)
+    if (d.pending[i].src != nullptr && d.pending[i].stream != stream) c.finish(d.pending[i].stream);
+  c.finish(stream);  // waits; throws what the kernels found (inputs changed between plan and encode)
+  for (std::size_t i = 0; i < specs.size(); ++i) {
+    const DeltaState::Pending& p = d.pending[i];
+    if (p.src == nullptr) continue;
+    (*sources)[i] = Buffer{out + p.out_at, true, {}};
+    d.blobs[i].clear();
+    d.wire += p.blob;
+  }
+}
+
+// end_sync() of a staged sync: encodes the tensors from GPUs, then
+// announces the blobs (or, when they would not pay or a consumer asked for
+// a full sync meanwhile, the base, which now holds the new bytes) and
+// streams them through the ring.
+void Producer::Impl::end_staged() {
+  DeltaState& d = delta;
+  std::vector<Buffer> sources(specs.size());
+  for (std::size_t i = 0; i < specs.size(); ++i) sources[i] = Buffer{d.blobs[i].data(), false, {}};
+  if (!d.force_full) encode_pending(&sources);
+  in_sync = false;  // begin_ring sets it again
+  d.staged = false;
+  const bool no_pay = static_cast<double>(d.wire) > opts.delta_max_ratio * static_cast<double>(d.logical);
+  if (d.force_full || no_pay || seat_wants_full()) {
+    if (d.force_full) {
+      // Tensors recorded from GPUs were not encoded: their bases take the bytes now.
+      for (std::size_t i = 0; i < specs.size(); ++i) {
+        const DeltaState::Pending& p = d.pending[i];
+        if (p.src == nullptr) continue;
+        codec().copy(d.base[i].dev, p.src, specs[i].local_nbytes(), p.stream);
+        codec().wait(p.stream);
+      }
+    }
+    d.full = true;
+    d.full_why = d.force_full ? "a tensor's source moved between host and GPU"
+                 : no_pay     ? "deltas would not pay"
+                              : "a consumer asked for a full sync";
+    wire_sizes.clear();
+    begin_ring(d.want);
+    for (std::size_t i = 0; i < specs.size(); ++i) {
+      const DeltaState::Base& b = d.base[i];
+      write_tensor_in_sync(i, b.dev != nullptr ? Buffer{b.dev, true, {}} : Buffer{b.host.get(), false, {}}, nullptr,
+                           0, kWhole);
+    }
+    d.blobs.clear();
+    return;
+  }
+  // The blobs as the stream's pieces: packed as raw tensors of their sizes.
+  std::vector<TensorSpec> packed(specs.size());
+  wire_sizes.resize(specs.size());
+  for (std::size_t i = 0; i < specs.size(); ++i) {
+    wire_sizes[i] = d.pending[i].src != nullptr ? d.pending[i].blob : d.blobs[i].size();
+    packed[i].dtype = DType::kRaw;
+    packed[i].shape = {static_cast<std::int64_t>(wire_sizes[i])};
+  }
+  std::uint64_t wire = 0;
+  stream_bytes = pack(packed, view.geo().slot_bytes, &offsets, &wire);
+  std::vector<ManifestPiece> pieces(specs.size());
+  for (std::size_t i = 0; i < specs.size(); ++i) {
+    ManifestPiece& p = pieces[i];
+    p.tensor = static_cast<std::uint32_t>(i);
+    p.dim = kWholePiece;
+    p.offset = offsets[i];
+    p.nbytes = wire_sizes[i];
+    p.base_version = delta_encodes(specs[i].dtype) ? d.base_version : 0;
+  }
+  d.full = false;
+  const std::uint64_t logical = payload_bytes;
+  payload_bytes = wire;
+  begin_ring(d.want, pieces);
+  layout.payload_bytes = logical;
+  for (std::size_t i = 0; i < specs.size(); ++i) write_tensor_in_sync(i, sources[i], nullptr, 0, kWhole);
+}
+
+// After a completed sync: the base holds it.
+void Producer::Impl::delta_done() {
+  DeltaState& d = delta;
+  d.valid = true;
+  d.base_version = version;
+  report = SyncReport{version, !d.full, d.logical, d.full ? d.logical : d.wire};
+  if (d.full) {
+    d.last_full = version;
+    d.deltas_since_full = 0;
+  } else {
+    ++d.deltas_since_full;
+  }
+  d.blobs.clear();
+  d.pending.clear();
+  wire_sizes.clear();
+}
+
+}  // namespace shmcast

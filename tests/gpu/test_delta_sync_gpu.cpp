@@ -1,0 +1,224 @@
+// GPU tier: delta syncs (ProducerOptions::delta) between processes with
+// device tensors. The producer's bases live on its GPU and its deltas are
+// encoded there (the CUDA codec); a device consumer applies them on its GPU
+// (read_into_device), a host consumer on the host (read_into); both must be
+// bit-exact at every version. Skips without a GPU or without the delta
+// kernels.
+#include <gtest/gtest.h>
+
+#include "delta_sync_support.hpp"
+#include "engine/delta_cuda.hpp"
+#include "gpu_support.hpp"
+
+using namespace shmcast;
+using namespace shmcast_test;
+using namespace shmcast_gpu;
+using namespace delta_sync_test;
+using namespace std::chrono_literals;
+
+namespace {
+
+#define REQUIRE_DELTA_GPU()                                                                                   \
+  do {                                                                                                        \
+    SHMCAST_REQUIRE_GPU();                                                                                    \
+    std::string why_;                                                                                         \
+    if (!shmcast::detail::delta::cuda_codec_available(&why_)) GTEST_SKIP() << "no CUDA delta codec: " << why_; \
+  } while (0)
+
+constexpr std::uint64_t kVersions = 20;
+
+ProducerOptions opts() {
+  ProducerOptions o;
+  o.slot_bytes = 2ull << 20;
+  o.slots = 2;
+  o.max_consumers = 4;
+  o.pin = Pin::kYes;
+  o.engine = CopyEngine::kCuda;
+  o.delta = true;
+  o.consumer_timeout = 60s;
+  return o;
+}
+
+ConsumerOptions copts() {
+  ConsumerOptions o;
+  o.pin = Pin::kYes;
+  o.open_timeout = 60s;
+  o.chunk_timeout = 60s;
+  return o;
+}
+
+// Tensor i of the model is written from the GPU, except tensor 3 (from the
+// host: its base stays on the host).
+int producer(const std::string& name, int consumers) {
+  Producer p = Producer::create(name, opts());
+  p.wait_for_consumers(static_cast<std::uint32_t>(consumers), 60s);
+  cudaStream_t s = nullptr;
+  ck(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "cudaStreamCreate");
+  Model m(true);
+  std::vector<DevBuf> dev;
+  for (const auto& d : m.data) dev.emplace_back(d.size());
+  for (std::uint64_t v = 1; v <= kVersions; ++v) {
+    if (v > 1) m.step(v);
+    for (std::size_t i = 0; i < dev.size(); ++i) dev[i].upload(m.data[i].data(), m.data[i].size());
+    if (p.begin_sync(m.specs) != v) return 21;
+    for (std::size_t i = 0; i < dev.size(); ++i) {
+      if (i == 3)
+        p.write(i, m.data[i].data());
+      else
+        p.write_device(i, dev[i].p, s);
+    }
+    p.end_sync();
+    const SyncReport r = p.last_sync();
+    if (r.delta != (v > 1)) {
+      std::fprintf(stderr, "version %llu went %s\n", (unsigned long long)v, r.delta ? "delta" : "full");
+      return 22;
+    }
+    if (v > 1 && r.payload_bytes * 2 > r.logical_bytes) return 23;
+  }
+  if (p.delta_base_bytes() != m.bytes()) return 24;
+  p.wait_drained(60s);
+  cudaStreamDestroy(s);
+  return 0;
+}
+
+int device_consumer(const std::string& name) {
+  Consumer c = Consumer::open(name, copts());
+  cudaStream_t s = nullptr;
+  ck(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "cudaStreamCreate");
+  Model want(true);
+  std::vector<DevBuf> dst;
+  std::vector<void*> ptrs;
+  for (const auto& d : want.data) {
+    dst.emplace_back(d.size());
+    ptrs.push_back(dst.back().p);
+  }
+  for (std::uint64_t v = 1; v <= kVersions; ++v) {
+    if (c.wait_sync(60s).version != v) return 31;
+    if (v > 1) want.step(v);
+    c.read_into_device(ptrs, s);
+    ck(cudaStreamSynchronize(s), "cudaStreamSynchronize");
+    for (std::size_t i = 0; i < want.data.size(); ++i) {
+      const long long d = first_diff(download(ptrs[i], want.data[i].size()), want.data[i]);
+      if (d >= 0) {
+        std::fprintf(stderr, "device consumer: version %llu tensor %zu differs at byte %lld\n",
+                     (unsigned long long)v, i, d);
+        return 32;
+      }
+    }
+    if (c.last_sync().delta != (v > 1)) return 33;
+  }
+  cudaStreamDestroy(s);
+  return 0;
+}
+
+int host_consumer(const std::string& name) {
+  Consumer c = Consumer::open(name, copts());
+  Model want(true);
+  Dsts got(want);
+  for (std::uint64_t v = 1; v <= kVersions; ++v) {
+    if (c.wait_sync(60s).version != v) return 41;
+    if (v > 1) want.step(v);
+    c.read_into(got.ptrs);
+    if (!got.equals(want)) return 42;
+  }
+  return 0;
+}
+
+}  // namespace
+
+TEST(DeltaSyncGpu, DeviceProducerDeviceAndHostConsumersBitExact) {
+  REQUIRE_DELTA_GPU();
+  const std::string name = unique_name("gpudelta");
+  RegionGuard guard{name};
+  Child prod = Child::spawn([&] { return producer(name, 2); });
+  Child dev = Child::spawn([&] { return device_consumer(name); });
+  Child host = Child::spawn([&] { return host_consumer(name); });
+  EXPECT_EQ(prod.wait(240s), 0);
+  EXPECT_EQ(dev.wait(240s), 0);
+  EXPECT_EQ(host.wait(240s), 0);
+}
+
+// On the GPU too: a destination changed behind the consumer's back fails
+// the applied result's checksum (Corrupt), other destinations are refused
+// (NeedsFullSync), and the full sync each asks for repairs the weights.
+// (Which version answers a request depends on timing: the consumer follows
+// the versions it is given.)
+TEST(DeltaSyncGpu, WrongBaseAndOtherDestinationsOnTheDevice) {
+  REQUIRE_DELTA_GPU();
+  const std::string name = unique_name("gpudeltabad");
+  RegionGuard guard{name};
+  constexpr std::uint64_t kLast = 10;
+  Child prod = Child::spawn([&] {
+    Producer p = Producer::create(name, opts());
+    p.wait_for_consumers(1, 60s);
+    Model m(false);
+    std::vector<DevBuf> dev;
+    for (const auto& d : m.data) dev.emplace_back(d.size());
+    for (std::uint64_t v = 1; v <= kLast; ++v) {
+      if (v > 1) m.step(v);
+      for (std::size_t i = 0; i < dev.size(); ++i) dev[i].upload(m.data[i].data(), m.data[i].size());
+      p.begin_sync(m.specs);
+      for (std::size_t i = 0; i < dev.size(); ++i) p.write_device(i, dev[i].p, nullptr);
+      p.end_sync();
+      if (v == 1 && p.last_sync().delta) return 51;
+      if (v == 2 && !p.last_sync().delta) return 52;
+    }
+    p.wait_drained(60s);
+    return 0;
+  });
+  Child cons = Child::spawn([&] {
+    Consumer c = Consumer::open(name, copts());
+    Model want(false);
+    std::uint64_t have = 1;
+    auto follow = [&](std::uint64_t v) {
+      while (have < v) want.step(++have);
+    };
+    std::vector<DevBuf> a, b;
+    std::vector<void*> pa, pb;
+    for (const auto& d : want.data) {
+      a.emplace_back(d.size());
+      pa.push_back(a.back().p);
+      b.emplace_back(d.size());
+      pb.push_back(b.back().p);
+    }
+    auto exact = [&](const std::vector<void*>& ptrs) {
+      ck(cudaDeviceSynchronize(), "sync");
+      for (std::size_t i = 0; i < want.data.size(); ++i)
+        if (first_diff(download(ptrs[i], want.data[i].size()), want.data[i]) >= 0) return false;
+      return true;
+    };
+    c.wait_sync(60s);
+    c.read_into_device(pa, nullptr);
+    if (!exact(pa)) return 60;
+    // A delta (version 2), but a byte of the base was changed behind our back.
+    ck(cudaMemset(static_cast<char*>(pa[0]) + 100, 0x5a, 1), "cudaMemset");
+    if (c.wait_sync(60s).version != 2 || !c.sync().delta()) return 61;
+    if (code_of([&] { c.read_into_device(pa, nullptr); }) != Errc::kCorrupt) return 62;
+    // The next sync this consumer gets is full (deltas on a base it lacks are let go).
+    follow(c.wait_sync(60s).version);
+    if (c.sync().delta()) return 63;
+    c.read_into_device(pa, nullptr);
+    if (!exact(pa)) return 64;
+    // Then deltas again, applied on the device.
+    follow(c.wait_sync(60s).version);
+    if (!c.sync().delta()) return 65;
+    c.read_into_device(pa, nullptr);
+    if (!exact(pa)) return 66;
+    // A delta into other buffers: refused; the next one this consumer gets is full.
+    follow(c.wait_sync(60s).version);
+    if (!c.sync().delta()) return 67;
+    if (code_of([&] { c.read_into_device(pb, nullptr); }) != Errc::kNeedsFullSync) return 68;
+    follow(c.wait_sync(60s).version);
+    if (c.sync().delta()) return 69;
+    c.read_into_device(pb, nullptr);
+    if (!exact(pb)) return 70;
+    while (have < kLast) {
+      follow(c.wait_sync(60s).version);
+      c.read_into_device(pb, nullptr);
+      if (!exact(pb)) return 71;
+    }
+    return 0;
+  });
+  EXPECT_EQ(prod.wait(120s), 0);
+  EXPECT_EQ(cons.wait(120s), 0);
+}

@@ -1,0 +1,436 @@
+// Delta syncs (ProducerOptions::delta, docs/protocol.md §9 and §12): the
+// producer sends the elements that changed since the last version, and
+// consumers apply them in place, bit-exact; full syncs whenever a consumer
+// cannot apply a delta (late joiner, skipped version, other destinations, a
+// damaged delta or destination), on a schedule (keyframe_every), or when
+// deltas would not pay. Real consumer processes, several dtypes, random
+// change fractions.
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <sys/mman.h>
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cstring>
+#include <random>
+#include <thread>
+
+#include "shmcast/shmcast.hpp"
+#include "delta_sync_support.hpp"
+#include "support.hpp"
+
+using namespace shmcast;
+using namespace shmcast_test;
+using namespace delta_sync_test;
+using namespace std::chrono_literals;
+
+namespace {
+
+ProducerOptions delta_opts() {
+  ProducerOptions o;
+  o.slot_bytes = 2ull << 20;
+  o.slots = 2;
+  o.pin = Pin::kNo;
+  o.engine = CopyEngine::kHost;
+  o.delta = true;
+  o.consumer_timeout = 30s * kSlowdown;
+  return o;
+}
+
+ConsumerOptions copts() {
+  ConsumerOptions o;
+  o.pin = Pin::kNo;
+  o.open_timeout = 20s;
+  o.chunk_timeout = 30s * kSlowdown;
+  return o;
+}
+
+std::uint64_t send(Producer& p, const Model& m) { return p.send(m.specs, m.ptrs()); }
+
+}  // namespace
+
+// Two consumer processes, 50 versions, random change fractions, seven
+// dtypes (a c128 tensor goes as its bytes, an empty one as an empty blob):
+// every version arrives bit-exact, the first as a full sync and every later
+// one as a delta smaller than the tensors.
+TEST(DeltaSync, TwoConsumersFiftyVersionsBitExact) {
+  RegionDir dir("delta");
+  const std::string name = unique_name("delta50");
+  RegionGuard guard{name};
+  constexpr std::uint64_t kVersions = 50;
+  auto consumer = [&] {
+    Consumer c = Consumer::open(name, copts());
+    Model want(true);
+    Dsts got(want);
+    for (std::uint64_t v = 1; v <= kVersions; ++v) {
+      const SyncInfo& s = c.wait_sync(60s * kSlowdown);
+      if (s.version != v) return 10;
+      if (v > 1) want.step(v);
+      c.read_into(got.ptrs);
+      if (!got.equals(want)) return 11;
+      const SyncReport r = c.last_sync();
+      if (r.version != v || r.delta != (v > 1)) return 12;
+      if (r.logical_bytes != want.bytes()) return 13;
+      if (v > 1 && r.payload_bytes >= r.logical_bytes) return 14;
+    }
+    return 0;
+  };
+  Producer p = Producer::create(name, delta_opts());
+  Child a = Child::spawn(consumer), b = Child::spawn(consumer);
+  p.wait_for_consumers(2, 30s);
+  Model m(true);
+  std::uint64_t delta_payload = 0, delta_logical = 0;
+  for (std::uint64_t v = 1; v <= kVersions; ++v) {
+    if (v > 1) m.step(v);
+    ASSERT_EQ(send(p, m), v);
+    const SyncReport r = p.last_sync();
+    EXPECT_EQ(r.version, v);
+    EXPECT_EQ(r.delta, v > 1) << "version " << v;
+    EXPECT_EQ(r.logical_bytes, m.bytes());
+    if (v > 1) {
+      delta_payload += r.payload_bytes;
+      delta_logical += r.logical_bytes;
+    }
+  }
+  EXPECT_EQ(a.wait(120s), 0);
+  EXPECT_EQ(b.wait(120s), 0);
+  EXPECT_EQ(p.delta_base_bytes(), m.bytes());
+  // Changes of 0.5-30 %: the deltas take well under half of the bytes.
+  EXPECT_LT(delta_payload, delta_logical / 2);
+}
+
+// A consumer that attaches after the first syncs asks for a full sync: the
+// producer's next sync is full, and the ones after it are deltas again.
+TEST(DeltaSync, LateJoinerGetsAFullSyncFirst) {
+  RegionDir dir("delta");
+  const std::string name = unique_name("deltalate");
+  RegionGuard guard{name};
+  Producer p = Producer::create(name, delta_opts());
+  Consumer a = Consumer::open(name, copts());
+  Model m(false);
+  Dsts da(m);
+  for (std::uint64_t v = 1; v <= 3; ++v) {
+    if (v > 1) m.step(v);
+    send(p, m);
+    a.wait_sync(10s);
+    a.read_into(da.ptrs);
+    ASSERT_TRUE(da.equals(m));
+  }
+  EXPECT_TRUE(p.last_sync().delta);
+  Consumer b = Consumer::open(name, copts());
+  Dsts db(m);
+  m.step(4);
+  send(p, m);
+  EXPECT_FALSE(p.last_sync().delta) << "the late joiner's request makes version 4 full";
+  for (Consumer* c : {&a, &b}) {
+    EXPECT_EQ(c->wait_sync(10s).version, 4u);
+    EXPECT_FALSE(c->sync().delta());
+  }
+  a.read_into(da.ptrs);
+  b.read_into(db.ptrs);
+  EXPECT_TRUE(da.equals(m));
+  EXPECT_TRUE(db.equals(m));
+  m.step(5);
+  send(p, m);
+  EXPECT_TRUE(p.last_sync().delta);
+  a.wait_sync(10s);
+  a.read_into(da.ptrs);
+  b.wait_sync(10s);
+  b.read_into(db.ptrs);
+  EXPECT_TRUE(da.equals(m));
+  EXPECT_TRUE(db.equals(m));
+  EXPECT_TRUE(b.last_sync().delta);
+}
+
+// A consumer that skipped a version never applies the next delta (its base
+// is gone): wait_sync() lets it go and asks for a full sync, which comes next.
+TEST(DeltaSync, SkippedVersionIsNotApplied) {
+  RegionDir dir("delta");
+  const std::string name = unique_name("deltaskip");
+  RegionGuard guard{name};
+  Producer p = Producer::create(name, delta_opts());
+  Consumer c = Consumer::open(name, copts());
+  Model m(false);
+  Dsts d(m);
+  send(p, m);
+  c.wait_sync(10s);
+  c.read_into(d.ptrs);
+  m.step(2);
+  send(p, m);
+  c.wait_sync(10s);
+  c.skip();  // version 2 not read
+  m.step(3);
+  send(p, m);
+  EXPECT_TRUE(p.last_sync().delta);
+  EXPECT_EQ(code_of([&] { c.wait_sync(300ms); }), Errc::kTimeout) << "the delta on version 2 is not for this consumer";
+  m.step(4);
+  send(p, m);
+  EXPECT_FALSE(p.last_sync().delta) << "the skipping consumer asked for a full sync";
+  EXPECT_EQ(c.wait_sync(10s).version, 4u);
+  c.read_into(d.ptrs);
+  EXPECT_TRUE(d.equals(m));
+}
+
+// read_into() of a delta with other destinations than the last read's:
+// NeedsFullSync, nothing written, and the next sync is full.
+TEST(DeltaSync, OtherDestinationsNeedAFullSync) {
+  RegionDir dir("delta");
+  const std::string name = unique_name("deltadst");
+  RegionGuard guard{name};
+  Producer p = Producer::create(name, delta_opts());
+  Consumer c = Consumer::open(name, copts());
+  Model m(false);
+  Dsts first(m), other(m);
+  send(p, m);
+  c.wait_sync(10s);
+  c.read_into(first.ptrs);
+  m.step(2);
+  send(p, m);
+  c.wait_sync(10s);
+  const auto before = other.buf;
+  EXPECT_EQ(code_of([&] { c.read_into(other.ptrs); }), Errc::kNeedsFullSync);
+  EXPECT_EQ(other.buf, before) << "nothing is written into destinations that do not hold the base";
+  // Selections are part of the destinations too.
+  m.step(3);
+  send(p, m);
+  EXPECT_FALSE(p.last_sync().delta);
+  c.wait_sync(10s);
+  c.read_into(other.ptrs);
+  EXPECT_TRUE(other.equals(m));
+  m.step(4);
+  send(p, m);
+  EXPECT_TRUE(p.last_sync().delta);
+  c.wait_sync(10s);
+  std::vector<Selection> sels(m.specs.size());
+  sels[0] = Selection{0, 0, 16};
+  EXPECT_EQ(code_of([&] { c.read_into(other.ptrs, sels); }), Errc::kNeedsFullSync);
+  m.step(5);
+  send(p, m);
+  c.wait_sync(10s);
+  c.read_into(other.ptrs);
+  EXPECT_TRUE(other.equals(m));
+}
+
+// A destination changed behind the consumer's back (not the delta's base)
+// gives a result whose checksum is not the producer's: Corrupt, a full sync
+// is requested, and the next read is bit-exact again.
+TEST(DeltaSync, ChecksumCatchesAWrongBaseThenAFullSyncRepairs) {
+  RegionDir dir("delta");
+  const std::string name = unique_name("deltasum");
+  RegionGuard guard{name};
+  Producer p = Producer::create(name, delta_opts());
+  Consumer c = Consumer::open(name, copts());
+  Model m(false);
+  Dsts d(m);
+  send(p, m);
+  c.wait_sync(10s);
+  c.read_into(d.ptrs);
+  d.buf[0][100] ^= 0x40;  // someone wrote into the weights
+  m.step(2);
+  send(p, m);
+  c.wait_sync(10s);
+  EXPECT_EQ(code_of([&] { c.read_into(d.ptrs); }), Errc::kCorrupt);
+  m.step(3);
+  send(p, m);
+  EXPECT_FALSE(p.last_sync().delta) << "the consumer asked for a full sync";
+  EXPECT_EQ(c.wait_sync(10s).version, 3u);
+  c.read_into(d.ptrs);
+  EXPECT_TRUE(d.equals(m));
+  m.step(4);
+  send(p, m);
+  c.wait_sync(10s);
+  c.read_into(d.ptrs);
+  EXPECT_TRUE(d.equals(m));
+  EXPECT_TRUE(c.last_sync().delta);
+}
+
+// A delta damaged in the region (another process wrote into a slot) is
+// rejected (Corrupt: a bad table, index or padding, or a checksum
+// mismatch); the next sync is full and exact.
+TEST(DeltaSync, DamagedDeltaIsCaughtThenAFullSyncRepairs) {
+  RegionDir dir("delta");
+  const std::string name = unique_name("deltadmg");
+  RegionGuard guard{name};
+  Producer p = Producer::create(name, delta_opts());
+  Consumer c = Consumer::open(name, copts());
+  Model m(false);
+  Dsts d(m);
+  send(p, m);
+  c.wait_sync(10s);
+  c.read_into(d.ptrs);
+  m.step(2);
+  send(p, m);
+  const SyncInfo& s = c.wait_sync(10s);
+  ASSERT_TRUE(s.delta());
+  const ShardInfo& sh = s.tensors[0].shards[0];
+  ASSERT_EQ(sh.base_version, 1u);
+  ASSERT_LT(sh.wire_bytes, sh.nbytes);
+  // The blob's first payload word, in the slot that holds it.
+  const int fd = ::open(dir.file(name).c_str(), O_RDWR | O_CLOEXEC);
+  ASSERT_GE(fd, 0);
+  const std::uint64_t bytes = static_cast<std::uint64_t>(::lseek(fd, 0, SEEK_END));
+  auto* map = static_cast<std::uint8_t*>(::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0));
+  ::close(fd);
+  ASSERT_NE(map, MAP_FAILED);
+  std::uint64_t data_offset, slot_bytes;
+  std::uint32_t slot_count;
+  std::memcpy(&slot_count, map + 36, 4);
+  std::memcpy(&slot_bytes, map + 40, 8);
+  std::memcpy(&data_offset, map + 80, 8);
+  const std::uint64_t at = sh.stream_offset + 64 + 16 * ((sh.nbytes / 2 + 4095) / 4096);  // header + table
+  const std::uint64_t seq = s.first_seq + at / slot_bytes;
+  map[data_offset + ((seq - 1) % slot_count) * slot_bytes + at % slot_bytes] ^= 0x01;
+  ::munmap(map, bytes);
+  EXPECT_EQ(code_of([&] { c.read_into(d.ptrs); }), Errc::kCorrupt);
+  m.step(3);
+  send(p, m);
+  EXPECT_FALSE(p.last_sync().delta);
+  c.wait_sync(10s);
+  c.read_into(d.ptrs);
+  EXPECT_TRUE(d.equals(m));
+}
+
+// keyframe_every = 3: versions 1, 4, 7 are full. A sync whose every element
+// changed goes out full on its own (deltas would not pay), and the next is a
+// delta again.
+TEST(DeltaSync, KeyframesOnScheduleAndWhenDeltasDoNotPay) {
+  RegionDir dir("delta");
+  const std::string name = unique_name("deltakey");
+  RegionGuard guard{name};
+  ProducerOptions o = delta_opts();
+  o.keyframe_every = 3;
+  Producer p = Producer::create(name, o);
+  Consumer c = Consumer::open(name, copts());
+  Model m(false);
+  Dsts d(m);
+  for (std::uint64_t v = 1; v <= 7; ++v) {
+    if (v > 1) m.step(v, 0.05);
+    send(p, m);
+    EXPECT_EQ(p.last_sync().delta, v % 3 != 1) << "version " << v;
+    c.wait_sync(10s);
+    c.read_into(d.ptrs);
+    ASSERT_TRUE(d.equals(m)) << "version " << v;
+  }
+  o.keyframe_every = 0;
+  p.close();
+  c.close();
+  Producer q = Producer::create(name, o);
+  Consumer c2 = Consumer::open(name, copts());
+  send(q, m);
+  c2.wait_sync(10s);
+  c2.read_into(d.ptrs);
+  m.step_all(2);
+  send(q, m);
+  EXPECT_FALSE(q.last_sync().delta) << "every element changed: a full sync";
+  EXPECT_EQ(q.last_sync().payload_bytes, m.bytes());
+  c2.wait_sync(10s);
+  EXPECT_FALSE(c2.sync().delta());
+  c2.read_into(d.ptrs);
+  EXPECT_TRUE(d.equals(m));
+  m.step(3, 0.01);
+  send(q, m);
+  EXPECT_TRUE(q.last_sync().delta);
+  EXPECT_LT(q.last_sync().payload_bytes, m.bytes() / 5);
+  c2.wait_sync(10s);
+  c2.read_into(d.ptrs);
+  EXPECT_TRUE(d.equals(m));
+}
+
+// An aborted sync leaves the producer's base ahead of the consumers: the
+// next sync is full. Changed tensors (another shape) are full too.
+TEST(DeltaSync, AbortedSyncAndNewTensorsGoFull) {
+  RegionDir dir("delta");
+  const std::string name = unique_name("deltaabort");
+  RegionGuard guard{name};
+  Producer p = Producer::create(name, delta_opts());
+  Consumer c = Consumer::open(name, copts());
+  Model m(false);
+  Dsts d(m);
+  send(p, m);
+  c.wait_sync(10s);
+  c.read_into(d.ptrs);
+  m.step(2);
+  p.begin_sync(m.specs);
+  p.write(0, m.data[0].data());
+  p.abort_sync("the trainer changed its mind");
+  m.step(3);
+  send(p, m);
+  EXPECT_FALSE(p.last_sync().delta);
+  c.wait_sync(10s);
+  c.read_into(d.ptrs);
+  EXPECT_TRUE(d.equals(m));
+  // Written in parts and with strides, a tensor still goes as a delta.
+  m.step(4);
+  p.begin_sync(m.specs);
+  const std::uint64_t half = m.data[0].size() / 2;
+  p.write_part(0, 0, m.data[0].data(), half);
+  p.write_part(0, half, m.data[0].data() + half, m.data[0].size() - half);
+  const TensorSpec& t1 = m.specs[1];
+  p.write_strided(1, m.data[1].data(), Strided2D{static_cast<std::uint64_t>(t1.shape[0]),
+                                                 static_cast<std::uint64_t>(t1.shape[1]) * 4,
+                                                 static_cast<std::uint64_t>(t1.shape[1]) * 4});
+  for (std::size_t i = 2; i < m.specs.size(); ++i) p.write(i, m.data[i].data());
+  p.end_sync();
+  EXPECT_TRUE(p.last_sync().delta);
+  c.wait_sync(10s);
+  c.read_into(d.ptrs);
+  EXPECT_TRUE(d.equals(m));
+  // Another tensor list: full.
+  Model n(false);
+  n.specs.pop_back();
+  n.data.pop_back();
+  send(p, n);
+  EXPECT_FALSE(p.last_sync().delta);
+}
+
+// The producer dies while a delta sync larger than the ring streams: the
+// consumer gets PeerDied, not a half-applied success.
+TEST(DeltaSync, ProducerKilledMidDeltaGivesPeerDied) {
+  RegionDir dir("delta");
+  const std::string name = unique_name("deltakill");
+  RegionGuard guard{name};
+  Child prod = Child::spawn([&] {
+    Producer p = Producer::create(name, delta_opts());
+    p.wait_for_consumers(1, 20s);
+    Model m(true, 4096);
+    send(p, m);
+    m.step(2, 0.30, 0.25);  // a quarter changed: a delta of several slots
+    send(p, m);  // blocks: the consumer does not read it
+    return 0;
+  });
+  Consumer c = Consumer::open(name, copts());
+  Model m(true, 4096);
+  Dsts d(m);
+  c.wait_sync(20s * kSlowdown);
+  c.read_into(d.ptrs);
+  ASSERT_TRUE(d.equals(m));
+  const SyncInfo& s = c.wait_sync(20s * kSlowdown);
+  ASSERT_TRUE(s.delta());
+  ASSERT_GT(s.wire_bytes, 2 * (2ull << 20)) << "the delta must not fit in the ring";
+  prod.kill9();
+  prod.wait();
+  EXPECT_EQ(code_of([&] { c.read_into(d.ptrs); }), Errc::kPeerDied);
+}
+
+// Delta syncs need a ring region of one rank.
+TEST(DeltaSync, RefusedWhereNotSupported) {
+  RegionDir dir("delta");
+  ProducerOptions o = delta_opts();
+  o.mode = RegionMode::kStore;
+  o.store_bytes = 4ull << 20;
+  EXPECT_EQ(code_of([&] { Producer::create(unique_name("dstore"), o); }), Errc::kInvalidArgument);
+  o = delta_opts();
+  o.world_size = 2;
+  EXPECT_EQ(code_of([&] { Producer::create(unique_name("dranks"), o); }), Errc::kInvalidArgument);
+  o = delta_opts();
+  o.delta_max_ratio = 0;
+  EXPECT_EQ(code_of([&] { Producer::create(unique_name("dratio"), o); }), Errc::kInvalidArgument);
+  // lend_chunk() hands out raw chunks: not for a delta producer.
+  const std::string name = unique_name("dlend");
+  RegionGuard guard{name};
+  Producer p = Producer::create(name, delta_opts());
+  Model m(false);
+  p.begin_sync(m.specs);
+  EXPECT_EQ(code_of([&] { p.lend_chunk(0); }), Errc::kInvalidArgument);
+}
