@@ -59,6 +59,25 @@ __global__ void check_bytes(const std::uint8_t* p, std::uint64_t n, std::uint64_
   if (c) atomicAdd(bad, c);
 }
 
+// Element e (of `elems` 2-byte elements) changes when its hash falls below
+// `threshold` (fraction * 2^64): xor with a non-zero 16-bit value.
+__global__ void mutate_u16(std::uint16_t* p, std::uint64_t elems, std::uint64_t key, std::uint64_t threshold) {
+  const std::uint64_t stride = std::uint64_t{gridDim.x} * blockDim.x;
+  for (std::uint64_t e = std::uint64_t{blockIdx.x} * blockDim.x + threadIdx.x; e < elems; e += stride) {
+    const std::uint64_t h = word(key, e);
+    if (h < threshold) p[e] ^= static_cast<std::uint16_t>((h >> 17) | 1);
+  }
+}
+
+__global__ void diff_words(const std::uint64_t* a, const std::uint64_t* b, std::uint64_t words,
+                           unsigned long long* bad) {
+  const std::uint64_t stride = std::uint64_t{gridDim.x} * blockDim.x;
+  unsigned long long n = 0;
+  for (std::uint64_t w = std::uint64_t{blockIdx.x} * blockDim.x + threadIdx.x; w < words; w += stride)
+    n += a[w] != b[w];
+  if (n) atomicAdd(bad, n);
+}
+
 unsigned blocks_for(std::uint64_t items) {
   const std::uint64_t b = (items + 255) / 256;
   return static_cast<unsigned>(b < 1 ? 1 : (b > 4096 ? 4096 : b));
@@ -85,6 +104,23 @@ cudaError_t count_bad(const void* p, std::uint64_t n, std::uint64_t key, unsigne
                                                   static_cast<unsigned>(n % 8), key, bad);
   else
     check_bytes<<<blocks_for(n), 256, 0, s>>>(b, n, key, bad);
+  return cudaGetLastError();
+}
+
+cudaError_t mutate_u16(void* p, std::uint64_t n, double fraction, std::uint64_t key, cudaStream_t s) {
+  if (n < 2 || fraction <= 0) return cudaSuccess;
+  const double t = fraction >= 1 ? 18446744073709551615.0 : fraction * 18446744073709551616.0;
+  const std::uint64_t threshold = fraction >= 1 ? ~0ull : static_cast<std::uint64_t>(t);
+  mutate_u16<<<blocks_for(n / 2), 256, 0, s>>>(static_cast<std::uint16_t*>(p), n / 2, key, threshold);
+  return cudaGetLastError();
+}
+
+cudaError_t count_diff(const void* a, const void* b, std::uint64_t n, unsigned long long* bad, cudaStream_t s) {
+  if (n == 0) return cudaSuccess;
+  if (n % 8 != 0 || reinterpret_cast<std::uintptr_t>(a) % 8 != 0 || reinterpret_cast<std::uintptr_t>(b) % 8 != 0)
+    return cudaErrorInvalidValue;
+  diff_words<<<blocks_for(n / 8), 256, 0, s>>>(static_cast<const std::uint64_t*>(a),
+                                                static_cast<const std::uint64_t*>(b), n / 8, bad);
   return cudaGetLastError();
 }
 

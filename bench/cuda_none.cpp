@@ -7,9 +7,6 @@
 namespace bench {
 
 bool bench_has_cuda() { return false; }
-std::vector<shmcast::TensorSpec> manifest_by_name(const std::string&) {
-  throw std::runtime_error("this shmcast-bench was built without CUDA");
-}
 int cuda_producer(Ctl*) { throw std::runtime_error("this shmcast-bench was built without CUDA"); }
 int cuda_consumer(Ctl*, int) { throw std::runtime_error("this shmcast-bench was built without CUDA"); }
 Ceilings measure_ceilings(int, int, std::uint64_t, int) {

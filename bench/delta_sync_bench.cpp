@@ -1,0 +1,432 @@
+// shmcast-delta-sync-bench: full and delta syncs of Qwen2.5-3B shapes (bf16,
+// 434 tensors, 6.17 GB) between two processes on one GPU: the trainer
+// (write_device from its tensors) and the engine (read_into_device into its
+// own). Needs a GPU and the CUDA build.
+//
+//   shmcast-delta-sync-bench                                   # 10 reps, 2 % changed, sweep 0.5-50 %
+//   shmcast-delta-sync-bench --reps 10 --fraction 0.02 --sweep 0.005,0.02,0.1,0.2,0.3,0.5 --json out.json
+//
+// Phases, each with its own region and its own pair of processes:
+//   full     ProducerOptions::delta off: every sync moves every byte
+//   delta    delta on, --fraction of the elements changed before each sync
+//   sweep    delta on with delta_max_ratio 1 (deltas forced), at each
+//            --sweep fraction: where deltas stop paying (break-even)
+//   auto     delta on with the default delta_max_ratio, at each --sweep
+//            fraction: which kind the producer picks on its own
+// Before every sync the trainer changes about that fraction of each
+// tensor's elements (random positions and values, a kernel, outside the
+// timer), and the engine applies the same change to a reference copy after
+// the sync and compares every byte (verified n/n; a mismatch fails the run).
+// The first sync of each phase (a full one) is a warm-up, not timed.
+//
+// Per phase, min/median/max over --reps: sync time (trainer's begin_sync to
+// the engine's read_into_device done and its stream synchronized; both
+// processes read CLOCK_MONOTONIC), the trainer's time (begin to end_sync),
+// payload/logical bytes; and the trainer's GPU memory for deltas (its base
+// and codec buffers: cuMemGetInfo before and after the first sync). The
+// ceilings come from the same run: a device-to-device copy of 1 GiB and the
+// host path's concurrent D2H + H2D (shmcast-bench's measure_ceilings).
+#include <cuda_runtime_api.h>
+#include <fcntl.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <CLI/CLI.hpp>
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <ctime>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "bench.hpp"
+#include "cuda_kernels.hpp"
+#include "shmcast/shmcast.hpp"
+
+namespace {
+
+using json = nlohmann::json;
+using namespace std::chrono_literals;
+
+void ck(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(e));
+}
+
+double mono_s() {
+  timespec ts{};
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return static_cast<double>(ts.tv_sec) + 1e-9 * static_cast<double>(ts.tv_nsec);
+}
+
+struct Phase {
+  std::string label;
+  bool delta = false;
+  double ratio = 0.5;  // delta_max_ratio
+  double fraction = 0.02;
+};
+
+struct Args {
+  int reps = 10;
+  std::uint64_t slot_bytes = 256ull << 20;
+  std::uint32_t slots = 2;
+  std::string dir;
+};
+
+std::uint64_t key_of(int rep) { return 0x5eedull * 1000003ull + static_cast<std::uint64_t>(rep); }
+
+// The trainer: creates the region, then for each rep changes its tensors,
+// waits for the engine's "ready" byte, and syncs.
+int producer(const Phase& ph, const Args& a, const std::string& region, int ready_fd) {
+  json out;
+  try {
+    const auto specs = bench::manifest_by_name("qwen2.5-3b");
+    ck(cudaSetDevice(0), "cudaSetDevice");
+    std::vector<void*> src(specs.size());
+    cudaStream_t s = nullptr;
+    ck(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "cudaStreamCreate");
+    for (std::size_t i = 0; i < specs.size(); ++i) {
+      ck(cudaMalloc(&src[i], specs[i].nbytes()), "cudaMalloc");
+      ck(bench::kernels::fill(src[i], specs[i].nbytes(), 1000 + i, s), "fill");
+    }
+    ck(cudaStreamSynchronize(s), "sync");
+    shmcast::ProducerOptions o;
+    o.slot_bytes = a.slot_bytes;
+    o.slots = a.slots;
+    o.pin = shmcast::Pin::kYes;
+    o.engine = shmcast::CopyEngine::kCuda;
+    o.delta = ph.delta;
+    o.delta_max_ratio = ph.ratio;
+    o.consumer_timeout = 120s;
+    shmcast::Producer p = shmcast::Producer::create(region, o);
+    p.wait_for_consumers(1, 120s);
+    std::size_t free0 = 0, free1 = 0, total = 0;
+    ck(cudaMemGetInfo(&free0, &total), "cudaMemGetInfo");
+    json reps = json::array();
+    for (int r = 0; r <= a.reps; ++r) {
+      if (r > 0) {
+        for (std::size_t i = 0; i < specs.size(); ++i)
+          ck(bench::kernels::mutate_u16(src[i], specs[i].nbytes(), ph.fraction, key_of(r) * 7919 + i, s), "mutate");
+        ck(cudaStreamSynchronize(s), "sync");
+      }
+      char b;
+      if (::read(ready_fd, &b, 1) != 1) throw std::runtime_error("the engine is gone");
+      const double t0 = mono_s();
+      p.begin_sync(specs);
+      for (std::size_t i = 0; i < specs.size(); ++i) p.write_device(i, src[i], s);
+      p.end_sync();
+      const double t1 = mono_s();
+      if (r == 0) ck(cudaMemGetInfo(&free1, &total), "cudaMemGetInfo");
+      const shmcast::SyncReport rep = p.last_sync();
+      reps.push_back({{"rep", r}, {"t0", t0}, {"t1", t1}, {"delta", rep.delta}, {"logical", rep.logical_bytes},
+                      {"payload", rep.payload_bytes}});
+    }
+    p.wait_drained(120s);
+    out["reps"] = reps;
+    out["base_bytes"] = p.delta_base_bytes();
+    out["gpu_bytes_first_sync"] = static_cast<double>(free0) - static_cast<double>(free1);
+  } catch (const std::exception& e) {
+    out["error"] = std::string("trainer: ") + e.what();
+  }
+  std::ofstream(a.dir + "/producer.json") << out.dump();
+  return out.contains("error") ? 1 : 0;
+}
+
+// The engine: opens the region, and for each rep says "ready", receives,
+// then checks every byte against its reference copy.
+int consumer(const Phase& ph, const Args& a, const std::string& region, int ready_fd) {
+  json out;
+  try {
+    const auto specs = bench::manifest_by_name("qwen2.5-3b");
+    ck(cudaSetDevice(0), "cudaSetDevice");
+    cudaStream_t s = nullptr;
+    ck(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "cudaStreamCreate");
+    std::vector<void*> dst(specs.size()), ref(specs.size());
+    for (std::size_t i = 0; i < specs.size(); ++i) {
+      ck(cudaMalloc(&dst[i], specs[i].nbytes()), "cudaMalloc");
+      ck(cudaMalloc(&ref[i], specs[i].nbytes()), "cudaMalloc");
+      ck(bench::kernels::fill(ref[i], specs[i].nbytes(), 1000 + i, s), "fill");
+    }
+    unsigned long long* bad = nullptr;
+    ck(cudaMalloc(reinterpret_cast<void**>(&bad), sizeof *bad), "cudaMalloc");
+    shmcast::ConsumerOptions o;
+    o.pin = shmcast::Pin::kYes;
+    o.open_timeout = 120s;
+    o.chunk_timeout = 120s;
+    shmcast::Consumer c = shmcast::Consumer::open(region, o);
+    json reps = json::array();
+    int verified = 0;
+    for (int r = 0; r <= a.reps; ++r) {
+      const char b = 'r';
+      if (::write(ready_fd, &b, 1) != 1) throw std::runtime_error("the trainer is gone");
+      const shmcast::SyncInfo& info = c.wait_sync(120s);
+      const double t_ann = mono_s();
+      c.read_into_device(dst, s);
+      ck(cudaStreamSynchronize(s), "sync");
+      const double t2 = mono_s();
+      const bool delta = info.delta();
+      // The reference takes the same change; then every byte is compared.
+      if (r > 0)
+        for (std::size_t i = 0; i < specs.size(); ++i)
+          ck(bench::kernels::mutate_u16(ref[i], specs[i].nbytes(), ph.fraction, key_of(r) * 7919 + i, s), "mutate");
+      ck(cudaMemsetAsync(bad, 0, sizeof *bad, s), "memset");
+      for (std::size_t i = 0; i < specs.size(); ++i)
+        ck(bench::kernels::count_diff(dst[i], ref[i], specs[i].nbytes(), bad, s), "count_diff");
+      unsigned long long nbad = 0;
+      ck(cudaMemcpyAsync(&nbad, bad, sizeof nbad, cudaMemcpyDeviceToHost, s), "D2H");
+      ck(cudaStreamSynchronize(s), "sync");
+      if (nbad == 0) ++verified;
+      reps.push_back({{"rep", r}, {"t_announced", t_ann}, {"t_done", t2}, {"delta", delta}, {"bad_words", nbad}});
+    }
+    out["reps"] = reps;
+    out["verified"] = verified;
+  } catch (const std::exception& e) {
+    out["error"] = std::string("engine: ") + e.what();
+  }
+  std::ofstream(a.dir + "/consumer.json") << out.dump();
+  return out.contains("error") ? 1 : 0;
+}
+
+json load(const std::string& path) {
+  std::ifstream f(path);
+  if (!f) return json{{"error", "no result file " + path}};
+  try {
+    return json::parse(f);
+  } catch (const std::exception& e) {
+    return json{{"error", std::string("bad result file: ") + e.what()}};
+  }
+}
+
+json stat(std::vector<double> v) {
+  if (v.empty()) return json{{"n", 0}};
+  std::sort(v.begin(), v.end());
+  const std::size_t n = v.size();
+  return json{{"n", n}, {"min", v.front()}, {"median", n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2])},
+              {"max", v.back()}};
+}
+
+json run_phase(const Phase& ph, const Args& a, int index) {
+  const std::string region = "delta-sync-bench-" + std::to_string(::getpid()) + "-" + std::to_string(index);
+  int pipefd[2];
+  if (::pipe(pipefd) != 0) return json{{"label", ph.label}, {"error", "pipe failed"}};
+  const pid_t cons = ::fork();
+  if (cons == 0) {
+    ::close(pipefd[0]);
+    ::_exit(consumer(ph, a, region, pipefd[1]));
+  }
+  const pid_t prod = ::fork();
+  if (prod == 0) {
+    ::close(pipefd[1]);
+    ::_exit(producer(ph, a, region, pipefd[0]));
+  }
+  ::close(pipefd[0]);
+  ::close(pipefd[1]);
+  int st = 0;
+  ::waitpid(prod, &st, 0);
+  ::waitpid(cons, &st, 0);
+  shmcast::unlink_region(region);
+  const json p = load(a.dir + "/producer.json"), c = load(a.dir + "/consumer.json");
+  json r{{"label", ph.label}, {"delta", ph.delta}, {"delta_max_ratio", ph.ratio}, {"fraction", ph.fraction}};
+  if (p.contains("error") || c.contains("error")) {
+    r["error"] = p.value("error", "") + " " + c.value("error", "");
+    return r;
+  }
+  std::vector<double> sync_s, prod_s, ratio;
+  int deltas = 0, timed = 0;
+  double logical = 0;
+  for (int i = 1; i <= a.reps; ++i) {
+    const json& pr = p["reps"][i];
+    const json& cr = c["reps"][i];
+    sync_s.push_back(cr["t_done"].get<double>() - pr["t0"].get<double>());
+    prod_s.push_back(pr["t1"].get<double>() - pr["t0"].get<double>());
+    logical = pr["logical"].get<double>();
+    ratio.push_back(pr["payload"].get<double>() / logical);
+    deltas += pr["delta"].get<bool>() ? 1 : 0;
+    ++timed;
+  }
+  r["sync_s"] = stat(sync_s);
+  r["producer_s"] = stat(prod_s);
+  r["payload_ratio"] = stat(ratio);
+  r["logical_bytes"] = logical;
+  r["delta_syncs"] = deltas;
+  r["timed_syncs"] = timed;
+  r["verified"] = c["verified"];
+  r["verified_of"] = a.reps + 1;
+  r["base_bytes"] = p["base_bytes"];
+  r["gpu_bytes_first_sync"] = p["gpu_bytes_first_sync"];
+  return r;
+}
+
+// The host path's ceiling: a D2H and an H2D of `bytes` each, at once, on
+// two streams, between device buffers and pinned host buffers; GB/s per
+// direction (bytes / the time both take), per rep.
+json host_ceiling(std::uint64_t bytes, int reps) {
+  json out;
+  try {
+    void *dev_a = nullptr, *dev_b = nullptr, *host_a = nullptr, *host_b = nullptr;
+    ck(cudaMalloc(&dev_a, bytes), "cudaMalloc");
+    ck(cudaMalloc(&dev_b, bytes), "cudaMalloc");
+    ck(cudaHostAlloc(&host_a, bytes, cudaHostAllocDefault), "cudaHostAlloc");
+    ck(cudaHostAlloc(&host_b, bytes, cudaHostAllocDefault), "cudaHostAlloc");
+    cudaStream_t d2h = nullptr, h2d = nullptr;
+    ck(cudaStreamCreateWithFlags(&d2h, cudaStreamNonBlocking), "stream");
+    ck(cudaStreamCreateWithFlags(&h2d, cudaStreamNonBlocking), "stream");
+    std::vector<double> g;
+    for (int i = 0; i <= reps; ++i) {
+      ck(cudaDeviceSynchronize(), "sync");
+      const double t0 = mono_s();
+      ck(cudaMemcpyAsync(host_a, dev_a, bytes, cudaMemcpyDeviceToHost, d2h), "D2H");
+      ck(cudaMemcpyAsync(dev_b, host_b, bytes, cudaMemcpyHostToDevice, h2d), "H2D");
+      ck(cudaStreamSynchronize(d2h), "sync");
+      ck(cudaStreamSynchronize(h2d), "sync");
+      if (i > 0) g.push_back(static_cast<double>(bytes) / (mono_s() - t0) / 1e9);  // the first warms up
+    }
+    out = stat(g);
+    cudaFreeHost(host_a);
+    cudaFreeHost(host_b);
+    cudaFree(dev_a);
+    cudaFree(dev_b);
+  } catch (const std::exception& e) {
+    out = json{{"error", e.what()}};
+  }
+  return out;
+}
+
+// A device-to-device copy of `bytes` (cudaMemcpy), GB/s per rep.
+// Both ceilings, in a child process (CUDA is never initialised in the parent, which forks).
+json ceilings(std::uint64_t bytes, int reps) {
+  int fd[2];
+  if (::pipe(fd) != 0) return json{{"error", "pipe"}};
+  const pid_t pid = ::fork();
+  if (pid == 0) {
+    ::close(fd[0]);
+    json out;
+    try {
+      void *a = nullptr, *b = nullptr;
+      ck(cudaMalloc(&a, bytes), "cudaMalloc");
+      ck(cudaMalloc(&b, bytes), "cudaMalloc");
+      ck(cudaMemset(a, 1, bytes), "memset");
+      ck(cudaMemcpy(b, a, bytes, cudaMemcpyDeviceToDevice), "warm-up");
+      std::vector<double> g;
+      for (int i = 0; i < reps; ++i) {
+        ck(cudaDeviceSynchronize(), "sync");
+        const double t0 = mono_s();
+        ck(cudaMemcpy(b, a, bytes, cudaMemcpyDeviceToDevice), "cudaMemcpy D2D");
+        ck(cudaDeviceSynchronize(), "sync");
+        g.push_back(static_cast<double>(bytes) / (mono_s() - t0) / 1e9);
+      }
+      out["d2d_gbps"] = stat(g);
+      out["host_both_gbps"] = host_ceiling(bytes, reps);
+    } catch (const std::exception& e) {
+      out = json{{"error", e.what()}};
+    }
+    const std::string s = out.dump();
+    (void)!::write(fd[1], s.data(), s.size());
+    ::_exit(0);
+  }
+  ::close(fd[1]);
+  std::string s;
+  char buf[4096];
+  for (ssize_t n; (n = ::read(fd[0], buf, sizeof buf)) > 0;) s.append(buf, static_cast<std::size_t>(n));
+  ::close(fd[0]);
+  int st = 0;
+  ::waitpid(pid, &st, 0);
+  try {
+    return json::parse(s);
+  } catch (...) {
+    return json{{"error", "no result"}};
+  }
+}
+
+std::string fmt_stat(const json& s, double scale, const char* f) {
+  if (!s.contains("median")) return "-";
+  char b[128];
+  std::string spec = std::string(f) + " (" + f + " .. " + f + ")";
+  std::snprintf(b, sizeof b, spec.c_str(), s["median"].get<double>() * scale, s["min"].get<double>() * scale,
+                s["max"].get<double>() * scale);
+  return b;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"shmcast-delta-sync-bench: full and delta syncs of Qwen2.5-3B shapes, trainer and engine on one GPU"};
+  Args a;
+  double fraction = 0.02;
+  std::vector<double> sweep = {0.005, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5};
+  std::string json_path;
+  int ceiling_reps = 10;
+  app.add_option("--reps", a.reps, "timed syncs per phase (after one warm-up)")->check(CLI::Range(1, 1000));
+  app.add_option("--fraction", fraction, "changed elements per sync in the full and delta phases");
+  app.add_option("--sweep", sweep, "fractions of the sweep and auto phases")->delimiter(',');
+  app.add_option("--slot-bytes", a.slot_bytes, "slot size");
+  app.add_option("--json", json_path, "also write the results as JSON here");
+  app.add_option("--ceiling-reps", ceiling_reps, "repetitions of each ceiling");
+  CLI11_PARSE(app, argc, argv);
+  char tmpl[] = "/tmp/shmcast-dsb-XXXXXX";
+  if (::mkdtemp(tmpl) == nullptr) return 2;
+  a.dir = tmpl;
+
+  json out;
+  out["command"] = [&] {
+    std::string c;
+    for (int i = 0; i < argc; ++i) c += (i ? " " : "") + std::string(argv[i]);
+    return c;
+  }();
+  out["reps"] = a.reps;
+  out["slot_bytes"] = a.slot_bytes;
+  out["slots"] = a.slots;
+  std::printf("shmcast-delta-sync-bench: Qwen2.5-3B shapes (bf16, 434 tensors, 6.17 GB), trainer and engine on GPU 0, "
+              "%d timed syncs per phase\n", a.reps);
+  const json ceil = ceilings(1ull << 30, ceiling_reps);
+  out["d2d_gbps"] = ceil.value("d2d_gbps", json{{"error", ceil.value("error", "")}});
+  out["host_both_gbps"] = ceil.value("host_both_gbps", json{{"error", ceil.value("error", "")}});
+  std::printf("ceiling: device-to-device copy of 1 GiB, GB/s: %s\n", fmt_stat(out["d2d_gbps"], 1, "%.0f").c_str());
+  std::printf("ceiling: host path, a D2H and an H2D of 1 GiB at once, GB/s per direction: %s\n",
+              fmt_stat(out["host_both_gbps"], 1, "%.1f").c_str());
+
+  std::vector<Phase> phases;
+  phases.push_back({"full", false, 0.5, fraction});
+  phases.push_back({"delta", true, 0.5, fraction});
+  for (double f : sweep) phases.push_back({"sweep", true, 1.0, f});
+  for (double f : sweep) phases.push_back({"auto", true, 0.5, f});
+  json results = json::array();
+  int failures = 0;
+  std::printf("%-6s %8s %22s %22s %20s %7s %10s\n", "phase", "changed", "sync ms med (min..max)",
+              "trainer ms", "payload/logical", "deltas", "verified");
+  for (std::size_t i = 0; i < phases.size(); ++i) {
+    json r = run_phase(phases[i], a, static_cast<int>(i));
+    if (r.contains("error")) {
+      std::printf("%-6s %7.1f%%  error: %s\n", phases[i].label.c_str(), 100 * phases[i].fraction,
+                  r["error"].get<std::string>().c_str());
+      ++failures;
+    } else {
+      std::printf("%-6s %7.1f%% %22s %22s %20s %3d/%-3d %4d/%-4d\n", phases[i].label.c_str(), 100 * phases[i].fraction,
+                  fmt_stat(r["sync_s"], 1e3, "%.1f").c_str(), fmt_stat(r["producer_s"], 1e3, "%.1f").c_str(),
+                  fmt_stat(r["payload_ratio"], 1, "%.3f").c_str(), r["delta_syncs"].get<int>(),
+                  r["timed_syncs"].get<int>(), r["verified"].get<int>(), r["verified_of"].get<int>());
+      if (r["verified"].get<int>() != r["verified_of"].get<int>()) ++failures;
+      if (phases[i].label == "delta")
+        std::printf("       trainer's delta base %.2f GB; GPU memory taken by the first sync %.2f GB\n",
+                    r["base_bytes"].get<double>() / 1e9, r["gpu_bytes_first_sync"].get<double>() / 1e9);
+    }
+    std::fflush(stdout);
+    results.push_back(r);
+  }
+  out["phases"] = results;
+  // Delta over full sync time at --fraction, in this run.
+  double full_ms = 0, delta_ms = 0;
+  for (const json& r : results) {
+    if (!r.contains("sync_s") || !r["sync_s"].contains("median")) continue;
+    if (r["label"] == "full") full_ms = r["sync_s"]["median"].get<double>();
+    if (r["label"] == "delta") delta_ms = r["sync_s"]["median"].get<double>();
+  }
+  if (full_ms > 0 && delta_ms > 0) {
+    out["delta_over_full"] = delta_ms / full_ms;
+    std::printf("delta / full sync time at %.1f %% changed (medians): %.3f\n", 100 * fraction, delta_ms / full_ms);
+  }
+  if (!json_path.empty()) std::ofstream(json_path) << out.dump(2);
+  return failures == 0 ? 0 : 1;
+}
