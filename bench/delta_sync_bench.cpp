@@ -11,7 +11,7 @@
 //   delta    delta on, --fraction of the elements changed before each sync
 //   sweep    delta on with delta_max_ratio 1 (deltas forced), at each
 //            --sweep fraction: where deltas stop paying (break-even)
-//   auto     delta on with the default delta_max_ratio, at each --sweep
+//   auto     delta on with the default delta_max_ratio (0.4), at each --sweep
 //            fraction: which kind the producer picks on its own
 // Before every sync the trainer changes about that fraction of each
 // tensor's elements (random positions and values, a kernel, outside the
@@ -387,11 +387,13 @@ int main(int argc, char** argv) {
   std::printf("ceiling: host path, a D2H and an H2D of 1 GiB at once, GB/s per direction: %s\n",
               fmt_stat(out["host_both_gbps"], 1, "%.1f").c_str());
 
+  const double dflt = shmcast::ProducerOptions{}.delta_max_ratio;
+  out["default_delta_max_ratio"] = dflt;
   std::vector<Phase> phases;
-  phases.push_back({"full", false, 0.5, fraction});
-  phases.push_back({"delta", true, 0.5, fraction});
+  phases.push_back({"full", false, dflt, fraction});
+  phases.push_back({"delta", true, dflt, fraction});
   for (double f : sweep) phases.push_back({"sweep", true, 1.0, f});
-  for (double f : sweep) phases.push_back({"auto", true, 0.5, f});
+  for (double f : sweep) phases.push_back({"auto", true, dflt, f});
   json results = json::array();
   int failures = 0;
   std::printf("%-6s %8s %22s %22s %20s %7s %10s\n", "phase", "changed", "sync ms med (min..max)",

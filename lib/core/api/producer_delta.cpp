@@ -288,7 +288,10 @@ void Producer::Impl::write_staged(std::size_t index, const Buffer& src, void* st
 // GPU into one head buffer, the blob sizes read back at once, then encoded
 // into one blob buffer, which the ring then copies from (device to slot:
 // only the blobs cross PCIe). `sources[i]` becomes the blob of tensor i.
-void Producer::Impl::encode_pending(std::vector<Buffer>* sources) {
+// False, with nothing encoded and no base changed, when the planned blobs
+// (with the host's) would take more than delta_max_ratio of the tensors:
+// the sync then goes full.
+bool Producer::Impl::encode_pending(std::vector<Buffer>* sources) {
   DeltaState& d = delta;
   std::uint64_t heads = 0;
   void* stream = nullptr;
@@ -300,7 +303,7 @@ void Producer::Impl::encode_pending(std::vector<Buffer>* sources) {
     p.head_at = heads;
     heads += align_up(delta::head_bytes(specs[i].local_nbytes() / w), 256);
   }
-  if (heads == 0) return;
+  if (heads == 0) return true;
   delta::CudaCodec& c = codec();
   auto* head = static_cast<std::byte*>(c.buffer(0, heads, stream));
   for (std::size_t i = 0; i < specs.size(); ++i) {
@@ -315,7 +318,7 @@ void Producer::Impl::encode_pending(std::vector<Buffer>* sources) {
     if (d.pending[i].src != nullptr && d.pending[i].stream != stream) c.wait(d.pending[i].stream);
   c.download(host_heads.data(), head, heads, stream);
   c.wait(stream);
-  std::uint64_t outs = 0;
+  std::uint64_t outs = 0, planned = 0;
   for (std::size_t i = 0; i < specs.size(); ++i) {
     DeltaState::Pending& p = d.pending[i];
     if (p.src == nullptr) continue;
@@ -325,7 +328,9 @@ void Producer::Impl::encode_pending(std::vector<Buffer>* sources) {
     p.blob = delta::head_bytes(specs[i].local_nbytes() / w) + h.payload_bytes;
     p.out_at = outs;
     outs += align_up(p.blob, 256);
+    planned += p.blob;
   }
+  if (static_cast<double>(d.wire + planned) > opts.delta_max_ratio * static_cast<double>(d.logical)) return false;
   auto* out = static_cast<std::byte*>(c.buffer(1, outs, stream));
   for (std::size_t i = 0; i < specs.size(); ++i) {
     const DeltaState::Pending& p = d.pending[i];
@@ -344,6 +349,7 @@ void Producer::Impl::encode_pending(std::vector<Buffer>* sources) {
     d.blobs[i].clear();
     d.wire += p.blob;
   }
+  return true;
 }
 
 // end_sync() of a staged sync: encodes the tensors from GPUs, then
@@ -354,12 +360,13 @@ void Producer::Impl::end_staged() {
   DeltaState& d = delta;
   std::vector<Buffer> sources(specs.size());
   for (std::size_t i = 0; i < specs.size(); ++i) sources[i] = Buffer{d.blobs[i].data(), false, {}};
-  if (!d.force_full) encode_pending(&sources);
+  const bool encoded = !d.force_full && encode_pending(&sources);
   in_sync = false;  // begin_ring sets it again
   d.staged = false;
-  const bool no_pay = static_cast<double>(d.wire) > opts.delta_max_ratio * static_cast<double>(d.logical);
+  const bool no_pay =
+      !encoded || static_cast<double>(d.wire) > opts.delta_max_ratio * static_cast<double>(d.logical);
   if (d.force_full || no_pay || seat_wants_full()) {
-    if (d.force_full) {
+    if (!encoded) {
       // Tensors recorded from GPUs were not encoded: their bases take the bytes now.
       for (std::size_t i = 0; i < specs.size(); ++i) {
         const DeltaState::Pending& p = d.pending[i];

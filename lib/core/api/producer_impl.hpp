@@ -160,7 +160,7 @@ struct __attribute__((visibility("hidden"))) Producer::Impl {
   void write_staged(std::size_t index, const detail::Buffer& src, void* stream, std::uint64_t from,
                     std::uint64_t len);
   void end_staged();
-  void encode_pending(std::vector<detail::Buffer>* sources);
+  bool encode_pending(std::vector<detail::Buffer>* sources);
   void delta_done();
   detail::delta::CudaCodec& codec();
   void base_on_host(std::size_t i);

@@ -329,10 +329,13 @@ struct ProducerOptions {
   // skipped a version, was handed other destinations, or found a checksum
   // mismatch), the previous sync was aborted, every keyframe_every-th sync
   // (0: never on a schedule), or when the deltas would take more than
-  // delta_max_ratio of the full size (they would not pay).
+  // delta_max_ratio of the full size (they would not pay: on an H200,
+  // Qwen2.5-3B shapes, a delta sync stopped being faster than a full one
+  // between 0.37 and 0.57 of the bytes, docs/benchmarks.md; decided from the
+  // planned sizes, before anything is encoded, for tensors from GPUs).
   bool delta = false;
   std::uint32_t keyframe_every = 0;
-  double delta_max_ratio = 0.5;
+  double delta_max_ratio = 0.4;
 };
 
 struct ConsumerOptions {
