@@ -352,3 +352,24 @@ TEST(Manifest, DeltaPiecesAreChecked) {
   e = encode_delta(specs, {a, b}, {7, 7}, 9);
   EXPECT_EQ(decode_manifest(e.bytes, 9, e.stream, S, &info), "");
 }
+
+// Sharded producers send full syncs: rank 0 refuses a rank's list that
+// holds a delta piece rather than publish it into a region without deltas.
+TEST(Manifest, MergeRefusesDeltaPiecesOfRanks) {
+  SyncInfo post;
+  post.stream_bytes = 256;
+  TensorInfo t{"w", DType::kBF16, {8}, 16, 0, {}};
+  ShardInfo sh;
+  sh.nbytes = 16;
+  sh.wire_bytes = 16;
+  t.shards.push_back(sh);
+  post.tensors.push_back(t);
+  std::vector<SyncInfo> posts{post, post};
+  std::vector<TensorSpec> tensors;
+  std::vector<ManifestPiece> pieces;
+  std::vector<std::uint64_t> rank_bytes;
+  std::uint64_t payload = 0;
+  EXPECT_EQ(merge_posts(posts, &tensors, &pieces, &rank_bytes, &payload), "");
+  posts[1].tensors[0].shards[0].base_version = 3;
+  EXPECT_NE(merge_posts(posts, &tensors, &pieces, &rank_bytes, &payload).find("delta"), std::string::npos);
+}
