@@ -413,6 +413,45 @@ TEST(DeltaSync, ProducerKilledMidDeltaGivesPeerDied) {
   EXPECT_EQ(code_of([&] { c.read_into(d.ptrs); }), Errc::kPeerDied);
 }
 
+// request_full_sync(): the consumer's destinations changed behind its back
+// (weights discarded and reloaded): the next sync is full, and no delta is
+// applied to them meanwhile.
+TEST(DeltaSync, RequestFullSyncMakesTheNextSyncFull) {
+  RegionDir dir("delta");
+  const std::string name = unique_name("deltareq");
+  RegionGuard guard{name};
+  Producer p = Producer::create(name, delta_opts());
+  Consumer c = Consumer::open(name, copts());
+  EXPECT_TRUE(c.delta());
+  Model m(false);
+  Dsts d(m);
+  send(p, m);
+  c.wait_sync(10s);
+  c.read_into(d.ptrs);
+  m.step(2);
+  send(p, m);
+  EXPECT_TRUE(p.last_sync().delta);
+  c.wait_sync(10s);
+  c.read_into(d.ptrs);
+  std::fill(d.buf[0].begin(), d.buf[0].end(), 0);  // the weights were discarded
+  c.request_full_sync();
+  m.step(3);
+  send(p, m);
+  EXPECT_FALSE(p.last_sync().delta);
+  EXPECT_EQ(c.wait_sync(10s).version, 3u);
+  c.read_into(d.ptrs);
+  EXPECT_TRUE(d.equals(m));
+  // A region without deltas: nothing to ask for.
+  const std::string plain = unique_name("plain");
+  RegionGuard g2{plain};
+  ProducerOptions o = delta_opts();
+  o.delta = false;
+  Producer q = Producer::create(plain, o);
+  Consumer c2 = Consumer::open(plain, copts());
+  EXPECT_FALSE(c2.delta());
+  c2.request_full_sync();
+}
+
 // Delta syncs need a ring region of one rank.
 TEST(DeltaSync, RefusedWhereNotSupported) {
   RegionDir dir("delta");

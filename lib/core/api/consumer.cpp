@@ -831,6 +831,15 @@ void Consumer::Impl::read_delta_device(std::span<void* const> dsts, std::span<co
 }
 
 SyncReport Consumer::last_sync() const { return impl_->report; }
+bool Consumer::delta() const { return impl_->delta_region; }
+void Consumer::request_full_sync() {
+  Impl& m = *impl_;
+  m.require_open();
+  if (!m.delta_region) return;
+  m.applied_version = 0;
+  const std::uint64_t announced = m.view.header().sync.version.load(std::memory_order_acquire);
+  m.request_full(std::max<std::uint64_t>({m.last_version, announced, 1}));
+}
 
 const SyncInfo& Consumer::sync() const { return impl_->info; }
 std::uint64_t Consumer::last_version() const { return impl_->last_version; }

@@ -593,6 +593,13 @@ class SHMCAST_API Consumer {
   // The last sync read_into() or read_into_device() completed: full or
   // delta, logical and payload bytes.
   SyncReport last_sync() const;
+  // Whether the region's producer sends delta syncs (ProducerOptions::delta).
+  bool delta() const;
+  // Delta regions: asks the producer for a full sync as its next one (for
+  // destinations that were changed or replaced since the last read, e.g.
+  // after weights were discarded or reloaded); forgets the destinations, so
+  // no delta is applied to them meanwhile. Does nothing on other regions.
+  void request_full_sync();
 
   // Leaves the seat; the producer stops waiting for this consumer.
   void close();
