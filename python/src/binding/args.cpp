@@ -45,6 +45,20 @@ Duration seconds_arg(py::handle h, const char* what, bool allow_none) {
   return Duration(static_cast<std::int64_t>(std::llround(s * 1e9)));
 }
 
+double ratio_arg(py::handle h, const char* what) {
+  PyObject* o = h.ptr();
+  if (!(PyFloat_Check(o) || PyLong_Check(o) || PyIndex_Check(o)))
+    throw py::type_error(std::string(what) + " must be a number, not " + Py_TYPE(o)->tp_name);
+  const double r = PyFloat_AsDouble(o);
+  if (r == -1.0 && PyErr_Occurred()) {
+    if (!PyErr_ExceptionMatches(PyExc_OverflowError)) throw py::error_already_set();
+    PyErr_Clear();  // an int beyond a double: out of range either way
+  } else if (r > 0.0 && r <= 1.0) {  // false for NaN
+    return r;
+  }
+  throw Error(Errc::kInvalidArgument, std::string(what) + " is " + ascii_repr(h) + "; it must be a number in (0, 1]");
+}
+
 // A str argument as UTF-8 (bytes pass as they are). A str that has no UTF-8
 // form (a lone surrogate, e.g. from os.fsdecode of a non-UTF-8 name) is
 // `code`, not a UnicodeEncodeError.
@@ -251,6 +265,18 @@ std::vector<Source> to_sources(py::handle ptrs, py::handle devices, py::handle l
     }
   }
   return out;
+}
+
+py::dict sync_report(const SyncReport& r) {
+  py::dict d;
+  d["version"] = r.version;
+  if (r.version == 0)
+    d["kind"] = py::none();  // no sync yet
+  else
+    d["kind"] = r.delta ? "delta" : "full";
+  d["logical_bytes"] = r.logical_bytes;
+  d["payload_bytes"] = r.payload_bytes;
+  return d;
 }
 
 py::tuple shape_tuple(const std::vector<std::int64_t>& shape) {

@@ -109,6 +109,8 @@ T int_arg(py::handle h, const char* what, T lo, T hi) {
 constexpr std::uint64_t kU64Max = std::numeric_limits<std::uint64_t>::max();
 
 Duration seconds_arg(py::handle h, const char* what, bool allow_none);
+// A ratio in (0, 1] (a float or an int).
+double ratio_arg(py::handle h, const char* what);
 std::string utf8_arg(py::handle h, const char* what, Errc code);
 std::string region_name_arg(py::handle h);
 std::string message_arg(py::handle h);
@@ -138,12 +140,16 @@ struct Source {
 
 std::vector<Source> to_sources(py::handle ptrs, py::handle devices, py::handle layouts, py::handle streams);
 py::tuple shape_tuple(const std::vector<std::int64_t>& shape);
+// {'version', 'kind' ('full' | 'delta'; None before the first sync),
+// 'logical_bytes', 'payload_bytes'}: Producer.last_sync and Consumer.last_sync.
+py::dict sync_report(const SyncReport& r);
 
 // ------------------------------------------------------------------ sync info (consumer.cpp)
 
 // What Consumer.wait_sync returns: a snapshot, converted once.
 struct PySync {
   std::uint64_t version = 0, stream_bytes = 0, payload_bytes = 0, first_seq = 0, chunks = 0;
+  std::uint64_t base_version = 0, wire_bytes = 0;  // delta syncs (SyncInfo::base_version, wire_bytes)
   std::uint32_t world_size = 1;
   py::list tensors;  // (name, dtype, shape, nbytes, stream_offset)
   py::list pieces;   // per tensor: [(rank, dim, start, length, nbytes)], dim -1 = whole

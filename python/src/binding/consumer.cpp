@@ -2,7 +2,42 @@
 // SyncInfo (a received sync's manifest, converted once).
 #include "binding.hpp"
 
+#include <fcntl.h>
+#include <sys/stat.h>
+
+#include <cstring>
+
 namespace shmcast::python {
+
+namespace {
+
+// Whether region `name` was created with delta syncs (ProducerOptions::delta):
+// the features word of its header, docs/protocol.md §3.1 (magic "SHMCAST\0"
+// at 0, layout_version at 8, features at 24, bit 2 = delta syncs). Read
+// once, right after Consumer::open, from the file that holds the name then.
+// shmcast::Consumer does not report it (yet); the torch API needs to know
+// before the first sync whether receive() must keep its own copy for deltas
+// to apply to. A file it cannot read says false; the torch API also switches
+// on its first delta sync.
+bool region_has_deltas(const std::string& name) {
+  constexpr std::uint64_t kMagic = 0x00545341434d4853ull;  // "SHMCAST\0", little-endian
+  constexpr std::uint64_t kFeatureDelta = 1ull << 2;
+  const std::string path = region_path(name);
+  const int fd = ::open(path.c_str(), O_RDONLY | O_NOFOLLOW | O_CLOEXEC | O_NONBLOCK | O_NOCTTY);
+  if (fd < 0) return false;
+  struct stat st {};
+  unsigned char h[32];
+  const bool ok = ::fstat(fd, &st) == 0 && S_ISREG(st.st_mode) && st.st_size >= 4096 &&
+                  ::pread(fd, h, sizeof h, 0) == static_cast<ssize_t>(sizeof h);
+  ::close(fd);
+  if (!ok) return false;
+  std::uint64_t magic = 0, features = 0;
+  std::memcpy(&magic, h, 8);
+  std::memcpy(&features, h + 24, 8);
+  return magic == kMagic && (features & kFeatureDelta) != 0;
+}
+
+}  // namespace
 
 PySync PySync::from(const SyncInfo& s) {
   PySync p;
@@ -12,6 +47,8 @@ PySync PySync::from(const SyncInfo& s) {
   p.first_seq = s.first_seq;
   p.chunks = s.chunks;
   p.world_size = s.world_size;
+  p.base_version = s.base_version;
+  p.wire_bytes = s.wire_bytes;
   p.tensors = py::list(s.tensors.size());
   p.pieces = py::list(s.tensors.size());
   for (std::size_t i = 0; i < s.tensors.size(); ++i) {
@@ -70,6 +107,7 @@ class PyConsumer : Owned {
     o.verify_checksums = verify_checksums;
     py::gil_scoped_release nogil;
     c_ = std::make_unique<Consumer>(Consumer::open(n, o));
+    delta_ = c_->mode() == RegionMode::kRing && region_has_deltas(n);
   }
 
   // What every other call raises first: InvalidArgument in a forked child,
@@ -174,6 +212,8 @@ class PyConsumer : Owned {
 
   bool closed() const { return closed_; }
   const PySync& sync() const { return last_; }
+  py::dict last_sync() const { return sync_report(c_->last_sync()); }
+  bool delta() const { return delta_; }
   std::uint64_t last_version() const { return c_->last_version(); }
   int seat() const { return closed_ ? -1 : c_->seat(); }
   std::string name() const { return c_->name(); }
@@ -187,6 +227,7 @@ class PyConsumer : Owned {
   std::unique_ptr<Consumer> c_;
   std::mutex mu_;
   bool closed_ = false;
+  bool delta_ = false;
   PySync last_;
 };
 
@@ -199,6 +240,13 @@ void bind_sync_info(py::module_& m) {
       .def_readonly("payload_bytes", &PySync::payload_bytes)
       .def_readonly("first_seq", &PySync::first_seq)
       .def_readonly("chunks", &PySync::chunks)
+      .def_readonly("base_version", &PySync::base_version,
+                    "a delta sync: the version its deltas apply to; 0: a full sync")
+      .def_readonly("wire_bytes", &PySync::wire_bytes,
+                    "bytes the sync's pieces take in the region (a delta sync: its blobs; payload_bytes stays the "
+                    "tensors' logical size)")
+      .def_property_readonly("delta", [](const PySync& s) { return s.base_version != 0; },
+                             "True for a delta sync (base_version != 0)")
       .def_readonly("tensors", &PySync::tensors, "list of (name, dtype, shape, nbytes, stream_offset)")
       .def_readonly("world_size", &PySync::world_size, "producer ranks that wrote the sync")
       .def_readonly("pieces", &PySync::pieces,
@@ -206,7 +254,8 @@ void bind_sync_info(py::module_& m) {
       .def("__len__", [](const PySync& s) { return s.tensors.size(); })
       .def("__repr__", [](const PySync& s) {
         return "<shmcast.SyncInfo version=" + std::to_string(s.version) + " tensors=" +
-               std::to_string(s.tensors.size()) + " payload_bytes=" + std::to_string(s.payload_bytes) + ">";
+               std::to_string(s.tensors.size()) + " payload_bytes=" + std::to_string(s.payload_bytes) +
+               (s.base_version != 0 ? " delta of " + std::to_string(s.base_version) : std::string()) + ">";
       });
 }
 
@@ -239,7 +288,13 @@ void bind_consumer(py::module_& m) {
       .def("close", &PyConsumer::close, "Idempotent; does nothing in a forked child (the object is the parent's).")
       .def("check", &PyConsumer::check, "Raises Closed once closed, InvalidArgument in a forked child.")
       .def_property_readonly("closed", &PyConsumer::closed)
-      .def_property_readonly("sync", &PyConsumer::sync, py::return_value_policy::copy)
+      .def_property_readonly("sync", &PyConsumer::sync, py::return_value_policy::copy,
+                             "SyncInfo of the last sync wait_sync() returned")
+      .def_property_readonly("last_sync", &PyConsumer::last_sync,
+                             "The last sync read_into() / read_into_device() completed: {'version', 'kind' ('full' | "
+                             "'delta'), 'logical_bytes', 'payload_bytes'} (shmcast::Consumer::last_sync)")
+      .def_property_readonly("delta", &PyConsumer::delta,
+                             "True when the region was created with delta syncs (Producer(delta=True))")
       .def_property_readonly("last_version", &PyConsumer::last_version)
       .def_property_readonly("seat", &PyConsumer::seat)
       .def_property_readonly("name", &PyConsumer::name)

@@ -26,7 +26,8 @@ class PyProducer : Owned {
   PyProducer(py::handle name, py::handle slot_bytes, py::handle slots, py::handle max_consumers,
              py::handle manifest_bytes, bool group_access, bool replace_stale, bool unlink_on_close, bool checksums,
              py::handle stall_policy, py::handle consumer_timeout, py::handle pin, py::handle engine, py::handle rank,
-             py::handle world_size, py::handle rank_timeout, py::handle mode, py::handle store_bytes) {
+             py::handle world_size, py::handle rank_timeout, py::handle mode, py::handle store_bytes, bool delta,
+             py::handle keyframe_every, py::handle delta_max_ratio) {
     const std::string n = region_name_arg(name);
     ProducerOptions o;
     o.mode = parse_mode(mode);
@@ -47,6 +48,9 @@ class PyProducer : Owned {
     o.consumer_timeout = seconds_arg(consumer_timeout, "consumer_timeout", false);
     o.pin = parse_pin(pin);
     o.engine = parse_engine(engine);
+    o.delta = delta;
+    o.keyframe_every = int_arg<std::uint32_t>(keyframe_every, "keyframe_every", 0, 0xffffffffu);
+    o.delta_max_ratio = ratio_arg(delta_max_ratio, "delta_max_ratio");
     py::gil_scoped_release nogil;  // fallocate + cudaHostRegister can take a while
     p_ = std::make_unique<Producer>(Producer::create(n, o));
   }
@@ -210,10 +214,12 @@ class PyProducer : Owned {
   std::string mode() const { return mode_name(p_->mode()); }
   double pin_seconds() const { return p_->pin_seconds(); }
   double create_seconds() const { return p_->create_seconds(); }
-  SyncLayout last_sync() {
+  SyncLayout last_layout() {
     check();
     return get().last_layout();
   }
+  py::dict last_sync() const { return sync_report(p_->last_sync()); }
+  std::uint64_t delta_base_bytes() const { return p_->delta_base_bytes(); }
 
  private:
   static constexpr Duration kSlice = std::chrono::milliseconds(200);
@@ -276,13 +282,14 @@ void bind_producer(py::module_& m) {
   py::class_<PyProducer>(m, "Producer", "Low-level producer (shmcast::Producer). Pointers are ints.")
       .def(py::init<py::handle, py::handle, py::handle, py::handle, py::handle, bool, bool, bool, bool, py::handle,
                     py::handle, py::handle, py::handle, py::handle, py::handle, py::handle, py::handle,
-                    py::handle>(),
+                    py::handle, bool, py::handle, py::handle>(),
            py::arg("name"), py::kw_only(), py::arg("slot_bytes") = 256ull << 20, py::arg("slots") = 2,
            py::arg("max_consumers") = 8, py::arg("manifest_bytes") = 1ull << 20, py::arg("group_access") = false,
            py::arg("replace_stale") = true, py::arg("unlink_on_close") = true, py::arg("checksums") = false,
            py::arg("stall_policy") = "fail", py::arg("consumer_timeout") = 60.0, py::arg("pin") = "auto",
            py::arg("engine") = "auto", py::arg("rank") = 0, py::arg("world_size") = 1, py::arg("rank_timeout") = 120.0,
-           py::arg("mode") = "ring", py::arg("store_bytes") = 0)
+           py::arg("mode") = "ring", py::arg("store_bytes") = 0, py::arg("delta") = false,
+           py::arg("keyframe_every") = 0, py::arg("delta_max_ratio") = 0.5)
       .def("begin_sync", &PyProducer::begin_sync, py::arg("specs"), py::arg("version") = 0,
            "specs: sequence of (name, dtype, shape), or (name, dtype, full shape, dim, start, length) for a shard "
            "(sharded producers). version: 0 (the next), or the sync's version (greater than the last; sharded "
@@ -320,7 +327,13 @@ void bind_producer(py::module_& m) {
       .def_property_readonly("last_version", &PyProducer::last_version)
       .def_property_readonly("last_round", &PyProducer::last_round,
                              "Sharded producers: the last sync round this rank took (begun, failed or skipped)")
-      .def_property_readonly("last_sync", &PyProducer::last_sync, py::return_value_policy::copy)
+      .def_property_readonly("last_layout", &PyProducer::last_layout, py::return_value_policy::copy,
+                             "SentSync: the layout of the last sync begun")
+      .def_property_readonly("last_sync", &PyProducer::last_sync,
+                             "The last completed sync: {'version', 'kind' ('full' | 'delta'), 'logical_bytes', "
+                             "'payload_bytes'} (shmcast::Producer::last_sync); version 0: none yet")
+      .def_property_readonly("delta_base_bytes", &PyProducer::delta_base_bytes,
+                             "Bytes of host memory the delta base takes (0 without delta=True)")
       .def_property_readonly("pinned", &PyProducer::pinned)
       .def_property_readonly("engine", &PyProducer::engine, "'host' or 'cuda': the copy engine chosen at create")
       .def_property_readonly("mode", &PyProducer::mode, "'ring' or 'store'")
