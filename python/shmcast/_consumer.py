@@ -73,6 +73,17 @@ class Consumer(_Closing):
           cached host buffer). The tensors are valid only until the next
           receive()/receive_into()/close() on this consumer: copy out what
           you keep (load_weights() does).
+
+    Delta regions (Producer(delta=True); `delta` is True): receive() and
+    read() keep the consumer's own copy of the tensors it reads, in one
+    buffer on `device` that stays in place while the same tensors (names,
+    slices) are asked for, and each delta sync is applied to it; 'copy'
+    returns a copy of it (so twice the sync's memory), 'staging' views of
+    it (do not write into them: they are what the next delta applies to).
+    receive_into() keeps the temporaries of its non-contiguous destinations
+    the same way. A delta sync that cannot apply (other destinations, names
+    or slices than the last read) raises shmcast.NeedsFullSync after asking
+    the producer for a full sync: call again for it.
     """
 
     def __init__(
@@ -98,6 +109,9 @@ class Consumer(_Closing):
         self._pending = None  # SyncInfo from wait_sync() not yet read
         self._view = None  # the StoreView hold() handed out, while held
         self._host_buf: Optional[torch.Tensor] = None
+        self._delta = False  # the region sends delta syncs (set below, or by the first delta sync)
+        self._kept = None  # delta regions: (key, buffer), receive()'s own copy that deltas apply to
+        self._tmps: dict = {}  # delta regions: receive_into()'s temporaries by name (kept in place)
         if self.device.type == "cuda":
             with torch.cuda.device(self.device):
                 self._c = _C.Consumer(name, open_timeout=open_timeout, chunk_timeout=chunk_timeout, pin=pin,
@@ -107,6 +121,7 @@ class Consumer(_Closing):
             self._c = _C.Consumer(name, open_timeout=open_timeout, chunk_timeout=chunk_timeout, pin=pin,
                                   verify_checksums=verify_checksums, group_access=group_access,
                                   trusted_uids=trusted_uids)
+        self._delta = bool(self._c.delta)
 
     # -------------------------------------------------------- receiving
 
@@ -152,6 +167,9 @@ class Consumer(_Closing):
         with self._lock:
             info = self._take_pending()
             try:
+                if self._delta or info.delta:
+                    self._delta = True
+                    return self._read_kept(c, info, mode or self.mode, names, slices)
                 if names is not None or slices or info.world_size > 1:
                     return self._read_selected(c, info, mode or self.mode, names, slices)
                 return self._read(c, info, mode or self.mode)
@@ -199,13 +217,15 @@ class Consumer(_Closing):
             c.read_into_device([base + off if n else None for _name, _dt, _shape, n, off in tensors], stream)
             return _views(buf, tensors)
 
-    def _read_selected(self, c, info, mode, names, slices) -> list:
-        """The general read: some tensors (names), some of them sliced, from
-        one or several producer ranks. One buffer, each tensor (or slice)
-        packed at a _TENSOR_ALIGN (256) byte boundary."""
+    @staticmethod
+    def _pack(info, names, slices):
+        """The tensors `names` (None: all) of the sync, some sliced, packed
+        in one buffer at _TENSOR_ALIGN (256) byte boundaries: [(sync index,
+        _TensorAt)], the selections (None when nothing is sliced) and the
+        buffer's bytes."""
         want = None if names is None else set(names)
         slices = _check_slices(info, slices or {})
-        picked, ptrs, sels, total = [], [None] * len(info.tensors), [None] * len(info.tensors), 0
+        picked, sels, total = [], [None] * len(info.tensors), 0
         for j, t in enumerate(info.tensors):
             name, dt, shape, nbytes, _off = t
             if want is not None and name not in want:
@@ -220,6 +240,13 @@ class Consumer(_Closing):
             total = _round_up(total, _TENSOR_ALIGN)
             picked.append((j, _TensorAt(name, dt, shape, nbytes, total)))
             total += nbytes
+        return picked, (sels if slices else None), total
+
+    def _read_selected(self, c, info, mode, names, slices) -> list:
+        """The general read: some tensors (names), some of them sliced, from
+        one or several producer ranks. One buffer, each tensor (or slice)
+        packed at a _TENSOR_ALIGN (256) byte boundary."""
+        picked, selections, total = self._pack(info, names, slices)
         dev = self.device
         what = f"sync {info.version} of '{c.name}'"
         if dev.type == "cpu" and mode == "staging":
@@ -229,15 +256,44 @@ class Consumer(_Closing):
                 buf = self._host_buf = _alloc(_round_up(max(total, 1), _DATA_ALIGN), torch.uint8, dev, what)
         else:
             buf = _alloc(_round_up(max(total, 1), _TENSOR_ALIGN), torch.uint8, dev, what)
+        self._fill(c, buf, info, picked, selections)
+        return _views(buf, [t for _, t in picked])
+
+    def _fill(self, c, buf, info, picked, selections) -> None:
+        """Reads the sync into `buf` as _pack() laid it out."""
+        dev = self.device
         base = buf.data_ptr()
+        ptrs = [None] * len(info.tensors)
         for j, t in picked:
             ptrs[j] = base + t.offset if t.nbytes else None
-        selections = sels if slices else None
         if dev.type == "cpu":
             c.read_into(ptrs, selections)
         else:
             with torch.cuda.device(dev):
                 c.read_into_device(ptrs, torch.cuda.current_stream(dev).cuda_stream, selections)
+
+    def _read_kept(self, c, info, mode, names, slices) -> list:
+        """Delta regions: the sync is read into the consumer's own copy, one
+        buffer that stays where it is while the same tensors and slices are
+        read (the library applies a delta sync only to the destinations the
+        previous read filled, which then hold its base). 'staging' returns
+        views of that buffer, 'copy' a copy of it."""
+        picked, selections, total = self._pack(info, names, slices)
+        dev = self.device
+        what = f"sync {info.version} of '{c.name}'"
+        key = (tuple(picked), None if selections is None else tuple(selections))
+        kept = self._kept
+        if kept is not None and kept[0] == key:
+            buf = kept[1]
+        else:
+            self._kept = kept = None  # the old copy goes first
+            buf = _alloc(_round_up(max(total, 1), _TENSOR_ALIGN), torch.uint8, dev, what)
+            self._kept = (key, buf)
+        self._fill(c, buf, info, picked, selections)
+        if mode != "staging":
+            out = _alloc(buf.numel(), torch.uint8, dev, what)
+            out.copy_(buf)  # CUDA: on the current stream, after the read
+            buf = out
         return _views(buf, [t for _, t in picked])
 
     def receive_into(self, tensors: Mapping, timeout: Optional[float] = 30.0, *, strict: bool = True,
@@ -323,6 +379,13 @@ class Consumer(_Closing):
             raise Mismatch(f"sync {info.version} does not match the destinations: {shown}")
         ptrs = [None] * len(info.tensors)
         after = []  # (destination, temporary): copied once the read is done
+        # Delta regions: a delta applies only to the destinations the last
+        # read filled, so temporaries are kept by name (same pointers next
+        # time; they hold the base, whatever happened to the destination).
+        keep = self._delta or info.delta
+        self._delta = keep
+        old_tmps, tmps = self._tmps, {}
+        self._tmps = {}
         for j, d, nbytes in plan:
             if not nbytes:
                 continue
@@ -331,10 +394,18 @@ class Consumer(_Closing):
             if d.is_contiguous() and not (d.is_conj() or d.is_neg()) and (cuda_dev is None or d.is_cuda):
                 ptrs[j] = d.data_ptr()
             else:
-                tmp = _alloc(tuple(d.shape), d.dtype, cuda_dev if cuda_dev is not None else d.device,
-                             f"sync {info.version}: the temporary for '{_TensorAt._make(info.tensors[j]).name}'")
+                name = _TensorAt._make(info.tensors[j]).name
+                tdev = cuda_dev if cuda_dev is not None else d.device
+                tmp = old_tmps.pop(name, None) if keep else None
+                if tmp is None or tmp.shape != d.shape or tmp.dtype != d.dtype or tmp.device != tdev:
+                    tmp = None
+                    tmp = _alloc(tuple(d.shape), d.dtype, tdev, f"sync {info.version}: the temporary for '{name}'")
+                if keep:
+                    tmps[name] = tmp
                 after.append((d, tmp))
                 ptrs[j] = tmp.data_ptr()
+        del old_tmps  # temporaries this read does not use
+        self._tmps = tmps
         selections = sels if slices else None
         if cuda_dev is None:
             c.read_into(ptrs, selections)
@@ -401,11 +472,13 @@ class Consumer(_Closing):
                     self._skip_quietly(c)
                     lease.close_consumer = True  # the lease closes c when the last tensor goes
                     self._deferred_close = True
-                    self._host_buf = None
+                    self._host_buf = self._kept = None
+                    self._tmps = {}
                     return
         if c is not None and not c.closed:
             c.close()
-        self._host_buf = None
+        self._host_buf = self._kept = None
+        self._tmps = {}
 
     @property
     def closed(self) -> bool:
@@ -427,7 +500,14 @@ class Consumer(_Closing):
     seat = property(lambda self: self._c.seat)
     region_mode = property(lambda self: self._c.mode, doc="'ring' or 'store': what the region does")
     last_version = property(lambda self: self._c.last_version)
-    last_sync = property(lambda self: self._c.sync, doc="SyncInfo of the last sync received")
+    sync_info = property(lambda self: self._c.sync, doc="SyncInfo of the last sync wait_sync() (or a receive) took")
+    last_sync = property(lambda self: self._c.last_sync,
+                         doc="The last sync read into tensors (receive(), receive_into(), read()): {'version', 'kind' "
+                             "('full' | 'delta'; None before the first), 'logical_bytes' (the bytes of what was read: "
+                             "tensors, slices), 'payload_bytes' (the bytes that came through the region: the deltas' "
+                             "for a delta sync)}")
+    delta = property(lambda self: self._delta,
+                     doc="True when the region sends delta syncs (Producer(delta=True)): receive() keeps its own copy")
     pinned = property(lambda self: self._c.pinned)
     views_read_only = property(
         lambda self: self._c.views_read_only,

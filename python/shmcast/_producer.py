@@ -119,6 +119,16 @@ class Producer(_Closing):
     whole. Every rank's send() returns the same version; consumers see one
     sync of whole tensors. rank_timeout: how long rank 0 waits for the
     others (and they for it) before Timeout naming the missing rank.
+
+    delta=True (ring regions of one rank): each send() after the first
+    carries only the elements whose raw bits changed since the previous
+    send (bit-exact for every dtype); the producer keeps a host copy of the
+    last sent tensors for that (delta_base_bytes). A send goes out full
+    when there is no base yet, the tensors (names, dtypes, shapes) changed,
+    a consumer asked for one (it attached late, skipped a version, or was
+    handed other destinations), every keyframe_every-th send (0: never on a
+    schedule), or when the deltas would take more than delta_max_ratio of
+    the full size. last_sync says what the last send was.
     """
 
     def __init__(
@@ -143,6 +153,9 @@ class Producer(_Closing):
         rank_timeout: float = 120.0,
         mode: str = "ring",
         store_bytes: Optional[int] = None,
+        delta: bool = False,
+        keyframe_every: int = 0,
+        delta_max_ratio: float = 0.5,
     ):
         self._pid = os.getpid()
         self._c = None
@@ -173,6 +186,9 @@ class Producer(_Closing):
             rank_timeout=rank_timeout,
             mode=mode,
             store_bytes=0 if store_bytes is None else store_bytes,
+            delta=bool(delta),
+            keyframe_every=keyframe_every,
+            delta_max_ratio=delta_max_ratio,
         )
         self.rank, self.world_size = int(rank), int(world_size)
         self._staging_budget = budget
@@ -450,7 +466,15 @@ class Producer(_Closing):
     slots = property(lambda self: self._c.slots)
     last_version = property(lambda self: self._c.last_version)
     last_sync = property(lambda self: self._c.last_sync,
-                         doc="SentSync of the last send: version, first_seq, chunks, stream_bytes, payload_bytes")
+                         doc="The last completed send: {'version', 'kind' ('full' | 'delta'; None before the first), "
+                             "'logical_bytes' (the tensors' bytes), 'payload_bytes' (the bytes that went through the "
+                             "region: the deltas' for a delta sync)}")
+    last_layout = property(lambda self: self._c.last_layout,
+                           doc="SentSync of the last send begun: version, first_seq, chunks, stream_bytes, "
+                               "payload_bytes (its stream's layout)")
+    delta_base_bytes = property(lambda self: self._c.delta_base_bytes,
+                                doc="Host memory the delta base takes (one copy of the last sent tensors; 0 without "
+                                    "delta=True)")
     pinned = property(lambda self: self._c.pinned)
 
     def __repr__(self):
