@@ -613,7 +613,7 @@ class Trainer:
                     rec["errors"] += r["errors"]
                     break  # a failing path fails the same way every time
             if prod is not None:
-                ls = prod.last_sync
+                ls = prod.last_layout
                 rec["sent"] = {k: getattr(ls, k, None) for k in ("version", "chunks", "stream_bytes", "payload_bytes")}
                 self.close_consumers(peers)
         except Exception as e:  # noqa: BLE001
@@ -679,7 +679,7 @@ class Trainer:
                 ph["bit_exact"] = bool(good) and all(run_exact(r) for r in good)
                 if phase in ("single0", "both"):
                     ph["d2h"] = self.profiled_d2h(prod, named, members)
-                ls = prod.last_sync
+                ls = prod.last_layout
                 ph["sent"] = {k: getattr(ls, k, None) for k in ("version", "chunks", "stream_bytes", "payload_bytes")}
                 rec["phases"][phase] = ph
                 self.save()

@@ -249,7 +249,7 @@ class DirectLoader:
             v = cons.receive_into(self.dsts, timeout, strict=False, **kw)
             if version is None or v >= version:
                 break
-        info = cons.last_sync
+        info = cons.sync_info
         for z in self.zero:
             z.zero_()  # vocab padding rows, as vLLM's weight_loader leaves them
         if version is not None and v != version:

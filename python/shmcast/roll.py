@@ -149,7 +149,7 @@ def serialize_named_weights(
     if consumers > 0 and prod.consumers < consumers:
         prod.wait_for_consumers(consumers, timeout)
     version = prod.send(named)
-    s = prod.last_sync
+    s = prod.last_layout
     ticket = ShmcastTicket(
         region=region,
         version=version,

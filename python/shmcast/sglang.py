@@ -122,7 +122,7 @@ def load_weights(model, named_tensors) -> None:
                 d = None
         if d is not None:
             res = d.load(cons, timeout=t.get("timeout", 300.0), version=t.get("version"))
-            names = [x[0] for x in cons.last_sync.tensors]
+            names = [x[0] for x in cons.sync_info.tensors]
             if len(names) != t["count"] or names_digest(names) != t["digest"]:
                 raise ValueError(f"sync {res.version} does not hold the {t['count']} announced tensors")
         else:

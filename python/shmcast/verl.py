@@ -194,7 +194,7 @@ class ShmcastCheckpointEngine(CheckpointEngine):
                 raise
             stats["syncs"] += 1
             stats["tensors"] += len(named)
-            stats["bytes"] += cons.last_sync.payload_bytes
+            stats["bytes"] += cons.sync_info.payload_bytes
             for item in named:
                 yield item
             del named

@@ -210,7 +210,7 @@ class ShmcastWeightTransferEngine(WeightTransferEngine[ShmcastWeightTransferInit
             d = self._loader() if self._path == "direct" else None
             if d is not None:
                 res = d.load(cons, timeout=i.timeout, version=update_info.version)
-                names = [t[0] for t in cons.last_sync.tensors]
+                names = [t[0] for t in cons.sync_info.tensors]
                 if len(names) != update_info.count or names_digest(names) != update_info.names_digest:
                     raise ValueError(f"sync {res.version} does not hold the {update_info.count} announced tensors")
             else:

@@ -68,12 +68,18 @@ def test_single_process_roundtrip_and_last_sync(region):
         v = prod.send(data)
         info = cons.wait_sync(5)
         assert info.version == v and len(info) == len(data)
-        s = prod.last_sync
+        s = prod.last_layout
         assert (s.version, s.first_seq, s.chunks, s.stream_bytes, s.payload_bytes) == \
                (info.version, info.first_seq, info.chunks, info.stream_bytes, info.payload_bytes)
         assert [t[0] for t in info.tensors] == [n for n, _ in data]
+        assert not info.delta and info.base_version == 0 and info.wire_bytes == info.payload_bytes
+        assert not cons.delta and prod.delta_base_bytes == 0
         got = cons.read()
         assert roles.compare(got, data) == []
+        # what the last sync moved: every byte, whole (no deltas in this region)
+        logical = sum(t.numel() * t.element_size() for _, t in data)
+        assert prod.last_sync == {"version": v, "kind": "full", "logical_bytes": logical, "payload_bytes": logical}
+        assert cons.last_sync == prod.last_sync
         # stream_layout predicts the same layout
         specs = [(n, shmcast.dtype_name(t.dtype), tuple(t.shape)) for n, t in data]
         stream, payload, chunks, offsets = shmcast._shmcast.stream_layout(specs, prod.slot_bytes)
@@ -83,7 +89,7 @@ def test_single_process_roundtrip_and_last_sync(region):
         v2 = prod.send(data[:2])
         info2 = cons.wait_sync(5)
         assert info2.version == v2 == v + 1 and info2.first_seq == info.first_seq + info.chunks
-        assert prod.last_sync.first_seq == info2.first_seq
+        assert prod.last_layout.first_seq == info2.first_seq
         cons.skip()
 
 
@@ -174,7 +180,7 @@ def test_large_sync_many_slots(region, procs):
         prod.send(big)
         t.join()
         assert roles.compare(got["y"], big) == []
-        assert prod.last_sync.chunks >= 24
+        assert prod.last_layout.chunks >= 24
 
 
 def test_gil_released_during_wait(region):
