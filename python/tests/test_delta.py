@@ -1,0 +1,176 @@
+"""Delta syncs through the Python API (Producer(delta=True), issue 31):
+bit-exact over many versions in real processes, what last_sync reports,
+keyframes, and the full sync a consumer gets when a delta cannot apply."""
+import pytest
+import torch
+
+import delta_roles as dr
+import roles
+import shmcast
+
+pytestmark = pytest.mark.usefixtures("deadline")
+
+N_VERSIONS = 20
+
+
+def test_delta_stream_bit_exact_in_consumer_processes(region, procs):
+    # Three consumer processes: receive_into the same destinations (some of
+    # them transposed views), receive() fresh tensors, receive() staging views.
+    hows = ("into", "copy", "staging")
+    cons = [procs.start("delta_roles:consumer", region=region, seed=31, n_versions=N_VERSIONS, how=h) for h in hows]
+    sent = []
+    with shmcast.Producer(region, slot_bytes=roles.SLOT, slots=4, max_consumers=4, delta=True) as prod:
+        for c in cons:
+            assert procs.ready(c)["delta"] is True
+        prod.wait_for_consumers(len(cons), 60)
+        for named in dr.versions(31, N_VERSIONS):
+            v = prod.send(named)
+            sent.append(dict(prod.last_sync))
+            assert sent[-1]["version"] == v
+        assert prod.delta_base_bytes == dr.logical_bytes()
+        results = {h: procs.get(c)["results"] for h, c in zip(hows, cons)}
+
+    logical = dr.logical_bytes()
+    assert [s["version"] for s in sent] == list(range(1, N_VERSIONS + 1))
+    assert [s["kind"] for s in sent] == ["full"] + ["delta"] * (N_VERSIONS - 1)
+    assert all(s["logical_bytes"] == logical for s in sent)
+    assert sent[0]["payload_bytes"] == logical
+    fr = dr.fractions(31, N_VERSIONS)
+    for s, f in zip(sent[1:], fr):
+        assert s["payload_bytes"] <= 0.5 * logical  # delta_max_ratio's default
+        if f <= 0.02:  # docs/protocol.md §12: ~0.07 for 1-byte words at 2 %, less for wider ones
+            assert s["payload_bytes"] < 0.15 * logical, (f, s)
+    for how, res in results.items():
+        assert [r["version"] for r in res] == list(range(1, N_VERSIONS + 1)), how
+        for r, s in zip(res, sent):
+            assert r["problems"] == [], (how, r["version"], r["problems"][:5])
+            assert r["last_sync"] == s, (how, r["last_sync"], s)  # a consumer of whole tensors: the same numbers
+            assert r["delta"] == (s["kind"] == "delta") and (r["base"] == r["version"] - 1 if r["delta"] else True)
+
+
+def _send_and_receive_into(prod, cons, named, dst):
+    v = prod.send(named)
+    assert cons.receive_into(dst, timeout=10) == v
+    assert dr.compare([(n, dst[n]) for n, _ in named], named) == []
+    assert cons.last_sync == prod.last_sync
+    return prod.last_sync["kind"]
+
+
+def test_keyframe_every(region):
+    with shmcast.Producer(region, slot_bytes=roles.SLOT, slots=8, delta=True, keyframe_every=3) as prod, \
+            shmcast.Consumer(region) as cons:
+        dst = dr.destinations(noncontig=False)
+        kinds = [_send_and_receive_into(prod, cons, named, dst) for named in dr.versions(5, 8)]
+    assert kinds == ["full", "delta", "delta", "full", "delta", "delta", "full", "delta"]
+
+
+def test_receive_into_other_tensors_needs_full_sync(region):
+    with shmcast.Producer(region, slot_bytes=roles.SLOT, slots=8, delta=True) as prod, \
+            shmcast.Consumer(region) as cons:
+        vs = dr.versions(7, 6)
+        a, b = dr.destinations(), dr.destinations()
+        assert _send_and_receive_into(prod, cons, next(vs), a) == "full"
+        assert _send_and_receive_into(prod, cons, next(vs), a) == "delta"
+        # A delta for other destinations: refused before a byte is written,
+        # and the producer is asked for a full sync.
+        named = next(vs)
+        prod.send(named)
+        assert prod.last_sync["kind"] == "delta"
+        before = {n: t.clone() for n, t in b.items()}
+        with pytest.raises(shmcast.NeedsFullSync) as ei:
+            cons.receive_into(b, timeout=10)
+        assert isinstance(ei.value, shmcast.Error) and ei.value.code == "NeedsFullSync"
+        assert all(torch.equal(dr.words(b[n]), dr.words(before[n])) for n in b)
+        # The next sync is full, and b takes it exactly; then deltas again.
+        assert _send_and_receive_into(prod, cons, next(vs), b) == "full"
+        assert _send_and_receive_into(prod, cons, next(vs), b) == "delta"
+        # Back to a: a full sync first again.
+        named = next(vs)
+        prod.send(named)
+        with pytest.raises(shmcast.NeedsFullSync):
+            cons.receive_into(a, timeout=10)
+
+
+def test_receive_keeps_its_own_copy(region):
+    with shmcast.Producer(region, slot_bytes=roles.SLOT, slots=8, delta=True) as prod, \
+            shmcast.Consumer(region) as cons:
+        assert cons.delta
+        vs = list(dr.versions(9, 5))
+        got = []
+        for k in range(3):
+            prod.send(vs[k])
+            got.append(cons.receive(timeout=10))
+            assert cons.last_sync["kind"] == ("full" if k == 0 else "delta")
+            for j, g in enumerate(got):  # 'copy': every version received stays as it was
+                assert dr.compare(g, vs[j]) == [], (k, j)
+        # The tensors are the consumer's copies: writing into them changes
+        # nothing the next delta applies to.
+        for _n, t in got[-1]:
+            dr.words(t).fill_(0)
+        prod.send(vs[3])
+        assert dr.compare(cons.receive(timeout=10, mode="staging"), vs[3]) == []
+        assert cons.last_sync["kind"] == "delta"
+        # Another set of tensors (names) than the last read: a delta cannot
+        # apply to it; the next sync is full.
+        prod.send(vs[4])
+        with pytest.raises(shmcast.NeedsFullSync):
+            cons.receive(timeout=10, names=["bf16.big"])
+        prod.send(vs[4])
+        got = cons.receive(timeout=10, names=["bf16.big"])
+        assert cons.last_sync["kind"] == "full" and dr.compare(got, vs[4][:1]) == []
+
+
+def test_late_consumer_gets_a_full_sync(region):
+    with shmcast.Producer(region, slot_bytes=roles.SLOT, slots=8, delta=True) as prod:
+        vs = dr.versions(13, 5)
+        prod.send(next(vs))
+        prod.send(next(vs))
+        assert prod.last_sync["kind"] == "delta"
+        with shmcast.Consumer(region) as cons:
+            dst = dr.destinations()
+            assert _send_and_receive_into(prod, cons, next(vs), dst) == "full"
+            assert _send_and_receive_into(prod, cons, next(vs), dst) == "delta"
+
+
+def test_visit_of_a_delta_sync_needs_full_sync(region):
+    with shmcast.Producer(region, slot_bytes=roles.SLOT, slots=8, delta=True) as prod, \
+            shmcast.Consumer(region) as cons:
+        vs = dr.versions(17, 3)
+        dst = dr.destinations()
+        _send_and_receive_into(prod, cons, next(vs), dst)
+        prod.send(next(vs))
+        info = cons.wait_sync(10)
+        assert info.delta and info.base_version == info.version - 1 and info.wire_bytes < info.payload_bytes
+        with pytest.raises(shmcast.NeedsFullSync):
+            cons.raw.visit(lambda *a: None)
+        assert _send_and_receive_into(prod, cons, next(vs), dst) == "full"
+
+
+def test_deltas_that_do_not_pay_go_full(region):
+    with shmcast.Producer(region, slot_bytes=roles.SLOT, slots=8, delta=True) as prod, \
+            shmcast.Consumer(region) as cons:
+        g = torch.Generator().manual_seed(3)
+        dst = dr.destinations()
+        named = [(n, roles._rand(g, dt, shape)) for n, dt, shape in dr.SPECS]
+        assert _send_and_receive_into(prod, cons, named, dst) == "full"
+        named = [(n, t.clone()) for n, t in named]
+        for _n, t in named:
+            dr.words(t).bitwise_not_()  # every element changes
+        assert _send_and_receive_into(prod, cons, named, dst) == "full"
+        assert prod.last_sync["payload_bytes"] == prod.last_sync["logical_bytes"] == dr.logical_bytes()
+
+
+def test_delta_arguments(region):
+    for bad in (0, 0.0, -0.1, 1.5, float("nan")):
+        with pytest.raises(shmcast.InvalidArgument, match="delta_max_ratio"):
+            shmcast.Producer(region, slot_bytes=roles.SLOT, delta=True, delta_max_ratio=bad)
+    with pytest.raises(TypeError, match="delta_max_ratio"):
+        shmcast.Producer(region, slot_bytes=roles.SLOT, delta=True, delta_max_ratio="0.5")
+    with pytest.raises(shmcast.InvalidArgument, match="keyframe_every"):
+        shmcast.Producer(region, slot_bytes=roles.SLOT, delta=True, keyframe_every=-1)
+    with pytest.raises(shmcast.InvalidArgument, match="ring region"):
+        shmcast.Producer(region, slot_bytes=roles.SLOT, delta=True, mode="store", store_bytes=1 << 20)
+    with shmcast.Producer(region, slot_bytes=roles.SLOT) as prod, shmcast.Consumer(region) as cons:
+        assert prod.delta_base_bytes == 0 and not cons.delta
+        assert prod.last_sync == {"version": 0, "kind": None, "logical_bytes": 0, "payload_bytes": 0}
+        assert cons.last_sync["kind"] is None
