@@ -14,6 +14,15 @@ checkpoint engine, SGLang loader) shares.
   tensor straight into the parameters (shmcast.tp plans where), with no
   staging copy and no load_weights() call: for unquantized models in HF
   layout.
+
+Delta syncs (Producer(delta=True)): load_whole() reads through the
+consumer's own copy (Consumer.read keeps one on a delta region), so a loader
+that transforms the weights (quantization on load) never sees a delta.
+DirectLoader applies deltas to the parameters in place, and only while they
+still hold what its last load left there (holds_last_load(): a sample of
+their bits); weights discarded or rewritten since (vLLM's level-2 sleep, a
+reload into the same memory) turn a delta sync into shmcast.NeedsFullSync,
+after asking the producer for a full sync, instead of a wrong result.
 """
 from __future__ import annotations
 
@@ -230,6 +239,31 @@ class DirectLoader:
                 self.dsts[name] = data.narrow(pl.dim, pl.offset, pl.length)
         self.slices = {n: s for n, s in self.plan.slices().items() if n in self.dsts}
         self._watch = [(p, p.data.data_ptr()) for p in params.values()]
+        self._sample = None  # holds_last_load(): the destinations' sampled bits after the last load
+
+    _SAMPLES = 64  # elements sampled per destination
+
+    def _sampled(self) -> torch.Tensor:
+        """The raw bytes of up to _SAMPLES elements of every destination, at
+        fixed positions spread over it (one buffer, on their device)."""
+        parts = []
+        for d in self.dsts.values():
+            n = d.numel()
+            if n == 0:
+                continue
+            k = min(n, self._SAMPLES)
+            idx = torch.arange(k, device=d.device) * (n // k) + (n - 1 - (k - 1) * (n // k)) // 2
+            parts.append(torch.take(d.detach(), idx).reshape(-1).view(torch.uint8))
+        return torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)
+
+    def holds_last_load(self) -> Optional[bool]:
+        """Whether the destinations still hold what the last load() left
+        there, as far as a sample of their bits tells (None before the first
+        load): False after weights were discarded or rewritten (vLLM's
+        level-2 sleep, a reload), when a delta sync must not be applied."""
+        if self._sample is None:
+            return None
+        return torch.equal(self._sampled(), self._sample)
 
     def stale(self) -> bool:
         """True when a parameter's storage moved since the plan's views were
@@ -246,12 +280,19 @@ class DirectLoader:
         takes are an error (raised after the read: they were not loaded)."""
         kw = {"slices": self.slices} if self.slices else {}
         while True:
-            v = cons.receive_into(self.dsts, timeout, strict=False, **kw)
+            info = cons.wait_sync(timeout)
+            if info.delta and self.holds_last_load() is False:
+                # The parameters changed since the last load: the delta's base
+                # is gone. visit() of a delta sync lets it go, asks the
+                # producer for a full sync and raises NeedsFullSync.
+                cons.raw.visit(lambda *_: None)
+            v = cons.read_into(self.dsts, strict=False, **kw)
             if version is None or v >= version:
                 break
         info = cons.sync_info
         for z in self.zero:
             z.zero_()  # vocab padding rows, as vLLM's weight_loader leaves them
+        self._sample = self._sampled() if cons.delta else None
         if version is not None and v != version:
             raise _C.InvalidArgument(f"region '{cons.name}' is at sync {v}, past the expected {version}: this receiver "
                                      "missed a sync")

@@ -43,7 +43,18 @@ Loading (init_info `load`):
 Sleep and wake: sleep(level=1) keeps the weights (offloaded), nothing to do.
 sleep(level=2) discards them; after wake_up the weights are garbage until the
 trainer's next send_weights() (RL frameworks sync right after waking the
-weights). This backend streams through a ring region; a store region
+weights).
+
+Delta syncs (producer_options={"delta": True}, with bucket_bytes=0 so that
+every update is one sync of the same tensors): 'direct' applies each delta to
+the parameters in place; start_weight_update() checks that they still hold
+what the last update left there (a sample of their bits,
+DirectLoader.holds_last_load) and, after a level-2 sleep, takes a new seat,
+which makes the round's sync full. 'loader' reads through the consumer's own
+copy of the weights (one more copy of the model on the worker's device) and
+hands load_weights() whole tensors, so loads that transform the weights
+(quantization) are fine. Buckets (bucket_bytes > 0) change the tensors from
+one sync to the next, so they always go full. This backend streams through a ring region; a store region
 (shmcast.Producer(mode='store'), docs/python.md) keeps the newest version,
 so a worker could reload it after sleep(level=2) or a restart without the
 trainer (Consumer.receive_into), but this backend does not do that itself.
@@ -195,9 +206,17 @@ class ShmcastWeightTransferEngine(WeightTransferEngine[ShmcastWeightTransferInit
         return None
 
     def start_weight_update(self) -> None:
-        self._attach()  # reattach after a failed update (its seat was given back)
+        cons = self._attach()  # reattach after a failed update (its seat was given back)
         self.updates = []
-        self._path = "direct" if self._loader() is not None else "loader"
+        d = self._loader()
+        self._path = "direct" if d is not None else "loader"
+        if d is not None and cons.delta and d.holds_last_load() is False:
+            # Delta syncs: the parameters no longer hold what the last update
+            # left there (a level-2 sleep discarded them). A new seat asks the
+            # producer for a full sync, and the trainer sends this round's
+            # sync only after this call.
+            self._consumers.drop(self._init.region)
+            self._attach()
         if self._path == "loader":
             from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 

@@ -283,3 +283,95 @@ def test_trainer_closes_a_failed_round(region):
     assert Client.calls == ["init", "start", "update", "finish"]
     eng.shutdown()
     assert not os.path.exists(shmcast.region_path(region))
+
+
+# ------------------------------------------------------------- delta syncs
+
+
+def _changed(hf, seed, fraction=0.02):
+    """hf with `fraction` of each tensor's elements given new random values
+    (finite: the oracle compares the fused parts by value)."""
+    import delta_roles
+
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for n, t in hf:
+        t = t.clone()
+        w = delta_roles.words(t).reshape(-1)
+        m = max(1, int(fraction * w.numel()))
+        w[torch.randperm(w.numel(), generator=g)[:m]] = delta_roles.words(torch.randn(m, generator=g).to(t.dtype))
+        out.append((n, t))
+    return out
+
+
+@pytest.mark.parametrize("load", ["direct", "loader"])
+def test_delta_rounds_and_a_level2_sleep(region, load):
+    """One sync per update from a delta producer: 'direct' applies the deltas
+    to the parameters; after a level-2 sleep (garbage in the same memory)
+    start_weight_update() takes a new seat, so that round's sync is full.
+    'loader' applies them to the consumer's own copy: the sleep changes
+    nothing there."""
+    from shmcast._load import names_digest
+
+    eng = _engine(region)
+    kinds = []
+    with shmcast.Producer(region, slot_bytes=2 << 20, slots=8, delta=True) as prod:
+        eng.init_transfer_engine(eng.parse_init_info({"region": region, "timeout": 10.0, "load": load}))
+
+        def one_round(hf):
+            eng.start_weight_update()
+            assert prod.consumers == 1
+            prod.send(hf)  # one process: the sync fits in the region, the worker reads it afterwards
+            eng.update_weights({"version": prod.last_version, "count": len(hf),
+                                "names_digest": names_digest(n for n, _ in hf)})
+            eng.finish_weight_update()
+            assert fake_vllm.check_loaded(eng.model, hf) == []
+            kinds.append(prod.last_sync["kind"])
+
+        hf = fake_vllm.hf_state_dict(40)
+        for k in range(3):
+            one_round(hf)
+            hf = _changed(hf, k)
+        for p in eng.model.parameters():  # what the stand-in worker's sleep(level=2) leaves
+            p.data.view(torch.uint8).fill_(0xFF)
+        one_round(hf)
+        one_round(_changed(hf, 9))
+        assert eng.last_update_stats()["path"] == load
+        eng.shutdown()
+    if load == "direct":
+        assert kinds == ["full", "delta", "delta", "full", "delta"]
+    else:
+        assert kinds == ["full", "delta", "delta", "delta", "delta"]
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_direct_loader_refuses_a_delta_onto_changed_parameters(region, tp):
+    """Without a start hook (the worker extension, SGLang): a delta sync for
+    parameters that changed since the last load raises NeedsFullSync (TP
+    slices have no checksum to catch it), and the next sync is full."""
+    from shmcast._load import DirectLoader
+
+    with fake_vllm.tp_rank(0, tp):
+        model = fake_vllm.FakeQwen2ForCausalLM()
+    d = DirectLoader(model, 0, tp)
+    assert d.complete and d.holds_last_load() is None
+    with shmcast.Producer(region, slot_bytes=2 << 20, slots=8, delta=True) as prod, shmcast.Consumer(region) as cons:
+        hf = fake_vllm.hf_state_dict(50)
+        for k in range(2):
+            prod.send(hf)
+            d.load(cons, timeout=10)
+            assert fake_vllm.check_loaded(model, hf, 0, tp) == []
+            assert cons.last_sync["kind"] == ("full" if k == 0 else "delta") and d.holds_last_load()
+            hf = _changed(hf, k)
+        for p in model.parameters():
+            p.data.view(torch.uint8).fill_(0xFF)
+        assert d.holds_last_load() is False
+        prod.send(hf)
+        assert prod.last_sync["kind"] == "delta"
+        with pytest.raises(shmcast.NeedsFullSync):
+            d.load(cons, timeout=10)
+        hf = _changed(hf, 7)
+        prod.send(hf)
+        assert prod.last_sync["kind"] == "full"
+        d.load(cons, timeout=10)
+        assert fake_vllm.check_loaded(model, hf, 0, tp) == [] and d.holds_last_load()
