@@ -174,3 +174,41 @@ def test_delta_arguments(region):
         assert prod.delta_base_bytes == 0 and not cons.delta
         assert prod.last_sync == {"version": 0, "kind": None, "logical_bytes": 0, "payload_bytes": 0}
         assert cons.last_sync["kind"] is None
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("src", ["cpu", "cuda"])
+def test_delta_on_cuda(region, src):
+    """CUDA consumers (one process): receive_into CUDA destinations (some
+    transposed, one on the CPU: both through kept device temporaries),
+    receive() in 'copy' and 'staging' mode (the consumer's own copy on the
+    GPU); the producer sends CPU or CUDA tensors."""
+    dev = "cuda:0"
+    with shmcast.Producer(region, slot_bytes=roles.SLOT, slots=16, max_consumers=3, delta=True) as prod, \
+            shmcast.Consumer(region, device=dev) as into, \
+            shmcast.Consumer(region, device=dev, mode="copy") as copy, \
+            shmcast.Consumer(region, device=dev, mode="staging") as staging:
+        dst = {}
+        for name, dt, shape in dr.SPECS:
+            if name.endswith(".2d"):
+                dst[name] = torch.empty(shape[::-1], dtype=dt, device=dev).t()
+            elif name == "u8.vec":
+                dst[name] = torch.empty(shape, dtype=dt)  # a CPU destination in a CUDA receive
+            else:
+                dst[name] = torch.empty(shape, dtype=dt, device=dev)
+        kinds = []
+        for named in dr.versions(23, 8):
+            prod.send([(n, t.to(src)) for n, t in named])
+            kinds.append(prod.last_sync["kind"])
+            assert into.receive_into(dst, timeout=10) == prod.last_version
+            got_copy = copy.receive(timeout=10)
+            got_staging = staging.receive(timeout=10)
+            torch.cuda.synchronize()
+            assert dr.compare([(n, dst[n].cpu()) for n, _ in named], named) == []
+            assert dr.compare([(n, t.cpu()) for n, t in got_copy], named) == []
+            assert dr.compare([(n, t.cpu()) for n, t in got_staging], named) == []
+            assert all(t.device == torch.device(dev) for _n, t in got_copy + got_staging)
+            for c in (into, copy, staging):
+                assert c.last_sync == prod.last_sync
+            del got_copy, got_staging
+    assert kinds == ["full"] + ["delta"] * 7
