@@ -128,7 +128,8 @@ class Producer(_Closing):
     a consumer asked for one (it attached late, skipped a version, or was
     handed other destinations), every keyframe_every-th send (0: never on a
     schedule), or when the deltas would take more than delta_max_ratio of
-    the full size. last_sync says what the last send was.
+    the full size (None: the library's default, ProducerOptions). last_sync
+    says what the last send was.
     """
 
     def __init__(
@@ -155,7 +156,7 @@ class Producer(_Closing):
         store_bytes: Optional[int] = None,
         delta: bool = False,
         keyframe_every: int = 0,
-        delta_max_ratio: float = 0.5,
+        delta_max_ratio: Optional[float] = None,
     ):
         self._pid = os.getpid()
         self._c = None

@@ -50,7 +50,7 @@ class PyProducer : Owned {
     o.engine = parse_engine(engine);
     o.delta = delta;
     o.keyframe_every = int_arg<std::uint32_t>(keyframe_every, "keyframe_every", 0, 0xffffffffu);
-    o.delta_max_ratio = ratio_arg(delta_max_ratio, "delta_max_ratio");
+    if (!delta_max_ratio.is_none()) o.delta_max_ratio = ratio_arg(delta_max_ratio, "delta_max_ratio");
     py::gil_scoped_release nogil;  // fallocate + cudaHostRegister can take a while
     p_ = std::make_unique<Producer>(Producer::create(n, o));
   }
@@ -289,7 +289,7 @@ void bind_producer(py::module_& m) {
            py::arg("stall_policy") = "fail", py::arg("consumer_timeout") = 60.0, py::arg("pin") = "auto",
            py::arg("engine") = "auto", py::arg("rank") = 0, py::arg("world_size") = 1, py::arg("rank_timeout") = 120.0,
            py::arg("mode") = "ring", py::arg("store_bytes") = 0, py::arg("delta") = false,
-           py::arg("keyframe_every") = 0, py::arg("delta_max_ratio") = 0.5)
+           py::arg("keyframe_every") = 0, py::arg("delta_max_ratio") = py::none())
       .def("begin_sync", &PyProducer::begin_sync, py::arg("specs"), py::arg("version") = 0,
            "specs: sequence of (name, dtype, shape), or (name, dtype, full shape, dim, start, length) for a shard "
            "(sharded producers). version: 0 (the next), or the sync's version (greater than the last; sharded "
