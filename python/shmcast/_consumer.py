@@ -452,6 +452,15 @@ class Consumer(_Closing):
             self._drop_view()
             c.skip()
 
+    def request_full_sync(self) -> None:
+        """Delta regions: asks the producer for a full sync as its next one,
+        for destinations that changed since the last receive (weights
+        discarded or reloaded); no delta is applied to them meanwhile. Does
+        nothing on other regions."""
+        c = self._live()
+        with self._lock:
+            c.request_full_sync()
+
     def close(self) -> None:
         """Leaves the seat (the producer stops waiting for this consumer),
         unpins and unmaps. Staging views from receive() become invalid.

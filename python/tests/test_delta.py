@@ -216,3 +216,16 @@ def test_delta_on_cuda(region, src):
                 assert c.last_sync == prod.last_sync
             del got_copy, got_staging
     assert kinds == ["full"] + ["delta"] * 7
+
+
+def test_request_full_sync(region):
+    with shmcast.Producer(region, slot_bytes=roles.SLOT, slots=8, delta=True) as prod, \
+            shmcast.Consumer(region) as cons:
+        assert cons.delta
+        vs = dr.versions(17, 4)
+        dst = dr.destinations()
+        assert _send_and_receive_into(prod, cons, next(vs), dst) == "full"
+        assert _send_and_receive_into(prod, cons, next(vs), dst) == "delta"
+        cons.request_full_sync()  # say the weights were reloaded
+        assert _send_and_receive_into(prod, cons, next(vs), dst) == "full"
+        assert _send_and_receive_into(prod, cons, next(vs), dst) == "delta"

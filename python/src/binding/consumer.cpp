@@ -2,42 +2,8 @@
 // SyncInfo (a received sync's manifest, converted once).
 #include "binding.hpp"
 
-#include <fcntl.h>
-#include <sys/stat.h>
-
-#include <cstring>
-
 namespace shmcast::python {
 
-namespace {
-
-// Whether region `name` was created with delta syncs (ProducerOptions::delta):
-// the features word of its header, docs/protocol.md §3.1 (magic "SHMCAST\0"
-// at 0, layout_version at 8, features at 24, bit 2 = delta syncs). Read
-// once, right after Consumer::open, from the file that holds the name then.
-// shmcast::Consumer does not report it (yet); the torch API needs to know
-// before the first sync whether receive() must keep its own copy for deltas
-// to apply to. A file it cannot read says false; the torch API also switches
-// on its first delta sync.
-bool region_has_deltas(const std::string& name) {
-  constexpr std::uint64_t kMagic = 0x00545341434d4853ull;  // "SHMCAST\0", little-endian
-  constexpr std::uint64_t kFeatureDelta = 1ull << 2;
-  const std::string path = region_path(name);
-  const int fd = ::open(path.c_str(), O_RDONLY | O_NOFOLLOW | O_CLOEXEC | O_NONBLOCK | O_NOCTTY);
-  if (fd < 0) return false;
-  struct stat st {};
-  unsigned char h[32];
-  const bool ok = ::fstat(fd, &st) == 0 && S_ISREG(st.st_mode) && st.st_size >= 4096 &&
-                  ::pread(fd, h, sizeof h, 0) == static_cast<ssize_t>(sizeof h);
-  ::close(fd);
-  if (!ok) return false;
-  std::uint64_t magic = 0, features = 0;
-  std::memcpy(&magic, h, 8);
-  std::memcpy(&features, h + 24, 8);
-  return magic == kMagic && (features & kFeatureDelta) != 0;
-}
-
-}  // namespace
 
 PySync PySync::from(const SyncInfo& s) {
   PySync p;
@@ -107,7 +73,7 @@ class PyConsumer : Owned {
     o.verify_checksums = verify_checksums;
     py::gil_scoped_release nogil;
     c_ = std::make_unique<Consumer>(Consumer::open(n, o));
-    delta_ = c_->mode() == RegionMode::kRing && region_has_deltas(n);
+    delta_ = c_->delta();
   }
 
   // What every other call raises first: InvalidArgument in a forked child,
@@ -185,6 +151,9 @@ class PyConsumer : Owned {
 
   void skip() {
     locked([](Consumer& c) { c.skip(); });
+  }
+  void request_full_sync() {
+    locked([](Consumer& c) { c.request_full_sync(); });
   }
 
   // Store regions: the held version's tensors in the region (0 for an empty one).
@@ -293,6 +262,9 @@ void bind_consumer(py::module_& m) {
       .def_property_readonly("last_sync", &PyConsumer::last_sync,
                              "The last sync read_into() / read_into_device() completed: {'version', 'kind' ('full' | "
                              "'delta'), 'logical_bytes', 'payload_bytes'} (shmcast::Consumer::last_sync)")
+      .def("request_full_sync", &PyConsumer::request_full_sync,
+           "Delta regions: the next sync is full, and no delta is applied to the destinations meanwhile "
+           "(shmcast::Consumer::request_full_sync)")
       .def_property_readonly("delta", &PyConsumer::delta,
                              "True when the region was created with delta syncs (Producer(delta=True))")
       .def_property_readonly("last_version", &PyConsumer::last_version)
