@@ -38,11 +38,6 @@ if has tests; then
   (cd $B && timeout 400 ctest -L gpu --output-on-failure --timeout 240 -j4) >"$OUT/ctest-gpu.log" 2>&1
   grep -E "tests passed|tests failed|\*\*\*Failed|Not Run" "$OUT/ctest-gpu.log" | head -20
 fi
-if has python; then
-  log "pytest: the delta tests"
-  (cd $B/python && timeout 400 $PY -m pytest -q -ra -p no:cacheprovider "$OLDPWD"/python/tests/test_delta*.py \
-     "$OLDPWD"/python/tests/test_vllm_transfer.py 2>&1 | tail -15)
-fi
 if has adamw; then
   log "bench/delta_adamw.py: Qwen2 0.5B shapes, AdamW lr 1e-6, 50 steps"
   timeout 500 $PY bench/delta_adamw.py --steps 50 --lr 1e-6 --json "$OUT/delta_adamw.json" 2>&1 | tail -40
@@ -56,5 +51,10 @@ if has bench; then
   timeout 300 $B/bench/shmcast-delta-bench --mode cuda --mib 1024 --fractions 0.02 0.1 0.3 --reps 10 --json \
     > "$OUT/delta_codec_bench.json"
   echo "exit $?"
+fi
+if has python; then
+  log "pytest: the delta tests"
+  (cd $B/python && timeout 400 $PY -m pytest -q -ra -p no:cacheprovider "$OLDPWD"/python/tests/test_delta*.py \
+     "$OLDPWD"/python/tests/test_vllm_transfer.py 2>&1 | tail -15)
 fi
 log done
