@@ -103,6 +103,7 @@ std::uint64_t Producer::Impl::begin_delta(std::uint64_t want) {
   d.want = want;
   d.blobs.assign(specs.size(), {});
   d.pending.assign(specs.size(), {});
+  d.raw_from_base.assign(specs.size(), false);
   sync_start_ns = mono_ns();
   in_sync = true;
   next_tensor = 0;
@@ -219,8 +220,9 @@ void Producer::Impl::write_staged(std::size_t index, const Buffer& src, void* st
   DeltaState::Base& b = delta.base[index];
   if (b.dev != nullptr) {
     // A base on the GPU. A contiguous GPU source, 8-byte aligned: encoded
-    // on the GPU by end_sync(). Anything else updates the base as it is
-    // and makes this sync full (the base then holds the new bytes).
+    // on the GPU by end_sync(). Anything else updates the base as it is:
+    // a dtype sent as its bytes then goes from there, any other makes this
+    // sync full (the base then holds the new bytes).
     if (from == 0 && to == n && src.device && src.layout.rows == 0 && delta_encodes(t.dtype) &&
         reinterpret_cast<std::uintptr_t>(src.ptr) % 8 == 0) {
       delta.pending[index] = DeltaState::Pending{src.ptr, stream};
@@ -237,7 +239,13 @@ void Producer::Impl::write_staged(std::size_t index, const Buffer& src, void* st
       codec().upload(static_cast<std::byte*>(b.dev) + from, p, to - from, stream);
       codec().wait(stream);
     }
-    delta.force_full = true;
+    if (delta_encodes(t.dtype)) {
+      delta.force_full = true;
+    } else if (to == n) {
+      // A dtype sent as its bytes in every sync: from its base, which holds them now.
+      delta.raw_from_base[index] = true;
+      delta.wire += n;
+    }
     part_done = to < n ? to : 0;
     if (to == n) ++next_tensor;
     return;
@@ -359,7 +367,8 @@ bool Producer::Impl::encode_pending(std::vector<Buffer>* sources) {
 void Producer::Impl::end_staged() {
   DeltaState& d = delta;
   std::vector<Buffer> sources(specs.size());
-  for (std::size_t i = 0; i < specs.size(); ++i) sources[i] = Buffer{d.blobs[i].data(), false, {}};
+  for (std::size_t i = 0; i < specs.size(); ++i)
+    sources[i] = d.raw_from_base[i] ? Buffer{d.base[i].dev, true, {}} : Buffer{d.blobs[i].data(), false, {}};
   const bool encoded = !d.force_full && encode_pending(&sources);
   in_sync = false;  // begin_ring sets it again
   d.staged = false;
@@ -393,7 +402,9 @@ void Producer::Impl::end_staged() {
   std::vector<TensorSpec> packed(specs.size());
   wire_sizes.resize(specs.size());
   for (std::size_t i = 0; i < specs.size(); ++i) {
-    wire_sizes[i] = d.pending[i].src != nullptr ? d.pending[i].blob : d.blobs[i].size();
+    wire_sizes[i] = d.pending[i].src != nullptr ? d.pending[i].blob
+                    : d.raw_from_base[i]         ? specs[i].local_nbytes()
+                                                 : d.blobs[i].size();
     packed[i].dtype = DType::kRaw;
     packed[i].shape = {static_cast<std::int64_t>(wire_sizes[i])};
   }

@@ -106,6 +106,7 @@ struct __attribute__((visibility("hidden"))) Producer::Impl {
     std::uint64_t base_bytes = 0;
     std::unique_ptr<detail::delta::CudaCodec> codec;  // device bases (made on first use)
     std::vector<Pending> pending;                     // per tensor; src null: not from a GPU
+    std::vector<bool> raw_from_base;                  // per tensor: sent as its bytes from its device base
     bool force_full = false;                          // a base changed outside the codec this sync
     bool valid = false;              // the base holds version base_version, as the consumers got it
     std::uint64_t base_version = 0;
