@@ -92,6 +92,19 @@ std::string rank_bytes_problem(std::span<const std::uint64_t> rank_bytes, std::u
 // when they fit in one. Updates *rank_prev / *end_prev. Empty when valid.
 std::string piece_problem(const ManifestPiece& p, std::uint32_t tensor_count, std::span<const std::uint64_t> rank_bytes,
                           std::uint64_t slot_bytes, std::uint32_t* rank_prev, std::uint64_t* end_prev);
+// A delta piece's base (docs/protocol.md §6): a version before the sync's
+// (`sync_version`), the same for every delta piece of the sync. *base_version
+// is 0 until the first delta piece, then its base. A full piece (base 0)
+// passes.
+std::string piece_base_problem(const ManifestPiece& p, std::uint64_t sync_version, std::uint64_t* base_version);
+// Piece `p` against its tensor (`dtype`, `shape`, `tensor_nbytes`: an entry
+// that passed entry_shape_problem): a whole piece has no range, a shard's dim
+// and range lie inside the tensor; a full piece's bytes are its range's, a
+// delta piece's blob can carry its range (delta::piece_fits). Sets *logical
+// to the piece's logical bytes when valid.
+// (manifest_piece.cpp; decode_manifest applies the same rules inline.)
+std::string piece_size_problem(const ManifestPiece& p, DType dtype, std::span<const std::int64_t> shape,
+                               std::uint64_t tensor_nbytes, std::uint64_t* logical);
 // The rules every tensor name follows; empty when `name` is valid.
 std::string name_problem(std::string_view name);
 
