@@ -6,8 +6,15 @@
 // short read, not SIGBUS. Every byte is hashed and every entry validated
 // with decode_manifest's per-entry and header rules (protocol/manifest.hpp)
 // as its bytes go by; only the first `limit` entries are kept and decoded.
-// The rules that need all entries at once (duplicate names, whole pieces,
-// tiling, logical bytes against the payload) are the consumer's alone.
+// Every piece is checked against its tensor too (sizes, ranges, a delta
+// blob's size: piece_size_problem), and the pieces' logical bytes against
+// the tensors': a piece of a tensor not kept takes its entry from a second
+// read of the entries, a block of kBlock entries at a time, each block
+// checked against the hash of its bytes as the stream went by, so it is the
+// entry that was validated (a block that differs: the manifest changed
+// under the read, and it is read again). The rules that need all of a
+// tensor's pieces at once (duplicate names, a whole piece beside others,
+// tiling) are the consumer's alone.
 #include "probe/manifest_stream.hpp"
 
 #include <unistd.h>
@@ -17,6 +24,8 @@
 #include <chrono>
 #include <cstring>
 #include <new>
+#include <optional>
+#include <span>
 #include <string>
 #include <thread>
 #include <vector>
@@ -35,6 +44,8 @@ namespace {
 
 constexpr std::size_t kReadPiece = 1u << 20;  // bytes per pread of the manifest
 constexpr std::size_t kWindow = 4096;         // entries (and pieces) per pread
+constexpr std::size_t kBlock = 64;            // entries per block read again for a piece (divides kWindow)
+static_assert(kWindow % kBlock == 0);
 
 // Sequential, hashed reads of [off, off + len) of a file.
 class HashedReader {
@@ -77,12 +88,59 @@ struct NameWant {
   std::size_t tensor;  // index into the kept tensors
 };
 
+// The entries of the tensors not kept, read again a block at a time for
+// their pieces. Memory: one block, and one hash per block of the manifest
+// (kMaxTensors / kBlock at most).
+class EntryBlocks {
+ public:
+  EntryBlocks(int fd, std::uint64_t entries_off, std::uint64_t count)
+      : fd_(fd), off_(entries_off), count_(count), hashes_((count + kBlock - 1) / kBlock) {}
+  // The stream's bytes of entries [first, first + n) (first a multiple of kBlock).
+  void saw(std::uint64_t first, const ManifestEntry* e, std::size_t n) {
+    for (std::size_t k = 0; k < n; k += kBlock)
+      hashes_[(first + k) / kBlock] = XXH3_64bits(e + k, std::min(kBlock, n - k) * sizeof(ManifestEntry));
+  }
+  enum class Got { kOk, kShrank, kChanged };
+  // Entry i, as the stream saw it.
+  Got get(std::uint64_t i, const ManifestEntry** out) {
+    const std::uint64_t b = i / kBlock;
+    if (b != block_) {
+      const std::size_t n = static_cast<std::size_t>(std::min<std::uint64_t>(kBlock, count_ - b * kBlock));
+      const std::size_t len = n * sizeof(ManifestEntry);
+      char* p = reinterpret_cast<char*>(buf_);
+      std::size_t got = 0;
+      while (got < len) {
+        const ssize_t k = retry_eintr(
+            [&] { return ::pread(fd_, p + got, len - got, static_cast<off_t>(off_ + b * kBlock * sizeof(ManifestEntry) + got)); });
+        if (k <= 0) return Got::kShrank;
+        got += static_cast<std::size_t>(k);
+      }
+      block_ = ~0ull;
+      if (XXH3_64bits(buf_, len) != hashes_[b]) return Got::kChanged;
+      block_ = b;
+    }
+    *out = &buf_[i - b * kBlock];
+    return Got::kOk;
+  }
+
+ private:
+  int fd_;
+  std::uint64_t off_, count_;
+  std::vector<std::uint64_t> hashes_;
+  ManifestEntry buf_[kBlock];
+  std::uint64_t block_ = ~0ull;
+};
+
 // One pass over the manifest of `rec`: hashes all of it into *hash and
 // validates it. Returns "" when valid (m filled), else why not; *shrank is
 // set when the file ended early.
 // `store`: a store region's record (one chunk holding the whole stream).
+// `delta_region`: the region has the delta feature (a delta piece elsewhere
+// is refused, as consumers refuse it). *changed is set when an entry read
+// again differs from the stream's.
 std::string stream_manifest(int fd, std::uint64_t moff, const RecordSnapshot& rec, std::uint64_t slot_bytes,
-                            std::size_t limit, P::Manifest* m, std::uint64_t* hash, bool* shrank, bool store) {
+                            std::size_t limit, P::Manifest* m, std::uint64_t* hash, bool* shrank, bool* changed,
+                            bool store, bool delta_region) {
   HashedReader rd(fd, moff, rec.manifest_used);
   std::string why;
   auto done = [&](std::string w) {
@@ -115,13 +173,17 @@ std::string stream_manifest(int fd, std::uint64_t moff, const RecordSnapshot& re
   kept.reserve(keep);
   wants.reserve(keep);
   std::vector<ManifestEntry> win(std::min<std::uint64_t>(kWindow, h.tensor_count));
-  std::uint64_t end_prev = 0, payload = 0, logical = 0;
+  std::uint64_t end_prev = 0, payload = 0, logical = 0, pieces_logical = 0, base_version = 0;
+  // Only when some entries are not kept.
+  std::optional<EntryBlocks> blocks;
+  if (keep < h.tensor_count) blocks.emplace(fd, moff + sizeof h, h.tensor_count);
   for (std::uint64_t first = 0; first < h.tensor_count; first += kWindow) {
     const std::size_t w = static_cast<std::size_t>(std::min<std::uint64_t>(kWindow, h.tensor_count - first));
     if (!rd.read(win.data(), w * sizeof(ManifestEntry))) {
       *shrank = true;
       return "the file shrank while it was read";
     }
+    if (blocks) blocks->saw(first, win.data(), w);
     for (std::size_t k = 0; k < w && why.empty(); ++k) {
       const ManifestEntry& e = win[k];
       std::string bad = entry_name_problem(e, h.names_bytes);
@@ -157,11 +219,38 @@ std::string stream_manifest(int fd, std::uint64_t moff, const RecordSnapshot& re
     }
     for (std::size_t k = 0; k < w && why.empty(); ++k) {
       const ManifestPiece& p = pwin[k];
-      if (std::string bad = piece_problem(p, h.tensor_count, rank_bytes, slot_bytes, &rank_prev, &end_prev); !bad.empty()) {
+      std::string bad = piece_problem(p, h.tensor_count, rank_bytes, slot_bytes, &rank_prev, &end_prev);
+      if (bad.empty()) bad = piece_base_problem(p, h.sync_version, &base_version);
+      if (bad.empty() && p.base_version != 0 && !delta_region) bad = "a delta piece in a region created without deltas";
+      // Its tensor: kept, or its entry read again.
+      std::uint64_t nb = 0;
+      if (bad.empty() && p.tensor < kept.size()) {
+        const TensorInfo& t = kept[p.tensor];
+        bad = piece_size_problem(p, t.dtype, t.shape, t.nbytes, &nb);
+      } else if (bad.empty() && blocks) {  // (without blocks every tensor is kept: piece_problem checked the index)
+        const ManifestEntry* e = nullptr;
+        switch (blocks->get(p.tensor, &e)) {
+          case EntryBlocks::Got::kShrank:
+            *shrank = true;
+            return "the file shrank while it was read";
+          case EntryBlocks::Got::kChanged:
+            *changed = true;
+            return done("the manifest changed while it was read");
+          case EntryBlocks::Got::kOk:
+            bad = piece_size_problem(p, static_cast<DType>(e->dtype), std::span<const std::int64_t>(e->shape, e->ndim),
+                                     e->nbytes, &nb);
+            break;
+        }
+      }
+      if (!bad.empty()) {
         why = "piece " + std::to_string(at + k) + ": " + bad;
         break;
       }
       payload += p.nbytes;
+      if (!checked_add(pieces_logical, nb, &pieces_logical)) {  // many delta pieces of a huge tensor
+        why = "payload size disagrees with the tensors";
+        break;
+      }
       if (p.tensor < kept.size()) {
         ShardInfo sh;
         sh.rank = p.rank;
@@ -169,12 +258,15 @@ std::string stream_manifest(int fd, std::uint64_t moff, const RecordSnapshot& re
         sh.start = p.start;
         sh.length = p.length;
         sh.stream_offset = p.offset;
-        sh.nbytes = p.nbytes;
+        sh.nbytes = nb;
+        sh.wire_bytes = p.nbytes;
+        sh.base_version = p.base_version;
         kept[p.tensor].shards.push_back(sh);
       }
     }
   }
   if (why.empty() && payload != h.payload_bytes) why = "payload size disagrees with the pieces";
+  if (why.empty() && pieces_logical != logical) why = "payload size disagrees with the tensors";
 
   // The names blob, in pieces; the kept entries take their names as their
   // bytes go by.
@@ -211,7 +303,9 @@ std::string stream_manifest(int fd, std::uint64_t moff, const RecordSnapshot& re
   if (!why.empty()) return why;
   m->version = h.sync_version;
   m->tensor_count = h.tensor_count;
+  m->logical_bytes = logical;
   m->payload_bytes = payload;
+  m->base_version = base_version;
   m->stream_bytes = h.stream_bytes;
   m->world_size = h.world_size;
   m->tensors = std::move(kept);
@@ -247,9 +341,14 @@ void decode_current_manifest(P::Region* r, const Geometry& g, int fd, const std:
     if (moff > size || rec.manifest_used > size - moff) return invalid("manifest runs past the end of the file");
     P::Manifest got;
     std::uint64_t hash = 0;
-    bool shrank = false;
-    const std::string why = stream_manifest(fd, moff, rec, g.slot_bytes, limit, &got, &hash, &shrank, g.store);
+    bool shrank = false, changed = false;
+    const std::string why = stream_manifest(fd, moff, rec, g.slot_bytes, limit, &got, &hash, &shrank, &changed,
+                                            g.store, r->fixed.delta);
     if (shrank) return invalid(why);
+    if (changed) {
+      last_why = why;
+      continue;
+    }
     RecordSnapshot again{};
     bool stable2 = false, recovered2 = false;
     if (!read_record_or_recover(live, g, dead, &again, &stable2, &recovered2))

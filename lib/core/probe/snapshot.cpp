@@ -51,6 +51,7 @@ P::FixedHeader pub(const HeaderFixed& f) {
   h.features = f.features;
   h.checksums = (f.features & kFeatureChecksums) != 0;
   h.store = (f.features & kFeatureStore) != 0;
+  h.delta = (f.features & kFeatureDelta) != 0;
   h.max_consumers = f.max_consumers;
   h.slot_count = f.slot_count;
   h.slot_bytes = f.slot_bytes;

@@ -103,6 +103,7 @@ struct FixedHeader {
   std::uint64_t features = 0;
   bool checksums = false;  // the per-slot checksum feature bit
   bool store = false;      // a store region (RegionMode::kStore): slots are banks, each holding one version
+  bool delta = false;      // a region with delta syncs (ProducerOptions::delta, feature bit 2)
   std::uint32_t max_consumers = 0;
   std::uint32_t slot_count = 0;
   std::uint64_t slot_bytes = 0;
@@ -157,14 +158,26 @@ struct Slot {
   std::uint32_t holders = 0;  // live enrolled seats that have not released it
 };
 
-// The manifest of the sync in the record. Every entry is validated; only
-// the first Options::manifest_limit are decoded into `tensors`.
+// The manifest of the sync in the record. Every entry and every piece is
+// validated; only the first Options::manifest_limit entries are decoded into
+// `tensors`.
 struct Manifest {
   ManifestStatus status = ManifestStatus::kNone;
   std::string reason;
-  std::uint64_t version = 0, tensor_count = 0, payload_bytes = 0, stream_bytes = 0;  // when kOk
+  // When kOk:
+  std::uint64_t version = 0, tensor_count = 0, stream_bytes = 0;
+  // The sync's size, named as in SyncReport (Producer::last_sync): the
+  // tensors' bytes, and the bytes their pieces take in the stream (the
+  // blobs of a delta sync; a full sync: logical_bytes).
+  std::uint64_t logical_bytes = 0, payload_bytes = 0;
+  // A delta sync (docs/protocol.md §12): the version its delta pieces apply
+  // to; 0: a full sync.
+  std::uint64_t base_version = 0;
+  bool delta() const noexcept { return base_version != 0; }
   std::uint32_t world_size = 1;  // producer ranks that wrote the sync
-  std::vector<TensorInfo> tensors;  // each with its pieces (TensorInfo::shards)
+  // Each with its pieces (TensorInfo::shards: nbytes logical, wire_bytes and
+  // base_version as the manifest gives them).
+  std::vector<TensorInfo> tensors;
 };
 
 struct Region {

@@ -149,6 +149,7 @@ TEST(Probe, ReadyRegionWithItsManifest) {
   EXPECT_EQ(r.fixed.max_consumers, 4u);
   EXPECT_EQ(r.fixed.world_size, 1u);
   EXPECT_FALSE(r.fixed.store);
+  EXPECT_FALSE(r.fixed.delta);
   EXPECT_EQ(r.init_state, P::InitState::kReady);
   EXPECT_EQ(r.producer.pid, static_cast<std::uint32_t>(::getpid()));
   EXPECT_EQ(r.producer_alive, P::Alive::kYes);
@@ -172,6 +173,9 @@ TEST(Probe, ReadyRegionWithItsManifest) {
   EXPECT_EQ(m.tensor_count, 3u);
   EXPECT_EQ(m.world_size, 1u);
   EXPECT_EQ(m.payload_bytes, 128u + 32u + 100u);
+  EXPECT_EQ(m.logical_bytes, m.payload_bytes);
+  EXPECT_FALSE(m.delta());
+  EXPECT_EQ(m.base_version, 0u);
   ASSERT_EQ(m.tensors.size(), 3u);
   const std::vector<TensorSpec> specs = three_specs();
   for (std::size_t i = 0; i < 3; ++i) {
@@ -182,6 +186,8 @@ TEST(Probe, ReadyRegionWithItsManifest) {
     ASSERT_EQ(m.tensors[i].shards.size(), 1u);
     EXPECT_EQ(m.tensors[i].shards[0].dim, -1);
     EXPECT_EQ(m.tensors[i].shards[0].nbytes, specs[i].nbytes());
+    EXPECT_EQ(m.tensors[i].shards[0].wire_bytes, specs[i].nbytes());
+    EXPECT_EQ(m.tensors[i].shards[0].base_version, 0u);
     EXPECT_EQ(m.tensors[i].shards[0].stream_offset % limits::kTensorAlign, 0u);
   }
 }
@@ -465,6 +471,37 @@ TEST(Probe, HostileManifestFields) {
       {"piece overlap", [](std::string& m) { mpiece(m, 2)->offset = 0; }, "piece 2: overlaps the previous piece"},
       {"piece past", [](std::string& m) { mpiece(m, 2)->nbytes = 1ull << 40; }, "piece 2: runs past its rank's sub-stream"},
       {"payload", [](std::string& m) { mhead(m)->payload_bytes += 1; }, "payload size disagrees with the pieces"},
+      // Each piece against its tensor (piece_size_problem, decode_manifest's rules).
+      {"piece range", [](std::string& m) { mpiece(m, 0)->length = 4; }, "piece 0: a whole piece with a range"},
+      {"piece size",
+       [](std::string& m) {
+         mpiece(m, 2)->nbytes -= 1;
+         mhead(m)->payload_bytes -= 1;
+       },
+       "piece 2: whole piece size disagrees with its tensor"},
+      {"piece dim", [](std::string& m) { mpiece(m, 0)->dim = 2; }, "piece 0: shard dim is not a dimension of its tensor"},
+      {"shard range",
+       [](std::string& m) {
+         mpiece(m, 0)->dim = 0;
+         mpiece(m, 0)->start = 2;
+         mpiece(m, 0)->length = 3;
+       },
+       "piece 0: shard range lies outside its tensor"},
+      {"shard size",
+       [](std::string& m) {
+         mpiece(m, 0)->dim = 0;
+         mpiece(m, 0)->length = 2;
+       },
+       "piece 0: shard size disagrees with its range"},
+      {"half a tensor",  // each piece its range's size, but the tensor half covered
+       [](std::string& m) {
+         mpiece(m, 0)->dim = 0;
+         mpiece(m, 0)->length = 2;
+         mpiece(m, 0)->nbytes = 64;
+         mhead(m)->payload_bytes -= 64;
+       },
+       "payload size disagrees with the tensors"},
+      {"delta here", [](std::string& m) { mpiece(m, 1)->base_version = 1; }, "piece 1: a delta against a version not"},
       {"name nul",
        [](std::string& m) { m[mhead(m)->names_offset + mentry(m, 0)->name_offset] = '\0'; },
        "tensor 0: tensor name contains a NUL byte"},
@@ -525,10 +562,186 @@ TEST(Probe, LargeManifestAcrossWindows) {
   ASSERT_EQ(few.manifest.tensors.size(), 5000u);
   EXPECT_EQ(few.manifest.tensors[4999].name, "t.4999");
   EXPECT_EQ(few.manifest.tensor_count, static_cast<std::uint64_t>(kCount));
+  // A piece of a tensor far past the limit is checked against its entry,
+  // read again from its block.
+  rewrite_manifest(dir.file("many"), [](std::string& m) { mpiece(m, 8500)->length = 16; });
+  const P::Region range = probe_in(dir, "many", true, 10);
+  EXPECT_EQ(range.manifest.status, P::ManifestStatus::kInvalid);
+  EXPECT_TRUE(has(range.manifest.reason, "piece 8500: a whole piece with a range")) << range.manifest.reason;
+  rewrite_manifest(dir.file("many"), [](std::string& m) {
+    mpiece(m, 8500)->length = 0;
+    mpiece(m, 8999)->nbytes = 8;
+    mhead(m)->payload_bytes -= 8;
+  });
+  const P::Region size = probe_in(dir, "many", true, 10);
+  EXPECT_EQ(size.manifest.status, P::ManifestStatus::kInvalid);
+  EXPECT_TRUE(has(size.manifest.reason, "piece 8999: whole piece size disagrees")) << size.manifest.reason;
+  rewrite_manifest(dir.file("many"), [](std::string& m) {
+    mpiece(m, 8999)->nbytes = 16;
+    mhead(m)->payload_bytes += 8;
+  });
+  ASSERT_EQ(probe_in(dir, "many", true, 10).manifest.status, P::ManifestStatus::kOk);
   rewrite_manifest(dir.file("many"), [](std::string& m) { mentry(m, 8500)->ndim = 9; });
   const P::Region bad = probe_in(dir, "many", true, 10);
   EXPECT_EQ(bad.manifest.status, P::ManifestStatus::kInvalid);
   EXPECT_TRUE(has(bad.manifest.reason, "tensor 8500: more than 8 dimensions")) << bad.manifest.reason;
+}
+
+// ---------------------------------------------------------------- delta syncs
+
+namespace {
+
+// bf16 bits: the tensor "w" {256, 512} and "n" f32 {1000}, with a consumer
+// that reads each version into the same buffers (so the producer's next
+// sync may be a delta).
+struct DeltaRig {
+  std::vector<TensorSpec> specs{{"w", DType::kBF16, {256, 512}}, {"n", DType::kF32, {1000}}};
+  std::vector<std::vector<std::uint8_t>> src, dst;
+  Producer producer;
+  Consumer consumer;
+
+  explicit DeltaRig(const std::string& name) : producer(Producer::create(name, options())), consumer(open(name)) {
+    for (std::size_t i = 0; i < specs.size(); ++i) {
+      src.emplace_back(specs[i].nbytes());
+      shmcast_test::fill_pattern(src.back().data(), src.back().size(), 0xde17a + i);
+      dst.emplace_back(specs[i].nbytes());
+    }
+  }
+  static ProducerOptions options() {
+    ProducerOptions o = small_opts();
+    o.delta = true;
+    o.engine = CopyEngine::kHost;
+    return o;
+  }
+  static Consumer open(const std::string& name) {
+    ConsumerOptions co;
+    co.pin = Pin::kNo;
+    co.open_timeout = 10s;
+    return Consumer::open(name, co);
+  }
+  std::uint64_t logical() const { return specs[0].nbytes() + specs[1].nbytes(); }
+  // Changes `count` elements of "w" (then sends).
+  void change(int count, std::uint64_t seed) {
+    for (int k = 0; k < count; ++k) src[0][2 * ((seed * 7919 + k * 4099) % (256 * 512))] ^= 0x5a;
+  }
+  // Sends the sources; the consumer reads them and must get them bit-exact.
+  std::uint64_t sync() {
+    std::vector<const void*> ptrs{src[0].data(), src[1].data()};
+    const std::uint64_t v = producer.send(specs, ptrs);
+    consumer.wait_sync(10s);
+    std::vector<void*> out{dst[0].data(), dst[1].data()};
+    consumer.read_into(out);
+    EXPECT_EQ(dst, src) << "version " << v;
+    return v;
+  }
+};
+
+}  // namespace
+
+// A region with delta syncs: the probe says so, and gives the kind, base
+// version and sizes of the sync in the record (the first full, the next
+// ones deltas of a few changed bf16 elements), with every delta piece
+// checked against its tensor, kept or not.
+TEST(Probe, DeltaSyncsKindBaseAndSizes) {
+  TempDir dir;
+  DeltaRig rig("delta");
+  ASSERT_EQ(rig.sync(), 1u);
+  const P::Region full = probe_in(dir, "delta");
+  ASSERT_TRUE(full.header_valid);
+  EXPECT_TRUE(full.fixed.delta);
+  EXPECT_FALSE(full.fixed.store);
+  const P::Manifest& fm = full.manifest;
+  ASSERT_EQ(fm.status, P::ManifestStatus::kOk) << fm.reason;
+  EXPECT_FALSE(fm.delta());
+  EXPECT_EQ(fm.base_version, 0u);
+  EXPECT_EQ(fm.logical_bytes, rig.logical());
+  EXPECT_EQ(fm.payload_bytes, rig.logical());
+
+  rig.change(12, 2);
+  ASSERT_EQ(rig.sync(), 2u);
+  const SyncReport sent = rig.producer.last_sync();
+  ASSERT_TRUE(sent.delta);
+  for (std::size_t limit : {0, 1}) {  // limit 1: "n"'s piece is checked against its entry read again
+    const P::Region r = probe_in(dir, "delta", true, limit);
+    const P::Manifest& m = r.manifest;
+    ASSERT_EQ(m.status, P::ManifestStatus::kOk) << m.reason;
+    EXPECT_EQ(m.version, 2u);
+    EXPECT_TRUE(m.delta());
+    EXPECT_EQ(m.base_version, 1u);
+    EXPECT_EQ(m.logical_bytes, rig.logical());
+    EXPECT_EQ(m.logical_bytes, sent.logical_bytes);
+    EXPECT_EQ(m.payload_bytes, sent.payload_bytes);
+    EXPECT_LT(m.payload_bytes * 10, m.logical_bytes);  // 12 changed elements of 128 Ki
+    ASSERT_EQ(m.tensors.size(), limit == 0 ? 2u : 1u);
+    const ShardInfo& w = m.tensors[0].shards.at(0);
+    EXPECT_EQ(w.nbytes, rig.specs[0].nbytes());
+    EXPECT_EQ(w.base_version, 1u);
+    EXPECT_GT(w.wire_bytes, 0u);
+    EXPECT_LT(w.wire_bytes, w.nbytes);
+  }
+
+  // A third version: a delta against the second.
+  rig.change(3, 3);
+  ASSERT_EQ(rig.sync(), 3u);
+  const P::Region third = probe_in(dir, "delta");
+  ASSERT_EQ(third.manifest.status, P::ManifestStatus::kOk) << third.manifest.reason;
+  EXPECT_EQ(third.manifest.base_version, 2u);
+
+  // Hostile delta pieces: reported as the manifest's problem, for kept
+  // tensors and for the ones past the limit alike.
+  const std::string path = dir.file("delta");
+  const std::string good = [&] {
+    std::string m;
+    rewrite_manifest(path, [&](std::string& b) { m = b; });
+    return m;
+  }();
+  {
+    std::string m = good;  // every piece of the sync is a delta against version 2, "n"'s (unchanged) too
+    ASSERT_EQ(mhead(m)->piece_count, 2u);
+    ASSERT_EQ(mpiece(m, 0)->base_version, 2u);
+    ASSERT_EQ(mpiece(m, 1)->base_version, 2u);
+  }
+  struct Case {
+    const char* what;
+    std::function<void(std::string&)> edit;
+    const char* reason;
+  };
+  // A blob shorter than its header and table; the header's payload follows,
+  // so only the piece rule can see it.
+  auto blob = [](std::size_t k, std::uint64_t nbytes) {
+    return [k, nbytes](std::string& m) {
+      mhead(m)->payload_bytes = mhead(m)->payload_bytes - mpiece(m, k)->nbytes + nbytes;
+      mpiece(m, k)->nbytes = nbytes;
+    };
+  };
+  const std::vector<Case> cases = {
+      {"tiny blob", blob(0, 8), "piece 0: a delta blob of impossible size for its piece"},
+      {"tiny blob past the limit", blob(1, 8), "piece 1: a delta blob of impossible size for its piece"},
+      {"base ahead", [](std::string& m) { mpiece(m, 0)->base_version = 3; }, "piece 0: a delta against a version not before"},
+      {"two bases", [](std::string& m) { mpiece(m, 1)->base_version = 1; }, "piece 1: delta pieces against different versions"},
+      {"whole with range", [](std::string& m) { mpiece(m, 1)->length = 7; }, "piece 1: a whole piece with a range"},
+  };
+  for (const Case& c : cases) {
+    rewrite_manifest(path, [&](std::string& m) {
+      m = good;
+      c.edit(m);
+    });
+    for (std::size_t limit : {0, 1}) {
+      const P::Region r = probe_in(dir, "delta", true, limit);
+      EXPECT_EQ(r.state, P::State::kReady) << c.what;
+      EXPECT_EQ(r.manifest.status, P::ManifestStatus::kInvalid) << c.what << ": " << r.manifest.reason;
+      EXPECT_TRUE(has(r.manifest.reason, c.reason)) << c.what << ", limit " << limit << ": " << r.manifest.reason;
+    }
+  }
+  rewrite_manifest(path, [&](std::string& m) { m = good; });
+  ASSERT_EQ(probe_in(dir, "delta").manifest.status, P::ManifestStatus::kOk);
+  // Delta pieces in a region created without deltas, as consumers refuse them.
+  copy_region(dir, "delta", "nodelta", [](std::string& b) { fixed_of(b)->features &= ~detail::kFeatureDelta; });
+  const P::Region plain = probe_in(dir, "nodelta");
+  EXPECT_FALSE(plain.fixed.delta);
+  EXPECT_EQ(plain.manifest.status, P::ManifestStatus::kInvalid);
+  EXPECT_TRUE(has(plain.manifest.reason, "piece 0: a delta piece in a region created without deltas"))
+      << plain.manifest.reason;
 }
 
 // ---------------------------------------------------------------- SIGBUS guard and names
