@@ -30,6 +30,7 @@
 #include "base/layout.hpp"
 #include "protocol/ring.hpp"
 #include "region_edit.hpp"
+#include "shmcast/probe.hpp"
 #include "support.hpp"
 
 using namespace shmcast;
@@ -1624,6 +1625,128 @@ TEST(Tool, ShowValidatesEntriesItDoesNotPrint) {
   EXPECT_NE(bad.at("manifest").at("reason").get<std::string>().find("tensor 8500:"), std::string::npos)
       << bad.at("manifest").dump();
   EXPECT_EQ(bad.at("manifest").at("tensors").size(), 0u);
+}
+
+// A region with delta syncs: show gives the kind and the sizes of the last
+// sync (full, then a delta of a few changed bf16 elements that a consumer
+// applies), in JSON and text; a delta piece whose blob cannot carry its
+// piece is the manifest's reported problem.
+TEST(Tool, ShowGivesTheKindAndSizesOfDeltaSyncs) {
+  TempDir dir;
+  ProducerOptions o = small_opts();
+  o.delta = true;
+  o.engine = CopyEngine::kHost;
+  Producer p = Producer::create("delta", o);
+  const std::vector<TensorSpec> specs{{"w", DType::kBF16, {256, 512}}, {"n", DType::kF32, {1000}}};
+  const std::uint64_t logical = specs[0].nbytes() + specs[1].nbytes();
+  // Version 1's bytes, and version 2's: 10 elements of "w" changed.
+  auto weights = [&](std::uint64_t version) {
+    std::vector<std::vector<std::uint8_t>> d;
+    for (std::size_t i = 0; i < specs.size(); ++i) {
+      d.emplace_back(specs[i].nbytes());
+      fill_pattern(d.back().data(), d.back().size(), 0xde17a + i);
+    }
+    if (version > 1)
+      for (std::size_t k = 0; k < 10; ++k) d[0][2 * (k * 9973 % (256 * 512)) + 1] ^= 0x21;
+    return d;
+  };
+  Signal read;
+  // The consumer reads each version into the same buffers (so the next may
+  // be a delta) and checks it bit-exact.
+  Child consumer = Child::spawn([&] {
+    ConsumerOptions co;
+    co.pin = Pin::kNo;
+    Consumer c = Consumer::open("delta", co);
+    std::vector<std::vector<std::uint8_t>> got{std::vector<std::uint8_t>(specs[0].nbytes()),
+                                               std::vector<std::uint8_t>(specs[1].nbytes())};
+    std::vector<void*> dst{got[0].data(), got[1].data()};
+    for (std::uint64_t v = 1; v <= 2; ++v) {
+      if (c.wait_sync(20s).version != v) return 10;
+      c.read_into(dst);
+      if (got != weights(v)) return 11;
+      read.post();
+    }
+    park();
+    return 0;
+  });
+  p.wait_for_consumers(1, 20s);
+  auto send = [&](std::uint64_t v) {
+    const auto d = weights(v);
+    std::vector<const void*> ptrs{d[0].data(), d[1].data()};
+    return p.send(specs, ptrs);
+  };
+
+  ASSERT_EQ(send(1), 1u);
+  ASSERT_TRUE(read.wait(1)) << "consumer exit " << consumer.wait(1s);
+  json full = tool({"show", "delta", "--json", "--dir", dir.path}).j();
+  EXPECT_EQ(full.at("header").at("feature_names"), json::array({"delta"}));
+  const json& fm = full.at("manifest");
+  ASSERT_EQ(fm.at("status"), "ok") << fm.dump();
+  EXPECT_EQ(fm.at("kind"), "full");
+  EXPECT_EQ(fm.at("base_version"), 0);
+  EXPECT_EQ(fm.at("logical_bytes"), logical);
+  EXPECT_EQ(fm.at("payload_bytes"), logical);
+  Result full_text = tool({"show", "delta", "--dir", dir.path});
+  EXPECT_EQ(full_text.rc, 0) << full_text.err;
+  EXPECT_NE(full_text.out.find("delta syncs"), std::string::npos) << full_text.out;
+  EXPECT_NE(full_text.out.find("version 1: full, " + probe::human_bytes(logical) + " payload"), std::string::npos)
+      << full_text.out;
+
+  ASSERT_EQ(send(2), 2u);
+  const SyncReport sent = p.last_sync();
+  ASSERT_TRUE(sent.delta);
+  ASSERT_TRUE(read.wait(1)) << "consumer exit " << consumer.wait(1s);
+  for (const char* limit : {"0", "1"}) {  // --limit 1: "n" is checked but not printed
+    Result r = tool({"show", "delta", "--json", "--limit", limit, "--dir", dir.path});
+    ASSERT_EQ(r.rc, 0) << r.err;
+    json j = r.j();
+    const json& m = j.at("manifest");
+    ASSERT_EQ(m.at("status"), "ok") << m.dump();
+    EXPECT_EQ(m.at("version"), 2);
+    EXPECT_EQ(m.at("kind"), "delta");
+    EXPECT_EQ(m.at("base_version"), 1);
+    EXPECT_EQ(m.at("logical_bytes"), logical);
+    EXPECT_EQ(m.at("payload_bytes"), sent.payload_bytes);
+    EXPECT_LT(m.at("payload_bytes").get<std::uint64_t>() * 10, logical);
+    const json& w = m.at("tensors").at(0).at("pieces").at(0);
+    EXPECT_EQ(w.at("nbytes"), specs[0].nbytes());
+    EXPECT_EQ(w.at("base_version"), 1);
+    EXPECT_LT(w.at("wire_bytes").get<std::uint64_t>(), specs[0].nbytes());
+  }
+  Result text = tool({"show", "delta", "--dir", dir.path});
+  EXPECT_EQ(text.rc, 0) << text.err;
+  EXPECT_NE(text.out.find("version 2: delta against version 1, " + probe::human_bytes(logical) + " logical, " +
+                          probe::human_bytes(sent.payload_bytes) + " payload"),
+            std::string::npos)
+      << text.out;
+  EXPECT_NE(text.out.find("PAYLOAD"), std::string::npos) << text.out;
+
+  // A blob too small for its piece ("n", past --limit 1 too): the manifest
+  // is invalid and says why; show still prints everything else.
+  rewrite_manifest(dir.file("delta"), [](std::string& m) {
+    auto* h = reinterpret_cast<detail::ManifestHeader*>(m.data());
+    auto* pieces = reinterpret_cast<detail::ManifestPiece*>(m.data() + sizeof *h +
+                                                            h->tensor_count * sizeof(detail::ManifestEntry) +
+                                                            h->world_size * 8);
+    h->payload_bytes = h->payload_bytes - pieces[1].nbytes + 4;
+    pieces[1].nbytes = 4;
+  });
+  for (const char* limit : {"0", "1"}) {
+    Result r = tool({"show", "delta", "--json", "--limit", limit, "--dir", dir.path});
+    EXPECT_EQ(r.rc, 0) << r.err;
+    json j = r.j();
+    const json& m = j.at("manifest");
+    EXPECT_EQ(m.at("status"), "invalid");
+    EXPECT_NE(m.at("reason").get<std::string>().find("piece 1: a delta blob of impossible size"), std::string::npos)
+        << m.dump();
+    EXPECT_EQ(m.at("kind"), nullptr);
+    EXPECT_EQ(j.at("sync").at("version"), 2);
+  }
+  Result bad_text = tool({"show", "delta", "--dir", dir.path});
+  EXPECT_EQ(bad_text.rc, 0) << bad_text.err;
+  EXPECT_NE(bad_text.out.find("MANIFEST  invalid: piece 1: a delta blob of impossible size"), std::string::npos)
+      << bad_text.out;
+  EXPECT_EQ(bad_text.out.find("sync kind"), std::string::npos) << bad_text.out;
 }
 
 // ---------------------------------------------------------------- 5. numbers

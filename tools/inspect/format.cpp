@@ -177,6 +177,19 @@ std::string ms_text(std::uint64_t ns) {
 
 json u64_or_null(bool have, std::uint64_t v) { return have ? json(v) : json(nullptr); }
 
+const char* sync_kind(const probe::Manifest& m) { return m.delta() ? "delta" : "full"; }
+
+// "full, 1.0 MiB payload" or "delta against version 4, 1.0 MiB logical, 10 KiB payload (1.0 %)".
+std::string sync_size_text(const probe::Manifest& m) {
+  if (!m.delta()) return "full, " + human_bytes(m.payload_bytes) + " payload";
+  char pct[32] = "";
+  if (m.logical_bytes > 0)
+    std::snprintf(pct, sizeof pct, " (%.1f %%)",
+                  100.0 * static_cast<double>(m.payload_bytes) / static_cast<double>(m.logical_bytes));
+  return "delta against version " + std::to_string(m.base_version) + ", " + human_bytes(m.logical_bytes) +
+         " logical, " + human_bytes(m.payload_bytes) + " payload" + pct;
+}
+
 }  // namespace
 
 std::string owner_text(const probe::Owner& o) {
@@ -242,6 +255,7 @@ void region_detail_json(const probe::Region& r, std::size_t limit, json* out) {
     json names = json::array();
     if (f.checksums) names.push_back("checksums");
     if (f.store) names.push_back("store");
+    if (f.delta) names.push_back("delta");
     h["feature_names"] = names;
     h["max_consumers"] = f.max_consumers;
     h["slot_count"] = f.slot_count;
@@ -347,6 +361,9 @@ void region_detail_json(const probe::Region& r, std::size_t limit, json* out) {
   const probe::Manifest& info = r.manifest;
   m["version"] = u64_or_null(ok, info.version);
   m["tensor_count"] = u64_or_null(ok, info.tensor_count);
+  m["kind"] = ok ? json(sync_kind(info)) : json(nullptr);
+  m["base_version"] = u64_or_null(ok, info.base_version);
+  m["logical_bytes"] = u64_or_null(ok, info.logical_bytes);
   m["payload_bytes"] = u64_or_null(ok, info.payload_bytes);
   m["stream_bytes"] = u64_or_null(ok, info.stream_bytes);
   m["world_size"] = u64_or_null(ok, info.world_size);
@@ -373,6 +390,8 @@ void region_detail_json(const probe::Region& r, std::size_t limit, json* out) {
         p["length"] = sh.length;
         p["offset"] = sh.stream_offset;
         p["nbytes"] = sh.nbytes;
+        p["wire_bytes"] = sh.wire_bytes;
+        p["base_version"] = sh.base_version;
         pieces.push_back(std::move(p));
       }
       e["pieces"] = std::move(pieces);
@@ -468,7 +487,7 @@ void print_region_detail(std::ostream& os, const probe::Region& r, std::size_t l
   if (r.have_fixed && r.fixed.shmcast_magic) {
     const probe::FixedHeader& f = r.fixed;
     kv.row({"layout", "version " + std::to_string(f.layout_version) + (f.checksums ? ", checksums" : "") +
-                          (f.store ? ", store" : "")});
+                          (f.store ? ", store" : "") + (f.delta ? ", delta syncs" : "")});
     kv.row({"mode", f.store ? "store (keeps the newest complete version; slots are its two banks)" : "ring"});
     kv.row({"geometry", std::to_string(f.max_consumers) + " seats, " + std::to_string(f.slot_count) + " slots x " +
                             human_bytes(f.slot_bytes) + ", manifest " + human_bytes(f.manifest_bytes)});
@@ -491,6 +510,10 @@ void print_region_detail(std::ostream& os, const probe::Region& r, std::size_t l
                         human_bytes(rec.stream_bytes) + ", first chunk " + std::to_string(rec.first_seq) +
                         (rec.recovered ? "; record rebuilt from its bank (the producer died while announcing it)"
                                        : "")});
+    // Its kind and sizes come from its manifest.
+    const probe::Manifest& m = r.manifest;
+    if (m.status == probe::ManifestStatus::kOk)
+      kv.row({"sync kind", "version " + std::to_string(m.version) + ": " + sync_size_text(m)});
   }
   if (r.header_valid && r.fixed.store) {
     // Which versions the banks hold: complete ones (seq set), or one being written.
@@ -529,16 +552,29 @@ void print_region_detail(std::ostream& os, const probe::Region& r, std::size_t l
   if (r.header_valid) {
     const probe::Manifest& m = r.manifest;
     if (m.status == probe::ManifestStatus::kOk) {
-      os << "\nMANIFEST  sync " << m.version << ": " << m.tensor_count << " tensors, "
-         << human_bytes(m.payload_bytes) << " payload, " << human_bytes(m.stream_bytes) << " stream"
+      os << "\nMANIFEST  sync " << m.version << ": " << m.tensor_count << " tensors, " << sync_size_text(m) << ", "
+         << human_bytes(m.stream_bytes) << " stream"
          << (m.world_size > 1 ? ", " + std::to_string(m.world_size) + " producer ranks" : std::string()) << "\n";
-      Table t({"#", "NAME", "DTYPE", "SHAPE", "BYTES", "OFFSET"}, {true, false, false, false, true, true});
+      // A delta sync: what each tensor's pieces took in the stream.
+      std::vector<std::string> head{"#", "NAME", "DTYPE", "SHAPE", "BYTES", "OFFSET"};
+      std::vector<bool> right{true, false, false, false, true, true};
+      if (m.delta()) {
+        head.insert(head.begin() + 5, "PAYLOAD");
+        right.insert(right.begin() + 5, true);
+      }
+      Table t(head, right);
       std::size_t shown = 0;
       for (std::size_t i = 0; i < m.tensors.size(); ++i) {
         if (limit != 0 && shown >= limit) break;
         const TensorInfo& ti = m.tensors[i];
-        t.row({std::to_string(i), ti.name, std::string(dtype_name(ti.dtype)), shape_text(ti.shape),
-               human_bytes(ti.nbytes), std::to_string(ti.stream_offset)});
+        std::vector<std::string> row{std::to_string(i), ti.name, std::string(dtype_name(ti.dtype)),
+                                     shape_text(ti.shape), human_bytes(ti.nbytes), std::to_string(ti.stream_offset)};
+        if (m.delta()) {
+          std::uint64_t wire = 0;
+          for (const ShardInfo& sh : ti.shards) wire += sh.wire_bytes;
+          row.insert(row.begin() + 5, human_bytes(wire));
+        }
+        t.row(std::move(row));
         ++shown;
       }
       t.print(os);
