@@ -38,6 +38,10 @@ struct Stream {
 DevBuf upload(const Bytes& b) {
   DevBuf d(b.size() == 0 ? 8 : b.size());  // never a null pointer: the codec checks alignment
   d.upload(b.data(), b.size());
+  // cudaMemcpy from pageable memory may return before its DMA lands, and
+  // the codec runs on a non-blocking stream, which does not wait for the
+  // legacy one: wait here.
+  ck(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
   return d;
 }
 

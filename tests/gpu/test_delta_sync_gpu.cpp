@@ -69,6 +69,9 @@ int producer(const std::string& name, int consumers) {
   for (std::uint64_t v = 1; v <= kVersions; ++v) {
     if (v > 1) m.step(v);
     for (std::size_t i = 0; i < dev.size(); ++i) dev[i].upload(m.data[i].data(), m.data[i].size());
+    // (cudaMemcpy from pageable memory may return before its DMA lands; `s`
+    // does not wait for the legacy stream.)
+    ck(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
     if (p.begin_sync(m.specs) != v) return 21;
     for (std::size_t i = 0; i < dev.size(); ++i) {
       if (i == 3)
@@ -166,6 +169,7 @@ TEST(DeltaSyncGpu, WrongBaseAndOtherDestinationsOnTheDevice) {
     for (std::uint64_t v = 1; v <= kLast; ++v) {
       if (v > 1) m.step(v);
       for (std::size_t i = 0; i < dev.size(); ++i) dev[i].upload(m.data[i].data(), m.data[i].size());
+      ck(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
       p.begin_sync(m.specs);
       for (std::size_t i = 0; i < dev.size(); ++i) p.write_device(i, dev[i].p, nullptr);
       p.end_sync();

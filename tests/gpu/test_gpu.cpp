@@ -53,6 +53,9 @@ int random_producer(const std::string& name, int syncs, std::uint64_t seed, int 
       dev.emplace_back(specs[i].nbytes());
       dev.back().upload(host[i].data(), host[i].size());
     }
+    // cudaMemcpy from pageable memory may return before its DMA lands, and
+    // `stream` (non-blocking) does not wait for the legacy stream.
+    ck(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
     if (p.begin_sync(specs) != version) return 21;
     for (std::size_t i = 0; i < specs.size(); ++i) {
       if (i % 7 == 3)

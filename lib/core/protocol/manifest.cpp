@@ -79,20 +79,6 @@ std::string validate_spec(const TensorSpec& s) {
   return {};
 }
 
-namespace {
-
-// Bytes of one index along `dim` (the other dims whole); false on overflow.
-bool row_bytes_along(DType dt, const std::int64_t* shape, std::size_t ndim, std::size_t dim, std::uint64_t* out) {
-  std::uint64_t n = dtype_size(dt);
-  for (std::size_t i = 0; i < ndim; ++i) {
-    if (i == dim) continue;
-    if (shape[i] < 0 || __builtin_mul_overflow(n, static_cast<std::uint64_t>(shape[i]), &n)) return false;
-  }
-  *out = n;
-  return true;
-}
-
-}  // namespace
 
 std::uint64_t pack(std::span<const TensorSpec> specs, std::uint64_t slot_bytes, std::vector<std::uint64_t>* offsets,
                    std::uint64_t* payload_bytes) {
@@ -300,35 +286,17 @@ std::string decode_manifest(std::span<const std::byte> bytes, std::uint64_t expe
     // A delta piece (§12): its stream bytes are a blob; its logical size
     // follows from its tensor and range. Every delta piece of a sync names
     // the same, earlier, version.
-    if (p.base_version != 0) {
-      if (p.base_version >= h.sync_version) return where + ": a delta against a version not before the sync's";
-      if (info.base_version != 0 && info.base_version != p.base_version)
-        return where + ": delta pieces against different versions";
-      info.base_version = p.base_version;
-    }
-    if (p.dim == kWholePiece) {
-      if (p.start != 0 || p.length != 0) return where + ": a whole piece with a range";
-      sh.nbytes = t.nbytes;
-      if (p.base_version == 0 && p.nbytes != t.nbytes) return where + ": whole piece size disagrees with its tensor";
-    } else {
-      if (p.dim >= t.shape.size()) return where + ": shard dim is not a dimension of its tensor";
-      const std::int64_t extent = t.shape[p.dim];
-      if (p.start < 0 || p.length < 0 || p.start > extent || p.length > extent - p.start)
-        return where + ": shard range lies outside its tensor";
-      std::uint64_t rb, nb;
-      if (!row_bytes_along(t.dtype, t.shape.data(), t.shape.size(), p.dim, &rb) ||
-          __builtin_mul_overflow(rb, static_cast<std::uint64_t>(p.length), &nb) ||
-          (p.base_version == 0 && nb != p.nbytes))
-        return where + ": shard size disagrees with its range";
-      sh.nbytes = nb;
+    if (std::string why = piece_base_problem(p, h.sync_version, &info.base_version); !why.empty())
+      return where + ": " + why;
+    if (std::string why = piece_size_problem(p, t.dtype, t.shape, t.nbytes, &sh.nbytes); !why.empty())
+      return where + ": " + why;
+    if (p.dim != kWholePiece) {
       sh.dim = p.dim;
       sh.start = p.start;
       sh.length = p.length;
     }
-    if (p.base_version != 0 && !delta::piece_fits(t.dtype, sh.nbytes, p.nbytes))
-      return where + ": a delta blob of impossible size for its piece";
-    payload += sh.nbytes;
-    wire += p.nbytes;
+    if (!checked_add(payload, sh.nbytes, &payload) || !checked_add(wire, p.nbytes, &wire))
+      return where + ": the pieces' sizes overflow";
     t.shards.push_back(sh);
   }
   if (wire != h.payload_bytes) return "payload size disagrees with the pieces";

@@ -102,7 +102,7 @@ std::string piece_base_problem(const ManifestPiece& p, std::uint64_t sync_versio
 // and range lie inside the tensor; a full piece's bytes are its range's, a
 // delta piece's blob can carry its range (delta::piece_fits). Sets *logical
 // to the piece's logical bytes when valid.
-// (manifest_piece.cpp; decode_manifest applies the same rules inline.)
+// (manifest_piece.cpp; decode_manifest applies them too.)
 std::string piece_size_problem(const ManifestPiece& p, DType dtype, std::span<const std::int64_t> shape,
                                std::uint64_t tensor_nbytes, std::uint64_t* logical);
 // The rules every tensor name follows; empty when `name` is valid.
