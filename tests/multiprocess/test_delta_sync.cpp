@@ -48,6 +48,24 @@ ConsumerOptions copts() {
 
 std::uint64_t send(Producer& p, const Model& m) { return p.send(m.specs, m.ptrs()); }
 
+// A delta producer and one consumer in this process, in a private region
+// directory; version 1 of a small model sent (a full sync) and read into `d`.
+struct Pair {
+  RegionDir dir{"delta"};
+  std::string name;
+  RegionGuard guard;
+  Producer p;
+  Consumer c;
+  Model m{false};
+  Dsts d{m};
+  explicit Pair(const std::string& tag)
+      : name(unique_name(tag)), guard{name}, p(Producer::create(name, delta_opts())), c(Consumer::open(name, copts())) {
+    send(p, m);
+    c.wait_sync(10s);
+    c.read_into(d.ptrs);
+  }
+};
+
 }  // namespace
 
 // Two consumer processes, 50 versions, random change fractions, seven
@@ -146,16 +164,11 @@ TEST(DeltaSync, LateJoinerGetsAFullSyncFirst) {
 // A consumer that skipped a version never applies the next delta (its base
 // is gone): wait_sync() lets it go and asks for a full sync, which comes next.
 TEST(DeltaSync, SkippedVersionIsNotApplied) {
-  RegionDir dir("delta");
-  const std::string name = unique_name("deltaskip");
-  RegionGuard guard{name};
-  Producer p = Producer::create(name, delta_opts());
-  Consumer c = Consumer::open(name, copts());
-  Model m(false);
-  Dsts d(m);
-  send(p, m);
-  c.wait_sync(10s);
-  c.read_into(d.ptrs);
+  Pair t("deltaskip");
+  Producer& p = t.p;
+  Consumer& c = t.c;
+  Model& m = t.m;
+  Dsts& d = t.d;
   m.step(2);
   send(p, m);
   c.wait_sync(10s);
@@ -216,16 +229,11 @@ TEST(DeltaSync, OtherDestinationsNeedAFullSync) {
 // gives a result whose checksum is not the producer's: Corrupt, a full sync
 // is requested, and the next read is bit-exact again.
 TEST(DeltaSync, ChecksumCatchesAWrongBaseThenAFullSyncRepairs) {
-  RegionDir dir("delta");
-  const std::string name = unique_name("deltasum");
-  RegionGuard guard{name};
-  Producer p = Producer::create(name, delta_opts());
-  Consumer c = Consumer::open(name, copts());
-  Model m(false);
-  Dsts d(m);
-  send(p, m);
-  c.wait_sync(10s);
-  c.read_into(d.ptrs);
+  Pair t("deltasum");
+  Producer& p = t.p;
+  Consumer& c = t.c;
+  Model& m = t.m;
+  Dsts& d = t.d;
   d.buf[0][100] ^= 0x40;  // someone wrote into the weights
   m.step(2);
   send(p, m);
@@ -249,16 +257,11 @@ TEST(DeltaSync, ChecksumCatchesAWrongBaseThenAFullSyncRepairs) {
 // rejected (Corrupt: a bad table, index or padding, or a checksum
 // mismatch); the next sync is full and exact.
 TEST(DeltaSync, DamagedDeltaIsCaughtThenAFullSyncRepairs) {
-  RegionDir dir("delta");
-  const std::string name = unique_name("deltadmg");
-  RegionGuard guard{name};
-  Producer p = Producer::create(name, delta_opts());
-  Consumer c = Consumer::open(name, copts());
-  Model m(false);
-  Dsts d(m);
-  send(p, m);
-  c.wait_sync(10s);
-  c.read_into(d.ptrs);
+  Pair t("deltadmg");
+  Producer& p = t.p;
+  Consumer& c = t.c;
+  Model& m = t.m;
+  Dsts& d = t.d;
   m.step(2);
   send(p, m);
   const SyncInfo& s = c.wait_sync(10s);
@@ -267,7 +270,7 @@ TEST(DeltaSync, DamagedDeltaIsCaughtThenAFullSyncRepairs) {
   ASSERT_EQ(sh.base_version, 1u);
   ASSERT_LT(sh.wire_bytes, sh.nbytes);
   // The blob's first payload word, in the slot that holds it.
-  const int fd = ::open(dir.file(name).c_str(), O_RDWR | O_CLOEXEC);
+  const int fd = ::open(t.dir.file(t.name).c_str(), O_RDWR | O_CLOEXEC);
   ASSERT_GE(fd, 0);
   const std::uint64_t bytes = static_cast<std::uint64_t>(::lseek(fd, 0, SEEK_END));
   auto* map = static_cast<std::uint8_t*>(::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0));
@@ -340,16 +343,11 @@ TEST(DeltaSync, KeyframesOnScheduleAndWhenDeltasDoNotPay) {
 // An aborted sync leaves the producer's base ahead of the consumers: the
 // next sync is full. Changed tensors (another shape) are full too.
 TEST(DeltaSync, AbortedSyncAndNewTensorsGoFull) {
-  RegionDir dir("delta");
-  const std::string name = unique_name("deltaabort");
-  RegionGuard guard{name};
-  Producer p = Producer::create(name, delta_opts());
-  Consumer c = Consumer::open(name, copts());
-  Model m(false);
-  Dsts d(m);
-  send(p, m);
-  c.wait_sync(10s);
-  c.read_into(d.ptrs);
+  Pair t("deltaabort");
+  Producer& p = t.p;
+  Consumer& c = t.c;
+  Model& m = t.m;
+  Dsts& d = t.d;
   m.step(2);
   p.begin_sync(m.specs);
   p.write(0, m.data[0].data());
@@ -417,17 +415,12 @@ TEST(DeltaSync, ProducerKilledMidDeltaGivesPeerDied) {
 // (weights discarded and reloaded): the next sync is full, and no delta is
 // applied to them meanwhile.
 TEST(DeltaSync, RequestFullSyncMakesTheNextSyncFull) {
-  RegionDir dir("delta");
-  const std::string name = unique_name("deltareq");
-  RegionGuard guard{name};
-  Producer p = Producer::create(name, delta_opts());
-  Consumer c = Consumer::open(name, copts());
+  Pair t("deltareq");
+  Producer& p = t.p;
+  Consumer& c = t.c;
+  Model& m = t.m;
+  Dsts& d = t.d;
   EXPECT_TRUE(c.delta());
-  Model m(false);
-  Dsts d(m);
-  send(p, m);
-  c.wait_sync(10s);
-  c.read_into(d.ptrs);
   m.step(2);
   send(p, m);
   EXPECT_TRUE(p.last_sync().delta);
