@@ -309,6 +309,8 @@ struct Consumer::Impl {
                    if (dst == nullptr) return;
                    const ShardInfo& sh = info.tensors[p.tensor].shards[p.shard];
                    if (sh.base_version != 0) {
+                     if (device && collect == nullptr)  // never: device reads of deltas collect
+                       throw Error(Errc::kInvalidArgument, "a delta read into device memory must collect its blobs");
                      if (collect != nullptr) {
                        e.copy(Buffer{collect->base, true, {}}, collect->at[p.tensor][p.shard] + off, src, n);
                        return;
@@ -316,12 +318,12 @@ struct Consumer::Impl {
                      // A delta blob: applied once whole (in place when one range holds it).
                      const Selection& sel = sels.empty() ? whole : sels[p.tensor];
                      if (off == 0 && n == sh.wire_bytes) {
-                       apply_blob(e, p, sel, dst, device, std::span<const std::byte>(src, n));
+                       apply_blob(p, sel, dst, std::span<const std::byte>(src, n));
                        return;
                      }
                      if (off == 0) blob.resize(sh.wire_bytes);
                      std::memcpy(blob.data() + off, src, n);
-                     if (off + n == sh.wire_bytes) apply_blob(e, p, sel, dst, device, blob);
+                     if (off + n == sh.wire_bytes) apply_blob(p, sel, dst, blob);
                      return;
                    }
                    const Buffer buf{dst, device, {}};
@@ -338,11 +340,10 @@ struct Consumer::Impl {
         follow);
   }
 
-  // Applies a delta piece's blob to `dst` (the tensor's destination, laid
-  // out as `sel`): on the host, or (device) through a device copy of the blob
-  // on the engine's stream.
-  void apply_blob(ConsumerEngine& e, const PieceRef& p, const Selection& sel, void* dst, bool device,
-                  std::span<const std::byte> blob) {
+  // Applies a delta piece's blob to `dst` (the tensor's host destination,
+  // laid out as `sel`). (read_into_device() collects the blobs instead:
+  // read_delta_device.)
+  void apply_blob(const PieceRef& p, const Selection& sel, void* dst, std::span<const std::byte> blob) {
     const TensorInfo& ti = info.tensors[p.tensor];
     const ShardInfo& sh = ti.shards[p.shard];
     const std::uint32_t w = delta::elem_width(ti.dtype);
@@ -350,9 +351,6 @@ struct Consumer::Impl {
     const delta::SliceMap map = delta::slice_map(ti.shape, w, piece, sel);
     const std::uint64_t dst_bytes = sel.nbytes(ti);
     const bool verify = opts.verify_checksums && delta::covers_piece(map);
-    if (device)  // read_into_device() of a delta sync collects the blobs (read_delta_device)
-      throw Error(Errc::kInvalidArgument, "a delta blob read for a device destination without collecting it");
-    (void)e;
     delta::apply(blob, w, map, dst, dst_bytes, verify);
   }
 
@@ -362,13 +360,16 @@ struct Consumer::Impl {
   // these destinations the base; a failed one leaves them unknown.
   template <class F>
   void read_tracked(std::span<void* const> dsts, std::span<const Selection> sels, bool device, F&& read) {
-    if (!delta_region) {
-      const bool was_delta = state == State::kManifest && info.delta();
-      read();
-      set_report(dsts, sels, was_delta);
+    if (state != State::kManifest) {
+      read();  // throws: no sync to read
       return;
     }
-    if (state == State::kManifest && info.delta() &&
+    if (!delta_region) {
+      read();
+      set_report(dsts, sels, false);
+      return;
+    }
+    if (info.delta() &&
         (applied_version != info.base_version || !same_destinations(dsts, sels, device))) {
       request_full(info.version);
       release_rest();
@@ -380,7 +381,7 @@ struct Consumer::Impl {
                       "wait_sync() again and read that one");
     }
     const std::uint64_t v = info.version;
-    const bool was_delta = state == State::kManifest && info.delta();
+    const bool was_delta = info.delta();
     applied_version = 0;
     try {
       read();
