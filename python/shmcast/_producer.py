@@ -99,7 +99,9 @@ class Producer(_Closing):
 
     staging_budget: bytes of temporary GPU copies (non-contiguous CUDA tensors
     that are not row-pitched, DTensor gathers) that may be alive at once
-    during a send before the producer waits for their D2H copies.
+    during a send before the producer waits for their D2H copies. A delta
+    producer (delta=True) encodes GPU tensors at the end of a send, so its
+    temporary copies all live until then, whatever the budget.
 
     stall_policy: 'fail' (default for ring regions) or 'evict' (default for
     store regions).
@@ -196,6 +198,7 @@ class Producer(_Closing):
         # Fixed at create: 'cuda' copies device tensors with async D2H (and
         # host ones with memcpy); 'host' stages CUDA tensors to CPU first.
         self._engine_cuda = self._c.engine == "cuda"
+        self._delta = bool(delta)
         self._streams: dict = {}
 
     # -------------------------------------------------------- sending
@@ -385,7 +388,10 @@ class Producer(_Closing):
                     # copy alive until the device has done it.
                     held.append(staged)
                     held_bytes += staged.numel() * staged.element_size()
-                    if held_bytes > self._staging_budget:
+                    # A delta producer reads GPU sources again at end_sync()
+                    # (it encodes them there): its staging copies live until
+                    # then, whatever the budget.
+                    if held_bytes > self._staging_budget and not self._delta:
                         torch.cuda.synchronize(dev)  # every stream of the device, the library's too
                         held, held_bytes = [], 0
                 del staged

@@ -229,3 +229,40 @@ def test_request_full_sync(region):
         cons.request_full_sync()  # say the weights were reloaded
         assert _send_and_receive_into(prod, cons, next(vs), dst) == "full"
         assert _send_and_receive_into(prod, cons, next(vs), dst) == "delta"
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("budget", [0, 256 << 20])
+def test_delta_staged_cuda_copies_freed_before_end_sync(region, budget):
+    """Red team: CUDA tensors that go through the producer's staging copies
+    (transposed views: not row-pitched) with a staging budget they exceed.
+    _send_slow frees each staging copy after torch.cuda.synchronize(), before
+    end_sync(); a delta producer whose base is on the GPU encodes such a
+    tensor from its source at end_sync() (Pending), so it reads memory the
+    caching allocator has handed to the next staging copy. Every delta
+    version must still arrive bit-exact (budget 256 MiB: the copies are held
+    to end_sync, the control)."""
+    dev = "cuda:0"
+    g = torch.Generator().manual_seed(77)
+    shape = (256, 384)  # every tensor the same size: the allocator reuses the freed block
+    n = 6
+    model = [torch.randn(shape, generator=g).to(torch.bfloat16) for _ in range(n)]
+    with shmcast.Producer(region, slot_bytes=roles.SLOT, slots=16, delta=True, staging_budget=budget) as prod, \
+            shmcast.Consumer(region) as cons:
+        dst = {f"w{i}": torch.empty(shape[::-1], dtype=torch.bfloat16) for i in range(n)}
+        kinds, bad = [], []
+        for v in range(4):
+            if v > 0:
+                for i, t in enumerate(model):  # ~2 % of the elements change
+                    w = t.view(torch.int16).reshape(-1)
+                    pos = torch.randperm(w.numel(), generator=g)[: w.numel() // 50]
+                    w[pos] ^= 0x0101
+            src = [(f"w{i}", t.to(dev).t()) for i, t in enumerate(model)]  # transposed CUDA views
+            prod.send(src)
+            kinds.append(prod.last_sync["kind"])
+            assert cons.receive_into(dst, timeout=10) == prod.last_version
+            for i, t in enumerate(model):
+                if not torch.equal(dst[f"w{i}"].view(torch.int16), t.t().view(torch.int16)):
+                    bad.append((v, prod.last_sync["kind"], f"w{i}"))
+            del src
+    assert (bad, kinds) == ([], ["full", "delta", "delta", "delta"])

@@ -445,6 +445,29 @@ TEST(DeltaSync, RequestFullSyncMakesTheNextSyncFull) {
   c2.request_full_sync();
 }
 
+// A region that claims delta syncs in a store region (which no producer
+// makes: the bit was set by someone else) is not opened.
+TEST(DeltaSync, CraftedStoreRegionWithDeltasIsNotOpened) {
+  RegionDir dir("delta");
+  const std::string name = unique_name("dcraft");
+  RegionGuard guard{name};
+  ProducerOptions o = delta_opts();
+  o.delta = false;
+  o.mode = RegionMode::kStore;
+  o.store_bytes = 4ull << 20;
+  Producer p = Producer::create(name, o);
+  const int fd = ::open(dir.file(name).c_str(), O_RDWR | O_CLOEXEC);
+  ASSERT_GE(fd, 0);
+  std::uint64_t features = 0;
+  ASSERT_EQ(::pread(fd, &features, 8, 24), 8);
+  features |= 1ull << 2;
+  ASSERT_EQ(::pwrite(fd, &features, 8, 24), 8);
+  ::close(fd);
+  ConsumerOptions co = copts();
+  co.open_timeout = 2s;
+  EXPECT_EQ(code_of([&] { Consumer::open(name, co); }), Errc::kCorrupt);
+}
+
 // Delta syncs need a ring region of one rank.
 TEST(DeltaSync, RefusedWhereNotSupported) {
   RegionDir dir("delta");

@@ -351,6 +351,10 @@ TEST(Manifest, DeltaPiecesAreChecked) {
   EXPECT_NE(decode_manifest(e.bytes, 9, e.stream, S, &info), "");
   e = encode_delta(specs, {a, b}, {7, 7}, 9);
   EXPECT_EQ(decode_manifest(e.bytes, 9, e.stream, S, &info), "");
+  // A dtype that is sent as its bytes (16-byte c128 elements) is never a delta piece.
+  const std::vector<TensorSpec> c = {{"z", DType::kC128, {600}}};
+  e = encode_delta(c, {64 + 16 * 2}, {7}, 9);
+  EXPECT_NE(decode_manifest(e.bytes, 9, e.stream, S, &info), "");
 }
 
 // Sharded producers send full syncs: rank 0 refuses a rank's list that

@@ -127,9 +127,6 @@ struct Consumer::Impl {
   bool applied_device = false;
   SyncReport report;
   std::unique_ptr<delta::CudaCodec> codec;  // read_into_device of a delta sync
-  void* blob_dev = nullptr;                 // its device buffer for blobs (blob_dev_bytes)
-  std::uint64_t blob_dev_bytes = 0;
-  int blob_dev_device = -1;
 
   // Asks the producer for a full sync after version `after` (Seat::full_after).
   void request_full(std::uint64_t after) {
@@ -300,6 +297,7 @@ struct Consumer::Impl {
     }
     std::vector<std::size_t> cursor(info.world_size, 0);
     std::vector<std::byte> blob;  // a delta piece's blob, gathered across chunks
+    std::uint64_t blob_have = 0;  // its bytes gathered so far
     for_each_chunk(
         e,
         [&](const std::byte* data, std::uint32_t rank, std::uint64_t start, std::uint64_t bytes) {
@@ -321,8 +319,12 @@ struct Consumer::Impl {
                        apply_blob(p, sel, dst, std::span<const std::byte>(src, n));
                        return;
                      }
+                     // One rank: a piece's ranges come in order, one piece at a time.
                      if (off == 0) blob.resize(sh.wire_bytes);
+                     if (off != blob_have || off + n > blob.size())
+                       throw Error(Errc::kCorrupt, "a delta blob's bytes came out of order");
                      std::memcpy(blob.data() + off, src, n);
+                     blob_have = off + n == sh.wire_bytes ? 0 : off + n;
                      if (off + n == sh.wire_bytes) apply_blob(p, sel, dst, blob);
                      return;
                    }
@@ -469,6 +471,11 @@ Consumer Consumer::open(std::string_view name, const ConsumerOptions& o) {
           if ((init == kInitReady && a != Alive::kNo) || kept) {
             impl->checksums = (snap.features & kFeatureChecksums) != 0;
             impl->delta_region = (snap.features & kFeatureDelta) != 0;
+            // Delta syncs come from ring regions of one producer rank only
+            // (Producer::create refuses the rest): anything else was crafted.
+            if (impl->delta_region && (g.store || g.world_size != 1))
+              throw Error(Errc::kCorrupt, f.path() + " claims delta syncs in a store region or one of several "
+                                          "producer ranks, which no shmcast producer makes: not opened");
             impl->view = RegionView(std::move(f), g);
             break;
           }
@@ -608,7 +615,10 @@ void next_sync(Consumer::Impl& m, std::int64_t deadline) {
   unhold_on_error.r = nullptr;
   m.last_version = rec.version;
   m.state = State::kManifest;
-  if (m.info.delta() && !m.delta_region) throw corrupt("a delta sync in a region created without deltas");
+  if (m.info.delta() && !m.delta_region) {
+    m.release_rest();  // never readable
+    throw corrupt("a delta sync in a region created without deltas");
+  }
 }
 
 }  // namespace
@@ -708,6 +718,7 @@ std::vector<const std::byte*> Consumer::views() {
                                         "are reused while you read; use read_into() or visit()");
   if (m.state != State::kManifest && m.state != State::kViews)
     throw Error(Errc::kInvalidArgument, "no version to view: call wait_sync() first");
+  refuse_delta(m, "views()");
   // Still ours? (A producer that evicted us may be rewriting the bank.)
   if (!m.ring->still_valid(m.view.slot_of(m.info.first_seq), m.info.first_seq)) {
     m.release_rest();
@@ -811,10 +822,15 @@ void Consumer::Impl::read_delta_device(std::span<void* const> dsts, std::span<co
   }
   if (!codec) codec = std::make_unique<delta::CudaCodec>();
   col.base = total > 0 ? static_cast<std::byte*>(codec->buffer(0, total, stream)) : nullptr;
-  ConsumerEngine& e = *cuda_engine;
-  e.begin(stream);
-  read_planned(e, dsts, sels, true, false, &col);
-  e.end(stream);  // `stream` waits for the copies
+  // Every map and argument check before the first launch: nothing is
+  // queued for a read that cannot complete.
+  struct Apply {
+    std::size_t t, k;
+    std::uint32_t w;
+    delta::SliceMap map;
+    std::uint64_t dst_bytes;
+  };
+  std::vector<Apply> applies;
   for (std::size_t t = 0; t < info.tensors.size(); ++t) {
     if (dsts[t] == nullptr) continue;
     const TensorInfo& ti = info.tensors[t];
@@ -823,12 +839,31 @@ void Consumer::Impl::read_delta_device(std::span<void* const> dsts, std::span<co
     for (std::size_t k = 0; k < ti.shards.size(); ++k) {
       const ShardInfo& sh = ti.shards[k];
       if (sh.base_version == 0) continue;
-      const delta::SliceMap map = delta::slice_map(ti.shape, w, Selection{sh.dim, sh.start, sh.length}, sel);
-      codec->apply(col.base + col.at[t][k], sh.wire_bytes, w, map, dsts[t], sel.nbytes(ti),
-                   opts.verify_checksums && delta::covers_piece(map), stream);
+      if (reinterpret_cast<std::uintptr_t>(dsts[t]) % w != 0)
+        throw Error(Errc::kInvalidArgument, "the destination of '" + ti.name + "' is not aligned to its " +
+                                                std::to_string(w) + "-byte elements");
+      applies.push_back(
+          Apply{t, k, w, delta::slice_map(ti.shape, w, Selection{sh.dim, sh.start, sh.length}, sel), sel.nbytes(ti)});
     }
   }
-  codec->finish(stream);
+  ConsumerEngine& e = *cuda_engine;
+  e.begin(stream);
+  read_planned(e, dsts, sels, true, false, &col);
+  e.end(stream);  // `stream` waits for the copies
+  try {
+    for (const Apply& a : applies)
+      codec->apply(col.base + col.at[a.t][a.k], info.tensors[a.t].shards[a.k].wire_bytes, a.w, a.map, dsts[a.t],
+                   a.dst_bytes, opts.verify_checksums && delta::covers_piece(a.map), stream);
+    codec->finish(stream);
+  } catch (...) {
+    // Nothing of this read may land after the error (a full sync read next,
+    // on another stream, must not be overwritten by it).
+    try {
+      codec->wait(stream);
+    } catch (...) {
+    }
+    throw;
+  }
 }
 
 SyncReport Consumer::last_sync() const { return impl_->report; }

@@ -112,6 +112,25 @@ std::uint64_t Producer::Impl::begin_delta(std::uint64_t want) {
   return want != 0 ? want : version + 1;
 }
 
+// Whether the CUDA codec can run here (built with its kernels, a driver
+// that loads them into the context of `stream`): else every base stays on
+// the host (a GPU tensor is copied down and encoded on the host), so a
+// delta producer still works, at PCIe speed.
+bool Producer::Impl::codec_usable(void* stream) {
+  if (delta.codec_ok < 0) {
+    std::string why;
+    delta.codec_ok = 0;
+    if (delta::cuda_codec_available(&why)) {
+      try {
+        (void)codec().buffer(3, 256, stream);  // loads the kernels into the stream's context
+        delta.codec_ok = 1;
+      } catch (const Error&) {
+      }
+    }
+  }
+  return delta.codec_ok == 1;
+}
+
 delta::CudaCodec& Producer::Impl::codec() {
   if (!delta.codec) delta.codec = std::make_unique<delta::CudaCodec>();
   return *delta.codec;
@@ -174,7 +193,7 @@ void Producer::Impl::write_keyframe(std::size_t index, const Buffer& src, void* 
     write_tensor_in_sync(index, src, stream, from, len);  // its checks throw (or an empty tensor goes)
     return;
   }
-  if (src.device && src.layout.rows == 0) {
+  if (src.device && src.layout.rows == 0 && codec_usable(stream)) {
     base_on_device(index, stream);
     codec().copy(static_cast<std::byte*>(delta.base[index].dev) + from, src.ptr, to - from, stream);
     write_tensor_in_sync(index, src, stream, from, len);

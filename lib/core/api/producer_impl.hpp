@@ -108,6 +108,7 @@ struct __attribute__((visibility("hidden"))) Producer::Impl {
     std::vector<Pending> pending;                     // per tensor; src null: not from a GPU
     std::vector<bool> raw_from_base;                  // per tensor: sent as its bytes from its device base
     bool force_full = false;                          // a base changed outside the codec this sync
+    int codec_ok = -1;                                // codec_usable(): -1 not asked yet
     bool valid = false;              // the base holds version base_version, as the consumers got it
     std::uint64_t base_version = 0;
     std::uint64_t last_full = 0;     // version of the last full sync (0: none)
@@ -164,6 +165,7 @@ struct __attribute__((visibility("hidden"))) Producer::Impl {
   bool encode_pending(std::vector<detail::Buffer>* sources);
   void delta_done();
   detail::delta::CudaCodec& codec();
+  bool codec_usable(void* stream);
   void base_on_host(std::size_t i);
   void base_on_device(std::size_t i, void* stream);
 

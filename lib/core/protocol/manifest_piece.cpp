@@ -37,6 +37,8 @@ std::string piece_size_problem(const ManifestPiece& p, DType dtype, std::span<co
     if (!checked_mul(rb, static_cast<std::uint64_t>(p.length), &nb) || (p.base_version == 0 && nb != p.nbytes))
       return "shard size disagrees with its range";
   }
+  if (p.base_version != 0 && delta::elem_width(dtype) != dtype_size(dtype))
+    return "a delta piece of a dtype that is sent as its bytes (elements of 1, 2, 4 or 8 bytes only)";
   if (p.base_version != 0 && !delta::piece_fits(dtype, nb, p.nbytes))
     return "a delta blob of impossible size for its piece";
   *logical = nb;

@@ -413,7 +413,9 @@ class SHMCAST_API Producer {
   // Copies tensor `index` from device memory with async D2H copies on a
   // stream the library owns, ordered after `cuda_stream` (a cudaStream_t, or
   // nullptr for the legacy default stream). Slots are published as their
-  // copies complete. The source may be reused once end_sync() returns.
+  // copies complete. The source may be reused once end_sync() returns
+  // (not before: a delta producer reads it again in end_sync(), where it
+  // encodes the sync's GPU tensors).
   void write_device(std::size_t index, const void* src, void* cuda_stream);
   void write_device_strided(std::size_t index, const void* src, const Strided2D& layout,
                             void* cuda_stream);
