@@ -196,12 +196,17 @@ void Relay::Impl::service_up() {
 // (a peer that reached UCX's own port), drained a batch per pass. Junk
 // is a tag without bit 63, or (once authenticated) a data tag whose serial
 // is neither the current sync's nor that of a sync the upstream announced
-// and this relay has not begun yet (its sync message still queued in
-// up.ctrl, or the next one: its fragments may come before its message);
-// before that, every tagged message. UCX shows only the first message of
+// and this relay has not begun yet: its sync message still queued in
+// up.ctrl, or one of the next kSyncsAhead, whose messages this relay has
+// not read yet: a sync's fragments may come before its message (UCX and
+// the control connection are not ordered), and syncs of empty tensors
+// send no fragment, so the next sync with bytes may be several serials
+// ahead (a busy node dropped such fragments as junk and stalled).
+// Before that, every tagged message. UCX shows only the first message of
 // a tag and mask: junk queued behind a fragment that is awaited is
 // drained once that fragment is taken.
 void Relay::Impl::drain_up_junk() {
+  constexpr std::uint32_t kSyncsAhead = 64;
   if (!up.w || up.state == Up::kIdle) return;
   while (up.junk_busy < kJunkBatch) {
     ucp_tag_recv_info_t info{};
@@ -212,7 +217,7 @@ void Relay::Impl::drain_up_junk() {
       if (up.state == Up::kAuthed) {
         const std::uint32_t serial = static_cast<std::uint32_t>(info.sender_tag >> 32) & wire::kSerialMask;
         const std::uint32_t cur = wire::data_serial(up.tag_base, up.syncs_begun);
-        if (((serial - cur) & wire::kSerialMask) <= up.ctrl.size() + 1) return;  // awaited, or soon
+        if (((serial - cur) & wire::kSerialMask) <= up.ctrl.size() + kSyncsAhead) return;  // awaited, or soon
       }
       m = ucp_tag_probe_nb(up.w->get(), info.sender_tag, wire::kFullMask, 1, &info);
       if (m == nullptr) return;
