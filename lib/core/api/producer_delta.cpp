@@ -90,7 +90,6 @@ std::uint64_t Producer::Impl::begin_delta(std::uint64_t want) {
       d.base_bytes = 0;
       d.specs = specs;
     }
-    d.full_why = why;
     d.staged = false;
     d.full = true;
     wire_sizes.clear();
@@ -404,9 +403,6 @@ void Producer::Impl::end_staged() {
       }
     }
     d.full = true;
-    d.full_why = d.force_full ? "a tensor's source moved between host and GPU"
-                 : no_pay     ? "deltas would not pay"
-                              : "a consumer asked for a full sync";
     wire_sizes.clear();
     begin_ring(d.want);
     for (std::size_t i = 0; i < specs.size(); ++i) {

@@ -116,7 +116,6 @@ struct __attribute__((visibility("hidden"))) Producer::Impl {
     // the sync in progress
     bool staged = false;             // encoding into blobs; announced by end_sync()
     bool full = false;               // a keyframe (or a staged sync that fell back)
-    std::string full_why;
     std::uint64_t want = 0;          // begin_sync's version (staged)
     std::vector<std::vector<std::byte>> blobs;
     std::vector<std::byte> scratch;  // a tensor gathered from parts, strides or the device
