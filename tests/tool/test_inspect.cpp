@@ -326,7 +326,7 @@ TEST(Tool, LiveRegionShowsProducerConsumersAndManifest) {
   const json* r = find_region(lj, name);
   ASSERT_NE(r, nullptr);
   EXPECT_EQ(r->at("state"), "ready");
-  EXPECT_EQ(r->at("layout_version"), 3);
+  EXPECT_EQ(r->at("layout_version"), shmcast::probe::layout_version());
   EXPECT_EQ(r->at("size_bytes"), p.region_bytes());
   EXPECT_EQ(r->at("producer").at("pid"), ::getpid());
   EXPECT_EQ(r->at("producer").at("alive"), true);

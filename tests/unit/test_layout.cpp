@@ -120,9 +120,10 @@ TEST(Layout, HugeCountsDoNotOverflow) {
 // Version 3 (sharded rounds with identity): the round words and a rank's
 // post sit where docs/protocol.md puts them, and the takeover's lock byte
 // is no consumer's and no rank's. A version-2 region (rounds matched by
-// count) is another version, refused as such.
+// count) is another version, refused as such. (Version 4 added the
+// device-slots block and kept all of this.)
 TEST(Layout, Version3RoundWordsAndTakeoverLockByte) {
-  EXPECT_EQ(kLayoutVersion, 3u);
+  EXPECT_EQ(kLayoutVersion, 4u);
   EXPECT_EQ(offsetof(Header, round), 176u);
   EXPECT_EQ(offsetof(Header, round_open), 184u);
   EXPECT_EQ(offsetof(Header, round_done), 344u);
@@ -139,4 +140,51 @@ TEST(Layout, Version3RoundWordsAndTakeoverLockByte) {
   bool vm = false;
   EXPECT_NE(validate_header(h, h.total_bytes, &vm), "");
   EXPECT_TRUE(vm);
+}
+
+// Version 4: device slots. The block sits at header offset 640; a region of
+// device slots keeps no slot bytes in its file; the block is checked
+// against the geometry and the feature bits (crafted blocks are refused).
+TEST(Layout, Version4DeviceSlots) {
+  EXPECT_EQ(offsetof(Header, device_slots), 640u);
+  EXPECT_EQ(sizeof(DeviceSlotsFixed), 64u);
+  Geometry host{}, dev{};
+  ASSERT_EQ(compute_geometry(4, 3, 8ull << 20, 1 << 20, &host), "");
+  ASSERT_EQ(compute_geometry(4, 3, 8ull << 20, 1 << 20, &dev, 1, false, true), "");
+  EXPECT_TRUE(dev.device_slots);
+  EXPECT_EQ(dev.data_offset, host.data_offset);
+  EXPECT_EQ(dev.total_bytes, dev.data_offset);
+  EXPECT_EQ(host.total_bytes, host.data_offset + 3 * (8ull << 20));
+  Geometry g{};
+  EXPECT_NE(compute_geometry(4, 2, 8ull << 20, 1 << 20, &g, 1, true, true), "");   // store
+  EXPECT_NE(compute_geometry(4, 4, 8ull << 20, 1 << 20, &g, 2, false, true), "");  // sharded
+
+  // A header with the bit validates only with the device geometry.
+  HeaderFixed h = make_fixed_header(dev, kFeatureDeviceSlots);
+  bool vm = false;
+  EXPECT_EQ(validate_header(h, dev.total_bytes, &vm), "");
+  HeaderFixed wrong = make_fixed_header(host, kFeatureDeviceSlots);
+  EXPECT_NE(validate_header(wrong, host.total_bytes, &vm), "");
+
+  DeviceSlotsFixed d{};
+  d.gpu_uuid[3] = 7;
+  d.alloc_bytes = 3 * (8ull << 20);
+  d.nonce = 42;
+  EXPECT_EQ(device_slots_problem(d, dev, kFeatureDeviceSlots), "");
+  EXPECT_NE(device_slots_problem(d, host, 0), "");  // a block in a host region
+  EXPECT_EQ(device_slots_problem(DeviceSlotsFixed{}, host, 0), "");
+  auto bad = [&](auto change) {
+    DeviceSlotsFixed x = d;
+    change(x);
+    return device_slots_problem(x, dev, kFeatureDeviceSlots);
+  };
+  EXPECT_NE(bad([](DeviceSlotsFixed& x) { x.alloc_bytes -= 2ull << 20; }), "");  // smaller than the slots
+  EXPECT_NE(bad([](DeviceSlotsFixed& x) { x.alloc_bytes += 4096; }), "");        // not 2 MiB granular
+  EXPECT_NE(bad([](DeviceSlotsFixed& x) { x.alloc_bytes += 2ull << 30; }), "");  // too much slack
+  EXPECT_NE(bad([](DeviceSlotsFixed& x) { x.nonce = 0; }), "");
+  EXPECT_NE(bad([](DeviceSlotsFixed& x) { x.gpu_uuid[3] = 0; }), "");
+  EXPECT_NE(bad([](DeviceSlotsFixed& x) { x.reserved[31] = 1; }), "");
+  EXPECT_NE(device_slots_problem(d, dev, kFeatureDeviceSlots | kFeatureChecksums), "");
+  EXPECT_NE(device_slots_problem(d, dev, kFeatureDeviceSlots | kFeatureDelta), "");
+  EXPECT_EQ(bad([](DeviceSlotsFixed& x) { x.alloc_bytes += 2ull << 20; }), "");  // rounded up: fine
 }

@@ -17,7 +17,9 @@
 #include "engine/engine.hpp"
 #include "shm/liveness.hpp"
 #include "protocol/delta.hpp"
+#include "engine/cuda_vmm.hpp"
 #include "engine/delta_cuda.hpp"
+#include "protocol/fd_channel.hpp"
 #include "protocol/manifest.hpp"
 #include "shm/region.hpp"
 #include "protocol/ring.hpp"
@@ -107,6 +109,10 @@ struct Consumer::Impl {
   RegionView view;
   std::optional<ConsumerRing> ring;
   std::unique_ptr<ConsumerEngine> host_engine, cuda_engine;
+  // Device slots: the producer's slot memory, imported and mapped here
+  // (released after the engine, at close).
+  vmm::Mapping slot_mem;
+  DeviceSlotsFixed device_slots{};
   PinInfo pin;
   double open_s = 0;
   bool checksums = false;
@@ -168,6 +174,7 @@ struct Consumer::Impl {
     } catch (...) {
     }
     cuda_engine.reset();
+    slot_mem.release();
     if (ring) ring->leave();
     ring.reset();
     if (pin.pinned) cuda_unpin(view.file().data(), view.file().size());
@@ -424,6 +431,58 @@ Consumer::Consumer(Consumer&&) noexcept = default;
 Consumer& Consumer::operator=(Consumer&&) noexcept = default;
 Consumer::~Consumer() = default;
 
+namespace {
+
+// A region whose slots are GPU memory: fetch the allocation's fd from the
+// producer's fd channel (its server checked, the message checked against
+// the header), map it for this consumer's device, and make the CUDA engine
+// that copies out of it. Everything that can make the region unreadable
+// here fails now, with kUnsupported, never in the middle of a sync.
+void open_device_slots(Consumer::Impl& m, const std::string& dir, const TrustPolicy& trust, std::int64_t deadline) {
+  const DeviceSlotsFixed& d = m.device_slots;
+  vmm::Uuid uuid;
+  std::copy(std::begin(d.gpu_uuid), std::end(d.gpu_uuid), uuid.begin());
+  const std::string what = "region '" + m.name + "' keeps its slots in the memory of GPU " + vmm::uuid_text(uuid);
+  const char* fix = "; a consumer without that GPU needs a region of host slots (create the producer with "
+                    "slot_memory = kHost, Python slot_memory=\"host\")";
+  std::string why;
+  if (!cuda_present(&why)) throw Error(Errc::kUnsupported, what + ", which this process cannot map: " + why + fix);
+  int device = m.opts.device;
+  try {
+    if (device < 0) device = vmm::current_device();
+  } catch (const Error& e) {
+    throw Error(Errc::kUnsupported, what + ", which this process cannot map: " + e.what() + fix);
+  }
+  FdFetchOptions fo;
+  fo.trust = trust;
+  fo.kind = FdKind::kCudaVmm;
+  fo.region_nonce = d.nonce;
+  fo.expect_fds = 1;
+  fo.expect_bytes = d.alloc_bytes;
+  const Header& h = m.view.header();
+  const SelfIdentity me = self_identity();
+  if (me.pidns != 0 && h.producer.pidns.load(std::memory_order_relaxed) == me.pidns)
+    fo.expect_pid = static_cast<std::int32_t>(h.producer.pid.load(std::memory_order_relaxed));
+  const std::int64_t left = deadline - mono_ns();
+  fo.timeout = std::chrono::nanoseconds(left > 5'000'000'000 ? left : 5'000'000'000);
+  const int fd = m.view.fd();
+  const std::string name = m.name;
+  fo.peer_gone = [fd, name] {
+    return lock_held(fd, kProducerLockByte) == Alive::kNo ? "the producer of '" + name + "' died" : std::string();
+  };
+  FetchedFds got = fetch_fds(dir, m.name, fo);
+  if (got.info.device_uuid != uuid)
+    throw Error(Errc::kCorrupt, "the fd channel of '" + m.name + "' serves memory of GPU " +
+                                    vmm::uuid_text(got.info.device_uuid) + ", but the region names " +
+                                    vmm::uuid_text(uuid) + ": refused");
+  m.slot_mem = vmm::Mapping::import(got.fds[0].get(), d.alloc_bytes, uuid, device);
+  got.fds.clear();  // the mapping keeps the memory; the descriptor is not needed any more
+  m.view.set_device_slots(static_cast<std::byte*>(m.slot_mem.data()));
+  m.cuda_engine = make_cuda_consumer_engine(true, device);
+}
+
+}  // namespace
+
 Consumer Consumer::open(std::string_view name, const ConsumerOptions& o) {
   const std::int64_t t0 = mono_ns();
   require_valid_name(name);
@@ -476,6 +535,9 @@ Consumer Consumer::open(std::string_view name, const ConsumerOptions& o) {
             if (impl->delta_region && (g.store || g.world_size != 1))
               throw Error(Errc::kCorrupt, f.path() + " claims delta syncs in a store region or one of several "
                                           "producer ranks, which no shmcast producer makes: not opened");
+            impl->device_slots = snapshot_device_slots(f.data());
+            if (std::string bad = device_slots_problem(impl->device_slots, g, snap.features); !bad.empty())
+              throw Error(Errc::kCorrupt, f.path() + ": " + bad + ": not opened");
             impl->view = RegionView(std::move(f), g);
             break;
           }
@@ -512,6 +574,7 @@ Consumer Consumer::open(std::string_view name, const ConsumerOptions& o) {
                                     ": is the producer running, with the same SHMCAST_DIR?");
     std::this_thread::sleep_for(std::chrono::milliseconds(5));
   }
+  if (impl->view.geo().device_slots) open_device_slots(*impl, dir, trust, deadline);
   impl->ring.emplace(&impl->view);
   impl->ring->claim();
   impl->host_engine = make_host_consumer_engine();
@@ -530,7 +593,7 @@ Consumer Consumer::open(std::string_view name, const ConsumerOptions& o) {
                                      std::string(std::strerror(-rc)), -rc);
     impl->read_only_views = true;
   }
-  if (o.pin != Pin::kNo) {
+  if (o.pin != Pin::kNo && !impl->view.geo().device_slots) {  // device slots: no slot bytes in the file
     impl->pin = cuda_pin(file.data(), file.size(), read_only_from);
     if (impl->pin.pinned && read_only_from < file.size() && !impl->pin.read_only) impl->read_only_views = false;
     if (!impl->pin.pinned && o.pin == Pin::kYes)
@@ -644,6 +707,10 @@ void Consumer::read_into(std::span<void* const> dsts) { read_into(dsts, {}); }
 void Consumer::read_into(std::span<void* const> dsts, std::span<const Selection> selections) {
   Impl& m = *impl_;
   m.require_open();
+  if (m.view.geo().device_slots) {  // D2H out of the GPU's slots
+    m.read_tracked(dsts, selections, false, [&] { m.read_planned(*m.cuda_engine, dsts, selections, false, false); });
+    return;
+  }
   const bool follow = !(m.checksums && m.opts.verify_checksums);  // a checksum needs the whole chunk first
   m.read_tracked(dsts, selections, false, [&] { m.read_planned(*m.host_engine, dsts, selections, false, follow); });
 }
@@ -652,6 +719,14 @@ namespace {
 // visit(), visit_chunks() and read_to_staging() hand out the stream's bytes
 // as tensors: a delta sync's blobs are not (wait_sync() gives such a reader,
 // which never applies a sync, only full ones).
+// visit() and visit_chunks() hand slot bytes to host code.
+void refuse_device_slots(Consumer::Impl& m, const char* what) {
+  if (!m.view.geo().device_slots) return;
+  throw Error(Errc::kUnsupported, std::string(what) + " hands slot bytes to host code, and the slots of '" + m.name +
+                                      "' are GPU memory: use read_into() (host destinations), read_into_device() or "
+                                      "read_to_staging(), or a region of host slots");
+}
+
 void refuse_delta(Consumer::Impl& m, const char* what) {
   if (m.state != State::kManifest || !m.info.delta()) return;
   m.request_full(m.info.version);
@@ -664,6 +739,7 @@ void refuse_delta(Consumer::Impl& m, const char* what) {
 void Consumer::visit(const std::function<void(const Piece&)>& fn) {
   Impl& m = *impl_;
   m.require_open();
+  refuse_device_slots(m, "visit()");
   refuse_delta(m, "visit()");
   if (m.state == State::kManifest) {
     for (std::size_t j = 0; j < m.info.tensors.size(); ++j)
@@ -689,6 +765,7 @@ void Consumer::visit_chunks(
     const std::function<void(std::uint64_t, const std::byte*, std::uint64_t, std::function<void()>)>& fn) {
   Impl& m = *impl_;
   m.require_open();
+  refuse_device_slots(m, "visit_chunks()");
   refuse_delta(m, "visit_chunks()");
   if (m.state == State::kManifest && m.info.world_size > 1)
     throw Error(Errc::kInvalidArgument, "visit_chunks() reads a sync of one producer rank; a sharded sync's chunks "
@@ -867,6 +944,9 @@ void Consumer::Impl::read_delta_device(std::span<void* const> dsts, std::span<co
 }
 
 SyncReport Consumer::last_sync() const { return impl_->report; }
+SlotMemory Consumer::slot_memory() const {
+  return impl_->view.geo().device_slots ? SlotMemory::kDevice : SlotMemory::kHost;
+}
 bool Consumer::delta() const { return impl_->delta_region; }
 void Consumer::request_full_sync() {
   Impl& m = *impl_;

@@ -124,6 +124,11 @@ std::uint64_t Producer::last_version() const { return impl_->version; }
 RegionMode Producer::mode() const { return impl_->view.geo().store ? RegionMode::kStore : RegionMode::kRing; }
 const SyncLayout& Producer::last_layout() const { return impl_->layout; }
 bool Producer::pinned() const { return impl_->pin.pinned; }
+SlotMemory Producer::slot_memory() const {
+  return impl_->view.geo().device_slots ? SlotMemory::kDevice : SlotMemory::kHost;
+}
+int Producer::slot_device() const { return impl_->slot_mem.empty() ? -1 : impl_->slot_mem.device(); }
+std::uint64_t Producer::slot_device_bytes() const { return impl_->slot_mem.empty() ? 0 : impl_->slot_mem.bytes(); }
 CopyEngine Producer::engine() const { return impl_->engine->is_cuda() ? CopyEngine::kCuda : CopyEngine::kHost; }
 double Producer::pin_seconds() const { return impl_->pin.seconds; }
 double Producer::create_seconds() const { return impl_->create_s; }

@@ -3,7 +3,10 @@
 // (taking over a stale one whose producer is dead) while ranks 1.. of a
 // sharded producer attach to rank 0's; close (close_quietly) marks the
 // region closed, or a rank leaves its seat. Runs on the caller's thread.
+#include <sys/random.h>
 #include <unistd.h>
+
+#include <algorithm>
 
 #include <cerrno>
 #include <cstring>
@@ -69,11 +72,19 @@ bool detail::take_over_stale(const std::string& dir, std::string_view name, bool
 
 namespace {
 
-void init_header(RegionView& v, std::uint64_t features) {
+// A random 64-bit value (getrandom(2); the clock and pid when it fails).
+std::uint64_t random_u64() {
+  std::uint64_t v = 0;
+  if (::getrandom(&v, sizeof v, 0) == static_cast<ssize_t>(sizeof v)) return v;
+  return static_cast<std::uint64_t>(unix_ns()) ^ (static_cast<std::uint64_t>(::getpid()) << 32);
+}
+
+void init_header(RegionView& v, std::uint64_t features, const DeviceSlotsFixed* dev = nullptr) {
   Header& hdr = v.header();
   // The file is fresh from posix_fallocate, so every byte is zero already:
   // write the fixed header and the producer's identity, flip init_state last.
   hdr.fixed = make_fixed_header(v.geo(), features);
+  if (dev != nullptr) hdr.device_slots = *dev;
   hdr.fixed.created_unix_ns = static_cast<std::uint64_t>(unix_ns());
   write_identity(hdr.producer, self_identity());
   hdr.generation.store(1, std::memory_order_relaxed);
@@ -210,6 +221,21 @@ Producer Producer::create(std::string_view name, const ProducerOptions& o) {
                                         "full versions; sharded producers send full syncs)");
   if (o.delta && !(o.delta_max_ratio > 0.0 && o.delta_max_ratio <= 1.0))
     throw Error(Errc::kInvalidArgument, "delta_max_ratio must be in (0, 1]");
+  const bool dev_slots = o.slot_memory == SlotMemory::kDevice;
+  if (dev_slots) {
+    if (store || o.world_size != 1)
+      throw Error(Errc::kInvalidArgument, "device slots (slot_memory = kDevice) need a ring region of one producer "
+                                          "rank: use host slots for a store region or a sharded producer");
+    if (o.checksums)
+      throw Error(Errc::kInvalidArgument, "slot checksums are computed on the host and device slots never are: turn "
+                                          "checksums off, or use host slots");
+    if (o.delta)
+      throw Error(Errc::kInvalidArgument, "delta syncs are sent through host slots only: turn delta off, or use "
+                                          "host slots");
+    if (o.engine == CopyEngine::kHost)
+      throw Error(Errc::kInvalidArgument, "device slots are copied by the GPU: create the producer with engine "
+                                          "kAuto or kCuda, not kHost");
+  }
   auto impl = std::make_unique<Impl>();
   impl->name = std::string(name);
   impl->opts = o;
@@ -217,8 +243,9 @@ Producer Producer::create(std::string_view name, const ProducerOptions& o) {
   impl->world = o.world_size;
   // The engine (and a required pin's CUDA) before the region exists: a
   // create refused for want of a GPU leaves nothing a consumer could open.
-  const bool cuda = o.engine == CopyEngine::kCuda || (o.engine == CopyEngine::kAuto && cuda_available());
-  impl->engine = cuda ? make_cuda_producer_engine() : make_host_producer_engine();
+  const bool cuda =
+      dev_slots || o.engine == CopyEngine::kCuda || (o.engine == CopyEngine::kAuto && cuda_available());
+  impl->engine = cuda ? make_cuda_producer_engine(dev_slots) : make_host_producer_engine();
   if (o.pin == Pin::kYes && !cuda_available())
     throw Error(Errc::kCudaUnavailable, "cannot pin region '" + impl->name + "': " + cuda_unavailable_reason());
   if (o.rank > 0) {
@@ -231,9 +258,21 @@ Producer Producer::create(std::string_view name, const ProducerOptions& o) {
                                             "(store_bytes_needed(tensors))");
       why = compute_geometry(o.max_consumers, 2, o.store_bytes, o.manifest_bytes, &g, 1, true);
     } else {
-      why = compute_geometry(o.max_consumers, o.slots, o.slot_bytes, o.manifest_bytes, &g, o.world_size);
+      why = compute_geometry(o.max_consumers, o.slots, o.slot_bytes, o.manifest_bytes, &g, o.world_size, false,
+                             dev_slots);
     }
     if (!why.empty()) throw Error(Errc::kInvalidArgument, why);
+    // Device slots: the GPU memory before the region exists (a create
+    // refused for want of it leaves nothing a consumer could open).
+    DeviceSlotsFixed dev{};
+    if (dev_slots) {
+      const int device = o.slot_device >= 0 ? o.slot_device : vmm::current_device();
+      impl->slot_mem = vmm::Mapping::allocate(device, g.slot_bytes * g.slot_count);
+      const vmm::Uuid uuid = vmm::device_uuid(device);
+      std::copy(uuid.begin(), uuid.end(), dev.gpu_uuid);
+      dev.alloc_bytes = impl->slot_mem.bytes();
+      while (dev.nonce == 0) dev.nonce = random_u64();
+    }
     const std::string dir = region_dir();
     MappedFile file;
     for (int attempt = 0;; ++attempt) {
@@ -247,14 +286,35 @@ Producer Producer::create(std::string_view name, const ProducerOptions& o) {
     }
     impl->path = file.path();
     impl->checksums = o.checksums;
+    const std::uint32_t region_gid = file.owner_gid();
     impl->view = RegionView(std::move(file), g);
-    init_header(impl->view, (o.checksums ? kFeatureChecksums : 0) | (store ? kFeatureStore : 0) |
-                                (o.delta ? kFeatureDelta : 0));
+    if (dev_slots) {
+      // The fds are served before the region is ready: a consumer that sees
+      // it ready finds the socket.
+      impl->view.set_device_slots(static_cast<std::byte*>(impl->slot_mem.data()));
+      FdSetInfo info;
+      info.kind = FdKind::kCudaVmm;
+      info.region_nonce = dev.nonce;
+      std::copy(std::begin(dev.gpu_uuid), std::end(dev.gpu_uuid), info.device_uuid.begin());
+      info.sizes = {dev.alloc_bytes};
+      FdServerOptions so;
+      so.trust = TrustPolicy{o.group_access, {}};
+      so.region_gid = o.group_access ? static_cast<std::int64_t>(region_gid) : -1;
+      so.replace_stale = o.replace_stale;
+      UniqueFd fd(impl->slot_mem.export_fd());
+      const int fds[1] = {fd.get()};
+      impl->slot_server = FdServer::start(dir, name, fds, info, so);
+    }
+    init_header(impl->view,
+                (o.checksums ? kFeatureChecksums : 0) | (store ? kFeatureStore : 0) | (o.delta ? kFeatureDelta : 0) |
+                    (dev_slots ? kFeatureDeviceSlots : 0),
+                dev_slots ? &dev : nullptr);
   }
   impl->ring.emplace(&impl->view, ProducerRingOptions{o.stall_policy, o.consumer_timeout.count(), o.rank, o.world_size,
                                                       impl->view.geo().store});
   impl->create_s = static_cast<double>(mono_ns() - t0) * 1e-9;
-  if (o.pin != Pin::kNo) {
+  // Device slots: the file holds no slot bytes, nothing to pin.
+  if (o.pin != Pin::kNo && !dev_slots) {
     impl->pin = cuda_pin(impl->view.file().data(), impl->view.file().size());
     if (!impl->pin.pinned && o.pin == Pin::kYes)
       throw Error(Errc::kCudaUnavailable, "cannot pin region '" + impl->name + "': " + impl->pin.why);
@@ -299,6 +359,10 @@ void Producer::Impl::close_quietly() noexcept {
   detail::ring(h.publish);
   if (opts.unlink_on_close) view.file().unlink_if_same();
   engine.reset();
+  // Device slots: no more fds for anyone, then our own hold on the memory
+  // (it goes back to the GPU once every consumer has unmapped it).
+  slot_server.stop();
+  slot_mem.release();
   if (pin.pinned) cuda_unpin(view.file().data(), view.file().size());  // unregister before unmap
   pin.pinned = false;
   unlock_byte(view.fd(), kProducerLockByte);

@@ -34,8 +34,10 @@
 
 #include "base/checks.hpp"
 #include "base/layout.hpp"
+#include "engine/cuda_vmm.hpp"
 #include "engine/delta_cuda.hpp"
 #include "engine/engine.hpp"
+#include "protocol/fd_channel.hpp"
 #include "protocol/ring.hpp"
 #include "protocol/rounds.hpp"
 #include "shmcast/shmcast.hpp"
@@ -54,6 +56,10 @@ struct __attribute__((visibility("hidden"))) Producer::Impl {
   detail::PinInfo pin;
   double create_s = 0;
   bool checksums = false;
+  // Device slots (SlotMemory::kDevice): the slots' GPU memory, and the
+  // server that hands it to consumers (stopped, then released, at close).
+  detail::vmm::Mapping slot_mem;
+  detail::FdServer slot_server;
 
   // ---- the sync in progress, every mode
   bool in_sync = false;

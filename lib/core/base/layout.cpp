@@ -5,7 +5,8 @@
 namespace shmcast::detail {
 
 std::string compute_geometry(std::uint32_t max_consumers, std::uint32_t slots, std::uint64_t slot_bytes,
-                             std::uint64_t manifest_bytes, Geometry* out, std::uint32_t world_size, bool store) {
+                             std::uint64_t manifest_bytes, Geometry* out, std::uint32_t world_size, bool store,
+                             bool device_slots) {
   if (max_consumers < 1 || max_consumers > kMaxConsumers)
     return printf_u64("max_consumers is %llu; it must be 1..%llu", max_consumers, kMaxConsumers);
   if (slots < 2 || slots > kMaxSlots) return printf_u64("slots is %llu; it must be 2..%llu", slots, kMaxSlots);
@@ -21,8 +22,11 @@ std::string compute_geometry(std::uint32_t max_consumers, std::uint32_t slots, s
     return printf_u64("slots is %llu; a producer of %llu ranks needs at least 2 per rank", slots, world_size);
   if (store && (slots != 2 || world_size != 1))
     return printf_u64("a store region has 2 slots and 1 producer rank, not %llu and %llu", slots, world_size);
+  if (device_slots && (store || world_size != 1))
+    return "device slots need a ring region of one producer rank";
   Geometry g{};
   g.store = store;
+  g.device_slots = device_slots;
   g.world_size = world_size;
   g.max_consumers = max_consumers;
   g.slot_count = slots;
@@ -40,7 +44,7 @@ std::string compute_geometry(std::uint32_t max_consumers, std::uint32_t slots, s
   std::uint64_t data = 0;
   if (!checked_mul(g.slot_bytes, slots, &data) || data > (1ull << 46))
     return printf_u64("slots x slot_bytes = %llu x %llu is too large", slots, g.slot_bytes);
-  g.total_bytes = g.data_offset + data;
+  g.total_bytes = g.data_offset + (device_slots ? 0 : data);
   *out = g;
   return {};
 }
@@ -86,7 +90,7 @@ std::string validate_header(const HeaderFixed& h, std::uint64_t file_bytes, bool
   // match: every offset is then known-good and derived, not trusted.
   Geometry g{};
   std::string why = compute_geometry(h.max_consumers, h.slot_count, h.slot_bytes, h.manifest_bytes, &g, h.world_size,
-                                     (h.features & kFeatureStore) != 0);
+                                     (h.features & kFeatureStore) != 0, (h.features & kFeatureDeviceSlots) != 0);
   if (!why.empty()) return "bad geometry: " + why;
   if (g.slot_bytes != h.slot_bytes) return "slot_bytes is not 2 MiB aligned";
   if (g.manifest_bytes != h.manifest_bytes) return "manifest_bytes is not 4 KiB aligned";
@@ -95,6 +99,29 @@ std::string validate_header(const HeaderFixed& h, std::uint64_t file_bytes, bool
     return "section offsets do not match the geometry";
   if (g.total_bytes != h.total_bytes)
     return printf_u64("total_bytes %llu, geometry needs %llu", h.total_bytes, g.total_bytes);
+  return {};
+}
+
+std::string device_slots_problem(const DeviceSlotsFixed& d, const Geometry& g, std::uint64_t features) {
+  const bool on = (features & kFeatureDeviceSlots) != 0;
+  if (!on) {
+    const auto* b = reinterpret_cast<const unsigned char*>(&d);
+    for (std::size_t i = 0; i < sizeof d; ++i)
+      if (b[i] != 0) return "the device-slots block is not zero in a region of host slots";
+    return {};
+  }
+  if (!g.device_slots) return "device slots in a region whose geometry has host slots";
+  if ((features & (kFeatureChecksums | kFeatureDelta | kFeatureStore)) != 0)
+    return "device slots with checksums, deltas or a store, which no shmcast producer makes";
+  const std::uint64_t need = g.slot_bytes * g.slot_count;  // compute_geometry bounded it
+  if (d.alloc_bytes < need || d.alloc_bytes - need > kMaxDeviceSlotSlack || d.alloc_bytes % (2ull << 20) != 0)
+    return printf_u64("device slot allocation of %llu bytes for %llu bytes of slots", d.alloc_bytes, need);
+  if (d.nonce == 0) return "device slots without a channel nonce";
+  bool uuid = false;
+  for (std::uint8_t c : d.gpu_uuid) uuid = uuid || c != 0;
+  if (!uuid) return "device slots without a GPU UUID";
+  for (std::uint8_t c : d.reserved)
+    if (c != 0) return "reserved bytes of the device-slots block are not zero";
   return {};
 }
 

@@ -17,7 +17,9 @@
 namespace shmcast::detail {
 
 inline constexpr std::uint64_t kMagic = 0x0054534143'4d4853ull;  // "SHMCAST\0" (LE)
-inline constexpr std::uint32_t kLayoutVersion = 3;  // 2: producer ranks (sharded syncs); 3: rounds with identity
+// 2: producer ranks (sharded syncs); 3: rounds with identity; 4: device slots
+// (the DeviceSlots block at header offset 640, kFeatureDeviceSlots)
+inline constexpr std::uint32_t kLayoutVersion = 4;
 inline constexpr std::uint64_t kHeaderBytes = 4096;
 inline constexpr std::uint64_t kSeatBytes = 512;
 inline constexpr std::uint64_t kSlotDescBytes = 64;
@@ -47,7 +49,14 @@ inline constexpr std::uint64_t kFeatureStore = 1ull << 1;
 // Seat::full_after. A reader that does not know the bit must not open the
 // region: it would copy blobs as tensor bytes.
 inline constexpr std::uint64_t kFeatureDelta = 1ull << 2;
-inline constexpr std::uint64_t kKnownFeatures = kFeatureChecksums | kFeatureStore | kFeatureDelta;
+// Device slots: the K slots of S bytes are GPU memory (one CUDA VMM
+// allocation of Header::device_slots.alloc_bytes on the GPU named by its
+// UUID), served to consumers as a POSIX fd over the region's fd channel
+// (docs/protocol.md §13); the region file holds no slot data (total_bytes ==
+// data_offset). Ring regions of one producer rank, without checksums or
+// deltas (a reader refuses any other combination).
+inline constexpr std::uint64_t kFeatureDeviceSlots = 1ull << 3;
+inline constexpr std::uint64_t kKnownFeatures = kFeatureChecksums | kFeatureStore | kFeatureDelta | kFeatureDeviceSlots;
 
 enum InitState : std::uint32_t {
   kInitCreating = 0,  // file exists, creator still writing
@@ -132,6 +141,19 @@ struct HeaderFixed {
 };
 static_assert(sizeof(HeaderFixed) == 128);
 
+// Where the slots live when they are GPU memory (kFeatureDeviceSlots).
+// Plain bytes, snapshotted with the fixed header.
+struct DeviceSlotsFixed {
+  std::uint8_t gpu_uuid[16];      // 0 the GPU that holds the allocation (cuDeviceGetUuid)
+  std::uint64_t alloc_bytes;      // 16 the allocation: >= slot_count * slot_bytes, a multiple of 2 MiB
+  std::uint64_t nonce;            // 24 random, never 0: the fd channel's message must carry it
+  std::uint8_t reserved[32];      // 32
+};
+static_assert(sizeof(DeviceSlotsFixed) == 64);
+// The most an allocation may exceed slot_count * slot_bytes (rounding up
+// to the GPU's granularity, a few MiB at most in practice).
+inline constexpr std::uint64_t kMaxDeviceSlotSlack = 1ull << 30;
+
 struct alignas(64) Header {
   // ---- [0, 128) geometry: immutable once init_state is kInitReady
   HeaderFixed fixed;
@@ -167,7 +189,11 @@ struct alignas(64) Header {
   // ---- [384, 640) producer error text, NUL-terminated
   char error_text[kErrorTextBytes];          // 384
 
-  std::uint8_t reserved4[kHeaderBytes - 640];
+  // ---- [640, 704) device slots (kFeatureDeviceSlots; all zero otherwise):
+  // immutable once init_state is kInitReady, like `fixed`
+  DeviceSlotsFixed device_slots;             // 640
+
+  std::uint8_t reserved4[kHeaderBytes - 704];
 };
 
 struct alignas(64) Seat {
@@ -280,6 +306,7 @@ static_assert(offsetof(Header, published_seq) == 256);
 static_assert(offsetof(Header, publish) == 264);
 static_assert(offsetof(Header, release) == 320);
 static_assert(offsetof(Header, error_text) == 384);
+static_assert(offsetof(Header, device_slots) == 640);
 static_assert(offsetof(Seat, released_seq) == 64);
 static_assert(offsetof(Seat, hold_seq) == 104 && offsetof(Seat, full_after) == 112 && offsetof(Seat, included_gen) == 128);
 static_assert(offsetof(Seat, error_text) == 192);
@@ -354,6 +381,7 @@ struct Geometry {
   std::uint64_t ranks_offset;     // R > 1: R rank seats, then R lists of manifest_bytes
   std::uint64_t rank_lists_offset;
   bool store = false;             // kFeatureStore: slot_count 2, world_size 1, a manifest area per slot
+  bool device_slots = false;      // kFeatureDeviceSlots: no slot data in the file (total_bytes == data_offset)
 };
 
 constexpr std::uint64_t align_up(std::uint64_t v, std::uint64_t a) { return (v + a - 1) / a * a; }
@@ -362,7 +390,12 @@ constexpr std::uint64_t align_up(std::uint64_t v, std::uint64_t a) { return (v +
 // `store`: a store-mode region (kFeatureStore).
 std::string compute_geometry(std::uint32_t max_consumers, std::uint32_t slots, std::uint64_t slot_bytes,
                              std::uint64_t manifest_bytes, Geometry* out, std::uint32_t world_size = 1,
-                             bool store = false);
+                             bool store = false, bool device_slots = false);
+
+// The problem with a device-slots block `d` of a region with geometry `g`
+// and feature bits `features`, or an empty string. Without the feature bit
+// the block must be all zero.
+std::string device_slots_problem(const DeviceSlotsFixed& d, const Geometry& g, std::uint64_t features);
 
 // The fixed header a region with geometry `g` carries (created_unix_ns left 0).
 HeaderFixed make_fixed_header(const Geometry& g, std::uint64_t features);

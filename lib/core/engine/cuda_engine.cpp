@@ -394,12 +394,39 @@ class Lane {
   std::string host_error_;
 };
 
-// `rows` rows of `w` bytes between slot memory (host, pitch `sp`) and a
-// device buffer (pitch `tp`), in one cuMemcpy2DAsync, or one copy per row
-// when the pitch exceeds what a 2D copy takes (a bad pointer then fails in
-// the first row's copy, with its own error).
+// Where the two sides of a copy live: the slot (host memory, or device
+// slots) and the tensor (device memory, or a host buffer when the slots are
+// on the device).
+struct Sides {
+  bool to_slot;    // tensor -> slot (producer), else slot -> tensor (consumer)
+  bool slot_dev;   // device slots
+  bool tensor_dev;
+};
+
+// One contiguous copy of `bytes` between slot memory `s` and tensor memory `t`.
+void copy_one(const cu::Api& d, std::byte* s, std::byte* t, std::uint64_t bytes, const Sides& k, CUstream stream) {
+  CUresult e;
+  const char* what;
+  if (k.slot_dev && k.tensor_dev) {
+    e = k.to_slot ? d.cuMemcpyDtoDAsync(dptr(s), dptr(t), bytes, stream)
+                  : d.cuMemcpyDtoDAsync(dptr(t), dptr(s), bytes, stream);
+    what = "cuMemcpyDtoDAsync";
+  } else if (k.slot_dev) {  // a host tensor, device slots
+    e = k.to_slot ? d.cuMemcpyHtoDAsync(dptr(s), t, bytes, stream) : d.cuMemcpyDtoHAsync(t, dptr(s), bytes, stream);
+    what = k.to_slot ? "cuMemcpyHtoDAsync" : "cuMemcpyDtoHAsync";
+  } else {  // host slots, a device tensor
+    e = k.to_slot ? d.cuMemcpyDtoHAsync(s, dptr(t), bytes, stream) : d.cuMemcpyHtoDAsync(dptr(t), s, bytes, stream);
+    what = k.to_slot ? "cuMemcpyDtoHAsync" : "cuMemcpyHtoDAsync";
+  }
+  if (e != CUDA_SUCCESS) throw_cuda(e, std::string(what) + " of " + std::to_string(bytes) + " bytes", kTodoArgs);
+}
+
+// `rows` rows of `w` bytes between slot memory (pitch `sp`) and a tensor
+// (pitch `tp`), in one cuMemcpy2DAsync, or one copy per row when the pitch
+// exceeds what a 2D copy takes (a bad pointer then fails in the first row's
+// copy, with its own error).
 void copy_rows(std::byte* slot, std::uint64_t sp, std::byte* t, std::uint64_t tp, std::uint64_t w,
-               std::uint64_t rows, bool to_slot, Lane& lane, CUstream stream) {
+               std::uint64_t rows, const Sides& k, Lane& lane, CUstream stream) {
   const cu::Api& d = lane.api();
   const std::uint64_t max_pitch = lane.max_pitch();
   const bool fits = max_pitch == 0 || (sp <= max_pitch && tp <= max_pitch);
@@ -408,65 +435,55 @@ void copy_rows(std::byte* slot, std::uint64_t sp, std::byte* t, std::uint64_t tp
     CUDA_MEMCPY2D c{};
     c.WidthInBytes = w;
     c.Height = rows;
-    if (to_slot) {
-      c.srcMemoryType = CU_MEMORYTYPE_DEVICE;
-      c.srcDevice = dptr(t);
-      c.srcPitch = tp;
-      c.dstMemoryType = CU_MEMORYTYPE_HOST;
-      c.dstHost = slot;
-      c.dstPitch = sp;
-    } else {
-      c.srcMemoryType = CU_MEMORYTYPE_HOST;
-      c.srcHost = slot;
-      c.srcPitch = sp;
-      c.dstMemoryType = CU_MEMORYTYPE_DEVICE;
-      c.dstDevice = dptr(t);
-      c.dstPitch = tp;
-    }
+    // The slot's side and the tensor's, as source and destination.
+    std::byte* src = k.to_slot ? t : slot;
+    std::byte* dst = k.to_slot ? slot : t;
+    const bool src_dev = k.to_slot ? k.tensor_dev : k.slot_dev;
+    const bool dst_dev = k.to_slot ? k.slot_dev : k.tensor_dev;
+    c.srcPitch = k.to_slot ? tp : sp;
+    c.dstPitch = k.to_slot ? sp : tp;
+    c.srcMemoryType = src_dev ? CU_MEMORYTYPE_DEVICE : CU_MEMORYTYPE_HOST;
+    c.dstMemoryType = dst_dev ? CU_MEMORYTYPE_DEVICE : CU_MEMORYTYPE_HOST;
+    if (src_dev)
+      c.srcDevice = dptr(src);
+    else
+      c.srcHost = src;
+    if (dst_dev)
+      c.dstDevice = dptr(dst);
+    else
+      c.dstHost = dst;
     e = d.cuMemcpy2DAsync(&c, stream);
   }
   if (fits && e != CUDA_ERROR_INVALID_VALUE) {
     if (e != CUDA_SUCCESS)
-      throw_cuda(e, std::string("cuMemcpy2DAsync ") + (to_slot ? "D2H" : "H2D") + " of " + std::to_string(rows) +
-                        " rows of " + std::to_string(w) + " bytes (pitches " + std::to_string(sp) + ", " +
-                        std::to_string(tp) + ")",
+      throw_cuda(e, std::string("cuMemcpy2DAsync ") + (k.to_slot ? "to" : "from") + " the slots of " +
+                        std::to_string(rows) + " rows of " + std::to_string(w) + " bytes (pitches " +
+                        std::to_string(sp) + ", " + std::to_string(tp) + ")",
                  kTodoArgs);
     return;
   }
-  for (std::uint64_t r = 0; r < rows; ++r) {
-    const CUresult e1 = to_slot ? d.cuMemcpyDtoHAsync(slot + r * sp, dptr(t + r * tp), w, stream)
-                                : d.cuMemcpyHtoDAsync(dptr(t + r * tp), slot + r * sp, w, stream);
-    if (e1 != CUDA_SUCCESS)
-      throw_cuda(e1, std::string(to_slot ? "cuMemcpyDtoHAsync" : "cuMemcpyHtoDAsync") + " of " + std::to_string(w) +
-                         " bytes",
-                 kTodoArgs);
-  }
+  for (std::uint64_t r = 0; r < rows; ++r) copy_one(d, slot + r * sp, t + r * tp, w, k, stream);
 }
 
 // Copies bytes [offset, offset + n) of a tensor laid out as `l` at `tensor`
 // to (to_slot) or from the contiguous slot memory `slot`, on the lane's
 // streams. The lane's context must be current.
 void copy_async(std::byte* slot, std::byte* tensor, const Strided2D& l, std::uint64_t offset, std::uint64_t n,
-                bool to_slot, Lane& lane) {
+                const Sides& k, Lane& lane) {
   const cu::Api& d = lane.api();
   auto one = [&](std::byte* s, std::byte* t, std::uint64_t bytes, CUstream stream) {
-    const CUresult e = to_slot ? d.cuMemcpyDtoHAsync(s, dptr(t), bytes, stream)
-                               : d.cuMemcpyHtoDAsync(dptr(t), s, bytes, stream);
-    if (e != CUDA_SUCCESS)
-      throw_cuda(e, std::string(to_slot ? "cuMemcpyDtoHAsync" : "cuMemcpyHtoDAsync") + " of " +
-                        std::to_string(bytes) + " bytes",
-                 kTodoArgs);
+    copy_one(d, s, t, bytes, k, stream);
   };
   if (n == 0) return;
   if (l.rows == 0 || l.pitch_bytes == l.row_bytes) {
-    const int k = lane.streams();
-    if (k == 1 || n < kSplitMin) {
+    const int streams = lane.streams();
+    if (streams == 1 || n < kSplitMin) {
       one(slot, tensor + offset, n, lane.next_stream());
       return;
     }
     // Split a large piece across the copy streams (4 KiB-aligned parts).
-    const std::uint64_t part = (n / k + 4095) & ~std::uint64_t{4095};
-    for (int i = 0; i < k; ++i) {
+    const std::uint64_t part = (n / streams + 4095) & ~std::uint64_t{4095};
+    for (int i = 0; i < streams; ++i) {
       const std::uint64_t a = part * static_cast<std::uint64_t>(i);
       if (a >= n) break;
       const std::uint64_t len = n - a < part ? n - a : part;
@@ -487,7 +504,7 @@ void copy_async(std::byte* slot, std::byte* tensor, const Strided2D& l, std::uin
   if (full == 1) {
     one(slot, tensor + row * l.pitch_bytes, l.row_bytes, stream);
   } else if (full > 1) {
-    copy_rows(slot, l.row_bytes, tensor + row * l.pitch_bytes, l.pitch_bytes, l.row_bytes, full, to_slot, lane, stream);
+    copy_rows(slot, l.row_bytes, tensor + row * l.pitch_bytes, l.pitch_bytes, l.row_bytes, full, k, lane, stream);
   }
   slot += full * l.row_bytes;
   n -= full * l.row_bytes;
@@ -497,7 +514,8 @@ void copy_async(std::byte* slot, std::byte* tensor, const Strided2D& l, std::uin
 
 class CudaProducerEngine final : public ProducerEngine {
  public:
-  CudaProducerEngine() : lane_(stream_count("SHMCAST_CUDA_D2H_STREAMS", kD2HStreams)) {
+  explicit CudaProducerEngine(bool device_slots)
+      : lane_(stream_count("SHMCAST_CUDA_D2H_STREAMS", kD2HStreams)), device_slots_(device_slots) {
     lane_.home(current_device(lane_.api()));
   }
   ~CudaProducerEngine() override = default;  // the lane waits for queued work
@@ -507,14 +525,17 @@ class CudaProducerEngine final : public ProducerEngine {
     lane_.after(caller_stream);
   }
   void copy(std::byte* dst, const Buffer& src, std::uint64_t offset, std::uint64_t n) override {
-    if (!src.device) {
-      // A host source: plain memcpy. Pending async copies into this slot
-      // write other bytes, so this cannot race with them.
+    if (!src.device && !device_slots_) {
+      // A host source into host slots: plain memcpy. Pending async copies
+      // into this slot write other bytes, so this cannot race with them.
       gather_host(dst, static_cast<const std::byte*>(src.ptr), src.layout, offset, n);
       return;
     }
+    // Into device slots a host source is an H2D copy (from pageable memory
+    // it returns once the source was read).
     CtxScope scope(lane_.api(), lane_.context());
-    copy_async(dst, static_cast<std::byte*>(src.ptr), src.layout, offset, n, true, lane_);
+    copy_async(dst, static_cast<std::byte*>(src.ptr), src.layout, offset, n, Sides{true, device_slots_, src.device},
+               lane_);
   }
   void chunk_done(std::function<void()> publish) override { lane_.when_done(std::move(publish)); }
   void drain() override { lane_.drain(); }
@@ -522,12 +543,14 @@ class CudaProducerEngine final : public ProducerEngine {
 
  private:
   Lane lane_;
+  bool device_slots_;
 };
 
 class CudaConsumerEngine final : public ConsumerEngine {
  public:
-  CudaConsumerEngine() : lane_(stream_count("SHMCAST_CUDA_H2D_STREAMS", kH2DStreams)) {
-    lane_.home(current_device(lane_.api()));
+  explicit CudaConsumerEngine(bool device_slots, int device)
+      : lane_(stream_count("SHMCAST_CUDA_H2D_STREAMS", kH2DStreams)), device_slots_(device_slots) {
+    lane_.home(device >= 0 ? device : current_device(lane_.api()));
   }
   ~CudaConsumerEngine() override {
     try {
@@ -544,12 +567,15 @@ class CudaConsumerEngine final : public ConsumerEngine {
     lane_.after(caller_stream);
   }
   void copy(const Buffer& dst, std::uint64_t offset, const std::byte* src, std::uint64_t n) override {
-    if (!dst.device) {
+    if (!dst.device && !device_slots_) {
       scatter_host(static_cast<std::byte*>(dst.ptr), dst.layout, offset, src, n);
       return;
     }
+    // Out of device slots into host memory: D2H (into pageable memory it
+    // returns once the bytes are there).
     CtxScope scope(lane_.api(), lane_.context());
-    copy_async(const_cast<std::byte*>(src), static_cast<std::byte*>(dst.ptr), dst.layout, offset, n, false, lane_);
+    copy_async(const_cast<std::byte*>(src), static_cast<std::byte*>(dst.ptr), dst.layout, offset, n,
+               Sides{false, device_slots_, dst.device}, lane_);
   }
   void copy2d(const Buffer& dst, std::uint64_t offset, std::uint64_t dst_pitch, const std::byte* src,
               std::uint64_t src_pitch, std::uint64_t width, std::uint64_t rows) override {
@@ -558,10 +584,10 @@ class CudaConsumerEngine final : public ConsumerEngine {
       return;
     }
     CtxScope scope(lane_.api(), lane_.context());
-    // One strided H2D straight out of the pinned slot: only the selected
-    // bytes cross PCIe.
+    // One strided copy straight out of the slot: only the selected bytes
+    // move (cross PCIe, for host slots).
     copy_rows(const_cast<std::byte*>(src), src_pitch, static_cast<std::byte*>(dst.ptr) + offset, dst_pitch, width, rows,
-              false, lane_, lane_.next_stream());
+              Sides{false, device_slots_, true}, lane_, lane_.next_stream());
   }
   void chunk_done(std::function<void()> release) override { lane_.when_done(std::move(release)); }
   void end(void* caller_stream) override { lane_.before(caller_stream); }
@@ -609,6 +635,7 @@ class CudaConsumerEngine final : public ConsumerEngine {
   }
 
   Lane lane_;
+  bool device_slots_;
   int staging_next_ = -1;
   std::byte* staging_ = nullptr;
   std::uint64_t staging_bytes_ = 0;
@@ -667,14 +694,14 @@ bool cuda_present(std::string* why) {
   return true;
 }
 
-std::unique_ptr<ProducerEngine> make_cuda_producer_engine() {
+std::unique_ptr<ProducerEngine> make_cuda_producer_engine(bool device_slots) {
   require_cuda();
-  return std::make_unique<CudaProducerEngine>();
+  return std::make_unique<CudaProducerEngine>(device_slots);
 }
 
-std::unique_ptr<ConsumerEngine> make_cuda_consumer_engine() {
+std::unique_ptr<ConsumerEngine> make_cuda_consumer_engine(bool device_slots, int device) {
   require_cuda();
-  return std::make_unique<CudaConsumerEngine>();
+  return std::make_unique<CudaConsumerEngine>(device_slots, device);
 }
 
 PinInfo cuda_pin(void* base, std::uint64_t bytes, std::uint64_t read_only_from) {

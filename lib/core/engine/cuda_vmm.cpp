@@ -131,6 +131,16 @@ int device_with_uuid(const Uuid& uuid) {
   return -1;
 }
 
+int current_device() {
+  const cu::Api& d = api();
+  CUcontext c = nullptr;
+  if (d.cuCtxGetCurrent(&c) == CUDA_SUCCESS && c != nullptr) {
+    CUdevice dev = 0;  // a CUdevice is the device's ordinal
+    if (d.cuCtxGetDevice(&dev) == CUDA_SUCCESS) return static_cast<int>(dev);
+  }
+  return 0;
+}
+
 std::uint64_t granularity(int device) {
   const cu::Api& d = api();
   (void)device_handle(d, device);

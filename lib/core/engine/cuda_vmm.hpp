@@ -49,6 +49,9 @@ std::string uuid_text(const Uuid& uuid);
 Uuid device_uuid(int device);
 // This process's ordinal of the GPU with `uuid`, or -1 when it sees none.
 int device_with_uuid(const Uuid& uuid);
+// The current device: the device of the context current on this thread
+// (cudaSetDevice, torch.cuda.device), else 0, as cudaGetDevice reports.
+int current_device();
 // Allocation granularity of `device` for memory shared as POSIX fds: sizes
 // are rounded up to a multiple of it (2 MiB on current GPUs).
 std::uint64_t granularity(int device);

@@ -23,6 +23,7 @@ std::string uuid_text(const Uuid& u) {
 }
 Uuid device_uuid(int) { no_cuda(); }
 int device_with_uuid(const Uuid&) { no_cuda(); }
+int current_device() { no_cuda(); }
 std::uint64_t granularity(int) { no_cuda(); }
 MemInfo mem_info(int) { no_cuda(); }
 

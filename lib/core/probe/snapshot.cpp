@@ -367,9 +367,14 @@ P::Region probe_region(const std::string& dir, std::string_view name, const P::O
     return verdict(P::State::kCorrupt, printf_u64("init_state is %llu (expected 0, 1 or 2)", init_raw));
   Geometry g{};
   if (!compute_geometry(fixed.max_consumers, fixed.slot_count, fixed.slot_bytes, fixed.manifest_bytes, &g,
-                       fixed.world_size, (fixed.features & kFeatureStore) != 0).empty() ||
+                       fixed.world_size, (fixed.features & kFeatureStore) != 0,
+                       (fixed.features & kFeatureDeviceSlots) != 0).empty() ||
       g.total_bytes != size)
     return verdict(P::State::kCorrupt, "geometry does not match the file");
+  DeviceSlotsFixed dev{};
+  std::memcpy(&dev, hbuf.data() + offsetof(Header, device_slots), sizeof dev);
+  if (std::string why = device_slots_problem(dev, g, fixed.features); !why.empty())
+    return verdict(P::State::kCorrupt, why);
   r.header_valid = true;
   if (init_raw == kInitClosed) {
     r.state = P::State::kClosed;

@@ -26,8 +26,14 @@ Geometry checked_geometry(const MappedFile& f, const HeaderFixed& snap) {
   if (!why.empty()) throw Error(Errc::kCorrupt, f.path() + ": " + why);
   Geometry g{};
   compute_geometry(snap.max_consumers, snap.slot_count, snap.slot_bytes, snap.manifest_bytes, &g, snap.world_size,
-                   (snap.features & kFeatureStore) != 0);
+                   (snap.features & kFeatureStore) != 0, (snap.features & kFeatureDeviceSlots) != 0);
   return g;
+}
+
+DeviceSlotsFixed snapshot_device_slots(const std::byte* base) {
+  DeviceSlotsFixed d;
+  std::memcpy(&d, base + offsetof(Header, device_slots), sizeof d);
+  return d;
 }
 
 std::uint32_t seat_state(std::uint64_t w) { return static_cast<std::uint32_t>(w & 0xffffffffu); }

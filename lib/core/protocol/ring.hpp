@@ -41,7 +41,15 @@ class RegionView {
   SlotDesc& slot(std::uint32_t k) const {
     return *reinterpret_cast<SlotDesc*>(file_.data() + geo_.slots_offset + std::uint64_t{k} * kSlotDescBytes);
   }
-  std::byte* slot_data(std::uint32_t k) const { return file_.data() + geo_.data_offset + std::uint64_t{k} * geo_.slot_bytes; }
+  // Slot k's bytes: in the file, or (device slots) at the GPU address the
+  // caller mapped them at (set_device_slots): a device pointer, never
+  // dereferenced on the host.
+  std::byte* slot_data(std::uint32_t k) const {
+    return (device_slots_ != nullptr ? device_slots_ : file_.data() + geo_.data_offset) +
+           std::uint64_t{k} * geo_.slot_bytes;
+  }
+  void set_device_slots(std::byte* base) { device_slots_ = base; }
+  bool slots_on_device() const { return geo_.device_slots; }
   std::byte* manifest() const { return file_.data() + geo_.manifest_offset; }
   // The manifest area of chunk `seq`'s sync: the one area, or in a store
   // region the area of the slot (bank) that holds the chunk.
@@ -66,11 +74,14 @@ class RegionView {
  private:
   MappedFile file_;
   Geometry geo_{};
+  std::byte* device_slots_ = nullptr;
 };
 
 // A private copy of a mapped region's immutable header (take it after
 // init_state read kInitReady, with acquire).
 HeaderFixed snapshot_header(const std::byte* base);
+// The same for the device-slots block (check it with device_slots_problem).
+DeviceSlotsFixed snapshot_device_slots(const std::byte* base);
 // The geometry `snap` describes, validated against itself and the file:
 // throws kVersionMismatch (another layout version) or kCorrupt.
 Geometry checked_geometry(const MappedFile& f, const HeaderFixed& snap);

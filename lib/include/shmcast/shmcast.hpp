@@ -283,6 +283,15 @@ enum class RegionMode : std::uint8_t {
            // joiners, restarts): see ProducerOptions::store_bytes
 };
 
+// Where a ring region's slots live, fixed when it is created.
+enum class SlotMemory : std::uint8_t {
+  kHost,    // the region file (pinned host memory): any process can map it, any engine copies
+  kDevice,  // GPU memory on the producer's GPU (a CUDA VMM allocation), shared with the
+            // consumers as a file descriptor over a Unix socket next to the region
+            // (SCM_RIGHTS; no CUDA IPC handle, no pidfd_getfd). Copies are
+            // device-to-device; the region file keeps the header, seats and manifest.
+};
+
 struct ProducerOptions {
   RegionMode mode = RegionMode::kRing;
   // kStore: room for one version's stream (store_bytes_needed(tensors), at
@@ -336,6 +345,16 @@ struct ProducerOptions {
   bool delta = false;
   std::uint32_t keyframe_every = 0;
   double delta_max_ratio = 0.4;
+  // Device slots (SlotMemory::kDevice): the K slots of S bytes (2 x 256 MiB
+  // by default: bounded, never the whole model) are allocated on GPU
+  // `slot_device` (-1: the current device), the copy engine is CUDA, and
+  // the consumers must see that GPU or reach it by peer access (else their
+  // open() fails with kUnsupported). Ring regions of one rank, without
+  // checksums or deltas (kInvalidArgument otherwise). Who may fetch the
+  // memory is decided as for the region file: this uid, trusted uids, and
+  // with group_access the region's group (checked with SO_PEERCRED).
+  SlotMemory slot_memory = SlotMemory::kHost;
+  int slot_device = -1;
 };
 
 struct ConsumerOptions {
@@ -355,6 +374,12 @@ struct ConsumerOptions {
   // mode 0600, are opened.
   bool group_access = false;                // also accept 0660 regions of a group we are in
   std::vector<std::uint32_t> trusted_uids;  // also accept regions owned by these uids
+  // Regions with device slots: the GPU (this process's ordinal) whose
+  // streams copy out of them; -1: the current device. The slots are mapped
+  // for it (and for the GPU that holds them). open() fails with
+  // kUnsupported when this process cannot map them: the GPU is not visible
+  // here, or not reachable by peer access, or there is no GPU at all.
+  int device = -1;
 };
 
 // A tensor stored with a constant row pitch (e.g. a column slice of a matrix):
@@ -484,6 +509,12 @@ class SHMCAST_API Producer {
   const SyncLayout& last_layout() const;
   bool pinned() const;
   CopyEngine engine() const;   // kHost or kCuda: the engine chosen at create
+  SlotMemory slot_memory() const;
+  // Device slots: the GPU that holds them (this process's ordinal) and the
+  // bytes allocated there (slots x slot_bytes, rounded up to the GPU's
+  // granularity); -1 and 0 for host slots.
+  int slot_device() const;
+  std::uint64_t slot_device_bytes() const;
   double pin_seconds() const;  // time spent in cudaHostRegister
   double create_seconds() const;  // time to create and fallocate the region
   // The last completed sync: full or delta, logical and payload bytes.
@@ -587,6 +618,10 @@ class SHMCAST_API Consumer {
   std::uint64_t last_version() const;
   RegionMode mode() const;           // of the region
   std::uint64_t slot_bytes() const;  // of the region: chunk c of a sync is stream bytes [c*S, (c+1)*S)
+  // Of the region. Device slots: every read is a copy by the GPU (into
+  // device or host destinations); visit() and visit_chunks(), which hand
+  // slot bytes to host code, are kUnsupported.
+  SlotMemory slot_memory() const;
   int seat() const;
   const std::string& name() const;
   bool pinned() const;
