@@ -1,0 +1,217 @@
+// Device slots (SlotMemory::kDevice) on a machine without a GPU (CI): what
+// can be checked without GPU memory. The producer's refusals, a clear
+// kCudaUnavailable at create, and consumers of crafted device-slot regions:
+// kUnsupported at open (never later) when this process cannot map GPU
+// memory, kCorrupt for a block no producer writes. The transfers themselves
+// run on the GPU machine (tests/gpu/test_device_slots_gpu.cpp); the fd
+// channel has its own tests (test_fd_channel.cpp, unit and seccomp tiers).
+#include <fcntl.h>
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <filesystem>
+#include <functional>
+#include <string>
+
+#include "base/layout.hpp"
+#include "shm/liveness.hpp"
+#include "shmcast/shmcast.hpp"
+#include "support.hpp"
+
+using namespace shmcast;
+using namespace shmcast_test;
+using namespace std::chrono_literals;
+namespace d = shmcast::detail;
+
+namespace {
+
+Errc code_of(const std::function<void()>& fn, std::string* what = nullptr) {
+  try {
+    fn();
+  } catch (const Error& e) {
+    if (what) *what = e.what();
+    return e.code();
+  }
+  return Errc{};
+}
+
+ProducerOptions dev_opts() {
+  ProducerOptions o;
+  o.slot_memory = SlotMemory::kDevice;
+  o.slot_bytes = 2ull << 20;
+  o.slots = 2;
+  return o;
+}
+
+// A ready region of device slots as a live producer would leave it, written
+// by hand: the geometry without slot bytes, the header with the feature
+// bits `features` and the block `dev`, this process as its producer (it
+// holds the lock byte while the object lives).
+struct CraftedRegion {
+  std::string path;
+  int fd = -1;
+  CraftedRegion(const std::string& name, std::uint64_t features, const d::DeviceSlotsFixed& dev,
+                bool device_geometry = true) {
+    d::Geometry g{};
+    EXPECT_EQ(d::compute_geometry(4, 2, 2ull << 20, 1 << 20, &g, 1, false, device_geometry), "");
+    path = region_path(name);
+    fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+    EXPECT_GE(fd, 0);
+    EXPECT_EQ(::posix_fallocate(fd, 0, static_cast<off_t>(g.total_bytes)), 0);
+    EXPECT_EQ(d::lock_byte(fd, d::kProducerLockByte), 0);
+    d::HeaderFixed h = d::make_fixed_header(g, features);
+    EXPECT_EQ(::pwrite(fd, &h, sizeof h, 0), static_cast<ssize_t>(sizeof h));
+    EXPECT_EQ(::pwrite(fd, &dev, sizeof dev, offsetof(d::Header, device_slots)), static_cast<ssize_t>(sizeof dev));
+    // The producer's identity (so it reads alive), then init_state.
+    alignas(8) d::Identity id{};
+    d::write_identity(id, d::self_identity());
+    EXPECT_EQ(::pwrite(fd, &id, sizeof id, offsetof(d::Header, producer)), static_cast<ssize_t>(sizeof id));
+    const std::uint32_t ready = d::kInitReady;
+    EXPECT_EQ(::pwrite(fd, &ready, 4, offsetof(d::Header, init_state)), 4);
+  }
+  ~CraftedRegion() {
+    ::unlink(path.c_str());
+    if (fd >= 0) ::close(fd);
+  }
+};
+
+d::DeviceSlotsFixed good_block() {
+  d::DeviceSlotsFixed b{};
+  for (int i = 0; i < 16; ++i) b.gpu_uuid[i] = static_cast<std::uint8_t>(0x10 + i);
+  b.alloc_bytes = 2 * (2ull << 20);
+  b.nonce = 0x1234567890abcdefull;
+  return b;
+}
+
+// Consumer::open's error code in a child (CUDA is never initialised in the
+// test process, which forks).
+int open_in_child(const std::string& name, std::string* what_out = nullptr) {
+  int pipefd[2];
+  if (::pipe(pipefd) != 0) return -2;
+  Child c = Child::spawn([&] {
+    ::close(pipefd[0]);
+    std::string what;
+    ConsumerOptions o;
+    o.open_timeout = 2s;
+    const Errc e = code_of([&] { Consumer::open(name, o); }, &what);
+    (void)!::write(pipefd[1], what.data(), what.size());
+    return static_cast<int>(e);
+  });
+  ::close(pipefd[1]);
+  std::string what;
+  char buf[512];
+  for (ssize_t n; (n = ::read(pipefd[0], buf, sizeof buf)) > 0;) what.append(buf, static_cast<std::size_t>(n));
+  ::close(pipefd[0]);
+  if (what_out) *what_out = what;
+  return c.wait(60s);
+}
+
+bool has(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
+
+}  // namespace
+
+// What device slots cannot be combined with is refused before anything is
+// made, with the reason and the alternative.
+TEST(DeviceSlots, CreateRefusesWhatDeviceSlotsCannotCarry) {
+  RegionDir dir("devslots");
+  std::string what;
+  auto refused = [&](auto change) {
+    ProducerOptions o = dev_opts();
+    change(o);
+    return code_of([&] { Producer::create(unique_name("ds"), o); }, &what);
+  };
+  EXPECT_EQ(refused([](ProducerOptions& o) { o.checksums = true; }), Errc::kInvalidArgument);
+  EXPECT_TRUE(has(what, "checksums")) << what;
+  EXPECT_EQ(refused([](ProducerOptions& o) { o.delta = true; }), Errc::kInvalidArgument);
+  EXPECT_TRUE(has(what, "delta")) << what;
+  EXPECT_EQ(refused([](ProducerOptions& o) { o.engine = CopyEngine::kHost; }), Errc::kInvalidArgument);
+  EXPECT_EQ(refused([](ProducerOptions& o) {
+              o.mode = RegionMode::kStore;
+              o.store_bytes = 2ull << 20;
+            }),
+            Errc::kInvalidArgument);
+  EXPECT_TRUE(has(what, "host slots")) << what;
+  EXPECT_EQ(refused([](ProducerOptions& o) {
+              o.world_size = 2;
+              o.slots = 4;
+            }),
+            Errc::kInvalidArgument);
+  // Nothing was left behind by the refusals.
+  EXPECT_TRUE(std::filesystem::is_empty(dir.path));
+}
+
+// Without a GPU: kCudaUnavailable at create, saying why, and no region or
+// socket left for a consumer to find. (Skips on a machine with a GPU.)
+TEST(DeviceSlots, CreateWithoutAGpuIsCudaUnavailableAndLeavesNothing) {
+  RegionDir dir("devslots");
+  const std::string name = unique_name("nogpu");
+  int pipefd[2];
+  ASSERT_EQ(::pipe(pipefd), 0);
+  Child c = Child::spawn([&] {
+    ::close(pipefd[0]);
+    if (cuda_available()) return 77;
+    std::string what;
+    const Errc e = code_of([&] { Producer::create(name, dev_opts()); }, &what);
+    (void)!::write(pipefd[1], what.data(), what.size());
+    return static_cast<int>(e);
+  });
+  ::close(pipefd[1]);
+  std::string what;
+  char buf[512];
+  for (ssize_t n; (n = ::read(pipefd[0], buf, sizeof buf)) > 0;) what.append(buf, static_cast<std::size_t>(n));
+  ::close(pipefd[0]);
+  const int rc = c.wait(60s);
+  if (rc == 77) GTEST_SKIP() << "this machine has a GPU: the GPU tier covers create";
+  EXPECT_EQ(rc, static_cast<int>(Errc::kCudaUnavailable)) << what;
+  EXPECT_FALSE(what.empty());
+  EXPECT_TRUE(std::filesystem::is_empty(dir.path));
+}
+
+// A consumer that cannot map GPU memory (no GPU here) is refused at open
+// with kUnsupported naming the GPU and the fix, not later, mid-sync. (On a
+// machine with a GPU the crafted region has no fd channel: skipped, the GPU
+// tier refuses a consumer that sees no GPU.)
+TEST(DeviceSlots, ConsumerWithoutTheGpuIsRefusedAtOpen) {
+  RegionDir dir("devslots");
+  const std::string name = unique_name("refuse");
+  CraftedRegion r(name, d::kFeatureDeviceSlots, good_block());
+  Child probe = Child::spawn([] { return cuda_available() ? 1 : 0; });
+  if (probe.wait(60s) == 1) GTEST_SKIP() << "this machine has a GPU";
+  std::string what;
+  EXPECT_EQ(open_in_child(name, &what), static_cast<int>(Errc::kUnsupported)) << what;
+  EXPECT_TRUE(has(what, "GPU-10111213-1415-1617-1819-1a1b1c1d1e1f")) << what;
+  EXPECT_TRUE(has(what, "host slots")) << what;
+}
+
+// Crafted blocks no producer writes are kCorrupt at open, GPU or not: the
+// block checked against the geometry and the feature bits before anything
+// is fetched.
+TEST(DeviceSlots, CraftedBlocksAreCorrupt) {
+  RegionDir dir("devslots");
+  auto code = [&](std::uint64_t features, d::DeviceSlotsFixed b, bool device_geometry = true) {
+    const std::string name = unique_name("crafted");
+    CraftedRegion r(name, features, b, device_geometry);
+    std::string what;
+    const int rc = open_in_child(name, &what);
+    return std::make_pair(rc, what);
+  };
+  const int corrupt = static_cast<int>(Errc::kCorrupt);
+  d::DeviceSlotsFixed b = good_block();
+  b.nonce = 0;
+  EXPECT_EQ(code(d::kFeatureDeviceSlots, b).first, corrupt);
+  b = good_block();
+  b.alloc_bytes = 2ull << 20;  // less than the slots
+  EXPECT_EQ(code(d::kFeatureDeviceSlots, b).first, corrupt);
+  b = good_block();
+  std::memset(b.gpu_uuid, 0, sizeof b.gpu_uuid);
+  EXPECT_EQ(code(d::kFeatureDeviceSlots, b).first, corrupt);
+  // Device slots with checksums, or with deltas: never made.
+  EXPECT_EQ(code(d::kFeatureDeviceSlots | d::kFeatureChecksums, good_block()).first, corrupt);
+  EXPECT_EQ(code(d::kFeatureDeviceSlots | d::kFeatureDelta, good_block()).first, corrupt);
+  // A block in a region of host slots.
+  EXPECT_EQ(code(0, good_block(), false).first, corrupt);
+  // The bit with the host geometry (slot bytes in the file): the header
+  // itself does not add up.
+  EXPECT_EQ(code(d::kFeatureDeviceSlots, good_block(), false).first, corrupt);
+}
