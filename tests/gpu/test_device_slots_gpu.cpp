@@ -306,3 +306,82 @@ TEST(DeviceSlotsGpu, HundredOpenCloseCyclesLeakNoGpuMemory) {
   });
   EXPECT_EQ(c.wait(600s), 0);
 }
+
+// A sharded producer with device slots: rank 1 fetches rank 0's allocation
+// over the fd channel and writes its shards into it (both ranks on this
+// GPU); a consumer reads the whole tensors and a TP slice that crosses the
+// ranks' boundary, bit-exact.
+TEST(DeviceSlotsGpu, ShardedRanksWriteIntoRankZerosSlots) {
+  SHMCAST_REQUIRE_GPU();
+  const std::string name = unique_name("devslotsrank");
+  RegionGuard guard{name};
+  constexpr std::uint64_t kVersions = 6;
+  constexpr std::int64_t kRows = 4096, kCols = 512;  // bf16: 4 MiB, 2 MiB per rank
+  auto whole = [](std::uint64_t v) { return pattern(kRows * kCols * 2, v * 977); };
+  auto bias = [](std::uint64_t v) { return pattern(3000, v * 31 + 5); };
+  auto rank = [&](std::uint32_t r) {
+    ProducerOptions o = popts(4);
+    o.rank = r;
+    o.world_size = 2;
+    o.rank_timeout = 60s;
+    Producer p = Producer::create(name, o);
+    if (p.slot_memory() != SlotMemory::kDevice || p.slot_device_bytes() < 4 * kSlot) return 81;
+    if (r == 0) p.wait_for_consumers(1, 60s);
+    const std::int64_t half = kRows / 2;
+    std::vector<TensorSpec> specs{TensorSpec{"w", DType::kBF16, {kRows, kCols}, 0, r * half, half}};
+    if (r == 0) specs.push_back(TensorSpec{"bias", DType::kU8, {3000}});
+    DevBuf shard(half * kCols * 2), b(3000);
+    for (std::uint64_t v = 1; v <= kVersions; ++v) {
+      const std::vector<std::uint8_t> w = whole(v);
+      shard.upload(w.data() + r * half * kCols * 2, half * kCols * 2);
+      if (r == 0) b.upload(bias(v).data(), 3000);
+      ck(cudaDeviceSynchronize(), "sync");
+      if (p.begin_sync(specs, v) != v) return 82;
+      p.write_device(0, shard.p, nullptr);
+      if (r == 0) p.write_device(1, b.p, nullptr);
+      p.end_sync();
+    }
+    if (r == 0) p.wait_drained(60s);
+    return 0;
+  };
+  Child r0 = Child::spawn([&] { return rank(0); });
+  Child r1 = Child::spawn([&] { return rank(1); });
+  Child cons = Child::spawn([&] {
+    Consumer c = Consumer::open(name, copts());
+    if (c.slot_memory() != SlotMemory::kDevice) return 91;
+    DevBuf w(kRows * kCols * 2), b(3000);
+    std::vector<std::uint8_t> hb(3000);
+    for (std::uint64_t v = 1; v <= kVersions; ++v) {
+      const SyncInfo& si = c.wait_sync(60s);
+      if (si.version != v || si.world_size != 2 || si.tensors.size() != 2) return 92;
+      const std::vector<std::uint8_t> want = whole(v);
+      // Rows [1000, 3000) of w: half from each rank.
+      std::vector<Selection> sel(2);
+      sel[0] = Selection{0, 1000, 2000};
+      const std::uint64_t row = kCols * 2;
+      if (v % 3 == 1) {  // whole, on the device
+        void* d[2] = {w.p, b.p};
+        c.read_into_device(d, nullptr);
+        ck(cudaDeviceSynchronize(), "sync");
+        if (first_diff(download(w.p, want.size()), want) >= 0) return 93;
+        if (first_diff(download(b.p, 3000), bias(v)) >= 0) return 94;
+      } else if (v % 3 == 2) {  // the slice on the device, no bias
+        void* d[2] = {w.p, nullptr};
+        c.read_into_device(d, nullptr, sel);
+        ck(cudaDeviceSynchronize(), "sync");
+        const std::vector<std::uint8_t> got = download(w.p, 2000 * row);
+        if (!std::equal(got.begin(), got.end(), want.begin() + 1000 * row)) return 95;
+      } else {  // the slice and the bias into host memory
+        std::vector<std::uint8_t> hw(2000 * row);
+        void* d[2] = {hw.data(), hb.data()};
+        c.read_into(d, sel);
+        if (!std::equal(hw.begin(), hw.end(), want.begin() + 1000 * row)) return 96;
+        if (hb != bias(v)) return 97;
+      }
+    }
+    return 0;
+  });
+  EXPECT_EQ(r0.wait(240s), 0);
+  EXPECT_EQ(r1.wait(240s), 0);
+  EXPECT_EQ(cons.wait(240s), 0);
+}

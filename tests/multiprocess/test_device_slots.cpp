@@ -52,9 +52,9 @@ struct CraftedRegion {
   std::string path;
   int fd = -1;
   CraftedRegion(const std::string& name, std::uint64_t features, const d::DeviceSlotsFixed& dev,
-                bool device_geometry = true) {
+                bool device_geometry = true, std::uint32_t world = 1) {
     d::Geometry g{};
-    EXPECT_EQ(d::compute_geometry(4, 2, 2ull << 20, 1 << 20, &g, 1, false, device_geometry), "");
+    EXPECT_EQ(d::compute_geometry(4, 2 * world, 2ull << 20, 1 << 20, &g, world, false, device_geometry), "");
     path = region_path(name);
     fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
     EXPECT_GE(fd, 0);
@@ -79,7 +79,7 @@ struct CraftedRegion {
 d::DeviceSlotsFixed good_block() {
   d::DeviceSlotsFixed b{};
   for (int i = 0; i < 16; ++i) b.gpu_uuid[i] = static_cast<std::uint8_t>(0x10 + i);
-  b.alloc_bytes = 2 * (2ull << 20);
+  b.alloc_bytes = 2 * (2ull << 20);  // the slots of a region of one rank (2 x 2 MiB)
   b.nonce = 0x1234567890abcdefull;
   return b;
 }
@@ -132,11 +132,6 @@ TEST(DeviceSlots, CreateRefusesWhatDeviceSlotsCannotCarry) {
             }),
             Errc::kInvalidArgument);
   EXPECT_TRUE(has(what, "host slots")) << what;
-  EXPECT_EQ(refused([](ProducerOptions& o) {
-              o.world_size = 2;
-              o.slots = 4;
-            }),
-            Errc::kInvalidArgument);
   // Nothing was left behind by the refusals.
   EXPECT_TRUE(std::filesystem::is_empty(dir.path));
 }
@@ -214,4 +209,36 @@ TEST(DeviceSlots, CraftedBlocksAreCorrupt) {
   // The bit with the host geometry (slot bytes in the file): the header
   // itself does not add up.
   EXPECT_EQ(code(d::kFeatureDeviceSlots, good_block(), false).first, corrupt);
+}
+
+// Sharded producers: every rank must ask for the slot memory rank 0 made
+// the region with; a rank asking for host slots of a device-slot region is
+// refused when it attaches, saying so.
+TEST(DeviceSlots, RankWithOtherSlotMemoryIsRefused) {
+  RegionDir dir("devslots");
+  const std::string name = unique_name("rank");
+  d::DeviceSlotsFixed b = good_block();
+  b.alloc_bytes = 4 * (2ull << 20);  // 2 ranks: 4 slots
+  CraftedRegion r(name, d::kFeatureDeviceSlots, b, true, 2);
+  int pipefd[2];
+  ASSERT_EQ(::pipe(pipefd), 0);
+  Child c = Child::spawn([&] {
+    ::close(pipefd[0]);
+    ProducerOptions o;
+    o.engine = CopyEngine::kHost;
+    o.rank = 1;
+    o.world_size = 2;
+    o.rank_timeout = 10s;
+    std::string what;
+    const Errc e = code_of([&] { Producer::create(name, o); }, &what);
+    (void)!::write(pipefd[1], what.data(), what.size());
+    return static_cast<int>(e);
+  });
+  ::close(pipefd[1]);
+  std::string what;
+  char buf[512];
+  for (ssize_t n; (n = ::read(pipefd[0], buf, sizeof buf)) > 0;) what.append(buf, static_cast<std::size_t>(n));
+  ::close(pipefd[0]);
+  EXPECT_EQ(c.wait(60s), static_cast<int>(Errc::kInvalidArgument)) << what;
+  EXPECT_TRUE(has(what, "slot_memory")) << what;
 }

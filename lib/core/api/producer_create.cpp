@@ -117,6 +117,43 @@ std::string live_region_problem(const MappedFile& f, const Header& h) {
   return "";
 }
 
+// Rank r >= 1 of a region with device slots: fetches rank 0's allocation
+// over its fd channel (rank 0 is the server: same uid, its pid when this
+// rank shares its PID namespace) and maps it for this rank's device
+// (slot_device, or the current device), which must be rank 0's GPU or reach
+// it by peer access (else kUnsupported).
+void import_rank_slots(Producer::Impl* m, const std::string& dir, std::string_view name, const ProducerOptions& o,
+                       std::int64_t deadline) {
+  const DeviceSlotsFixed d = snapshot_device_slots(m->view.file().data());
+  if (std::string bad = device_slots_problem(d, m->view.geo(), m->view.header().fixed.features); !bad.empty())
+    throw Error(Errc::kCorrupt, m->path + ": " + bad);
+  vmm::Uuid uuid;
+  std::copy(std::begin(d.gpu_uuid), std::end(d.gpu_uuid), uuid.begin());
+  FdFetchOptions fo;
+  fo.trust = TrustPolicy{o.group_access, {}};
+  fo.kind = FdKind::kCudaVmm;
+  fo.region_nonce = d.nonce;
+  fo.expect_fds = 1;
+  fo.expect_bytes = d.alloc_bytes;
+  const Header& h = m->view.header();
+  const SelfIdentity me = self_identity();
+  if (me.pidns != 0 && h.producer.pidns.load(std::memory_order_relaxed) == me.pidns)
+    fo.expect_pid = static_cast<std::int32_t>(h.producer.pid.load(std::memory_order_relaxed));
+  const std::int64_t left = deadline - mono_ns();
+  fo.timeout = std::chrono::nanoseconds(left > 5'000'000'000 ? left : 5'000'000'000);
+  const int fd = m->view.fd();
+  fo.peer_gone = [fd] {
+    return lock_held(fd, kProducerLockByte) == Alive::kNo ? std::string("rank 0 died") : std::string();
+  };
+  FetchedFds got = fetch_fds(dir, name, fo);
+  if (got.info.device_uuid != uuid)
+    throw Error(Errc::kCorrupt, "the fd channel of '" + std::string(name) + "' serves memory of another GPU than "
+                                "the region names: refused");
+  const int device = o.slot_device >= 0 ? o.slot_device : vmm::current_device();
+  m->slot_mem = vmm::Mapping::import(got.fds[0].get(), d.alloc_bytes, uuid, device);
+  m->view.set_device_slots(static_cast<std::byte*>(m->slot_mem.data()));
+}
+
 // Rank r >= 1 of a sharded producer: attaches to the region rank 0 created,
 // a live one: the file at the path whose rank 0 holds its lock (not a stale
 // file a new rank 0 is replacing), checked again once this rank holds its
@@ -154,6 +191,11 @@ Producer::Impl* attach_rank(Producer::Impl* m, std::string_view name, const Prod
             // meanwhile, or a file replaced meanwhile, is not joined.
             waiting = live_region_problem(f, live);
             if (waiting.empty()) {
+              if (g.device_slots != (o.slot_memory == SlotMemory::kDevice))
+                throw Error(Errc::kInvalidArgument,
+                            "region '" + std::string(name) + "' was created by rank 0 with " +
+                                (g.device_slots ? "device" : "host") + " slots, this rank asks for " +
+                                (g.device_slots ? "host" : "device") + " slots: give every rank the same slot_memory");
               m->checksums = (snap.features & kFeatureChecksums) != 0;
               m->path = f.path();
               m->view = RegionView(std::move(f), g);
@@ -174,6 +216,7 @@ Producer::Impl* attach_rank(Producer::Impl* m, std::string_view name, const Prod
                                       region_path(name) + " (rank_timeout): is rank 0 running, with the same SHMCAST_DIR?");
     std::this_thread::sleep_for(std::chrono::milliseconds(5));
   }
+  if (m->view.geo().device_slots) import_rank_slots(m, dir, name, o, deadline);
   RankSeat& rs = m->view.rank_seat(o.rank);
   const std::uint64_t old = rs.word.load(std::memory_order_acquire);
   rs.published_seq.store(0, std::memory_order_relaxed);
@@ -223,9 +266,9 @@ Producer Producer::create(std::string_view name, const ProducerOptions& o) {
     throw Error(Errc::kInvalidArgument, "delta_max_ratio must be in (0, 1]");
   const bool dev_slots = o.slot_memory == SlotMemory::kDevice;
   if (dev_slots) {
-    if (store || o.world_size != 1)
-      throw Error(Errc::kInvalidArgument, "device slots (slot_memory = kDevice) need a ring region of one producer "
-                                          "rank: use host slots for a store region or a sharded producer");
+    if (store)
+      throw Error(Errc::kInvalidArgument, "device slots (slot_memory = kDevice) need a ring region: a store region "
+                                          "keeps its versions in host memory (use host slots)");
     if (o.checksums)
       throw Error(Errc::kInvalidArgument, "slot checksums are computed on the host and device slots never are: turn "
                                           "checksums off, or use host slots");

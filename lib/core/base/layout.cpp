@@ -22,8 +22,7 @@ std::string compute_geometry(std::uint32_t max_consumers, std::uint32_t slots, s
     return printf_u64("slots is %llu; a producer of %llu ranks needs at least 2 per rank", slots, world_size);
   if (store && (slots != 2 || world_size != 1))
     return printf_u64("a store region has 2 slots and 1 producer rank, not %llu and %llu", slots, world_size);
-  if (device_slots && (store || world_size != 1))
-    return "device slots need a ring region of one producer rank";
+  if (device_slots && store) return "device slots need a ring region (a store region keeps its versions on the host)";
   Geometry g{};
   g.store = store;
   g.device_slots = device_slots;

@@ -53,8 +53,9 @@ inline constexpr std::uint64_t kFeatureDelta = 1ull << 2;
 // allocation of Header::device_slots.alloc_bytes on the GPU named by its
 // UUID), served to consumers as a POSIX fd over the region's fd channel
 // (docs/protocol.md §13); the region file holds no slot data (total_bytes ==
-// data_offset). Ring regions of one producer rank, without checksums or
-// deltas (a reader refuses any other combination).
+// data_offset). Ring regions (of one producer rank or several: ranks 1..
+// fetch the fd like consumers), without checksums or deltas (a reader
+// refuses any other combination).
 inline constexpr std::uint64_t kFeatureDeviceSlots = 1ull << 3;
 inline constexpr std::uint64_t kKnownFeatures = kFeatureChecksums | kFeatureStore | kFeatureDelta | kFeatureDeviceSlots;
 
