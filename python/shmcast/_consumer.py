@@ -84,6 +84,14 @@ class Consumer(_Closing):
     the same way. A delta sync that cannot apply (other destinations, names
     or slices than the last read) raises shmcast.NeedsFullSync after asking
     the producer for a full sync: call again for it.
+
+    Device slots (Producer(slot_memory='device'); `slot_memory` is
+    'device'): the slots are GPU memory of the producer's GPU, mapped here
+    at open; every read is a copy by the GPU, into `device` (a CUDA
+    consumer's) or into host memory (a CPU consumer's, through the current
+    CUDA device). A process that cannot map them (no GPU, the GPU not
+    visible here nor reachable by peer access) gets shmcast.Unsupported
+    from the constructor.
     """
 
     def __init__(
@@ -116,7 +124,7 @@ class Consumer(_Closing):
             with torch.cuda.device(self.device):
                 self._c = _C.Consumer(name, open_timeout=open_timeout, chunk_timeout=chunk_timeout, pin=pin,
                                       verify_checksums=verify_checksums, group_access=group_access,
-                                      trusted_uids=trusted_uids)
+                                      trusted_uids=trusted_uids, device=self.device.index)
         else:
             self._c = _C.Consumer(name, open_timeout=open_timeout, chunk_timeout=chunk_timeout, pin=pin,
                                   verify_checksums=verify_checksums, group_access=group_access,
@@ -518,6 +526,8 @@ class Consumer(_Closing):
     delta = property(lambda self: self._delta,
                      doc="True when the region sends delta syncs (Producer(delta=True)): receive() keeps its own copy")
     pinned = property(lambda self: self._c.pinned)
+    slot_memory = property(lambda self: self._c.slot_memory,
+                           doc="'host' or 'device': where the region's slots live (Producer(slot_memory=...))")
     views_read_only = property(
         lambda self: self._c.views_read_only,
         doc="Store regions: True when this process maps the stored versions read-only, so that a write that "

@@ -132,6 +132,15 @@ class Producer(_Closing):
     schedule), or when the deltas would take more than delta_max_ratio of
     the full size (None: the library's default, ProducerOptions). last_sync
     says what the last send was.
+
+    slot_memory='device' (ring regions of one rank, without checksums or
+    delta; engine 'auto' or 'cuda'): the K slots of slot_bytes are GPU
+    memory on slot_device (None: torch's current device), shared with the
+    consumers as a file descriptor, and every copy is made by the GPU
+    (device-to-device from CUDA tensors, host-to-device from CPU ones).
+    Consumers must see that GPU or reach it by peer access; others get
+    shmcast.Unsupported when they open the region. No GPU: CudaUnavailable.
+    slot_device_bytes says what the slots take on the GPU.
     """
 
     def __init__(
@@ -159,6 +168,8 @@ class Producer(_Closing):
         delta: bool = False,
         keyframe_every: int = 0,
         delta_max_ratio: Optional[float] = None,
+        slot_memory: str = "host",
+        slot_device: Optional[int] = None,
     ):
         self._pid = os.getpid()
         self._c = None
@@ -170,6 +181,10 @@ class Producer(_Closing):
         if mode == "store" and store_bytes is None:
             raise ValueError("a store region (mode='store') needs store_bytes: the room for one version, "
                              "shmcast.store_bytes_for(named_tensors)")
+        if slot_device is None and slot_memory == "device" and torch.cuda.is_available():
+            # torch's current device (the library's "current" is the driver
+            # context's, which torch.cuda.set_device alone may not have made).
+            slot_device = torch.cuda.current_device()
         self._c = _C.Producer(
             name,
             slot_bytes=slot_bytes,
@@ -192,6 +207,8 @@ class Producer(_Closing):
             delta=bool(delta),
             keyframe_every=keyframe_every,
             delta_max_ratio=delta_max_ratio,
+            slot_memory=slot_memory,
+            slot_device=slot_device,
         )
         self.rank, self.world_size = int(rank), int(world_size)
         self._staging_budget = budget
@@ -483,6 +500,13 @@ class Producer(_Closing):
                                 doc="Host memory the delta base takes (one copy of the last sent tensors; 0 without "
                                     "delta=True)")
     pinned = property(lambda self: self._c.pinned)
+    slot_memory = property(lambda self: self._c.slot_memory,
+                           doc="'host' (slots in the region file) or 'device' (slots on a GPU: slot_memory='device')")
+    slot_device = property(lambda self: self._c.slot_device,
+                           doc="Device slots: the GPU that holds them (this process's ordinal); -1 for host slots")
+    slot_device_bytes = property(lambda self: self._c.slot_device_bytes,
+                                 doc="Device slots: GPU bytes they take (slots x slot_bytes, rounded up to the GPU's "
+                                     "granularity); 0 for host slots")
 
     def __repr__(self):
         if self._c is None:

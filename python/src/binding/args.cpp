@@ -125,6 +125,20 @@ RegionMode parse_mode(py::handle h) {
 
 const char* mode_name(RegionMode m) { return m == RegionMode::kStore ? "store" : "ring"; }
 
+SlotMemory parse_slot_memory(py::handle h) {
+  const std::string s = utf8_arg(h, "slot_memory", Errc::kInvalidArgument);
+  if (s == "host") return SlotMemory::kHost;
+  if (s == "device") return SlotMemory::kDevice;
+  throw Error(Errc::kInvalidArgument, "slot_memory must be 'host' or 'device', not '" + s + "'");
+}
+
+const char* slot_memory_name(SlotMemory m) { return m == SlotMemory::kDevice ? "device" : "host"; }
+
+int device_arg(py::handle h, const char* what) {
+  if (h.is_none()) return -1;
+  return int_arg<int>(h, what, -1, std::numeric_limits<int>::max());
+}
+
 StallPolicy parse_stall(py::handle h) {
   const std::string s = utf8_arg(h, "stall_policy", Errc::kInvalidArgument);
   if (s == "fail") return StallPolicy::kFail;

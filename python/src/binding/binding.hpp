@@ -120,6 +120,11 @@ Pin parse_pin(py::handle o);
 CopyEngine parse_engine(py::handle h);
 RegionMode parse_mode(py::handle h);
 const char* mode_name(RegionMode m);
+// 'host' | 'device' (InvalidArgument, a ValueError, otherwise).
+SlotMemory parse_slot_memory(py::handle h);
+const char* slot_memory_name(SlotMemory m);
+// A CUDA device ordinal: None or -1 -> -1 (the current device), else 0...
+int device_arg(py::handle h, const char* what);
 StallPolicy parse_stall(py::handle h);
 DType parse_dtype(py::handle h);
 std::uintptr_t as_ptr(py::handle h, const char* what = "pointer");

@@ -60,7 +60,7 @@ class PyConsumer : Owned {
 
  public:
   PyConsumer(py::handle name, py::handle open_timeout, py::handle chunk_timeout, py::handle pin,
-             bool verify_checksums, bool group_access, py::handle trusted_uids) {
+             bool verify_checksums, bool group_access, py::handle trusted_uids, py::handle device) {
     const std::string n = region_name_arg(name);
     ConsumerOptions o;
     o.group_access = group_access;
@@ -71,6 +71,7 @@ class PyConsumer : Owned {
     o.chunk_timeout = seconds_arg(chunk_timeout, "chunk_timeout", false);
     o.pin = parse_pin(pin);
     o.verify_checksums = verify_checksums;
+    o.device = device_arg(device, "device");
     py::gil_scoped_release nogil;
     c_ = std::make_unique<Consumer>(Consumer::open(n, o));
     delta_ = c_->delta();
@@ -170,6 +171,7 @@ class PyConsumer : Owned {
     return locked([](Consumer& c) { return c.views_read_only(); });
   }
   std::string mode() const { return mode_name(c_->mode()); }
+  std::string slot_memory() const { return slot_memory_name(c_->slot_memory()); }
 
   void close() {
     if (forked()) return;  // the parent's seat: not the child's to free
@@ -230,9 +232,13 @@ void bind_sync_info(py::module_& m) {
 
 void bind_consumer(py::module_& m) {
   py::class_<PyConsumer>(m, "Consumer", "Low-level consumer (shmcast::Consumer). Pointers are ints.")
-      .def(py::init<py::handle, py::handle, py::handle, py::handle, bool, bool, py::handle>(), py::arg("name"),
-           py::kw_only(), py::arg("open_timeout") = 30.0, py::arg("chunk_timeout") = 60.0, py::arg("pin") = "auto",
-           py::arg("verify_checksums") = true, py::arg("group_access") = false, py::arg("trusted_uids") = py::none())
+      .def(py::init<py::handle, py::handle, py::handle, py::handle, bool, bool, py::handle, py::handle>(),
+           py::arg("name"), py::kw_only(), py::arg("open_timeout") = 30.0, py::arg("chunk_timeout") = 60.0,
+           py::arg("pin") = "auto", py::arg("verify_checksums") = true, py::arg("group_access") = false,
+           py::arg("trusted_uids") = py::none(), py::arg("device") = py::none(),
+           "device: regions with device slots, the GPU (this process's ordinal) whose streams copy out of them; "
+           "None: the current device (shmcast::ConsumerOptions::device). Unsupported when they cannot be mapped "
+           "here.")
       .def("wait_sync", &PyConsumer::wait_sync, py::arg("timeout") = 30.0,
            "Waits for the next sync (timeout in seconds, None = forever) and returns its SyncInfo.")
       .def("read_into", &PyConsumer::read_into, py::arg("ptrs"), py::arg("selections") = py::none(),
@@ -254,6 +260,9 @@ void bind_consumer(py::module_& m) {
                              "through a view faults); False where a GPU driver needed them pinned writable, and "
                              "for ring regions.")
       .def_property_readonly("mode", &PyConsumer::mode, "'ring' or 'store' (the region's)")
+      .def_property_readonly("slot_memory", &PyConsumer::slot_memory,
+                             "'host' or 'device' (the region's). Device slots: every read is a copy by the GPU "
+                             "(read_into, read_into_device, read_to_staging); visit() raises Unsupported")
       .def("close", &PyConsumer::close, "Idempotent; does nothing in a forked child (the object is the parent's).")
       .def("check", &PyConsumer::check, "Raises Closed once closed, InvalidArgument in a forked child.")
       .def_property_readonly("closed", &PyConsumer::closed)

@@ -27,7 +27,7 @@ class PyProducer : Owned {
              py::handle manifest_bytes, bool group_access, bool replace_stale, bool unlink_on_close, bool checksums,
              py::handle stall_policy, py::handle consumer_timeout, py::handle pin, py::handle engine, py::handle rank,
              py::handle world_size, py::handle rank_timeout, py::handle mode, py::handle store_bytes, bool delta,
-             py::handle keyframe_every, py::handle delta_max_ratio) {
+             py::handle keyframe_every, py::handle delta_max_ratio, py::handle slot_memory, py::handle slot_device) {
     const std::string n = region_name_arg(name);
     ProducerOptions o;
     o.mode = parse_mode(mode);
@@ -51,6 +51,8 @@ class PyProducer : Owned {
     o.delta = delta;
     o.keyframe_every = int_arg<std::uint32_t>(keyframe_every, "keyframe_every", 0, 0xffffffffu);
     if (!delta_max_ratio.is_none()) o.delta_max_ratio = ratio_arg(delta_max_ratio, "delta_max_ratio");
+    o.slot_memory = parse_slot_memory(slot_memory);
+    o.slot_device = device_arg(slot_device, "slot_device");
     py::gil_scoped_release nogil;  // fallocate + cudaHostRegister can take a while
     p_ = std::make_unique<Producer>(Producer::create(n, o));
   }
@@ -220,6 +222,9 @@ class PyProducer : Owned {
   }
   py::dict last_sync() const { return sync_report(p_->last_sync()); }
   std::uint64_t delta_base_bytes() const { return p_->delta_base_bytes(); }
+  std::string slot_memory() const { return slot_memory_name(p_->slot_memory()); }
+  int slot_device() const { return p_->slot_device(); }
+  std::uint64_t slot_device_bytes() const { return p_->slot_device_bytes(); }
 
  private:
   static constexpr Duration kSlice = std::chrono::milliseconds(200);
@@ -282,14 +287,15 @@ void bind_producer(py::module_& m) {
   py::class_<PyProducer>(m, "Producer", "Low-level producer (shmcast::Producer). Pointers are ints.")
       .def(py::init<py::handle, py::handle, py::handle, py::handle, py::handle, bool, bool, bool, bool, py::handle,
                     py::handle, py::handle, py::handle, py::handle, py::handle, py::handle, py::handle,
-                    py::handle, bool, py::handle, py::handle>(),
+                    py::handle, bool, py::handle, py::handle, py::handle, py::handle>(),
            py::arg("name"), py::kw_only(), py::arg("slot_bytes") = 256ull << 20, py::arg("slots") = 2,
            py::arg("max_consumers") = 8, py::arg("manifest_bytes") = 1ull << 20, py::arg("group_access") = false,
            py::arg("replace_stale") = true, py::arg("unlink_on_close") = true, py::arg("checksums") = false,
            py::arg("stall_policy") = "fail", py::arg("consumer_timeout") = 60.0, py::arg("pin") = "auto",
            py::arg("engine") = "auto", py::arg("rank") = 0, py::arg("world_size") = 1, py::arg("rank_timeout") = 120.0,
            py::arg("mode") = "ring", py::arg("store_bytes") = 0, py::arg("delta") = false,
-           py::arg("keyframe_every") = 0, py::arg("delta_max_ratio") = py::none())
+           py::arg("keyframe_every") = 0, py::arg("delta_max_ratio") = py::none(), py::arg("slot_memory") = "host",
+           py::arg("slot_device") = py::none())
       .def("begin_sync", &PyProducer::begin_sync, py::arg("specs"), py::arg("version") = 0,
            "specs: sequence of (name, dtype, shape), or (name, dtype, full shape, dim, start, length) for a shard "
            "(sharded producers). version: 0 (the next), or the sync's version (greater than the last; sharded "
@@ -334,6 +340,13 @@ void bind_producer(py::module_& m) {
                              "'payload_bytes'} (shmcast::Producer::last_sync); version 0: none yet")
       .def_property_readonly("delta_base_bytes", &PyProducer::delta_base_bytes,
                              "Bytes of host memory the delta base takes (0 without delta=True)")
+      .def_property_readonly("slot_memory", &PyProducer::slot_memory,
+                             "'host' (slots in the region file) or 'device' (slots on a GPU, shared as a VMM fd)")
+      .def_property_readonly("slot_device", &PyProducer::slot_device,
+                             "Device slots: the GPU that holds them (this process's ordinal); -1 for host slots")
+      .def_property_readonly("slot_device_bytes", &PyProducer::slot_device_bytes,
+                             "Device slots: GPU bytes allocated for them (slots x slot_bytes, rounded up to the "
+                             "GPU's granularity); 0 for host slots")
       .def_property_readonly("pinned", &PyProducer::pinned)
       .def_property_readonly("engine", &PyProducer::engine, "'host' or 'cuda': the copy engine chosen at create")
       .def_property_readonly("mode", &PyProducer::mode, "'ring' or 'store'")
