@@ -216,7 +216,7 @@ struct Region {
   // header_valid. Device slots are one CUDA allocation on the producer's
   // GPU, served to consumers over a Unix socket next to the region file.
   SlotMemory slot_memory = SlotMemory::kHost;
-  std::string slot_gpu_uuid;  // kDevice: the GPU holding them, "GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx" (nvidia-smi -L)
+  std::string slot_gpu_uuid;  // kDevice: the GPU holding them, "GPU-xxxxxxxx-xxxx-..." as nvidia-smi -L prints it
   std::uint64_t slot_device_bytes = 0;  // kDevice: the allocation (slot_count x slot_bytes rounded up to the GPU's
                                         // granularity)
   std::string slot_socket;       // kDevice: the socket's path, dir/shmcast-slots.<name> (long names shortened)
