@@ -11,8 +11,10 @@
 #include <cstdint>
 #include <functional>
 #include <string>
+#include <utility>
 
 #include "base/layout.hpp"
+#include "shm/liveness.hpp"
 
 namespace shmcast_test {
 
@@ -39,5 +41,52 @@ inline void rewrite_manifest(const std::string& path, const std::function<void(s
   }
   ::close(fd);
 }
+
+// The device-slots block a producer on a GPU would write: a UUID of bytes
+// 0x10..0x1f ("GPU-10111213-1415-1617-1819-1a1b1c1d1e1f"), an allocation of
+// `alloc_bytes`, a nonce.
+inline shmcast::detail::DeviceSlotsFixed device_block(std::uint64_t alloc_bytes) {
+  shmcast::detail::DeviceSlotsFixed b{};
+  for (int i = 0; i < 16; ++i) b.gpu_uuid[i] = static_cast<std::uint8_t>(0x10 + i);
+  b.alloc_bytes = alloc_bytes;
+  b.nonce = 0x1234567890abcdefull;
+  return b;
+}
+inline constexpr const char* kDeviceBlockUuid = "GPU-10111213-1415-1617-1819-1a1b1c1d1e1f";
+
+// A ready ring region of device slots (layout 4) written by hand, as a live
+// producer on a GPU would leave it, with no GPU: 4 seats, 2 slots of 2 MiB
+// (descriptors only: no slot bytes in the file), the feature bits
+// `features` and the block `dev`, this process as its producer, holding
+// the producer's lock byte while the object lives. The file is removed at
+// the end.
+struct CraftedDeviceRegion {
+  std::string path;
+  int fd = -1;
+  CraftedDeviceRegion(std::string file, std::uint64_t features, const shmcast::detail::DeviceSlotsFixed& dev)
+      : path(std::move(file)) {
+    namespace d = shmcast::detail;
+    d::Geometry g{};
+    EXPECT_EQ(d::compute_geometry(4, 2, 2ull << 20, 1 << 20, &g, 1, false, true), "");
+    fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+    EXPECT_GE(fd, 0) << path;
+    EXPECT_EQ(::posix_fallocate(fd, 0, static_cast<off_t>(g.total_bytes)), 0);
+    EXPECT_EQ(d::lock_byte(fd, d::kProducerLockByte), 0);
+    d::HeaderFixed h = d::make_fixed_header(g, features);
+    EXPECT_EQ(::pwrite(fd, &h, sizeof h, 0), static_cast<ssize_t>(sizeof h));
+    EXPECT_EQ(::pwrite(fd, &dev, sizeof dev, offsetof(d::Header, device_slots)), static_cast<ssize_t>(sizeof dev));
+    alignas(8) d::Identity id{};
+    d::write_identity(id, d::self_identity());
+    EXPECT_EQ(::pwrite(fd, &id, sizeof id, offsetof(d::Header, producer)), static_cast<ssize_t>(sizeof id));
+    const std::uint32_t ready = d::kInitReady;
+    EXPECT_EQ(::pwrite(fd, &ready, 4, offsetof(d::Header, init_state)), 4);
+  }
+  ~CraftedDeviceRegion() {
+    ::unlink(path.c_str());
+    if (fd >= 0) ::close(fd);
+  }
+  CraftedDeviceRegion(const CraftedDeviceRegion&) = delete;
+  CraftedDeviceRegion& operator=(const CraftedDeviceRegion&) = delete;
+};
 
 }  // namespace shmcast_test

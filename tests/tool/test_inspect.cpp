@@ -462,6 +462,85 @@ TEST(Tool, StoreRegionShowsItsModeBanksAndHolders) {
   EXPECT_NE(t.out.find("newest 2"), std::string::npos) << t.out;
 }
 
+// A region of device slots (layout 4), crafted without a GPU and held by
+// this process as its producer: list and show say where its slots live (the
+// GPU's UUID, the allocation) and where its slot socket is; a host region
+// says host; a bad device-slots block is corrupt.
+TEST(Tool, DeviceSlotRegionsShowTheirGpuAndAllocation) {
+  TempDir dir;
+  CraftedDeviceRegion dev(dir.file("dev"), detail::kFeatureDeviceSlots, device_block(6ull << 20));
+  detail::DeviceSlotsFixed no_nonce = device_block(4ull << 20);
+  no_nonce.nonce = 0;
+  CraftedDeviceRegion bad(dir.file("badnonce"), detail::kFeatureDeviceSlots, no_nonce);
+  CraftedDeviceRegion small(dir.file("badalloc"), detail::kFeatureDeviceSlots, device_block(2ull << 20));
+  Producer host = Producer::create("host", small_opts());
+
+  Result l = tool({"list", "--json", "--dir", dir.path});
+  ASSERT_EQ(l.rc, 0) << l.err;
+  json lj = l.j();
+  const json* d = find_region(lj, "dev");
+  ASSERT_NE(d, nullptr);
+  EXPECT_EQ(d->at("state"), "ready") << *d;
+  EXPECT_EQ(d->at("slot_memory"), "device");
+  EXPECT_EQ(d->at("slot_gpu_uuid"), kDeviceBlockUuid);
+  EXPECT_EQ(d->at("slot_device_bytes"), 6ull << 20);
+  const json* h = find_region(lj, "host");
+  ASSERT_NE(h, nullptr);
+  EXPECT_EQ(h->at("slot_memory"), "host");
+  EXPECT_TRUE(h->at("slot_gpu_uuid").is_null());
+  EXPECT_TRUE(h->at("slot_device_bytes").is_null());
+  EXPECT_EQ(find_region(lj, "badnonce")->at("state"), "corrupt");
+  EXPECT_EQ(find_region(lj, "badalloc")->at("state"), "corrupt");
+  Result hl = tool({"list", "--dir", dir.path});
+  ASSERT_EQ(hl.rc, 0) << hl.err;
+  EXPECT_NE(hl.out.find(std::to_string(detail::kLayoutVersion) + " (device slots)"), std::string::npos) << hl.out;
+
+  Result s = tool({"show", "dev", "--json", "--dir", dir.path});
+  ASSERT_EQ(s.rc, 0) << s.err;
+  json sj = s.j();
+  EXPECT_EQ(sj.at("region").at("slot_memory"), "device");
+  const json& hd = sj.at("header");
+  EXPECT_EQ(hd.at("valid"), true);
+  EXPECT_NE(hd.at("feature_names").dump().find("device-slots"), std::string::npos) << hd;
+  EXPECT_EQ(hd.at("slot_memory"), "device");
+  EXPECT_EQ(hd.at("slot_gpu_uuid"), kDeviceBlockUuid);
+  EXPECT_EQ(hd.at("slot_device_bytes"), 6ull << 20);
+  EXPECT_EQ(hd.at("slot_socket"), dir.path + "/shmcast-slots.dev");
+  EXPECT_TRUE(hd.at("slot_socket_type").is_null()) << hd;  // nothing there
+  EXPECT_EQ(hd.at("total_bytes"), hd.at("data_offset"));
+  EXPECT_EQ(sj.at("slots").size(), 2u);
+
+  Result t = tool({"show", "dev", "--dir", dir.path});
+  ASSERT_EQ(t.rc, 0) << t.err;
+  EXPECT_NE(t.out.find(std::string("2 x 2.0 MiB on GPU ") + kDeviceBlockUuid + " (device slots, 6.0 MiB allocated)"),
+            std::string::npos)
+      << t.out;
+  EXPECT_NE(t.out.find(", device slots"), std::string::npos) << t.out;
+  EXPECT_NE(t.out.find(dir.path + "/shmcast-slots.dev (absent)"), std::string::npos) << t.out;
+  // A link planted at the socket's name is reported, not followed.
+  ASSERT_EQ(::symlink("/nonexistent", (dir.path + "/shmcast-slots.dev").c_str()), 0);
+  json sl = tool({"show", "dev", "--json", "--dir", dir.path}).j();
+  EXPECT_EQ(sl.at("header").at("slot_socket_type"), "symlink");
+
+  Result th = tool({"show", "host", "--dir", dir.path});
+  ASSERT_EQ(th.rc, 0) << th.err;
+  EXPECT_NE(th.out.find("2 x 2.0 MiB in the region file (host slots)"), std::string::npos) << th.out;
+  EXPECT_EQ(th.out.find("slot socket"), std::string::npos) << th.out;
+  json hj = tool({"show", "host", "--json", "--dir", dir.path}).j();
+  EXPECT_EQ(hj.at("header").at("slot_memory"), "host");
+  EXPECT_TRUE(hj.at("header").at("slot_socket").is_null());
+
+  for (const auto& [name, why] : {std::pair<std::string, std::string>{"badnonce", "without a channel nonce"},
+                                  {"badalloc", "device slot allocation of 2097152 bytes"}}) {
+    Result b = tool({"show", name, "--json", "--dir", dir.path});
+    EXPECT_EQ(b.rc, 4) << name;
+    json bj = b.j();
+    EXPECT_EQ(bj.at("region").at("state"), "corrupt") << name;
+    EXPECT_NE(bj.at("region").at("reason").get<std::string>().find(why), std::string::npos) << bj.at("region");
+    EXPECT_EQ(bj.at("header").at("valid"), false) << name;
+  }
+}
+
 // The state file shmcast-relay keeps next to a region is shown by `show`,
 // and treated as untrusted input: stale when not rewritten, ignored when
 // others may write it or it is a link, refused when a field has the wrong

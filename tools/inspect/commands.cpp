@@ -187,7 +187,11 @@ int cmd_list(const Common& c) {
   for (const probe::Region& r : reports) {
     const bool magic_ok = r.have_fixed && r.fixed.shmcast_magic;
     t.row({r.name, probe::state_name(r.state), human_bytes(r.size),
-           magic_ok ? std::to_string(r.fixed.layout_version) : "-", producer_cell(r),
+           !magic_ok ? "-"
+           : r.have_header && r.slot_memory == SlotMemory::kDevice
+               ? std::to_string(r.fixed.layout_version) + " (device slots)"
+               : std::to_string(r.fixed.layout_version),
+           producer_cell(r),
            r.have_header ? alive_word(r.producer_alive) : "-",
            r.header_valid ? std::to_string(r.consumers_attached) + "/" + std::to_string(r.fixed.max_consumers) : "-",
            r.header_valid ? std::to_string(r.consumers_alive) : "-",

@@ -179,6 +179,14 @@ json u64_or_null(bool have, std::uint64_t v) { return have ? json(v) : json(null
 
 const char* sync_kind(const probe::Manifest& m) { return m.delta() ? "delta" : "full"; }
 
+// Where the slots live: "2 x 64 MiB in the region file (host slots)" or
+// "2 x 64 MiB on GPU GPU-... (device slots, 128 MiB allocated)".
+std::string slots_place_text(const probe::Region& r) {
+  const std::string n = std::to_string(r.fixed.slot_count) + " x " + human_bytes(r.fixed.slot_bytes);
+  if (r.slot_memory != SlotMemory::kDevice) return n + " in the region file (host slots)";
+  return n + " on GPU " + r.slot_gpu_uuid + " (device slots, " + human_bytes(r.slot_device_bytes) + " allocated)";
+}
+
 // "full, 1.0 MiB payload" or "delta against version 4, 1.0 MiB logical, 10 KiB payload (1.0 %)".
 std::string sync_size_text(const probe::Manifest& m) {
   if (!m.delta()) return "full, " + human_bytes(m.payload_bytes) + " payload";
@@ -221,6 +229,11 @@ json region_summary_json(const probe::Region& r) {
   j["size_bytes"] = r.size;
   j["age_s"] = static_cast<double>(static_cast<std::int64_t>(r.age_s * 1000)) / 1000.0;
   j["layout_version"] = r.have_fixed && r.fixed.shmcast_magic ? json(r.fixed.layout_version) : json(nullptr);
+  // Where the slots live (layout 4): from the header, null without one.
+  const bool dev = r.have_header && r.slot_memory == SlotMemory::kDevice;
+  j["slot_memory"] = r.have_header ? json(probe::slot_memory_name(r.slot_memory)) : json(nullptr);
+  j["slot_gpu_uuid"] = dev ? json(r.slot_gpu_uuid) : json(nullptr);
+  j["slot_device_bytes"] = u64_or_null(dev, r.slot_device_bytes);
   j["participants_alive"] = alive_json(r.any_lock);
   json p;
   p["pid"] = r.have_header ? json(r.producer.pid) : json(nullptr);
@@ -256,6 +269,7 @@ void region_detail_json(const probe::Region& r, std::size_t limit, json* out) {
     if (f.checksums) names.push_back("checksums");
     if (f.store) names.push_back("store");
     if (f.delta) names.push_back("delta");
+    if (f.device_slots) names.push_back("device-slots");
     h["feature_names"] = names;
     h["max_consumers"] = f.max_consumers;
     h["slot_count"] = f.slot_count;
@@ -266,6 +280,12 @@ void region_detail_json(const probe::Region& r, std::size_t limit, json* out) {
     h["manifest_bytes"] = f.manifest_bytes;
     h["data_offset"] = f.data_offset;
     h["created_unix_ns"] = f.created_unix_ns;
+    const bool dev = r.have_header && r.slot_memory == SlotMemory::kDevice;
+    h["slot_memory"] = r.have_header ? json(probe::slot_memory_name(r.slot_memory)) : json(nullptr);
+    h["slot_gpu_uuid"] = dev ? json(r.slot_gpu_uuid) : json(nullptr);
+    h["slot_device_bytes"] = u64_or_null(dev, r.slot_device_bytes);
+    h["slot_socket"] = dev ? json(r.slot_socket) : json(nullptr);
+    h["slot_socket_type"] = dev && !r.slot_socket_type.empty() ? json(r.slot_socket_type) : json(nullptr);
     h["valid"] = r.header_valid;
     h["init_state"] = r.have_header ? json(probe::state_name(r.init_state)) : json(nullptr);
     h["init_state_raw"] = u64_or_null(r.have_header, r.init_state_raw);
@@ -487,10 +507,15 @@ void print_region_detail(std::ostream& os, const probe::Region& r, std::size_t l
   if (r.have_fixed && r.fixed.shmcast_magic) {
     const probe::FixedHeader& f = r.fixed;
     kv.row({"layout", "version " + std::to_string(f.layout_version) + (f.checksums ? ", checksums" : "") +
-                          (f.store ? ", store" : "") + (f.delta ? ", delta syncs" : "")});
+                          (f.store ? ", store" : "") + (f.delta ? ", delta syncs" : "") +
+                          (f.device_slots ? ", device slots" : "")});
     kv.row({"mode", f.store ? "store (keeps the newest complete version; slots are its two banks)" : "ring"});
     kv.row({"geometry", std::to_string(f.max_consumers) + " seats, " + std::to_string(f.slot_count) + " slots x " +
                             human_bytes(f.slot_bytes) + ", manifest " + human_bytes(f.manifest_bytes)});
+    if (r.have_header) kv.row({"slots", slots_place_text(r)});
+    if (r.have_header && r.slot_memory == SlotMemory::kDevice)
+      kv.row({"slot socket", r.slot_socket + " (" + (r.slot_socket_type.empty() ? "absent" : r.slot_socket_type) +
+                                 ")"});
     kv.row({"created", unix_ns_text(f.created_unix_ns)});
   }
   if (r.have_header) {

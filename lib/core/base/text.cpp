@@ -22,4 +22,11 @@ std::string human_bytes(std::uint64_t b) {
   return buf;
 }
 
+std::string gpu_uuid_text(std::span<const std::uint8_t, 16> u) {
+  char b[64];
+  std::snprintf(b, sizeof b, "GPU-%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-%02x%02x%02x%02x%02x%02x", u[0], u[1],
+                u[2], u[3], u[4], u[5], u[6], u[7], u[8], u[9], u[10], u[11], u[12], u[13], u[14], u[15]);
+  return b;
+}
+
 }  // namespace shmcast::detail

@@ -9,6 +9,7 @@
 #include <optional>
 #include <utility>
 
+#include "base/text.hpp"
 #include "engine/cuda_driver.hpp"
 #include "engine/engine.hpp"
 #include "shmcast/shmcast.hpp"
@@ -109,12 +110,7 @@ CUmemAccessDesc access_for(int device) {
 
 }  // namespace
 
-std::string uuid_text(const Uuid& u) {
-  char b[64];
-  std::snprintf(b, sizeof b, "GPU-%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-%02x%02x%02x%02x%02x%02x", u[0], u[1],
-                u[2], u[3], u[4], u[5], u[6], u[7], u[8], u[9], u[10], u[11], u[12], u[13], u[14], u[15]);
-  return b;
-}
+std::string uuid_text(const Uuid& u) { return gpu_uuid_text(u); }
 
 Uuid device_uuid(int device) {
   const cu::Api& d = api();

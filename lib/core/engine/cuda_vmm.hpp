@@ -41,7 +41,7 @@ namespace shmcast::detail::vmm {
 
 using Uuid = std::array<std::uint8_t, 16>;
 
-// "GPU-2f6a7e4c-...", as nvidia-smi -L prints it.
+// "GPU-2f6a7e4c-...", as nvidia-smi -L prints it (base/text.hpp: gpu_uuid_text).
 std::string uuid_text(const Uuid& uuid);
 
 // The UUID of device `device` (for the region header and the fd

@@ -1,7 +1,7 @@
 // Built when SHMCAST_WITH_CUDA is off: device slots (cuda_vmm.hpp) report,
 // at run time, that this build has no CUDA.
-#include <cstdio>
 
+#include "base/text.hpp"
 #include "engine/cuda_vmm.hpp"
 #include "shmcast/shmcast.hpp"
 
@@ -15,12 +15,7 @@ namespace {
 }
 }  // namespace
 
-std::string uuid_text(const Uuid& u) {
-  char b[64];
-  std::snprintf(b, sizeof b, "GPU-%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-%02x%02x%02x%02x%02x%02x", u[0], u[1],
-                u[2], u[3], u[4], u[5], u[6], u[7], u[8], u[9], u[10], u[11], u[12], u[13], u[14], u[15]);
-  return b;
-}
+std::string uuid_text(const Uuid& u) { return gpu_uuid_text(u); }
 Uuid device_uuid(int) { no_cuda(); }
 int device_with_uuid(const Uuid&) { no_cuda(); }
 int current_device() { no_cuda(); }

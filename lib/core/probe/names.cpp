@@ -51,6 +51,8 @@ const char* state_name(ManifestStatus s) noexcept {
   return name_of<ManifestStatus::kSkipped>(s, kManifestStatusNames);
 }
 
+const char* slot_memory_name(SlotMemory m) noexcept { return m == SlotMemory::kDevice ? "device" : "host"; }
+
 std::string resolve_dir(std::string_view dir) { return dir.empty() ? region_dir() : detail::trim_dir(dir); }
 
 std::string region_file(std::string_view dir, std::string_view name) { return detail::region_file(dir, name); }

@@ -16,10 +16,12 @@
 
 #include "base/checks.hpp"
 #include "base/layout.hpp"
+#include "base/text.hpp"
 #include "probe/bus_guard.hpp"
 #include "probe/file.hpp"
 #include "probe/manifest_stream.hpp"
 #include "probe/record.hpp"
+#include "protocol/fd_channel.hpp"
 #include "protocol/ring.hpp"
 #include "shm/liveness.hpp"
 #include "shm/region.hpp"
@@ -52,6 +54,7 @@ P::FixedHeader pub(const HeaderFixed& f) {
   h.checksums = (f.features & kFeatureChecksums) != 0;
   h.store = (f.features & kFeatureStore) != 0;
   h.delta = (f.features & kFeatureDelta) != 0;
+  h.device_slots = (f.features & kFeatureDeviceSlots) != 0;
   h.max_consumers = f.max_consumers;
   h.slot_count = f.slot_count;
   h.slot_bytes = f.slot_bytes;
@@ -224,6 +227,18 @@ bool read_tables(P::Region& r, const Geometry& g, int fd, const std::byte* base,
   return true;
 }
 
+// The device-slots block as the header holds it (validated later), and
+// what lies at the name of the region's slot socket (lstat: never followed,
+// never opened or connected to).
+void fill_device_slots(P::Region* r, const std::string& dir, std::string_view name, const DeviceSlotsFixed& d) {
+  r->slot_memory = SlotMemory::kDevice;
+  r->slot_gpu_uuid = gpu_uuid_text(d.gpu_uuid);
+  r->slot_device_bytes = d.alloc_bytes;
+  r->slot_socket = slot_socket_file(dir, name);
+  struct stat st {};
+  if (::lstat(r->slot_socket.c_str(), &st) == 0) r->slot_socket_type = file_kind(st.st_mode).name;
+}
+
 P::Region probe_region(const std::string& dir, std::string_view name, const P::Options& opts) {
   P::Region r;
   r.name = std::string(name);
@@ -351,6 +366,9 @@ P::Region probe_region(const std::string& dir, std::string_view name, const P::O
   r.last_sync_ns = h.last_sync_ns.load(std::memory_order_relaxed);
   r.last_end_unix_ns = h.last_end_unix_ns.load(std::memory_order_relaxed);
   r.producer_alive = pub(peer_alive(f.fd, kProducerLockByte, h.producer));
+  DeviceSlotsFixed dev{};
+  std::memcpy(&dev, hbuf.data() + offsetof(Header, device_slots), sizeof dev);
+  if (r.fixed.device_slots) fill_device_slots(&r, dir, name, dev);
 
   if (init_raw == kInitCreating) {
     if (r.young || r.producer_alive == P::Alive::kYes)
@@ -371,8 +389,6 @@ P::Region probe_region(const std::string& dir, std::string_view name, const P::O
                        (fixed.features & kFeatureDeviceSlots) != 0).empty() ||
       g.total_bytes != size)
     return verdict(P::State::kCorrupt, "geometry does not match the file");
-  DeviceSlotsFixed dev{};
-  std::memcpy(&dev, hbuf.data() + offsetof(Header, device_slots), sizeof dev);
   if (std::string why = device_slots_problem(dev, g, fixed.features); !why.empty())
     return verdict(P::State::kCorrupt, why);
   r.header_valid = true;

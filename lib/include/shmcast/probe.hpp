@@ -79,6 +79,8 @@ SHMCAST_API const char* state_name(SyncStatus s) noexcept;
 SHMCAST_API const char* state_name(SeatState s) noexcept;
 SHMCAST_API const char* state_name(SlotState s) noexcept;
 SHMCAST_API const char* state_name(ManifestStatus s) noexcept;
+// "host" or "device".
+SHMCAST_API const char* slot_memory_name(SlotMemory m) noexcept;
 
 // ---------------------------------------------------------------- snapshots
 
@@ -104,6 +106,7 @@ struct FixedHeader {
   bool checksums = false;  // the per-slot checksum feature bit
   bool store = false;      // a store region (RegionMode::kStore): slots are banks, each holding one version
   bool delta = false;      // a region with delta syncs (ProducerOptions::delta, feature bit 2)
+  bool device_slots = false;  // slots in GPU memory (SlotMemory::kDevice, feature bit 3, layout 4)
   std::uint32_t max_consumers = 0;
   std::uint32_t slot_count = 0;
   std::uint64_t slot_bytes = 0;
@@ -207,6 +210,18 @@ struct Region {
   Alive producer_alive = Alive::kUnknown;
   std::uint64_t generation = 0, evictions = 0, published_seq = 0, syncs_done = 0, bytes_done = 0, last_sync_ns = 0,
                 last_end_unix_ns = 0;
+  // Where the slots live (layout 4), from the header's feature bit and its
+  // device-slots block (no GPU is touched): when have_header, as the file
+  // holds them; validated (the block against the geometry) when
+  // header_valid. Device slots are one CUDA allocation on the producer's
+  // GPU, served to consumers over a Unix socket next to the region file.
+  SlotMemory slot_memory = SlotMemory::kHost;
+  std::string slot_gpu_uuid;  // kDevice: the GPU holding them, "GPU-xxxxxxxx-xxxx-..." as nvidia-smi -L prints it
+  std::uint64_t slot_device_bytes = 0;  // kDevice: the allocation (slot_count x slot_bytes rounded up to the GPU's
+                                        // granularity)
+  std::string slot_socket;       // kDevice: the socket's path, dir/shmcast-slots.<name> (long names shortened)
+  std::string slot_socket_type;  // kDevice: what lstat finds there (a file type name as file_type; "socket" when
+                                 // served or left by a dead producer), "" when nothing is; never followed
 
   // Everything below: when header_valid (the geometry was validated).
   bool header_valid = false;

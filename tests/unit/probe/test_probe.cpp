@@ -7,7 +7,9 @@
 #include <fcntl.h>
 #include <gtest/gtest.h>
 #include <sys/mman.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/un.h>
 #include <unistd.h>
 #include <xxhash.h>
 
@@ -351,6 +353,108 @@ TEST(Probe, BadHeadersOfARealRegion) {
     EXPECT_FALSE(r.header_valid) << n;
     EXPECT_TRUE(r.seats.empty()) << n;
   }
+}
+
+// A region of device slots (layout 4), crafted without a GPU: where its
+// slots live comes from the header's block, and what lies at its slot
+// socket's name is reported without following it.
+TEST(Probe, DeviceSlotsFromTheHeader) {
+  TempDir dir;
+  // 2 slots of 2 MiB, an allocation rounded up to 6 MiB.
+  shmcast_test::CraftedDeviceRegion dev(dir.file("dev"), detail::kFeatureDeviceSlots,
+                                        shmcast_test::device_block(6ull << 20));
+  const P::Region r = probe_in(dir, "dev");
+  EXPECT_EQ(r.state, P::State::kReady) << r.reason;
+  ASSERT_TRUE(r.header_valid);
+  EXPECT_EQ(r.producer_alive, P::Alive::kYes);
+  EXPECT_TRUE(r.fixed.device_slots);
+  EXPECT_FALSE(r.fixed.checksums || r.fixed.store || r.fixed.delta);
+  EXPECT_EQ(r.fixed.total_bytes, r.fixed.data_offset);  // no slot bytes in the file
+  EXPECT_EQ(r.size, r.fixed.data_offset);
+  EXPECT_EQ(r.slot_memory, SlotMemory::kDevice);
+  EXPECT_STREQ(P::slot_memory_name(r.slot_memory), "device");
+  EXPECT_EQ(r.slot_gpu_uuid, shmcast_test::kDeviceBlockUuid);
+  EXPECT_EQ(r.slot_device_bytes, 6ull << 20);
+  EXPECT_EQ(r.slots.size(), 2u);  // the descriptors are in the file
+  const std::string sock = dir.path + "/shmcast-slots.dev";
+  EXPECT_EQ(r.slot_socket, sock);
+  EXPECT_EQ(r.slot_socket_type, "");  // no socket: no producer served it here
+
+  // A socket left at the name (a dead producer's, or a live one's).
+  const int s = ::socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+  ASSERT_GE(s, 0);
+  sockaddr_un a{};
+  a.sun_family = AF_UNIX;
+  ASSERT_LT(sock.size(), sizeof a.sun_path);
+  std::memcpy(a.sun_path, sock.c_str(), sock.size() + 1);
+  ASSERT_EQ(::bind(s, reinterpret_cast<const sockaddr*>(&a), sizeof a), 0) << std::strerror(errno);
+  EXPECT_EQ(probe_in(dir, "dev").slot_socket_type, "socket");
+  ::close(s);
+  ASSERT_EQ(::unlink(sock.c_str()), 0);
+  // A link at the name is reported as one, never followed.
+  ASSERT_EQ(::symlink(dir.file("dev").c_str(), sock.c_str()), 0);
+  EXPECT_EQ(probe_in(dir, "dev").slot_socket_type, "symlink");
+
+  // A region of host slots says so, with no GPU fields.
+  Producer p = Producer::create("host", small_opts());
+  const P::Region h = probe_in(dir, "host");
+  ASSERT_TRUE(h.header_valid);
+  EXPECT_FALSE(h.fixed.device_slots);
+  EXPECT_EQ(h.slot_memory, SlotMemory::kHost);
+  EXPECT_STREQ(P::slot_memory_name(h.slot_memory), "host");
+  EXPECT_EQ(h.slot_gpu_uuid, "");
+  EXPECT_EQ(h.slot_device_bytes, 0u);
+  EXPECT_EQ(h.slot_socket, "");
+}
+
+// Device-slot blocks no producer writes: corrupt, the block's fields still
+// shown as the file holds them.
+TEST(Probe, BadDeviceSlotBlocksAreCorrupt) {
+  TempDir dir;
+  struct Bad {
+    const char* name;
+    std::uint64_t features;
+    detail::DeviceSlotsFixed block;
+    const char* why;
+  };
+  detail::DeviceSlotsFixed nonce = shmcast_test::device_block(4ull << 20);
+  nonce.nonce = 0;
+  detail::DeviceSlotsFixed uuid = shmcast_test::device_block(4ull << 20);
+  std::memset(uuid.gpu_uuid, 0, sizeof uuid.gpu_uuid);
+  detail::DeviceSlotsFixed reserved = shmcast_test::device_block(4ull << 20);
+  reserved.reserved[5] = 1;
+  const Bad bad[] = {
+      {"small", detail::kFeatureDeviceSlots, shmcast_test::device_block(2ull << 20),
+       "device slot allocation of 2097152 bytes for 4194304 bytes of slots"},
+      {"odd", detail::kFeatureDeviceSlots, shmcast_test::device_block((4ull << 20) + 4096),
+       "device slot allocation of 4198400 bytes"},
+      {"nonce", detail::kFeatureDeviceSlots, nonce, "without a channel nonce"},
+      {"uuid", detail::kFeatureDeviceSlots, uuid, "without a GPU UUID"},
+      {"reserved", detail::kFeatureDeviceSlots, reserved, "reserved bytes"},
+      {"checksums", detail::kFeatureDeviceSlots | detail::kFeatureChecksums, shmcast_test::device_block(4ull << 20),
+       "device slots with checksums"},
+  };
+  for (const Bad& b : bad) {
+    shmcast_test::CraftedDeviceRegion c(dir.file(b.name), b.features, b.block);
+    const P::Region r = probe_in(dir, b.name);
+    EXPECT_EQ(r.state, P::State::kCorrupt) << b.name << ": " << r.reason;
+    EXPECT_TRUE(has(r.reason, b.why)) << b.name << ": " << r.reason;
+    EXPECT_FALSE(r.header_valid) << b.name;
+    EXPECT_TRUE(r.have_header) << b.name;
+    EXPECT_EQ(r.slot_memory, SlotMemory::kDevice) << b.name;
+    EXPECT_EQ(r.slot_device_bytes, b.block.alloc_bytes) << b.name;
+  }
+  // The block in a region of host slots (a real one, edited).
+  Producer p = Producer::create("src", small_opts());
+  copy_region(dir, "src", "hostblock", [](std::string& bytes) {
+    const detail::DeviceSlotsFixed blk = shmcast_test::device_block(4ull << 20);
+    std::memcpy(bytes.data() + offsetof(detail::Header, device_slots), &blk, sizeof blk);
+  });
+  const P::Region h = probe_in(dir, "hostblock");
+  EXPECT_EQ(h.state, P::State::kCorrupt) << h.reason;
+  EXPECT_TRUE(has(h.reason, "not zero in a region of host slots")) << h.reason;
+  EXPECT_EQ(h.slot_memory, SlotMemory::kHost);
+  EXPECT_EQ(h.slot_gpu_uuid, "");
 }
 
 TEST(Probe, PathsThatAreNotRegularFiles) {
