@@ -133,7 +133,7 @@ class Producer(_Closing):
     the full size (None: the library's default, ProducerOptions). last_sync
     says what the last send was.
 
-    slot_memory='device' (ring regions of one rank, without checksums or
+    slot_memory='device' (ring regions, every rank alike, without checksums or
     delta; engine 'auto' or 'cuda'): the K slots of slot_bytes are GPU
     memory on slot_device (None: torch's current device), shared with the
     consumers as a file descriptor, and every copy is made by the GPU
