@@ -205,6 +205,12 @@ int cmd_dump(const Common& c, const std::string& name, const std::string& out, d
     co.open_timeout = left();
     co.chunk_timeout = left();
     Consumer consumer = Consumer::open(name, co);
+    // visit() hands slot bytes to this process's host code: a region of
+    // device slots is refused now, before a sync is waited for.
+    if (consumer.slot_memory() == SlotMemory::kDevice)
+      throw Error(Errc::kUnsupported, "region '" + name + "' keeps its slots in GPU memory; dump reads slots on "
+                                      "the host, so it cannot dump this region (a consumer that reads into host "
+                                      "memory with read_into() can)");
     // The region may have appeared only now, or been replaced since the
     // probe above: check the file the name holds now.
     try {
