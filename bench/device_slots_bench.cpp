@@ -45,6 +45,7 @@
 #include <chrono>
 #include <cstdio>
 #include <fstream>
+#include <new>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
@@ -78,7 +79,7 @@ struct Args {
 
 // The bytes of tensor i in sync r of phase p (cuda_kernels.hpp: fill / count_bad).
 std::uint64_t key_of(int phase, int rep, std::size_t i) {
-  return 0xd5107000000000ull + static_cast<std::uint64_t>(phase) * 100000000ull +
+  return 0xd5107000000000ull + static_cast<std::uint64_t>(phase) * 1000000000ull +
          static_cast<std::uint64_t>(rep) * 100000ull + i;
 }
 
@@ -260,7 +261,8 @@ json run_phase(const Phase& ph, const Args& a, int index) {
     r["error"] = "mmap failed";
     return r;
   }
-  auto* done = new (shared) std::atomic<int>[static_cast<std::size_t>(a.reps + 1)]();
+  auto* done = static_cast<std::atomic<int>*>(shared);
+  for (int i = 0; i <= a.reps; ++i) new (&done[i]) std::atomic<int>(0);
   std::vector<pid_t> pids;
   for (int e = 0; e < ph.engines; ++e) {
     const pid_t pid = ::fork();
@@ -317,10 +319,14 @@ json run_phase(const Phase& ph, const Args& a, int index) {
   for (int e = 0; e < ph.engines; ++e) {
     const json& ce = c[static_cast<std::size_t>(e)];
     verified += ce["verified"].get<int>();
+    json bad = json::array();  // the words each sync got wrong, warm-up first
+    for (const json& cr : ce["reps"]) bad.push_back(cr["bad_words"]);
     per_engine.push_back({{"sync_s", stat(engine_s[static_cast<std::size_t>(e)])},
-                          {"verified", ce["verified"]}});
+                          {"verified", ce["verified"]},
+                          {"bad_words_each", bad}});
   }
   r["sync_s"] = stat(sync_s);
+  r["sync_s_each"] = sync_s;  // in rep order
   r["gbps"] = stat(gbps);
   r["producer_s"] = stat(prod_s);
   r["logical_bytes"] = logical;
@@ -363,6 +369,7 @@ int main(int argc, char** argv) {
   app.add_option("--ceiling-reps", ceiling_reps, "repetitions of each ceiling")->check(CLI::Range(1, 1000));
   app.add_option("--json", json_path, "also write the results as JSON here");
   CLI11_PARSE(app, argc, argv);
+  std::setvbuf(stdout, nullptr, _IOLBF, 0);  // in order with stderr in a log; the roles _exit without flushing
   a.slot_bytes = slot_mib << 20;
   char tmpl[] = "/tmp/shmcast-dslb-XXXXXX";
   if (::mkdtemp(tmpl) == nullptr) return 2;
