@@ -23,7 +23,8 @@
 # Output in $OUT: device_slots.log (this), env.log, build.log, tests.log,
 # bench.json, bench-docker.json, bench.txt, bench-docker.txt, pytest.log
 # (pip.log with PIP=1). A failing stage does not stop the next; the last
-# lines list each stage's exit status.
+# lines list each stage's exit status, and the script exits 1 when any
+# failed.
 #
 # Estimated 5-7 minutes on an H200 (the build 1.5-2, the bench about 1 per
 # run); every stage has a timeout, the whole stays under 9.
@@ -42,7 +43,8 @@ T0=$(date +%s)
 log() { echo "== $(date +%T) (+$(( $(date +%s) - T0 )) s) $*"; }
 has() { [[ " $STAGES " == *" $1 "* ]]; }
 RESULTS=()
-result() { RESULTS+=("$1: rc=$2"); log "$1: rc=$2"; }
+FAILED=0
+result() { RESULTS+=("$1: rc=$2"); log "$1: rc=$2"; [ "$2" -eq 0 ] || FAILED=1; }
 B=/tmp/shmcast-device-slots
 PY=$(command -v python3)
 
@@ -68,7 +70,7 @@ if has tests; then
 fi
 has bench && targets+=(shmcast-device-slots-bench shmcast-seccomp-run)
 pyopts=(-DSHMCAST_BUILD_PYTHON=OFF)
-if has python && [ "$PIP" != 1 ]; then
+if has python && [ "$PIP" != 1 ] && [ -f python/tests/test_device_slots.py ]; then
   PB=$($PY -m pybind11 --cmakedir 2>/dev/null)
   pyopts=(-DSHMCAST_BUILD_PYTHON=ON -DPython3_EXECUTABLE="$PY" ${PB:+-Dpybind11_DIR=$PB})
   targets+=(_shmcast)
@@ -159,3 +161,4 @@ fi
 
 log "done"
 printf '   %s\n' "${RESULTS[@]}"
+exit $FAILED
