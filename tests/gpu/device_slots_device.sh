@@ -6,7 +6,7 @@
 #
 # Builds the CUDA tree (Release; tests on, tools and relay off, the Python
 # module only for the python stage), then runs, per STAGES (default
-# "tests bench python"):
+# "tests bench python model"):
 #   tests   ctest -R "$TESTS_RE" (default '^(DeviceSlotsGpu|Vmm|VmmFake)\.|FdChannel'):
 #           test_device_slots_gpu (when tests/gpu/CMakeLists.txt has it),
 #           test_vmm, test_vmm_fake, and the fd channel's tests (unit,
@@ -20,6 +20,10 @@
 #           module of this build tree (PYTHONPATH, as delta_sync_device.sh);
 #           PIP=1: pip install the package into a venv instead, as
 #           scripts/device-pip.sh does, and test that (adds 1-2 minutes)
+#   model   bench/device_slots_model.py under Docker's default seccomp profile:
+#           a transformers Qwen2 (0.5B shapes) trained with AdamW, synced
+#           through device slots then host slots, logits compared every step
+#           (STEPS, default 10)
 # Output in $OUT: device_slots.log (this), env.log, build.log, tests.log,
 # bench.json, bench-docker.json, bench.txt, bench-docker.txt, pytest.log
 # (pip.log with PIP=1). A failing stage does not stop the next; the last
@@ -32,10 +36,10 @@ set -uo pipefail
 cd "$(dirname "$0")/../.." || exit 1
 SRC=$(pwd)
 OUT=${OUT:-/tmp/out}
-STAGES=${STAGES:-tests bench python}
+STAGES=${STAGES:-tests bench python model}
 REPS=${REPS:-10}
 PIP=${PIP:-0}
-TESTS_RE=${TESTS_RE:-'^(DeviceSlotsGpu|Vmm|VmmFake)\.|FdChannel'}
+TESTS_RE=${TESTS_RE:-'^(DeviceSlotsGpu|DeviceSlots|Vmm|VmmFake)\.|FdChannel'}
 PROFILE=${PROFILE:-tests/seccomp/docker-default.json}
 mkdir -p "$OUT"
 exec > >(tee -a "$OUT/device_slots.log") 2>&1
@@ -69,8 +73,9 @@ if has tests; then
   fi
 fi
 has bench && targets+=(shmcast-device-slots-bench shmcast-seccomp-run)
+has model && targets+=(shmcast-seccomp-run)
 pyopts=(-DSHMCAST_BUILD_PYTHON=OFF)
-if has python && [ "$PIP" != 1 ] && [ -f python/tests/test_device_slots.py ]; then
+if { has python && [ "$PIP" != 1 ] && [ -f python/tests/test_device_slots.py ]; } || has model; then
   PB=$($PY -m pybind11 --cmakedir 2>/dev/null)
   pyopts=(-DSHMCAST_BUILD_PYTHON=ON -DPython3_EXECUTABLE="$PY" ${PB:+-Dpybind11_DIR=$PB})
   targets+=(_shmcast)
@@ -157,6 +162,17 @@ if has python; then
     tail -25 "$OUT/pytest.log"
     result python $rc
   fi
+fi
+
+# ---- a real model under Docker's profile
+if has model; then
+  SEC=$B/tests/seccomp/shmcast-seccomp-run
+  log "model: bench/device_slots_model.py --steps ${STEPS:-10} under $PROFILE"
+  (PYTHONPATH=$B/python${PYTHONPATH:+:$PYTHONPATH} timeout 300 "$SEC" --profile "$PROFILE" -- \
+     "$PY" bench/device_slots_model.py --steps "${STEPS:-10}" --json "$OUT/model.json") >"$OUT/model.txt" 2>&1
+  rc=$?
+  grep -E "DIFFER|logits_equal|\"of\"|median|Error|error" "$OUT/model.txt" | head -20
+  result model $rc
 fi
 
 log "done"
