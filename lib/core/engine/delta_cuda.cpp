@@ -100,6 +100,7 @@ class CtxScope {
 struct Module {
   CUfunction count[4], encode[4], validate[4], apply[4];
   CUfunction scan, checksum, finish, reset;
+  CUfunction copy_pieces;
 };
 
 #if CUDA_VERSION >= 11010
@@ -149,6 +150,7 @@ const Module& module_for(const cu::Api& d, CUcontext ctx) {
   get(&mod.checksum, "shmcast_delta_checksum");
   get(&mod.finish, "shmcast_delta_finish");
   get(&mod.reset, "shmcast_delta_reset");
+  get(&mod.copy_pieces, "shmcast_copy_pieces");
   return mods->emplace(ctx, mod).first->second;
 }
 
@@ -177,6 +179,36 @@ bool cuda_codec_available(std::string* why) {
     return false;
   }
   return cuda_present(why);
+}
+
+bool copy_pieces_ready(std::string* why) {
+  try {
+    const cu::Api& d = driver();
+    CUcontext ctx = nullptr;
+    if (d.cuCtxGetCurrent(&ctx) != CUDA_SUCCESS || ctx == nullptr) {
+      if (why) *why = "no current CUDA context";
+      return false;
+    }
+    (void)module_for(d, ctx);
+    return true;
+  } catch (const Error& e) {
+    if (why) *why = e.what();
+    return false;
+  }
+}
+
+void launch_copy_pieces(const void* pieces, std::uint64_t n, void* stream) {
+  if (n == 0) return;
+  const cu::Api& d = driver();
+  CUcontext ctx = nullptr;
+  SHMCAST_DCK(d, d.cuCtxGetCurrent(&ctx), "cuCtxGetCurrent");
+  const Module& m = module_for(d, ctx);
+  CopyPiecesArgs args{addr(pieces), n};
+  void* params[1] = {&args};
+  const unsigned grid = static_cast<unsigned>(n < 65535 ? n : 65535);
+  const CUresult e = d.cuLaunchKernel(m.copy_pieces, grid, 1, 1, 256, 1, 1, 0, static_cast<CUstream>(stream), params,
+                                      nullptr);
+  if (e != CUDA_SUCCESS) cuda_fail(d, e, "launching the copy_pieces kernel");
 }
 
 struct CudaCodec::Impl {

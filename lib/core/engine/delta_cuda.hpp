@@ -45,6 +45,14 @@ namespace shmcast::detail::delta {
 // driver and a device present. `why` says why not.
 bool cuda_codec_available(std::string* why);
 
+// The same module's batched copy (CopyPiece, delta_format.hpp), for the
+// CUDA engine. copy_pieces_ready: the kernels load in the current context
+// (loads them once; false with `why` otherwise: a build without nvcc).
+// launch_copy_pieces: copies the n pieces described at `pieces` (device
+// memory, CopyPiece[n]) in one launch on `stream`, in the current context.
+bool copy_pieces_ready(std::string* why);
+void launch_copy_pieces(const void* pieces, std::uint64_t n, void* stream);
+
 class CudaCodec {
  public:
   CudaCodec();   // loads nothing; the first call loads the driver and the kernels

@@ -19,6 +19,12 @@ bool cuda_codec_available(std::string* why) {
   return false;
 }
 
+bool copy_pieces_ready(std::string* why) {
+  if (why) *why = kNoCuda;
+  return false;
+}
+void launch_copy_pieces(const void*, std::uint64_t, void*) { no_cuda(); }
+
 CudaCodec::CudaCodec() = default;
 CudaCodec::~CudaCodec() = default;
 void CudaCodec::plan(const void*, const void*, std::uint32_t, std::uint64_t, void*, void*) { no_cuda(); }

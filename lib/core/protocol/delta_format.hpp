@@ -256,4 +256,16 @@ struct ResetArgs {  // scratch->op_err = op_sum = sum = 0, and status too when `
   uint64_t scratch, all;
 };
 
+// Not the delta format, but the same kernels' module: a batch of small
+// device-to-device copies in one launch (the CUDA engine, device slots:
+// engine/cuda_engine.cpp). `pieces` (device memory) holds n {src, dst,
+// bytes}; one CUDA block per piece (grid-stride over them).
+struct CopyPiece {
+  uint64_t src, dst, bytes;
+};
+struct CopyPiecesArgs {
+  uint64_t pieces, n;
+};
+inline constexpr uint64_t kCopyPieceMax = 64 << 10;  // the engine splits larger pieces into this much each
+
 }  // namespace shmcast::detail::delta

@@ -506,3 +506,23 @@ extern "C" __global__ void shmcast_delta_reset(ResetArgs a) {
   sc->sum = 0;
   if (a.all != 0) sc->status = 0;
 }
+
+// A batch of small device-to-device copies (device slots: the engine
+// gathers the pieces under 1 MiB of a chunk into one launch instead of one
+// cudaMemcpy each, whose fixed cost dominates small copies). One block per
+// piece (grid-stride); 16-byte words when everything is 16-byte aligned.
+extern "C" __global__ void __launch_bounds__(256) shmcast_copy_pieces(CopyPiecesArgs a) {
+  const CopyPiece* ps = reinterpret_cast<const CopyPiece*>(a.pieces);
+  for (ull i = blockIdx.x; i < a.n; i += gridDim.x) {
+    const CopyPiece p = ps[i];
+    if (((p.src | p.dst | p.bytes) & 15) == 0) {
+      const uint4* s = reinterpret_cast<const uint4*>(p.src);
+      uint4* d = reinterpret_cast<uint4*>(p.dst);
+      for (ull k = threadIdx.x; k < p.bytes / 16; k += blockDim.x) d[k] = s[k];
+    } else {
+      const unsigned char* s = reinterpret_cast<const unsigned char*>(p.src);
+      unsigned char* d = reinterpret_cast<unsigned char*>(p.dst);
+      for (ull k = threadIdx.x; k < p.bytes; k += blockDim.x) d[k] = s[k];
+    }
+  }
+}
