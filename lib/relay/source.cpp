@@ -139,6 +139,15 @@ void Relay::Impl::reader_main() {
       set_fatal(e);
       return;
     }
+    if (cons->slot_memory() == SlotMemory::kDevice) {
+      // The relay sends slots from host memory (visit_chunks): it cannot
+      // forward a region whose slots are GPU memory. Say so now, not at
+      // the first sync.
+      set_fatal(Error(Errc::kUnsupported, "region '" + o.region + "' keeps its slots in GPU memory (device slots); "
+                                          "a relay sends slots from host memory: create the producer with host "
+                                          "slots (slot_memory = kHost) to relay it"));
+      return;
+    }
     const std::uint64_t S = cons->slot_bytes();
     log("attached to region " + o.region + " as consumer (seat " + std::to_string(cons->seat()) + ", slots of " +
         coarse_bytes(S) + ")");
