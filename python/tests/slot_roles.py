@@ -106,3 +106,22 @@ def role_open(q, region, device="cpu", timeout=60.0):
         return {"error": type(e).__name__, "message": str(e)}
     with c:
         return {"error": None, "message": "", "slot_memory": c.slot_memory}
+
+
+def role_die_mid_sync(q, region):
+    """A trainer with device slots (2 x 2 MiB) that announces a sync of
+    three slot-sized fp32 tensors, writes the first from the GPU and is
+    SIGKILLed before the others: the consumer must get an error
+    (PeerDied), never a hang or a partial model."""
+    import os
+    import signal
+    n = roles.SLOT // 4
+    with shmcast.Producer(region, slot_bytes=roles.SLOT, slots=2, slot_memory="device") as prod:
+        q.put({"ready": True})
+        prod.wait_for_consumers(1, 60)
+        srcs = [torch.full((n,), float(i + 1), device="cuda:0") for i in range(3)]
+        torch.cuda.synchronize()
+        raw = prod.raw
+        raw.begin_sync([(f"t{i}", "f32", (n,)) for i in range(3)])
+        raw.write_device(0, srcs[0].data_ptr(), torch.cuda.current_stream().cuda_stream)
+        os.kill(os.getpid(), signal.SIGKILL)

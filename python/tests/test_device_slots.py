@@ -178,3 +178,17 @@ def test_consumer_that_cannot_map_the_slots_is_unsupported(region, procs):
         prod.send(sr.version(3, 0, "cuda:0"))
         (r,) = procs.get(ok)["results"]
         assert r["problems"] == []
+
+
+@pytest.mark.cuda
+def test_trainer_killed_mid_sync_is_an_error_for_the_consumer(region, procs):
+    # The trainer announces a sync, writes part of it and is SIGKILLed: the
+    # engine's receive raises PeerDied (no hang, no partial weights handed out).
+    trainer = procs.start("slot_roles:die_mid_sync", region=region)
+    procs.ready(trainer)
+    with shmcast.Consumer(region, device="cuda:0", open_timeout=60) as cons:
+        assert cons.slot_memory == "device"
+        with pytest.raises(shmcast.PeerDied):
+            cons.receive(timeout=60)
+    trainer.join(30)
+    assert trainer.exitcode == -9, trainer.exitcode
