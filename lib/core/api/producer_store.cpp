@@ -104,6 +104,10 @@ std::span<std::byte> Producer::Impl::lend_chunk(std::uint64_t c) {
   if (opts.delta)
     throw Error(Errc::kInvalidArgument, "lend_chunk() hands out the stream's chunks, but a delta producer encodes "
                                         "tensors: write() them");
+  if (view.geo().device_slots)
+    throw Error(Errc::kUnsupported, "lend_chunk() hands a slot to host code, and the slots of '" + name +
+                                        "' are GPU memory (device slots): write() or write_device() the tensors, "
+                                        "or create the producer with host slots (slot_memory = kHost)");
   if (!in_sync) throw Error(Errc::kInvalidArgument, "lend_chunk() outside a sync: call begin_sync() first");
   if (!lent_chunks && (next_tensor != 0 || part_done != 0))
     throw Error(Errc::kInvalidArgument, "lend_chunk() after tensors of this sync were written: a sync is filled "

@@ -461,7 +461,8 @@ class SHMCAST_API Producer {
   // refused for the rest of the sync; end_sync() publishes what is left.
   // Chunks skipped over (lent implicitly when a later one is) and chunks
   // never lent are published as the slot holds them: fill every chunk
-  // that holds tensor bytes.
+  // that holds tensor bytes. Device slots (SlotMemory::kDevice): kUnsupported
+  // (the span would be GPU memory, which host code cannot touch).
   std::span<std::byte> lend_chunk(std::uint64_t c);
   // Publishes every chunk below `end` not yet published, in order: their
   // bytes are final. Each must have been claimed (lent, or skipped over).
