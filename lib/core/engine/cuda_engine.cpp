@@ -72,6 +72,7 @@
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
+#include <exception>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -301,8 +302,15 @@ class Lane {
   }
   void flush_small() {
     if (small_.empty()) return;
+    // The gathered pieces leave the lane before anything here can throw: a
+    // failed flush drops them (its error fails the sync they belong to),
+    // never leaves them for the next flush, which would copy an old sync's
+    // pieces (slots since reused, destinations since freed) into the next.
+    std::vector<delta::CopyPiece> batch;
+    batch.swap(small_);
+    small_.reserve(batch.capacity());
     CtxScope scope(d_, ctx_);
-    const std::uint64_t bytes = small_.size() * sizeof(delta::CopyPiece);
+    const std::uint64_t bytes = batch.size() * sizeof(delta::CopyPiece);
     if (bytes > desc_cap_) {
       // The old table may still be read by a queued launch.
       if (desc_ != 0) {
@@ -317,11 +325,10 @@ class Lane {
     }
     // From pageable memory the upload returns once the table was read, and
     // it runs on stream 0 after the launch that read the previous table.
-    SHMCAST_CK(d_.cuMemcpyHtoDAsync(desc_, small_.data(), bytes, copy_[0]), "cuMemcpyHtoDAsync of the copy table",
+    SHMCAST_CK(d_.cuMemcpyHtoDAsync(desc_, batch.data(), bytes, copy_[0]), "cuMemcpyHtoDAsync of the copy table",
                kTodoAsync);
-    delta::launch_copy_pieces(reinterpret_cast<const void*>(static_cast<std::uintptr_t>(desc_)), small_.size(),
+    delta::launch_copy_pieces(reinterpret_cast<const void*>(static_cast<std::uintptr_t>(desc_)), batch.size(),
                               copy_[0]);
-    small_.clear();
   }
 
   // Runs fn once every copy queued so far has completed.
@@ -345,7 +352,14 @@ class Lane {
   // so far has completed; rethrows their errors.
   void drain() {
     if (ctx_ == nullptr) return;
-    flush_small();
+    // A flush that fails still waits for the copies already queued (a
+    // caller that drains on its error path then releases the slots).
+    std::exception_ptr flush_error;
+    try {
+      flush_small();
+    } catch (...) {
+      flush_error = std::current_exception();
+    }
     {
       CtxScope scope(d_, ctx_);
       CUresult e = join_copies();
@@ -359,6 +373,7 @@ class Lane {
                    kTodoAsync);
       }
     }
+    if (flush_error) std::rethrow_exception(flush_error);
     rethrow_host_error();
   }
 
