@@ -389,6 +389,10 @@ void Producer::Impl::close_quietly() noexcept {
   if (!leader()) {
     // A rank leaves; the region is rank 0's.
     engine.reset();
+    // Device slots: this rank's mapping of rank 0's memory (its copies were
+    // drained with the engine), else it would keep the allocation alive
+    // until this Producer object is destroyed.
+    slot_mem.release();
     if (pin.pinned) cuda_unpin(view.file().data(), view.file().size());
     pin.pinned = false;
     leave_rank();
