@@ -19,6 +19,7 @@
 #include <unistd.h>
 
 #include <cstdlib>
+#include <thread>
 
 #include "engine/cuda_vmm.hpp"
 #include "gpu_support.hpp"
@@ -388,4 +389,41 @@ TEST(DeviceSlotsGpu, ShardedRanksWriteIntoRankZerosSlots) {
   EXPECT_EQ(r0.wait(240s), 0);
   EXPECT_EQ(r1.wait(240s), 0);
   EXPECT_EQ(cons.wait(240s), 0);
+}
+
+// lend_chunk() would hand host code a span of GPU memory: refused
+// (kUnsupported) before anything is claimed, and the sync goes on with
+// write_device(); a consumer reads it bit-exact.
+TEST(DeviceSlotsGpu, LendChunkIsRefused) {
+  SHMCAST_REQUIRE_GPU();
+  const std::string name = unique_name("devslotslend");
+  RegionGuard guard{name};
+  Child c = Child::spawn([&] {
+    ck(cudaSetDevice(0), "cudaSetDevice");
+    const std::vector<TensorSpec> specs{TensorSpec{"w", DType::kU8, {3 * kSlot + 5}}};
+    const std::vector<std::uint8_t> w = pattern(3 * kSlot + 5, 11);
+    DevBuf src(w.size()), dst(w.size());
+    src.upload(w.data(), w.size());
+    ck(cudaDeviceSynchronize(), "sync");
+    Producer p = Producer::create(name, popts(2));
+    Consumer cons = Consumer::open(name, copts());
+    p.begin_sync(specs);
+    try {
+      (void)p.lend_chunk(0);
+      return 51;
+    } catch (const Error& e) {
+      if (e.code() != Errc::kUnsupported) return 52;
+    }
+    std::thread reader([&] {
+      cons.wait_sync(60s);
+      void* d[1] = {dst.p};
+      cons.read_into_device(d, nullptr);
+    });
+    p.write_device(0, src.p, nullptr);
+    p.end_sync();
+    reader.join();
+    ck(cudaDeviceSynchronize(), "sync");
+    return first_diff(download(dst.p, w.size()), w) >= 0 ? 53 : 0;
+  });
+  EXPECT_EQ(c.wait(120s), 0);
 }
