@@ -288,7 +288,10 @@ Producer Producer::create(std::string_view name, const ProducerOptions& o) {
   // create refused for want of a GPU leaves nothing a consumer could open.
   const bool cuda =
       dev_slots || o.engine == CopyEngine::kCuda || (o.engine == CopyEngine::kAuto && cuda_available());
-  impl->engine = cuda ? make_cuda_producer_engine(dev_slots) : make_host_producer_engine();
+  // Device slots: the engine starts on the slots' GPU (slot_device; -1 the
+  // current device, where the slots go too), where they are mapped.
+  impl->engine = cuda ? make_cuda_producer_engine(dev_slots, dev_slots ? o.slot_device : -1)
+                      : make_host_producer_engine();
   if (o.pin == Pin::kYes && !cuda_available())
     throw Error(Errc::kCudaUnavailable, "cannot pin region '" + impl->name + "': " + cuda_unavailable_reason());
   if (o.rank > 0) {

@@ -592,9 +592,18 @@ void copy_async(std::byte* slot, std::byte* tensor, const Strided2D& l, std::uin
 
 class CudaProducerEngine final : public ProducerEngine {
  public:
-  explicit CudaProducerEngine(bool device_slots)
+  // `device` >= 0: the lane starts there (device slots: the slots' GPU, so
+  // that copies from host sources run on the GPU the slots are mapped for).
+  CudaProducerEngine(bool device_slots, int device)
       : lane_(stream_count("SHMCAST_CUDA_D2H_STREAMS", kD2HStreams)), device_slots_(device_slots) {
-    lane_.home(current_device(lane_.api()));
+    if (device >= 0) {
+      int count = 0;
+      SHMCAST_CK(lane_.api().cuDeviceGetCount(&count), "cuDeviceGetCount", "");
+      if (device >= count)
+        throw Error(Errc::kInvalidArgument, "no CUDA device " + std::to_string(device) + " in this process (it sees " +
+                                                std::to_string(count) + "; check CUDA_VISIBLE_DEVICES)");
+    }
+    lane_.home(device >= 0 ? device : current_device(lane_.api()));
   }
   ~CudaProducerEngine() override = default;  // the lane waits for queued work
 
@@ -772,9 +781,9 @@ bool cuda_present(std::string* why) {
   return true;
 }
 
-std::unique_ptr<ProducerEngine> make_cuda_producer_engine(bool device_slots) {
+std::unique_ptr<ProducerEngine> make_cuda_producer_engine(bool device_slots, int device) {
   require_cuda();
-  return std::make_unique<CudaProducerEngine>(device_slots);
+  return std::make_unique<CudaProducerEngine>(device_slots, device);
 }
 
 std::unique_ptr<ConsumerEngine> make_cuda_consumer_engine(bool device_slots, int device) {

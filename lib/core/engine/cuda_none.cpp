@@ -9,7 +9,7 @@ const char* kNoCuda = "this shmcast was built without CUDA: rebuild with -DSHMCA
                       "(needs the CUDA toolkit) to copy to or from GPU memory";
 }
 
-std::unique_ptr<ProducerEngine> make_cuda_producer_engine(bool) { throw Error(Errc::kCudaUnavailable, kNoCuda); }
+std::unique_ptr<ProducerEngine> make_cuda_producer_engine(bool, int) { throw Error(Errc::kCudaUnavailable, kNoCuda); }
 std::unique_ptr<ConsumerEngine> make_cuda_consumer_engine(bool, int) { throw Error(Errc::kCudaUnavailable, kNoCuda); }
 
 PinInfo cuda_pin(void*, std::uint64_t, std::uint64_t) { return PinInfo{false, 0.0, kNoCuda, false}; }

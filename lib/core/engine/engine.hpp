@@ -77,8 +77,9 @@ std::unique_ptr<ConsumerEngine> make_host_consumer_engine();
 // Throw Errc::kCudaUnavailable when built without CUDA or with no device.
 // `device_slots`: the slot pointers the engine is handed are device memory
 // (SlotMemory::kDevice): copies are D2D, or H2D / D2H for host tensors.
-// The consumer engine starts on `device` (-1: the current device).
-std::unique_ptr<ProducerEngine> make_cuda_producer_engine(bool device_slots = false);
+// Either engine starts on `device` (-1: the current device); a producer's
+// with device slots on the slots' GPU.
+std::unique_ptr<ProducerEngine> make_cuda_producer_engine(bool device_slots = false, int device = -1);
 std::unique_ptr<ConsumerEngine> make_cuda_consumer_engine(bool device_slots = false, int device = -1);
 
 // Page-locks [base, base + bytes) with cudaHostRegister, in calls of at most
