@@ -286,8 +286,11 @@ class Lane {
   // cannot run here (a build without nvcc). Every completion point
   // (when_done, before, drain) flushes first.
   static constexpr std::uint64_t kSmallCopy = 1ull << 20;
+  // Whether the pieces of the current tensor may be batched: false when it
+  // lives on another GPU than the lane's (the kernel could not read it).
+  void batch_small(bool on) { batch_on_ = on; }
   bool add_small(std::byte* dst, const std::byte* src, std::uint64_t bytes) {
-    if (bytes >= kSmallCopy) return false;
+    if (bytes >= kSmallCopy || !batch_on_) return false;
     if (small_ok_ < 0) {
       CtxScope scope(d_, ctx_);
       small_ok_ = delta::copy_pieces_ready(nullptr) ? 1 : 0;
@@ -468,6 +471,7 @@ class Lane {
   CUdeviceptr desc_ = 0;                             // their table on the device (stream 0)
   std::uint64_t desc_cap_ = 0;
   int small_ok_ = -1;                                // the kernels run here: -1 not asked yet
+  bool batch_on_ = true;                             // batch_small()
 };
 
 // Where the two sides of a copy live: the slot (host memory, or device
@@ -608,7 +612,17 @@ class CudaProducerEngine final : public ProducerEngine {
   ~CudaProducerEngine() override = default;  // the lane waits for queued work
 
   void begin(void* caller_stream) override {
-    lane_.home(lane_.device_for(caller_stream));
+    const int dev = lane_.device_for(caller_stream);
+    if (device_slots_) {
+      // The lane stays on the slots' GPU (the only one the producer mapped
+      // them for) and waits for the caller's stream, wherever it is; a
+      // tensor on another GPU is copied by the driver, never by the batch
+      // kernel, which would read memory its GPU cannot reach.
+      lane_.batch_small(dev == lane_.device());
+      lane_.after(caller_stream);
+      return;
+    }
+    lane_.home(dev);
     lane_.after(caller_stream);
   }
   void copy(std::byte* dst, const Buffer& src, std::uint64_t offset, std::uint64_t n) override {
@@ -650,6 +664,14 @@ class CudaConsumerEngine final : public ConsumerEngine {
   void begin(void* caller_stream) override {
     const int dev = staging_next_ >= 0 ? staging_next_ : lane_.device_for(caller_stream);
     staging_next_ = -1;
+    if (device_slots_) {
+      // As the producer's: the lane stays on the GPU the slots are mapped
+      // for (ConsumerOptions::device); destinations on another GPU are
+      // copied by the driver, not by the batch kernel.
+      lane_.batch_small(dev == lane_.device());
+      lane_.after(caller_stream);
+      return;
+    }
     lane_.home(dev);
     lane_.after(caller_stream);
   }
@@ -688,6 +710,11 @@ class CudaConsumerEngine final : public ConsumerEngine {
     if (device < 0 || device >= count)
       throw Error(Errc::kInvalidArgument, "staging device " + std::to_string(device) + " does not exist (" +
                                               std::to_string(count) + " CUDA devices)");
+    if (device_slots_ && device != lane_.device())
+      throw Error(Errc::kUnsupported, "read_to_staging() on GPU " + std::to_string(device) + ", but this consumer "
+                                      "mapped the region's device slots for GPU " + std::to_string(lane_.device()) +
+                                      ": stage on that GPU, or open the consumer with ConsumerOptions::device = " +
+                                      std::to_string(device));
     lane_.home(device);  // drains first if the lane moves
     staging_next_ = device;
     if (staging_ != nullptr && staging_device_ == device && staging_bytes_ >= bytes) return staging_;
