@@ -464,7 +464,9 @@ void open_device_slots(Consumer::Impl& m, const std::string& dir, const TrustPol
   if (me.pidns != 0 && h.producer.pidns.load(std::memory_order_relaxed) == me.pidns)
     fo.expect_pid = static_cast<std::int32_t>(h.producer.pid.load(std::memory_order_relaxed));
   const std::int64_t left = deadline - mono_ns();
-  fo.timeout = std::chrono::nanoseconds(left > 5'000'000'000 ? left : 5'000'000'000);
+  // The producer serves its socket before it marks the region ready: the
+  // fd is there at once unless the producer is going away (at least 1 s).
+  fo.timeout = std::chrono::nanoseconds(left > 1'000'000'000 ? left : 1'000'000'000);
   const int fd = m.view.fd();
   const std::string name = m.name;
   fo.peer_gone = [fd, name] {
@@ -539,11 +541,27 @@ Consumer Consumer::open(std::string_view name, const ConsumerOptions& o) {
             if (std::string bad = device_slots_problem(impl->device_slots, g, snap.features); !bad.empty())
               throw Error(Errc::kCorrupt, f.path() + ": " + bad + ": not opened");
             impl->view = RegionView(std::move(f), g);
-            break;
+            if (!g.device_slots) break;
+            // Device slots: the fd from the producer's socket. A producer
+            // that died, or was replaced, since the header was read is
+            // waited for like a dead one (a new one may come by the deadline).
+            try {
+              open_device_slots(*impl, dir, trust, deadline);
+              break;
+            } catch (const Error& e) {
+              const bool replaced = !impl->view.file().still_at_path();
+              if (!(e.code() == Errc::kPeerDied || (e.code() == Errc::kCorrupt && replaced)) || mono_ns() >= deadline)
+                throw;
+              impl->view = RegionView();
+              waiting_for = "a new producer (the region's producer died or was replaced while its device slots were "
+                            "fetched)";
+              waiting_code = Errc::kPeerDied;
+            }
+          } else {
+            waiting_for = init == kInitClosed ? "a new producer (the region is closed)"
+                                              : "a new producer (the region's producer is dead)";
+            waiting_code = init == kInitClosed ? Errc::kClosed : Errc::kPeerDied;
           }
-          waiting_for = init == kInitClosed ? "a new producer (the region is closed)"
-                                            : "a new producer (the region's producer is dead)";
-          waiting_code = init == kInitClosed ? Errc::kClosed : Errc::kPeerDied;
         }
       } else {
         // The creator takes the producer lock as soon as the file exists,
@@ -574,7 +592,6 @@ Consumer Consumer::open(std::string_view name, const ConsumerOptions& o) {
                                     ": is the producer running, with the same SHMCAST_DIR?");
     std::this_thread::sleep_for(std::chrono::milliseconds(5));
   }
-  if (impl->view.geo().device_slots) open_device_slots(*impl, dir, trust, deadline);
   impl->ring.emplace(&impl->view);
   impl->ring->claim();
   impl->host_engine = make_host_consumer_engine();

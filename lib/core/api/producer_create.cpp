@@ -140,7 +140,7 @@ void import_rank_slots(Producer::Impl* m, const std::string& dir, std::string_vi
   if (me.pidns != 0 && h.producer.pidns.load(std::memory_order_relaxed) == me.pidns)
     fo.expect_pid = static_cast<std::int32_t>(h.producer.pid.load(std::memory_order_relaxed));
   const std::int64_t left = deadline - mono_ns();
-  fo.timeout = std::chrono::nanoseconds(left > 5'000'000'000 ? left : 5'000'000'000);
+  fo.timeout = std::chrono::nanoseconds(left > 1'000'000'000 ? left : 1'000'000'000);
   const int fd = m->view.fd();
   fo.peer_gone = [fd] {
     return lock_held(fd, kProducerLockByte) == Alive::kNo ? std::string("rank 0 died") : std::string();
