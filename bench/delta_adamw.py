@@ -41,9 +41,9 @@ def qwen2_config(small: bool):
                        rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True)
 
 
-def make_model(cfg, dtype, device):
+def make_model(cfg, dtype, device, seed=1234):
     from transformers import Qwen2ForCausalLM
-    torch.manual_seed(1234)
+    torch.manual_seed(seed)
     m = Qwen2ForCausalLM(cfg).to(device=device, dtype=dtype)
     m.eval()
     return m

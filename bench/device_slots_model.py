@@ -32,32 +32,8 @@ import torch.multiprocessing as mp  # noqa: E402
 import shmcast  # noqa: E402
 
 
-def qwen2_config(small: bool):
-    from transformers import Qwen2Config
-    if small:
-        return Qwen2Config(vocab_size=32000, hidden_size=896, intermediate_size=4864, num_hidden_layers=2,
-                           num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True)
-    return Qwen2Config(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
-                       num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768,
-                       rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True)
-
-
-def make_model(cfg, dtype, device, seed):
-    from transformers import Qwen2ForCausalLM
-    torch.manual_seed(seed)
-    m = Qwen2ForCausalLM(cfg).to(device=device, dtype=dtype)
-    m.eval()
-    return m
-
-
-def fixed_batch(cfg, device):
-    g = torch.Generator(device="cpu").manual_seed(99)
-    return torch.randint(0, cfg.vocab_size, (2, 64), generator=g).to(device)
-
-
-@torch.no_grad()
-def logits_of(model, batch):
-    return model(input_ids=batch).logits.float().cpu()
+# The model, its batch and its logits: the same as the delta run's (same folder).
+from delta_adamw import fixed_batch, logits_of, make_model, qwen2_config  # noqa: E402
 
 
 def engine(args, regions, q_in, q_out):

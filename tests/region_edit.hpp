@@ -56,18 +56,21 @@ inline constexpr const char* kDeviceBlockUuid = "GPU-10111213-1415-1617-1819-1a1
 
 // A ready ring region of device slots (layout 4) written by hand, as a live
 // producer on a GPU would leave it, with no GPU: 4 seats, 2 slots of 2 MiB
-// (descriptors only: no slot bytes in the file), the feature bits
-// `features` and the block `dev`, this process as its producer, holding
-// the producer's lock byte while the object lives. The file is removed at
-// the end.
+// per producer rank (`world`; descriptors only: no slot bytes in the file),
+// the feature bits `features` and the block `dev`, this process as its
+// producer, holding the producer's lock byte while the object lives. With
+// `device_geometry` false the sections are those of host slots (slot
+// bytes in the file), for crafted mismatches. The file is removed at the
+// end.
 struct CraftedDeviceRegion {
   std::string path;
   int fd = -1;
-  CraftedDeviceRegion(std::string file, std::uint64_t features, const shmcast::detail::DeviceSlotsFixed& dev)
+  CraftedDeviceRegion(std::string file, std::uint64_t features, const shmcast::detail::DeviceSlotsFixed& dev,
+                      bool device_geometry = true, std::uint32_t world = 1)
       : path(std::move(file)) {
     namespace d = shmcast::detail;
     d::Geometry g{};
-    EXPECT_EQ(d::compute_geometry(4, 2, 2ull << 20, 1 << 20, &g, 1, false, true), "");
+    EXPECT_EQ(d::compute_geometry(4, 2 * world, 2ull << 20, 1 << 20, &g, world, false, device_geometry), "");
     fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
     EXPECT_GE(fd, 0) << path;
     EXPECT_EQ(::posix_fallocate(fd, 0, static_cast<off_t>(g.total_bytes)), 0);

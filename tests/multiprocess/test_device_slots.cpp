@@ -17,6 +17,7 @@
 #include "base/layout.hpp"
 #include "shm/liveness.hpp"
 #include "shmcast/shmcast.hpp"
+#include "region_edit.hpp"
 #include "support.hpp"
 
 using namespace shmcast;
@@ -44,59 +45,20 @@ ProducerOptions dev_opts() {
   return o;
 }
 
-// A ready region of device slots as a live producer would leave it, written
-// by hand: the geometry without slot bytes, the header with the feature
-// bits `features` and the block `dev`, this process as its producer (it
-// holds the lock byte while the object lives).
-struct CraftedRegion {
-  std::string path;
-  int fd = -1;
-  CraftedRegion(const std::string& name, std::uint64_t features, const d::DeviceSlotsFixed& dev,
-                bool device_geometry = true, std::uint32_t world = 1) {
-    d::Geometry g{};
-    EXPECT_EQ(d::compute_geometry(4, 2 * world, 2ull << 20, 1 << 20, &g, world, false, device_geometry), "");
-    path = region_path(name);
-    fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
-    EXPECT_GE(fd, 0);
-    EXPECT_EQ(::posix_fallocate(fd, 0, static_cast<off_t>(g.total_bytes)), 0);
-    EXPECT_EQ(d::lock_byte(fd, d::kProducerLockByte), 0);
-    d::HeaderFixed h = d::make_fixed_header(g, features);
-    EXPECT_EQ(::pwrite(fd, &h, sizeof h, 0), static_cast<ssize_t>(sizeof h));
-    EXPECT_EQ(::pwrite(fd, &dev, sizeof dev, offsetof(d::Header, device_slots)), static_cast<ssize_t>(sizeof dev));
-    // The producer's identity (so it reads alive), then init_state.
-    alignas(8) d::Identity id{};
-    d::write_identity(id, d::self_identity());
-    EXPECT_EQ(::pwrite(fd, &id, sizeof id, offsetof(d::Header, producer)), static_cast<ssize_t>(sizeof id));
-    const std::uint32_t ready = d::kInitReady;
-    EXPECT_EQ(::pwrite(fd, &ready, 4, offsetof(d::Header, init_state)), 4);
-  }
-  ~CraftedRegion() {
-    ::unlink(path.c_str());
-    if (fd >= 0) ::close(fd);
-  }
-};
+d::DeviceSlotsFixed good_block() { return device_block(2 * (2ull << 20)); }  // 2 x 2 MiB
 
-d::DeviceSlotsFixed good_block() {
-  d::DeviceSlotsFixed b{};
-  for (int i = 0; i < 16; ++i) b.gpu_uuid[i] = static_cast<std::uint8_t>(0x10 + i);
-  b.alloc_bytes = 2 * (2ull << 20);  // the slots of a region of one rank (2 x 2 MiB)
-  b.nonce = 0x1234567890abcdefull;
-  return b;
-}
-
-// Consumer::open's error code in a child (CUDA is never initialised in the
-// test process, which forks).
-int open_in_child(const std::string& name, std::string* what_out = nullptr) {
+// What fn() reports in a forked child: its return value (the exit code)
+// and the text it writes to `what` (CUDA is never initialised in the test
+// process, which forks).
+int in_child(const std::function<int(std::string*)>& fn, std::string* what_out) {
   int pipefd[2];
   if (::pipe(pipefd) != 0) return -2;
   Child c = Child::spawn([&] {
     ::close(pipefd[0]);
     std::string what;
-    ConsumerOptions o;
-    o.open_timeout = 2s;
-    const Errc e = code_of([&] { Consumer::open(name, o); }, &what);
+    const int rc = fn(&what);
     (void)!::write(pipefd[1], what.data(), what.size());
-    return static_cast<int>(e);
+    return rc;
   });
   ::close(pipefd[1]);
   std::string what;
@@ -105,6 +67,18 @@ int open_in_child(const std::string& name, std::string* what_out = nullptr) {
   ::close(pipefd[0]);
   if (what_out) *what_out = what;
   return c.wait(60s);
+}
+
+// Consumer::open's error code in a child (CUDA is never initialised in the
+// test process, which forks).
+int open_in_child(const std::string& name, std::string* what_out = nullptr) {
+  return in_child(
+      [&](std::string* what) {
+        ConsumerOptions o;
+        o.open_timeout = 2s;
+        return static_cast<int>(code_of([&] { Consumer::open(name, o); }, what));
+      },
+      what_out);
 }
 
 bool has(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
@@ -141,22 +115,13 @@ TEST(DeviceSlots, CreateRefusesWhatDeviceSlotsCannotCarry) {
 TEST(DeviceSlots, CreateWithoutAGpuIsCudaUnavailableAndLeavesNothing) {
   RegionDir dir("devslots");
   const std::string name = unique_name("nogpu");
-  int pipefd[2];
-  ASSERT_EQ(::pipe(pipefd), 0);
-  Child c = Child::spawn([&] {
-    ::close(pipefd[0]);
-    if (cuda_available()) return 77;
-    std::string what;
-    const Errc e = code_of([&] { Producer::create(name, dev_opts()); }, &what);
-    (void)!::write(pipefd[1], what.data(), what.size());
-    return static_cast<int>(e);
-  });
-  ::close(pipefd[1]);
   std::string what;
-  char buf[512];
-  for (ssize_t n; (n = ::read(pipefd[0], buf, sizeof buf)) > 0;) what.append(buf, static_cast<std::size_t>(n));
-  ::close(pipefd[0]);
-  const int rc = c.wait(60s);
+  const int rc = in_child(
+      [&](std::string* w) {
+        if (cuda_available()) return 77;
+        return static_cast<int>(code_of([&] { Producer::create(name, dev_opts()); }, w));
+      },
+      &what);
   if (rc == 77) GTEST_SKIP() << "this machine has a GPU: the GPU tier covers create";
   EXPECT_EQ(rc, static_cast<int>(Errc::kCudaUnavailable)) << what;
   EXPECT_FALSE(what.empty());
@@ -170,7 +135,7 @@ TEST(DeviceSlots, CreateWithoutAGpuIsCudaUnavailableAndLeavesNothing) {
 TEST(DeviceSlots, ConsumerWithoutTheGpuIsRefusedAtOpen) {
   RegionDir dir("devslots");
   const std::string name = unique_name("refuse");
-  CraftedRegion r(name, d::kFeatureDeviceSlots, good_block());
+  CraftedDeviceRegion r(region_path(name), d::kFeatureDeviceSlots, good_block());
   Child probe = Child::spawn([] { return cuda_available() ? 1 : 0; });
   if (probe.wait(60s) == 1) GTEST_SKIP() << "this machine has a GPU";
   std::string what;
@@ -186,7 +151,7 @@ TEST(DeviceSlots, CraftedBlocksAreCorrupt) {
   RegionDir dir("devslots");
   auto code = [&](std::uint64_t features, d::DeviceSlotsFixed b, bool device_geometry = true) {
     const std::string name = unique_name("crafted");
-    CraftedRegion r(name, features, b, device_geometry);
+    CraftedDeviceRegion r(region_path(name), features, b, device_geometry);
     std::string what;
     const int rc = open_in_child(name, &what);
     return std::make_pair(rc, what);
@@ -219,26 +184,18 @@ TEST(DeviceSlots, RankWithOtherSlotMemoryIsRefused) {
   const std::string name = unique_name("rank");
   d::DeviceSlotsFixed b = good_block();
   b.alloc_bytes = 4 * (2ull << 20);  // 2 ranks: 4 slots
-  CraftedRegion r(name, d::kFeatureDeviceSlots, b, true, 2);
-  int pipefd[2];
-  ASSERT_EQ(::pipe(pipefd), 0);
-  Child c = Child::spawn([&] {
-    ::close(pipefd[0]);
-    ProducerOptions o;
-    o.engine = CopyEngine::kHost;
-    o.rank = 1;
-    o.world_size = 2;
-    o.rank_timeout = 10s;
-    std::string what;
-    const Errc e = code_of([&] { Producer::create(name, o); }, &what);
-    (void)!::write(pipefd[1], what.data(), what.size());
-    return static_cast<int>(e);
-  });
-  ::close(pipefd[1]);
+  CraftedDeviceRegion r(region_path(name), d::kFeatureDeviceSlots, b, true, 2);
   std::string what;
-  char buf[512];
-  for (ssize_t n; (n = ::read(pipefd[0], buf, sizeof buf)) > 0;) what.append(buf, static_cast<std::size_t>(n));
-  ::close(pipefd[0]);
-  EXPECT_EQ(c.wait(60s), static_cast<int>(Errc::kInvalidArgument)) << what;
+  const int rc = in_child(
+      [&](std::string* w) {
+        ProducerOptions o;
+        o.engine = CopyEngine::kHost;
+        o.rank = 1;
+        o.world_size = 2;
+        o.rank_timeout = 10s;
+        return static_cast<int>(code_of([&] { Producer::create(name, o); }, w));
+      },
+      &what);
+  EXPECT_EQ(rc, static_cast<int>(Errc::kInvalidArgument)) << what;
   EXPECT_TRUE(has(what, "slot_memory")) << what;
 }
