@@ -16,6 +16,7 @@
 // Skips without a GPU.
 #include <gtest/gtest.h>
 #include <signal.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cstdlib>
@@ -426,4 +427,30 @@ TEST(DeviceSlotsGpu, LendChunkIsRefused) {
     return first_diff(download(dst.p, w.size()), w) >= 0 ? 53 : 0;
   });
   EXPECT_EQ(c.wait(120s), 0);
+}
+
+// Something that is not a socket at the slot socket's name (here a FIFO):
+// create() fails with kExists and leaves no region file behind for a
+// consumer to find (it would be a file without a header).
+TEST(DeviceSlotsGpu, SocketNameTakenLeavesNoRegion) {
+  SHMCAST_REQUIRE_GPU();
+  const std::string name = unique_name("devslotsfifo");
+  RegionGuard guard{name};
+  const std::string path = region_path(name);
+  const std::string sock = path.substr(0, path.rfind('/')) + "/shmcast-slots." + name;
+  ASSERT_EQ(::mkfifo(sock.c_str(), 0600), 0) << sock;
+  Child c = Child::spawn([&] {
+    try {
+      Producer p = Producer::create(name, popts());
+      return 1;
+    } catch (const Error& e) {
+      if (e.code() != Errc::kExists) {
+        std::fprintf(stderr, "got %s\n", e.what());
+        return 2;
+      }
+    }
+    return ::access(path.c_str(), F_OK) == 0 ? 3 : 0;
+  });
+  EXPECT_EQ(c.wait(120s), 0);
+  ::unlink(sock.c_str());
 }

@@ -347,9 +347,17 @@ Producer Producer::create(std::string_view name, const ProducerOptions& o) {
       so.trust = TrustPolicy{o.group_access, {}};
       so.region_gid = o.group_access ? static_cast<std::int64_t>(region_gid) : -1;
       so.replace_stale = o.replace_stale;
-      UniqueFd fd(impl->slot_mem.export_fd());
-      const int fds[1] = {fd.get()};
-      impl->slot_server = FdServer::start(dir, name, fds, info, so);
+      try {
+        UniqueFd fd(impl->slot_mem.export_fd());
+        const int fds[1] = {fd.get()};
+        impl->slot_server = FdServer::start(dir, name, fds, info, so);
+      } catch (...) {
+        // Nothing may stay behind that a consumer would open: the file has
+        // no header yet (a live server of another producer at the socket's
+        // name, something that is no socket there, ...).
+        (void)impl->view.file().unlink_if_same();
+        throw;
+      }
     }
     init_header(impl->view,
                 (o.checksums ? kFeatureChecksums : 0) | (store ? kFeatureStore : 0) | (o.delta ? kFeatureDelta : 0) |
