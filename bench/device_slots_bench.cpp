@@ -59,6 +59,7 @@ namespace {
 
 using json = nlohmann::json;
 using bench::gpu::ck;
+using bench::gpu::command_line;
 using bench::gpu::fmt_stat;
 using bench::gpu::mono_s;
 using bench::gpu::stat;
@@ -376,11 +377,7 @@ int main(int argc, char** argv) {
   a.dir = tmpl;
 
   json out;
-  out["command"] = [&] {
-    std::string c;
-    for (int i = 0; i < argc; ++i) c += (i ? " " : "") + std::string(argv[i]);
-    return c;
-  }();
+  out["command"] = command_line(argc, argv);
   out["reps"] = a.reps;
   out["slot_bytes"] = a.slot_bytes;
   out["slots"] = a.slots;

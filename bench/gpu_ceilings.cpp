@@ -31,6 +31,12 @@ json stat(std::vector<double> v) {
               {"max", v.back()}};
 }
 
+std::string command_line(int argc, char** argv) {
+  std::string c;
+  for (int i = 0; i < argc; ++i) c += (i ? " " : "") + std::string(argv[i]);
+  return c;
+}
+
 std::string fmt_stat(const json& s, double scale, const char* f) {
   if (!s.contains("median")) return "-";
   char b[128];

@@ -21,6 +21,8 @@ double mono_s();
 nlohmann::json stat(std::vector<double> v);
 // "median (min .. max)", each times `scale`, in printf format f; "-" without a median.
 std::string fmt_stat(const nlohmann::json& s, double scale, const char* f);
+// The command line as one string (for the JSON's "command").
+std::string command_line(int argc, char** argv);
 // The ceilings, measured in a child process (CUDA is never initialised in
 // the caller, which forks its roles afterwards), on device 0:
 //   d2d_gbps        cudaMemcpy device-to-device of `bytes`, after a warm-up, `reps` times

@@ -12,6 +12,7 @@
 #include <optional>
 #include <thread>
 
+#include "api/device_slots.hpp"
 #include "base/checks.hpp"
 #include "shm/doorbell.hpp"
 #include "engine/engine.hpp"
@@ -19,7 +20,6 @@
 #include "protocol/delta.hpp"
 #include "engine/cuda_vmm.hpp"
 #include "engine/delta_cuda.hpp"
-#include "protocol/fd_channel.hpp"
 #include "protocol/manifest.hpp"
 #include "shm/region.hpp"
 #include "protocol/ring.hpp"
@@ -453,33 +453,7 @@ void open_device_slots(Consumer::Impl& m, const std::string& dir, const TrustPol
   } catch (const Error& e) {
     throw Error(Errc::kUnsupported, what + ", which this process cannot map: " + e.what() + fix);
   }
-  FdFetchOptions fo;
-  fo.trust = trust;
-  fo.kind = FdKind::kCudaVmm;
-  fo.region_nonce = d.nonce;
-  fo.expect_fds = 1;
-  fo.expect_bytes = d.alloc_bytes;
-  const Header& h = m.view.header();
-  const SelfIdentity me = self_identity();
-  if (me.pidns != 0 && h.producer.pidns.load(std::memory_order_relaxed) == me.pidns)
-    fo.expect_pid = static_cast<std::int32_t>(h.producer.pid.load(std::memory_order_relaxed));
-  const std::int64_t left = deadline - mono_ns();
-  // The producer serves its socket before it marks the region ready: the
-  // fd is there at once unless the producer is going away (at least 1 s).
-  fo.timeout = std::chrono::nanoseconds(left > 1'000'000'000 ? left : 1'000'000'000);
-  const int fd = m.view.fd();
-  const std::string name = m.name;
-  fo.peer_gone = [fd, name] {
-    return lock_held(fd, kProducerLockByte) == Alive::kNo ? "the producer of '" + name + "' died" : std::string();
-  };
-  FetchedFds got = fetch_fds(dir, m.name, fo);
-  if (got.info.device_uuid != uuid)
-    throw Error(Errc::kCorrupt, "the fd channel of '" + m.name + "' serves memory of GPU " +
-                                    vmm::uuid_text(got.info.device_uuid) + ", but the region names " +
-                                    vmm::uuid_text(uuid) + ": refused");
-  m.slot_mem = vmm::Mapping::import(got.fds[0].get(), d.alloc_bytes, uuid, device);
-  got.fds.clear();  // the mapping keeps the memory; the descriptor is not needed any more
-  m.view.set_device_slots(static_cast<std::byte*>(m.slot_mem.data()));
+  m.slot_mem = map_device_slots(m.view, d, dir, m.name, trust, deadline, device, "the producer");
   m.cuda_engine = make_cuda_consumer_engine(true, device);
 }
 

@@ -12,6 +12,7 @@
 #include <cstring>
 #include <thread>
 
+#include "api/device_slots.hpp"
 #include "api/producer_impl.hpp"
 #include "base/checks.hpp"
 #include "engine/engine.hpp"
@@ -125,33 +126,11 @@ std::string live_region_problem(const MappedFile& f, const Header& h) {
 void import_rank_slots(Producer::Impl* m, const std::string& dir, std::string_view name, const ProducerOptions& o,
                        std::int64_t deadline) {
   const DeviceSlotsFixed d = snapshot_device_slots(m->view.file().data());
-  if (std::string bad = device_slots_problem(d, m->view.geo(), m->view.header().fixed.features); !bad.empty())
+  if (std::string bad = device_slots_problem(d, m->view.geo(), snapshot_header(m->view.file().data()).features); !bad.empty())
     throw Error(Errc::kCorrupt, m->path + ": " + bad);
-  vmm::Uuid uuid;
-  std::copy(std::begin(d.gpu_uuid), std::end(d.gpu_uuid), uuid.begin());
-  FdFetchOptions fo;
-  fo.trust = TrustPolicy{o.group_access, {}};
-  fo.kind = FdKind::kCudaVmm;
-  fo.region_nonce = d.nonce;
-  fo.expect_fds = 1;
-  fo.expect_bytes = d.alloc_bytes;
-  const Header& h = m->view.header();
-  const SelfIdentity me = self_identity();
-  if (me.pidns != 0 && h.producer.pidns.load(std::memory_order_relaxed) == me.pidns)
-    fo.expect_pid = static_cast<std::int32_t>(h.producer.pid.load(std::memory_order_relaxed));
-  const std::int64_t left = deadline - mono_ns();
-  fo.timeout = std::chrono::nanoseconds(left > 1'000'000'000 ? left : 1'000'000'000);
-  const int fd = m->view.fd();
-  fo.peer_gone = [fd] {
-    return lock_held(fd, kProducerLockByte) == Alive::kNo ? std::string("rank 0 died") : std::string();
-  };
-  FetchedFds got = fetch_fds(dir, name, fo);
-  if (got.info.device_uuid != uuid)
-    throw Error(Errc::kCorrupt, "the fd channel of '" + std::string(name) + "' serves memory of another GPU than "
-                                "the region names: refused");
   const int device = o.slot_device >= 0 ? o.slot_device : vmm::current_device();
-  m->slot_mem = vmm::Mapping::import(got.fds[0].get(), d.alloc_bytes, uuid, device);
-  m->view.set_device_slots(static_cast<std::byte*>(m->slot_mem.data()));
+  m->slot_mem =
+      map_device_slots(m->view, d, dir, name, TrustPolicy{o.group_access, {}}, deadline, device, "rank 0");
 }
 
 // Rank r >= 1 of a sharded producer: attaches to the region rank 0 created,
