@@ -126,7 +126,8 @@ std::string live_region_problem(const MappedFile& f, const Header& h) {
 void import_rank_slots(Producer::Impl* m, const std::string& dir, std::string_view name, const ProducerOptions& o,
                        std::int64_t deadline) {
   const DeviceSlotsFixed d = snapshot_device_slots(m->view.file().data());
-  if (std::string bad = device_slots_problem(d, m->view.geo(), snapshot_header(m->view.file().data()).features); !bad.empty())
+  const std::uint64_t features = snapshot_header(m->view.file().data()).features;
+  if (std::string bad = device_slots_problem(d, m->view.geo(), features); !bad.empty())
     throw Error(Errc::kCorrupt, m->path + ": " + bad);
   const int device = o.slot_device >= 0 ? o.slot_device : vmm::current_device();
   m->slot_mem =
