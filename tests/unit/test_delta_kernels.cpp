@@ -361,6 +361,23 @@ TEST(DeltaKernels, EncodeMakesTheHostBlobAndApplyTheHostResult) {
   EXPECT_EQ(cases, 4 * 5 * 4);
 }
 
+// More delta blocks than the scan kernel has threads (each thread sums a
+// run of entries) and partial sums that cross its 32 warps: the offsets,
+// checksum and counts must still be the host's.
+TEST(DeltaKernels, PlanOfManyBlocksScansLikeTheHost) {
+  SKIP_UNDER_SANITIZERS();
+  std::mt19937_64 rng(7);
+  EmuCodec c;
+  const std::uint32_t w = 1;
+  const std::uint64_t n = 2500 * 4096ull + 123;  // 2501 blocks: 3 per scan thread, 834 threads busy
+  const Bytes base = random_bytes(n * w, rng);
+  const Bytes next = mutate(base, w, 0.02, rng);
+  const Bytes want = host_blob(base, next, w);
+  Bytes dbase = base;
+  ASSERT_EQ(c.blob(dbase, next, w, false), want);
+  ASSERT_EQ(dbase, next);
+}
+
 TEST(DeltaKernels, SlicesApplyLikeTheHost) {
   SKIP_UNDER_SANITIZERS();
   std::mt19937_64 rng(11);

@@ -183,6 +183,7 @@ constexpr int kMaxCopyStreams = 4;
 constexpr int kD2HStreams = 1;  // defaults, from docs/benchmarks.md
 constexpr int kH2DStreams = 1;
 constexpr std::uint64_t kSplitMin = 8ull << 20;  // split pieces of at least this size
+constexpr std::uint64_t kBatchBytes = 1ull << 20;  // device slots: batch copies under this size (Lane::batch_bytes)
 
 // What a host function carries: the user callback and the lane to report to.
 class Lane;
@@ -278,19 +279,28 @@ class Lane {
     }
   }
 
-  // Device slots: a device-to-device piece under kSmallCopy is not copied
-  // at once but gathered, and flush_small() copies the gathered pieces in
-  // one kernel launch on copy stream 0 (a cudaMemcpy's fixed cost, about
-  // 6 us on an H200, dominates small copies: 181 of Qwen2.5-3B's 434
-  // tensors are under 1 MiB). False (copy it yourself) when the kernels
-  // cannot run here (a build without nvcc). Every completion point
-  // (when_done, before, drain) flushes first.
-  static constexpr std::uint64_t kSmallCopy = 1ull << 20;
+  // Device slots: a device-to-device piece under batch_bytes() is not
+  // copied at once but gathered, and flush_small() copies the gathered
+  // pieces in one kernel launch on copy stream 0 (a cudaMemcpy's fixed
+  // cost, about 6 us on an H200, dominates small copies: 181 of
+  // Qwen2.5-3B's 434 tensors are under 1 MiB). False (copy it yourself)
+  // when the kernels cannot run here (a build without nvcc). Every
+  // completion point (when_done, before, drain) flushes first.
+  static std::uint64_t batch_bytes() {
+    static const std::uint64_t v = [] {
+      const char* s = std::getenv("SHMCAST_CUDA_BATCH_BYTES");  // docs/design.md, "Tuning"
+      if (s == nullptr || *s == 0) return kBatchBytes;
+      char* end = nullptr;
+      const unsigned long long n = std::strtoull(s, &end, 10);
+      return end != nullptr && *end == 0 ? static_cast<std::uint64_t>(n) : kBatchBytes;
+    }();
+    return v;
+  }
   // Whether the pieces of the current tensor may be batched: false when it
   // lives on another GPU than the lane's (the kernel could not read it).
   void batch_small(bool on) { batch_on_ = on; }
   bool add_small(std::byte* dst, const std::byte* src, std::uint64_t bytes) {
-    if (bytes >= kSmallCopy || !batch_on_) return false;
+    if (bytes >= batch_bytes() || !batch_on_) return false;
     if (small_ok_ < 0) {
       CtxScope scope(d_, ctx_);
       small_ok_ = delta::copy_pieces_ready(nullptr) ? 1 : 0;

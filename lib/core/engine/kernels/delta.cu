@@ -20,6 +20,14 @@ using namespace shmcast::detail::delta;
 
 typedef unsigned long long ull;
 
+// Full unrolling (register arrays indexed by constants); nothing when the
+// host compiles these kernels (tests/unit/test_delta_kernels.cpp).
+#if defined(__CUDACC__)
+#define SHMCAST_UNROLL _Pragma("unroll")
+#else
+#define SHMCAST_UNROLL
+#endif
+
 namespace {
 
 constexpr unsigned kThreads = kKernelThreads;  // the launches use the same constant (delta_launch.hpp)
@@ -88,6 +96,15 @@ __device__ __forceinline__ ull load_partial(const unsigned char* p, unsigned k) 
   return x;
 }
 
+// A thread's 16 elements as 8-byte words, and element i of them (little-endian).
+template <int W>
+constexpr unsigned kWordsPerThread = 16 * W / 8;
+template <int W>
+__device__ __forceinline__ typename ElemOf<W>::T word_elem(const ull* words, unsigned i) {
+  constexpr unsigned per = 8 / W;
+  return static_cast<typename ElemOf<W>::T>(words[i / per] >> (8 * W * (i % per)));
+}
+
 __device__ __forceinline__ Scratch* scratch_of(ull p) { return reinterpret_cast<Scratch*>(p); }
 
 // ---------------------------------------------------------------- plan
@@ -136,15 +153,18 @@ extern "C" __global__ void __launch_bounds__(kThreads) shmcast_delta_count_w8(Co
 
 // One CUDA block of 1024 threads: each thread takes a contiguous run of
 // table entries; sizes from counts (kind_of), an exclusive scan into the
-// offsets, the checksum terms and counts summed; thread 0 writes the header.
+// offsets (warp shuffles, then the 32 warps' totals: no thread walks the
+// 1024 partial sums alone), the checksum terms and counts summed; thread 0
+// writes the header.
+static_assert(kScanThreads == 32 * 32, "the scan kernel's warps' totals fit one warp");
 extern "C" __global__ void __launch_bounds__(kScanThreads) shmcast_delta_scan(ScanArgs a) {
-  __shared__ ull size_sh[kScanThreads];
-  __shared__ ull sum_sh[kScanThreads];
-  __shared__ ull changed_sh[kScanThreads];
-  __shared__ ull total_sh;
+  __shared__ ull wsize_sh[32];
+  __shared__ ull wsum_sh[32];
+  __shared__ ull wchanged_sh[32];
   unsigned char* head = reinterpret_cast<unsigned char*>(a.head);
   Entry* table = reinterpret_cast<Entry*>(head + kHeaderBytes);
   const ull t = threadIdx.x, T = blockDim.x, nb = a.blocks;
+  const unsigned lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const ull per = (nb + T - 1) / T;
   const ull b0 = t * per < nb ? t * per : nb;
   const ull b1 = b0 + per < nb ? b0 + per : nb;
@@ -156,25 +176,36 @@ extern "C" __global__ void __launch_bounds__(kScanThreads) shmcast_delta_scan(Sc
     sum += e.offset;  // the count kernel's checksum terms
     changed += e.count;
   }
-  size_sh[t] = size;
-  sum_sh[t] = sum;
-  changed_sh[t] = changed;
-  __syncthreads();
-  if (t == 0) {
-    ull run = 0, s = 0, c = 0;
-    for (ull i = 0; i < T; ++i) {
-      const ull x = size_sh[i];
-      size_sh[i] = run;
-      run += x;
-      s += sum_sh[i];
-      c += changed_sh[i];
-    }
-    total_sh = run;
-    sum_sh[0] = s;
-    changed_sh[0] = c;
+  ull x = size;  // inclusive prefix within the warp
+  for (int o = 1; o < 32; o <<= 1) {
+    const ull y = __shfl_up_sync(0xffffffffu, x, o);
+    if (lane >= static_cast<unsigned>(o)) x += y;
+  }
+  const ull wsum = warp_sum(sum), wchanged = warp_sum(changed);
+  if (lane == 31) wsize_sh[warp] = x;
+  if (lane == 0) {
+    wsum_sh[warp] = wsum;
+    wchanged_sh[warp] = wchanged;
   }
   __syncthreads();
-  ull at = size_sh[t];
+  if (warp == 0) {
+    ull v = wsize_sh[lane];
+    for (int o = 1; o < 32; o <<= 1) {
+      const ull y = __shfl_up_sync(0xffffffffu, v, o);
+      if (lane >= static_cast<unsigned>(o)) v += y;
+    }
+    const ull s = warp_sum(wsum_sh[lane]), c = warp_sum(wchanged_sh[lane]);
+    // Each lane rewrites the entry it read; lane 0 writes the totals after
+    // the shuffles above, which every lane reached after its reads.
+    wsize_sh[lane] = v;  // inclusive prefix of the warps' totals
+    if (lane == 0) {
+      wsum_sh[0] = s;
+      wchanged_sh[0] = c;
+    }
+  }
+  __syncthreads();
+  const ull total = wsize_sh[31];
+  ull at = (warp > 0 ? wsize_sh[warp - 1] : 0) + x - size;
   for (ull b = b0; b < b1; ++b) {
     const unsigned count = table[b].count;
     const ull len = block_len(a.n, b);
@@ -191,9 +222,9 @@ extern "C" __global__ void __launch_bounds__(kScanThreads) shmcast_delta_scan(Sc
     h->reserved0 = 0;
     h->elems = a.n;
     h->blocks = nb;
-    h->payload_bytes = total_sh;
-    h->checksum = checksum_final(sum_sh[0], a.n * a.w);
-    h->changed = changed_sh[0];
+    h->payload_bytes = total;
+    h->checksum = checksum_final(wsum_sh[0], a.n * a.w);
+    h->changed = wchanged_sh[0];
     h->reserved1 = 0;
   }
 }
@@ -255,45 +286,70 @@ __device__ void encode_body(const EncodeArgs& a) {
       if (threadIdx.x == 0 && diff != count) atomicOr(&sc->status, kStPlanMismatch);
       continue;
     }
-    // Sparse or bitmap: thread t's elements [16t, 16t + 16), in order.
+    // Sparse or bitmap: thread t's elements [16t, 16t + 16), in order. In
+    // a whole block they are 2W aligned 8-byte words (the block starts at a
+    // multiple of 4096 W bytes, `next` and the base are 8-byte aligned):
+    // read once each, as words, into registers (a thread's 16 scalar loads,
+    // 32 bytes apart across the warp, cost many times the L1 traffic).
     const unsigned j0 = threadIdx.x * kPerThread;
-    unsigned bits = 0, mine = 0;
-    for (unsigned i = 0; i < kPerThread; ++i) {
-      const ull j = j0 + i;
-      if (j < len && next[e0 + j] != base[e0 + j]) {
-        bits |= 1u << i;
-        ++mine;
+    const bool whole = len == kBlockElems;
+    ull xn[kWordsPerThread<W>], xb[kWordsPerThread<W>];
+    unsigned bits = 0;
+    if (whole) {
+      const ull* pn = reinterpret_cast<const ull*>(next + e0 + j0);
+      const ull* pb = reinterpret_cast<const ull*>(base + e0 + j0);
+SHMCAST_UNROLL
+      for (unsigned k = 0; k < kWordsPerThread<W>; ++k) {
+        xn[k] = pn[k];
+        xb[k] = pb[k];
+      }
+SHMCAST_UNROLL
+      for (unsigned i = 0; i < kPerThread; ++i)
+        if (word_elem<W>(xn, i) != word_elem<W>(xb, i)) bits |= 1u << i;
+    } else {
+      for (unsigned i = 0; i < kPerThread; ++i) {
+        const ull j = j0 + i;
+        if (j < len && next[e0 + j] != base[e0 + j]) bits |= 1u << i;
       }
     }
+    const unsigned mine = static_cast<unsigned>(__popc(bits));
     unsigned total = 0;
-    unsigned pos = block_scan(mine, scan_sh, &total);
+    const unsigned first = block_scan(mine, scan_sh, &total);
     if (total != count) {  // the same in every thread
       if (threadIdx.x == 0) atomicOr(&sc->status, kStPlanMismatch);
       continue;
     }
     const ull vals_at = kind == kSparse ? align16(2ull * count) : bitmap_head_bytes(len);
     E* vals = reinterpret_cast<E*>(area + vals_at);
+    unsigned short* idx = kind == kSparse ? reinterpret_cast<unsigned short*>(area) : nullptr;
     if (kind == kSparse) {
-      unsigned short* idx = reinterpret_cast<unsigned short*>(area);
-      for (unsigned i = 0; i < kPerThread; ++i) {
-        if (!(bits >> i & 1u)) continue;
-        const ull j = j0 + i;
-        const E x = next[e0 + j];
-        idx[pos] = static_cast<unsigned short>(j);
-        vals[pos] = x;
-        base[e0 + j] = x;
-        ++pos;
-      }
       for (ull p = 2ull * count + threadIdx.x; p < vals_at; p += kThreads) area[p] = 0;
     } else {
       // Bit j of the bitmap is bit j % 16 of the little-endian u16 j / 16:
       // thread t's 16 bits. The u16s past the block's elements are zero.
       unsigned short* bm = reinterpret_cast<unsigned short*>(area);
       if (threadIdx.x < vals_at / 2) bm[threadIdx.x] = static_cast<unsigned short>(bits);
+    }
+    if (whole) {
+      unsigned pos = first;
+SHMCAST_UNROLL
+      for (unsigned i = 0; i < kPerThread; ++i) {
+        if (!(bits >> i & 1u)) continue;
+        if (idx != nullptr) idx[pos] = static_cast<unsigned short>(j0 + i);
+        vals[pos] = word_elem<W>(xn, i);
+        ++pos;
+      }
+      ull* pb = reinterpret_cast<ull*>(base + e0 + j0);
+SHMCAST_UNROLL
+      for (unsigned k = 0; k < kWordsPerThread<W>; ++k)
+        if (xn[k] != xb[k]) pb[k] = xn[k];  // the base takes the new words (equal elements stay equal)
+    } else {
+      unsigned pos = first;
       for (unsigned i = 0; i < kPerThread; ++i) {
         if (!(bits >> i & 1u)) continue;
         const ull j = j0 + i;
         const E x = next[e0 + j];
+        if (idx != nullptr) idx[pos] = static_cast<unsigned short>(j);
         vals[pos] = x;
         base[e0 + j] = x;
         ++pos;
@@ -507,10 +563,11 @@ extern "C" __global__ void shmcast_delta_reset(ResetArgs a) {
   if (a.all != 0) sc->status = 0;
 }
 
-// A batch of small device-to-device copies (device slots: the engine
-// gathers the pieces under 1 MiB of a chunk into one launch instead of one
-// cudaMemcpy each, whose fixed cost dominates small copies). One block per
-// piece (grid-stride); 16-byte words when everything is 16-byte aligned.
+// A batch of device-to-device copies (device slots: the engine gathers a
+// chunk's pieces, split into at most kCopyPieceMax bytes each, into one
+// launch instead of one cudaMemcpy each, whose fixed cost dominates small
+// copies). One block per piece (grid-stride over them); 16-byte words, four
+// in flight per thread, when everything is 16-byte aligned.
 extern "C" __global__ void __launch_bounds__(256) shmcast_copy_pieces(CopyPiecesArgs a) {
   const CopyPiece* ps = reinterpret_cast<const CopyPiece*>(a.pieces);
   for (ull i = blockIdx.x; i < a.n; i += gridDim.x) {
@@ -518,7 +575,16 @@ extern "C" __global__ void __launch_bounds__(256) shmcast_copy_pieces(CopyPieces
     if (((p.src | p.dst | p.bytes) & 15) == 0) {
       const uint4* s = reinterpret_cast<const uint4*>(p.src);
       uint4* d = reinterpret_cast<uint4*>(p.dst);
-      for (ull k = threadIdx.x; k < p.bytes / 16; k += blockDim.x) d[k] = s[k];
+      const ull words = p.bytes / 16, step = blockDim.x;
+      ull k = threadIdx.x;
+      for (; k + 3 * step < words; k += 4 * step) {
+        const uint4 v0 = s[k], v1 = s[k + step], v2 = s[k + 2 * step], v3 = s[k + 3 * step];
+        d[k] = v0;
+        d[k + step] = v1;
+        d[k + 2 * step] = v2;
+        d[k + 3 * step] = v3;
+      }
+      for (; k < words; k += step) d[k] = s[k];
     } else {
       const unsigned char* s = reinterpret_cast<const unsigned char*>(p.src);
       unsigned char* d = reinterpret_cast<unsigned char*>(p.dst);
