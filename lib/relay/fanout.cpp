@@ -102,6 +102,7 @@ void Relay::Impl::forward_end() {
     st.last_version = out.plan->version;
     st.last_bytes = out.plan->payload_bytes;
     st.last_seconds = s;
+    st.count(*out.plan);
   }
   out.plan.reset();
   status_dirty = true;

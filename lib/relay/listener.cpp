@@ -228,7 +228,32 @@ void Relay::Impl::service_downs() {
 // response is expected.
 void Relay::Impl::on_up_message(Down& d, const std::vector<std::uint8_t>& msg) {
   if (d.state != Down::kHandshake) {
-    drop_down(d, "a control message after the handshake");
+    // After the handshake a downstream sends only full-sync requests,
+    // authenticated with its session key, in sequence.
+    try {
+      if (msg.size() < wire::kHeaderBytes + wire::kMacBytes) throw wire::ProtocolError("message too short");
+      wire::Mac got{};
+      std::memcpy(got.data(), msg.data() + msg.size() - wire::kMacBytes, wire::kMacBytes);
+      const wire::Mac want = auth::message_mac(
+          d.session, "up", std::span<const std::uint8_t>(msg.data(), msg.size() - wire::kMacBytes));
+      if (!auth::equal(got, want)) throw wire::ProtocolError("a control message fails its MAC");
+      wire::Reader r(msg, true);
+      if (r.seq() != d.recv_seq) throw wire::ProtocolError("a control message out of sequence (replayed?)");
+      ++d.recv_seq;
+      if (r.type() != Type::kWantFull)
+        throw wire::ProtocolError(std::string("a ") + wire::type_name(r.type()) + " message after the handshake");
+      (void)r.u64();  // after version: any request is answered by the next full sync
+      (void)r.u8();   // flags
+      r.expect_done();
+    } catch (const wire::ProtocolError& e) {
+      drop_down(d, std::string("protocol error: ") + e.what());
+      return;
+    }
+    ++d.want_full;
+    // The source asks its region; any other relay passes it upstream.
+    if (source) src_want_full = true;
+    else want_full_up = true;
+    wake();
     return;
   }
   try {

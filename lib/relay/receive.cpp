@@ -260,6 +260,7 @@ void Relay::Impl::pump_in() {
       st.last_version = p.version;
       st.last_bytes = p.payload_bytes;
       st.last_seconds = s;
+      st.count(p);
     }
     in = In{};
     set_state("connected");

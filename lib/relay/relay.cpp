@@ -147,6 +147,7 @@ void Relay::Impl::loop() {
         fail_upstream(std::string("protocol error: ") + e.what());
       }
       pump_in();
+      send_want_full();
     }
     process_completions();
     if (!retired.empty()) reap_retired();

@@ -192,6 +192,8 @@ struct Down {
   auth::Transcript tr;
   std::string session;
   std::uint64_t send_seq = 0;
+  std::uint64_t recv_seq = 0;  // of its authenticated messages (kWantFull)
+  std::uint64_t want_full = 0; // full-sync requests it sent
   std::int64_t deadline_ns = 0;
   std::int64_t first_deadline_ns = 0;  // for its response to the challenge (kHandshake)
   std::int64_t since_unix_ns = 0;
@@ -285,6 +287,7 @@ struct Relay::Impl {
     auth::Transcript tr;
     std::string session;
     std::uint64_t recv_seq = 0;
+    std::uint64_t send_seq = 0;     // of our authenticated messages (kWantFull)
     std::uint32_t tag_base = 0;     // of this connection's data tags
     std::uint64_t syncs_begun = 0;  // sync messages received on it
     int junk_busy = 0;              // tagged messages that are not chunk bytes being drained
@@ -392,6 +395,15 @@ struct Relay::Impl {
   std::map<const std::byte*, ucx::Registration> slot_regs;
   std::thread reader;
 
+  // ---- delta syncs: full-sync requests travel upstream (docs/relay.md,
+  // "Delta syncs"). want_full_up: this node (its writer, or a downstream)
+  // wants the source producer's next sync full; the network thread sends
+  // kWantFull to the upstream once it is connected. src_want_full: a
+  // downstream asked the source relay; its reader asks the source region.
+  std::atomic<bool> want_full_up{false};
+  std::atomic<bool> src_want_full{false};
+  void send_want_full();
+
   // ---- region writer (nodes with `from`): wq, wdone and writer_exit under
   // wmu; `writer` is started and joined by the network thread. The writer's
   // own state (WriterState, writer.cpp) lives on its stack.
@@ -427,6 +439,20 @@ struct Relay::Impl {
     // local region (writer) or source region (reader)
     bool region_ready = false;
     std::uint64_t region_slot_bytes = 0, region_version = 0, region_syncs = 0, region_failed = 0;
+    // Delta syncs: received or sent as deltas, let go (a base this node's
+    // region does not hold), full-sync requests sent upstream (or, at the
+    // source, made of the source region); the last sync's kind and sizes.
+    std::uint64_t delta_syncs = 0, delta_skipped = 0, full_requests = 0;
+    std::string last_kind;
+    std::uint64_t last_logical = 0, last_payload = 0;
+    // Under smu: a sync sent (source) or received whole (other nodes).
+    void count(const SyncPlan& p) {
+      if (p.delta()) ++delta_syncs;
+      last_kind = p.delta() ? "delta" : "full";
+      last_logical = p.payload_bytes;
+      last_payload = 0;
+      for (std::uint64_t n : p.nbytes) last_payload += n;
+    }
     std::uint32_t region_consumers = 0;
     std::string region_error;
   } st;
@@ -544,6 +570,7 @@ struct Relay::Impl {
   std::uint64_t data_end(const WriterState& ws, const WCmd& c) const;
   void write_chunk(WriterState& ws, const WCmd& c, std::uint64_t from, std::uint64_t to);
   void local_failure(const std::string& why);
+  void ask_full(WriterState& ws, const std::string& why);
 
   // ---- status.cpp: the log and the status file (log, set_state, note_error: any thread; write_status: network thread)
   void log(const std::string& line);

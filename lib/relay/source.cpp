@@ -176,8 +176,23 @@ void Relay::Impl::reader_main() {
 }
 
 // Forwards syncs until the consumer must be reopened (an Error escapes).
+// A delta region's delta syncs go as they are (their blobs), when their
+// base is the last sync this relay passed on whole (`held`); else the
+// relay lets the delta go and asks the region for a full sync. Each node
+// downstream checks the base again against its own region.
 void Relay::Impl::read_syncs(Consumer& cons, std::uint64_t S) {
+  cons.forward_syncs();
+  std::uint64_t held = 0;  // the last version sent whole to the downstreams (0: none)
+  auto ask_full = [&](const std::string& why) {
+    if (!cons.delta()) return;
+    cons.request_full_sync();
+    log("asked region " + o.region + " for a full sync: " + why);
+    std::lock_guard<std::mutex> g(smu);
+    ++st.full_requests;
+    status_dirty = true;
+  };
   while (!stopping) {
+    if (src_want_full.exchange(false)) ask_full("a downstream relay asked for one");
     const SyncInfo* info = nullptr;
     try {
       info = &cons.wait_sync(200ms);
@@ -194,8 +209,22 @@ void Relay::Impl::read_syncs(Consumer& cons, std::uint64_t S) {
       ++st.skipped;
       continue;
     }
+    if (info->delta() && info->base_version != held) {
+      const std::uint64_t v = info->version, base = info->base_version;
+      cons.skip();
+      held = 0;
+      {
+        std::lock_guard<std::mutex> g(smu);
+        ++st.skipped;
+        ++st.delta_skipped;
+      }
+      ask_full("delta sync " + std::to_string(v) + " builds on version " + std::to_string(base) +
+               ", which this relay did not pass on whole");
+      continue;
+    }
     auto plan = std::make_shared<SyncPlan>();
     plan->version = info->version;
+    plan->base_version = info->base_version;
     plan->chunk_bytes = S;
     plan->frag_bytes = o.fragment_bytes;
     plan->stream_bytes = info->stream_bytes;
@@ -203,12 +232,18 @@ void Relay::Impl::read_syncs(Consumer& cons, std::uint64_t S) {
     for (const TensorInfo& t : info->tensors) {
       plan->specs.push_back(TensorSpec{t.name, t.dtype, t.shape});
       plan->offsets.push_back(t.stream_offset);
-      plan->nbytes.push_back(t.nbytes);
+      // One rank: one whole piece each. A delta piece's stream bytes are its blob.
+      const bool blob = !t.shards.empty() && t.shards[0].base_version != 0;
+      plan->nbytes.push_back(blob ? t.shards[0].wire_bytes : t.nbytes);
+      if (info->delta()) plan->is_delta.push_back(blob ? 1 : 0);
     }
     plan->index_chunks();
     const std::int64_t active = post(SrcCmd{SrcCmd::kBegin, plan, 0, nullptr, 0, 0, 0, {}, {}}, true);
     if (active == 0) {
       cons.skip();
+      // Nobody downstream holds anything: a relay that joins asks for a
+      // full sync itself (kWantFull), so a delta's base is not checked here.
+      held = plan->version;
       log("sync " + std::to_string(plan->version) + " skipped: no downstream relay is connected and ready");
       std::lock_guard<std::mutex> g(smu);
       ++st.skipped;
@@ -231,8 +266,10 @@ void Relay::Impl::read_syncs(Consumer& cons, std::uint64_t S) {
         post_chunk(cu, base, plan->chunk_len(cu), std::move(release));
       });
       post(SrcCmd{SrcCmd::kEnd, plan, 0, nullptr, 0, 0, 0, {}, {}}, false);
+      held = plan->version;
       set_state("idle");
     } catch (const Error& e) {
+      held = 0;
       post(SrcCmd{SrcCmd::kAbort, plan, 0, nullptr, 0, 0, 0, std::string("source sync aborted: ") + e.what(), {}},
            false);
       log("sync " + std::to_string(plan->version) + " aborted at the source: " + e.what());

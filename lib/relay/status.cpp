@@ -113,7 +113,11 @@ void Relay::Impl::write_status(bool force) {
     j["last_sync"] = {{"version", st.last_version},
                       {"bytes", st.last_bytes},
                       {"seconds", st.last_seconds},
-                      {"gbps", st.last_seconds > 0 ? static_cast<double>(st.last_bytes) / st.last_seconds / 1e9 : 0}};
+                      {"gbps", st.last_seconds > 0 ? static_cast<double>(st.last_bytes) / st.last_seconds / 1e9 : 0},
+                      {"kind", st.last_kind},
+                      {"logical_bytes", st.last_logical},
+                      {"payload_bytes", st.last_payload}};
+    j["delta"] = {{"syncs", st.delta_syncs}, {"skipped", st.delta_skipped}, {"full_requests", st.full_requests}};
     j["last_error"] = st.last_error;
     j["region_state"] = {{"ready", st.region_ready},
                          {"slot_bytes", st.region_slot_bytes},

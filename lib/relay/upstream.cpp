@@ -39,6 +39,7 @@ void Relay::Impl::connect_upstream() {
   up.state = Up::kConnecting;
   up.deadline_ns = mono_ns() + o.handshake_timeout.count();
   up.recv_seq = 0;
+  up.send_seq = 0;
   up.session.clear();
   up.syncs_begun = 0;
   up.ctrl.clear();
@@ -355,6 +356,9 @@ void Relay::Impl::on_down_message(std::vector<std::uint8_t>& msg) {
       }
       log("connected to upstream " + from_addr.str() + " (connection " + std::to_string(up.tr.conn) +
           "): key proven both ways");
+      // A node that (re)joins holds no version the upstream's deltas build
+      // on: it asks for a full sync first (a no-op for a region without deltas).
+      want_full_up = true;
       set_state("connected");
       return;
     }
@@ -379,6 +383,24 @@ wire::Reader Relay::Impl::verified(const std::vector<std::uint8_t>& msg) {
   if (r.seq() != up.recv_seq) throw wire::ProtocolError("control message out of sequence (replayed?)");
   ++up.recv_seq;
   return r;
+}
+
+// Sends a full-sync request upstream (kWantFull) when one is pending and
+// the upstream connection is authenticated; else it waits for that.
+void Relay::Impl::send_want_full() {
+  if (source || up.state != Up::kAuthed || !want_full_up.exchange(false)) return;
+  Writer w(Type::kWantFull);
+  w.u64(0).u8(0);  // after version (0: any), flags (none yet)
+  std::uint64_t seq = up.send_seq;
+  if (!up.sock.send(seal(w, up.session, &seq, "up"), kMaxCtrlOut) || !up.sock.flush()) {
+    want_full_up = true;
+    fail_upstream("control channel: " + up.sock.error());
+    return;
+  }
+  up.send_seq = seq;
+  std::lock_guard<std::mutex> g(smu);
+  ++st.full_requests;
+  status_dirty = true;
 }
 
 }  // namespace shmcast::relay

@@ -14,6 +14,7 @@ const char* type_name(Type t) {
     case Type::kChunk: return "chunk";
     case Type::kEnd: return "end";
     case Type::kAbort: return "abort";
+    case Type::kWantFull: return "want-full";
   }
   return "unknown";
 }
@@ -56,7 +57,7 @@ Reader::Reader(std::span<const std::uint8_t> msg, bool has_mac) : p_(msg.data())
   std::memcpy(&type, p_ + 4, 2);
   std::memcpy(&seq_, p_ + 8, 8);
   if (magic != kMagic) throw ProtocolError("control message has a bad magic number (not a shmcast relay?)");
-  if (type < static_cast<std::uint16_t>(Type::kChallenge) || type > static_cast<std::uint16_t>(Type::kAbort))
+  if (type < static_cast<std::uint16_t>(Type::kChallenge) || type > static_cast<std::uint16_t>(Type::kWantFull))
     throw ProtocolError("unknown control message type " + std::to_string(type));
   type_ = static_cast<Type>(type);
 }
@@ -107,6 +108,9 @@ void encode_sync(Writer& w, const SyncPlan& p) {
     for (std::int64_t d : t.shape) w.i64(d);
     w.u64(p.nbytes[i]).u64(p.offsets[i]);
   }
+  w.u64(p.base_version);
+  if (p.base_version != 0)
+    for (std::size_t i = 0; i < p.specs.size(); ++i) w.u8(p.is_delta[i]);
 }
 
 SyncPlan decode_sync(Reader& r) {
@@ -146,18 +150,53 @@ SyncPlan decode_sync(Reader& r) {
     p.nbytes[i] = r.u64();
     p.offsets[i] = r.u64();
   }
+  p.base_version = r.u64();
+  if (p.base_version != 0) {
+    if (p.base_version >= p.version)
+      throw ProtocolError("delta sync " + std::to_string(p.version) + " names base version " +
+                          std::to_string(p.base_version) + ", not an earlier one");
+    p.is_delta.resize(n);
+    for (std::uint32_t i = 0; i < n; ++i) {
+      p.is_delta[i] = r.u8();
+      if (p.is_delta[i] > 1) throw ProtocolError("delta sync has a piece flag other than 0 or 1");
+    }
+  }
   r.expect_done();
   // The layout must be the one shmcast packs: then chunk c of the sender is
-  // chunk c here, and every tensor lies inside the stream.
+  // chunk c here, and every tensor lies inside the stream. A delta sync's
+  // stream packs its pieces (blobs, or the bytes of a tensor sent whole) as
+  // raw tensors of their sizes (docs/protocol.md §12.1); its payload is the
+  // tensors' logical size.
   SyncLayout l;
+  std::uint64_t logical = 0;
   try {
-    l = stream_layout(p.specs, p.chunk_bytes);
-    for (std::uint32_t i = 0; i < n; ++i)
-      if (p.specs[i].nbytes() != p.nbytes[i]) throw ProtocolError("tensor '" + p.specs[i].name + "' size mismatch");
+    std::vector<TensorSpec> packed;
+    for (std::uint32_t i = 0; i < n; ++i) {
+      const TensorSpec& t = p.specs[i];
+      const std::uint64_t size = t.nbytes();
+      logical += size;
+      if (p.base_version != 0 && p.is_delta[i] != 0) {
+        // A blob: at least its 64-byte header, of a dtype of 1-, 2-, 4- or
+        // 8-byte elements. The node's producer checks the exact bounds
+        // (Producer::begin_forwarded), the consumers every byte.
+        const std::size_t w = dtype_size(t.dtype);
+        if ((w != 1 && w != 2 && w != 4 && w != 8) || t.dtype == DType::kRaw || p.nbytes[i] < 64)
+          throw ProtocolError("tensor '" + t.name + "' cannot be a delta piece of " + std::to_string(p.nbytes[i]) +
+                              " bytes");
+      } else if (size != p.nbytes[i]) {
+        throw ProtocolError("tensor '" + t.name + "' size mismatch");
+      }
+      if (p.base_version != 0) {
+        if (p.nbytes[i] > limits::kMaxStreamBytes) throw ProtocolError("tensor '" + t.name + "' piece is too large");
+        packed.push_back(TensorSpec{"piece", DType::kRaw, {static_cast<std::int64_t>(p.nbytes[i])}});
+      }
+    }
+    l = stream_layout(p.specs, p.chunk_bytes);  // checks every spec (names, dtypes, shapes)
+    if (p.base_version != 0) l = stream_layout(packed, p.chunk_bytes);
   } catch (const Error& e) {
     throw ProtocolError(std::string("sync manifest is invalid: ") + e.what());
   }
-  if (l.offsets != p.offsets || l.stream_bytes != p.stream_bytes || l.payload_bytes != p.payload_bytes)
+  if (l.offsets != p.offsets || l.stream_bytes != p.stream_bytes || logical != p.payload_bytes)
     throw ProtocolError("sync layout differs from shmcast's packing of its manifest (different shmcast versions?)");
   p.index_chunks();
   if (!p.data_chunks.empty() &&

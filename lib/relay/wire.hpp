@@ -18,7 +18,9 @@ namespace shmcast::relay::wire {
 
 // 3: control messages on the relay's own TCP connection; the chunk bytes on
 // a UCX connection to a listener the upstream opens for that connection.
-inline constexpr std::uint32_t kProto = 3;
+// 4: delta syncs (a sync message's base version and delta pieces) and the
+// downstream's full-sync request (kWantFull).
+inline constexpr std::uint32_t kProto = 4;
 inline constexpr std::uint32_t kMagic = 0x594c5253;  // "SRLY"
 
 // Chunk bytes are tagged messages (received straight into their buffers).
@@ -69,6 +71,7 @@ enum class Type : std::uint16_t {
   kChunk,          // up -> down: chunk index, length, XXH3 (after its bytes were sent)
   kEnd,            // up -> down: the sync is complete
   kAbort,          // up -> down: the sync is abandoned after `sent` fragments; why
+  kWantFull,       // down -> up: make the source producer's next sync full (after version, flags)
 };
 const char* type_name(Type t);
 
@@ -181,7 +184,13 @@ struct SyncPlan {
   std::uint64_t payload_bytes = 0;
   std::vector<TensorSpec> specs;
   std::vector<std::uint64_t> offsets;  // stream offset of each tensor
-  std::vector<std::uint64_t> nbytes;
+  std::vector<std::uint64_t> nbytes;  // each tensor's bytes in the stream (a delta piece: its blob's)
+  // A delta sync (docs/protocol.md §12.1): the version its delta pieces
+  // apply to (0: a full sync), and which tensors are delta pieces (the
+  // others are their bytes). payload_bytes stays the tensors' logical size.
+  std::uint64_t base_version = 0;
+  std::vector<std::uint8_t> is_delta;
+  bool delta() const { return base_version != 0; }
   // Chunks that hold at least one byte of a tensor, in order: the ones sent.
   std::vector<std::uint32_t> data_chunks;
 

@@ -117,6 +117,15 @@ struct Relay::Impl::WriterState {
   std::shared_ptr<const SyncPlan> plan;
   bool ok = false;  // the local sync is live
   std::size_t cursor = 0;
+  // Delta syncs (docs/relay.md, "Delta syncs"). The region is a delta region
+  // (a ring of host slots): every sync is published as it came
+  // (Producer::begin_forwarded), a delta only on the version this region
+  // completed last (`held`, 0: none), so consumers here find its base.
+  bool delta_region = false;
+  bool saw_delta = false;       // a delta sync came from upstream
+  std::uint64_t held = 0;       // the last sync this region completed, since it was created
+  std::uint64_t last_seen = 0;  // the last sync begun upstream
+  std::uint64_t asked_at = ~0ull;  // last_seen when a full sync was last asked for
 };
 
 void Relay::Impl::push_writer(WCmd c) {
@@ -154,6 +163,20 @@ void Relay::Impl::writer_main() {
         }
         wake();
       }
+    }
+    // Full syncs this node needs: a consumer here asked for one (it
+    // attached late, skipped a version, was handed other destinations), or
+    // a store region, which keeps full versions only, saw deltas. Asked once
+    // per upstream sync, and not while a full sync is being published
+    // (it answers the consumers enrolled in it).
+    if (ws.prod && ws.asked_at != ws.last_seen && !(ws.ok && ws.plan && !ws.plan->delta())) {
+      bool want = false;
+      try {
+        want = ws.delta_region ? ws.prod->full_sync_requested() : ws.saw_delta;
+      } catch (...) {
+      }
+      if (want) ask_full(ws, ws.delta_region ? "a consumer of this node's region asked for a full sync"
+                                             : "this node's store region keeps full versions");
     }
     // Live consumers of this node's region, for the status file.
     if (ws.prod) {
@@ -193,7 +216,12 @@ void Relay::Impl::ensure_region(WriterState& ws, std::uint64_t chunk_bytes, bool
   }
   ProducerOptions po = o.region_options;
   po.slot_bytes = want;
+  // A ring of host slots passes delta syncs on (begin_forwarded); a store
+  // region keeps full versions (docs/relay.md, "Delta syncs").
+  po.delta = po.mode == RegionMode::kRing && po.world_size == 1 && po.slot_memory == SlotMemory::kHost;
   ws.prod.emplace(Producer::create(o.region, po));
+  ws.delta_region = po.delta;
+  ws.held = 0;
   ++ws.gen;
   region_slot_bytes = ws.prod->slot_bytes();
   region_slots = ws.prod->slots();
@@ -223,8 +251,34 @@ void Relay::Impl::writer_do(WriterState& ws, const WCmd& c) {
       ws.ok = false;
       ws.direct = o.direct_receive && ws.prod->slot_bytes() == c.plan->chunk_bytes;
       ws.lent = false;
+      ws.last_seen = c.plan->version;
+      const SyncPlan& p = *c.plan;
+      if (p.delta()) {
+        ws.saw_delta = true;
+        if (!ws.delta_region || ws.held != p.base_version) {
+          // Never published on another base: let it go, ask for a full sync.
+          const std::string why =
+              "delta sync " + std::to_string(p.version) + " builds on version " + std::to_string(p.base_version) +
+              (ws.delta_region ? ", which this node's region does not hold (it holds " +
+                                     (ws.held ? "version " + std::to_string(ws.held) : std::string("none")) + ")"
+                               : ", and this node's store region keeps full versions");
+          ws.held = 0;
+          {
+            std::lock_guard<std::mutex> g(smu);
+            ++st.delta_skipped;
+            status_dirty = true;
+          }
+          ask_full(ws, why);
+          return;
+        }
+      }
+      ws.held = 0;  // until this sync is complete here
       try {
-        ws.prod->begin_sync(c.plan->specs, c.plan->version);
+        if (ws.delta_region)
+          ws.prod->begin_forwarded(p.specs, p.version, p.base_version, p.delta() ? p.nbytes : std::vector<std::uint64_t>{},
+                                   p.is_delta);
+        else
+          ws.prod->begin_sync(p.specs, p.version);
         ws.ok = true;
       } catch (const Error& e) {
         local_failure(e.what());
@@ -276,6 +330,7 @@ void Relay::Impl::writer_do(WriterState& ws, const WCmd& c) {
         if (!ws.lent)
           for (; ws.cursor < p.specs.size(); ++ws.cursor) ws.prod->write_part(ws.cursor, 0, nullptr, 0);
         ws.prod->end_sync();
+        ws.held = p.version;
         std::lock_guard<std::mutex> g(smu);
         ++st.region_syncs;
         st.region_version = p.version;
@@ -361,6 +416,16 @@ void Relay::Impl::local_failure(const std::string& why) {
   ++st.region_failed;
   st.region_error = why;
   status_dirty = true;
+}
+
+// Asks the upstream for a full sync (kWantFull, sent by the network
+// thread), at most once per upstream sync.
+void Relay::Impl::ask_full(WriterState& ws, const std::string& why) {
+  if (ws.asked_at == ws.last_seen) return;
+  ws.asked_at = ws.last_seen;
+  log("asking the upstream for a full sync: " + why);
+  want_full_up = true;
+  wake();
 }
 
 }  // namespace shmcast::relay

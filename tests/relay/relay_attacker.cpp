@@ -29,7 +29,7 @@
 //     "opened N", "raw M", "flooding", then "crashed C" (groups started
 //     again), "rejected R" (UCX connections the relay refused or closed),
 //     "reopened K", "done".
-//   relay_attacker fake-upstream --listen 127.0.0.1:PORT [--proto 2|3] --report FILE
+//   relay_attacker fake-upstream --listen 127.0.0.1:PORT [--proto 2|3|4] --report FILE
 //     Listens where a relay's upstream would (port 0: any), reports
 //     "listening PORT", and answers every connection with "refused" (in
 //     protocol 3 on a TCP socket, the default, or 2 on a UCX listener), then
@@ -774,7 +774,7 @@ int bad_response(const sockaddr_in& to, int seconds) {
   return 0;
 }
 
-int fake_upstream_v3(const sockaddr_in& at, bool bad_bytes) {
+int fake_upstream_v3(const sockaddr_in& at, bool bad_bytes, int proto) {
   const int lfd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
   const int one = 1;
   ::setsockopt(lfd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
@@ -797,7 +797,7 @@ int fake_upstream_v3(const sockaddr_in& at, bool bad_bytes) {
     } else if (bad_bytes) {
       m = Msg(kChallenge);
       std::array<std::uint8_t, 32> nonce{};
-      m.u32(3).u64(1).raw(nonce.data(), nonce.size()).str(kNotUtf8);
+      m.u32(static_cast<std::uint32_t>(proto)).u64(1).raw(nonce.data(), nonce.size()).str(kNotUtf8);
     }
     tcp_frame(fd, m.b);
     report("refused " + std::to_string(++refused));
@@ -869,7 +869,7 @@ int main(int argc, char** argv) {
   if (argc < 2) die("usage: relay_attacker forge|flood|fake-upstream|bad-response [options]");
   const std::string mode = argv[1];
   std::string to, listen;
-  int seconds = 5, conns = 0, raw = 0, proto = 3, sustain = 0, bad_bytes = 0;
+  int seconds = 5, conns = 0, raw = 0, proto = 4, sustain = 0, bad_bytes = 0;
   for (int i = 2; i + 1 < argc; i += 2) {
     const std::string k = argv[i], v = argv[i + 1];
     if (k == "--to") to = v;
@@ -894,7 +894,7 @@ int main(int argc, char** argv) {
   if (mode == "forge") return forge(loopback(to), seconds);
   if (mode == "flood") return flood(loopback(to), conns, raw, seconds, sustain != 0);
   if (mode == "fake-upstream")
-    return proto == 2 ? fake_upstream(loopback(listen)) : fake_upstream_v3(loopback(listen), bad_bytes != 0);
+    return proto == 2 ? fake_upstream(loopback(listen)) : fake_upstream_v3(loopback(listen), bad_bytes != 0, proto);
   if (mode == "bad-response") return bad_response(loopback(to), seconds);
   die("unknown mode " + mode);
 }

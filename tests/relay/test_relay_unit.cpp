@@ -249,6 +249,64 @@ TEST(RelayWire, SyncPlanRoundTripsAndIsChecked) {
   EXPECT_THROW(relay::wire::decode_sync(r3), relay::wire::ProtocolError);
 }
 
+// A delta sync's plan: its pieces (blobs and tensors sent whole) packed as
+// raw tensors of their sizes, its base version, its flags; what a peer may
+// not announce is refused.
+TEST(RelayWire, DeltaSyncPlanRoundTripsAndIsChecked) {
+  std::vector<TensorSpec> specs = {{"a", DType::kBF16, {4096, 3}}, {"b", DType::kC128, {10}}, {"c", DType::kF32, {7}}};
+  relay::wire::SyncPlan p;
+  p.version = 9;
+  p.base_version = 8;
+  p.chunk_bytes = 2 << 20;
+  p.frag_bytes = 256 << 10;
+  p.specs = specs;
+  p.nbytes = {5000, 160, 96};  // blob, the c128's bytes, blob
+  p.is_delta = {1, 0, 1};
+  std::vector<TensorSpec> packed;
+  for (std::uint64_t n : p.nbytes) packed.push_back({"piece", DType::kRaw, {static_cast<std::int64_t>(n)}});
+  const SyncLayout l = stream_layout(packed, p.chunk_bytes);
+  p.offsets = l.offsets;
+  p.stream_bytes = l.stream_bytes;
+  p.payload_bytes = 4096 * 3 * 2 + 160 + 28;  // logical
+  p.index_chunks();
+  auto round = [](const relay::wire::SyncPlan& x) {
+    relay::wire::Writer w(relay::wire::Type::kSync);
+    relay::wire::encode_sync(w, x);
+    relay::wire::Reader r(w.buffer(), false);
+    return relay::wire::decode_sync(r);
+  };
+  const relay::wire::SyncPlan q = round(p);
+  EXPECT_EQ(q.base_version, 8u);
+  EXPECT_EQ(q.is_delta, p.is_delta);
+  EXPECT_EQ(q.nbytes, p.nbytes);
+  EXPECT_EQ(q.offsets, p.offsets);
+  EXPECT_TRUE(q.delta());
+  auto refused = [&](const relay::wire::SyncPlan& x) {
+    EXPECT_THROW(round(x), relay::wire::ProtocolError);
+  };
+  relay::wire::SyncPlan b = p;
+  b.base_version = 9;  // not below the version
+  refused(b);
+  b = p;
+  b.is_delta[0] = 2;  // a flag other than 0 or 1
+  refused(b);
+  b = p;
+  b.is_delta[1] = 1;  // c128 cannot be a delta piece
+  refused(b);
+  b = p;
+  b.is_delta[2] = 0;  // sent whole, but not its size
+  refused(b);
+  b = p;
+  b.payload_bytes += 1;  // not the tensors' logical size
+  refused(b);
+  b = p;
+  b.offsets[1] += 256;  // not the packing of the pieces
+  refused(b);
+  b = p;
+  b.nbytes[0] = 32;  // smaller than a blob header (and the layout no longer matches)
+  refused(b);
+}
+
 TEST(RelayAuth, ProofsDependOnKeyNoncesAndSide) {
   relay::auth::Transcript t;
   t.region = "actor-0";

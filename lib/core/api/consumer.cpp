@@ -133,6 +133,7 @@ struct Consumer::Impl {
   bool applied_device = false;
   SyncReport report;
   std::unique_ptr<delta::CudaCodec> codec;  // read_into_device of a delta sync
+  bool forwarding = false;  // forward_syncs(): a relay passes delta syncs on as they are
 
   // Asks the producer for a full sync after version `after` (Seat::full_after).
   void request_full(std::uint64_t after) {
@@ -684,7 +685,7 @@ const SyncInfo& Consumer::wait_sync(Duration timeout) {
   const std::int64_t deadline = mono_ns() + timeout.count();
   for (;;) {
     next_sync(m, deadline);
-    if (!m.info.delta() || m.info.base_version == m.applied_version) return m.info;
+    if (!m.info.delta() || m.forwarding || m.info.base_version == m.applied_version) return m.info;
     // A delta against a version this consumer's destinations do not hold (it
     // attached late, or skipped or failed a sync): never applied. It asks for
     // a full sync, lets this one go and waits for the next.
@@ -719,7 +720,9 @@ void refuse_device_slots(Consumer::Impl& m, const char* what) {
 }
 
 void refuse_delta(Consumer::Impl& m, const char* what) {
+  // A relay's consumer (forward_syncs()) passes a delta sync's chunks on as they are.
   if (m.state != State::kManifest || !m.info.delta()) return;
+  if (m.forwarding && std::string_view(what) == "visit_chunks()") return;
   m.request_full(m.info.version);
   m.release_rest();
   throw Error(Errc::kNeedsFullSync, std::string(what) + " of a delta sync: its bytes are deltas, not tensors; use "
@@ -939,6 +942,10 @@ SlotMemory Consumer::slot_memory() const {
   return impl_->view.geo().device_slots ? SlotMemory::kDevice : SlotMemory::kHost;
 }
 bool Consumer::delta() const { return impl_->delta_region; }
+void Consumer::forward_syncs() {
+  impl_->require_open();
+  impl_->forwarding = true;
+}
 void Consumer::request_full_sync() {
   Impl& m = *impl_;
   m.require_open();

@@ -131,6 +131,14 @@ struct __attribute__((visibility("hidden"))) Producer::Impl {
   // writes that many bytes); empty: the tensors' own sizes.
   std::vector<std::uint64_t> wire_sizes;
   SyncReport report;  // the last completed sync
+  // Forwarded syncs (begin_forwarded, a relay's delta region; producer_forward.cpp)
+  struct Forward {
+    bool requested = false;  // begin_forwarded() is calling begin_sync()
+    bool active = false;     // the sync in progress is forwarded
+    std::uint64_t base = 0;  // its base version (0: full)
+    std::vector<std::uint64_t> wire;
+    std::vector<std::uint8_t> is_delta;
+  } fwd;
 
   ~Impl() { close_quietly(); }
 
@@ -173,6 +181,10 @@ struct __attribute__((visibility("hidden"))) Producer::Impl {
   bool codec_usable(void* stream);
   void base_on_host(std::size_t i);
   void base_on_device(std::size_t i, void* stream);
+
+  // ---- producer_forward.cpp: forwarded syncs (a relay's delta region)
+  std::uint64_t begin_forward(std::uint64_t want);
+  void forward_done();
 
   // ---- producer_ranks.cpp: sharded producers, rounds (rounds.hpp, docs/protocol.md §9)
   detail::rounds::Words words() const;

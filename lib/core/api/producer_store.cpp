@@ -101,7 +101,7 @@ std::span<std::byte> Producer::Impl::lend_chunk(std::uint64_t c) {
                                         "fill_spans()");
   if (world > 1)
     throw Error(Errc::kInvalidArgument, "lend_chunk() is for a producer of one rank: sharded ranks write()");
-  if (opts.delta)
+  if (opts.delta && !(in_sync && fwd.active))
     throw Error(Errc::kInvalidArgument, "lend_chunk() hands out the stream's chunks, but a delta producer encodes "
                                         "tensors: write() them");
   if (view.geo().device_slots)

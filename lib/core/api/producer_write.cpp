@@ -99,7 +99,10 @@ std::uint64_t Producer::Impl::begin_sync(std::span<const TensorSpec> tensors, st
   }
   if (world > 1) return begin_sharded(n, used);
   if (view.geo().store) return begin_store(want);
-  if (opts.delta) return begin_delta(want);
+  if (opts.delta) {
+    fwd.active = fwd.requested;  // begin_forwarded() (producer_forward.cpp)
+    return fwd.active ? begin_forward(want) : begin_delta(want);
+  }
   return begin_ring(want);
 }
 
@@ -165,7 +168,7 @@ void Producer::Impl::write_tensor(std::size_t index, const Buffer& src, void* st
   try {
     if (delta.staged)
       write_staged(index, src, stream, from, len);
-    else if (opts.delta && delta.full)
+    else if (opts.delta && delta.full && !fwd.active)
       write_keyframe(index, src, stream, from, len);
     else
       write_tensor_in_sync(index, src, stream, from, len);
@@ -269,7 +272,9 @@ void Producer::Impl::end_sync() {
   // A store region: every byte is in place (the chunk is published), so the
   // record may now point readers at it.
   if (view.geo().store) ring->announce(store_rec);
-  if (opts.delta)
+  if (opts.delta && fwd.active)
+    forward_done();
+  else if (opts.delta)
     delta_done();
   else
     report = SyncReport{version, false, payload_bytes, payload_bytes};

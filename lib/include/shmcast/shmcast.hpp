@@ -523,6 +523,24 @@ class SHMCAST_API Producer {
   // Bytes of the delta base (ProducerOptions::delta), 0 without deltas.
   std::uint64_t delta_base_bytes() const;
 
+  // Relays (a delta region, ProducerOptions::delta): begins a sync that
+  // passes on another delta region's sync as it is, under its version. With
+  // base_version 0 a full sync (write the tensors' bytes); else a delta sync
+  // against version base_version: tensor i's stream piece is a blob of
+  // wire_bytes[i] bytes (is_delta[i]) or its own bytes (wire_bytes[i] ==
+  // nbytes, a dtype sent whole), written with write_part() or lend_chunk()
+  // as the upstream's stream holds them. No base is kept (nothing is
+  // encoded or copied aside); a later begin_sync() is full. The blobs are
+  // checked by the consumers that apply them (sizes here). kInvalidArgument
+  // for sizes no blob of that tensor can have, or a base not below version.
+  std::uint64_t begin_forwarded(std::span<const TensorSpec> tensors, std::uint64_t version,
+                                std::uint64_t base_version, std::span<const std::uint64_t> wire_bytes,
+                                std::span<const std::uint8_t> is_delta);
+  // Delta regions: whether a live consumer asked for a full sync that the
+  // last full sync does not answer (what makes a delta producer's next sync
+  // full; a relay passes it upstream).
+  bool full_sync_requested() const;
+
   // Marks the region closed (consumers get Errc::kClosed after the last
   // sync), unpins, unmaps and, by default, unlinks the name.
   void close();
@@ -633,6 +651,12 @@ class SHMCAST_API Consumer {
   SyncReport last_sync() const;
   // Whether the region's producer sends delta syncs (ProducerOptions::delta).
   bool delta() const;
+  // Relays: passes a delta region's syncs on as they are. From now on
+  // wait_sync() returns delta syncs whatever their base (the caller checks
+  // SyncInfo::base_version against what its own readers hold, and calls
+  // request_full_sync() when they do not), and visit_chunks() hands out a
+  // delta sync's stream: the blobs, as the manifest's pieces place them.
+  void forward_syncs();
   // Delta regions: asks the producer for a full sync as its next one (for
   // destinations that were changed or replaced since the last read, e.g.
   // after weights were discarded or reloaded); forgets the destinations, so

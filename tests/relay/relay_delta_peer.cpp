@@ -1,0 +1,188 @@
+// The trainer and the workers of the relay's delta tests (test_relay_delta):
+// a delta producer (ProducerOptions::delta, host copy engine: the host
+// codec) and consumers that check every version bit-exactly.
+//
+//   relay_delta_peer produce NAME --versions N --go PREFIX --report FILE [--seed S]
+//   relay_delta_peer consume NAME --versions N --report FILE [--seed S] [--skip-every K]
+//
+// Version 1 fills every tensor with random bytes; version v > 1 changes a
+// random 0.5-30 % of each tensor's elements (random positions, new random
+// values) of version v - 1: both roles compute version v from the seed
+// alone. Tensors: bf16, f16, f32, fp8 e4m3, i64, c128 (sent whole in a delta
+// sync) and an empty one, in several slots.
+// produce: creates the region, reports "ready", then for each version v
+// waits for the file PREFIX.v, sends it and reports "sent v full|delta
+// LOGICAL PAYLOAD" (Producer::last_sync).
+// consume: reports "attached", then "ok v full|delta LOGICAL PAYLOAD" for
+// each version it read (Consumer::last_sync; into the same buffers every
+// time, so that deltas apply) once every byte matched version v, "bad v"
+// when not (exit 12). --skip-every K: versions divisible by K are skipped
+// (wait_sync, then skip(): the next delta cannot apply), reported "skipped
+// v". It ends once it has seen version N.
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "shmcast/shmcast.hpp"
+
+using namespace shmcast;
+using namespace std::chrono_literals;
+
+namespace {
+
+struct Args {
+  std::string role, name, report, go;
+  int versions = 10, skip_every = 0;
+  std::uint64_t seed = 11;
+};
+
+void report(const Args& a, const std::string& line) {
+  std::ofstream f(a.report, std::ios::app);
+  f << line << "\n";
+}
+
+std::uint64_t mix(std::uint64_t z) {
+  z += 0x9e3779b97f4a7c15ull;
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
+
+std::vector<TensorSpec> specs() {
+  return {{"embed.bf16", DType::kBF16, {700, 1024}},   {"attn.f32", DType::kF32, {333, 701}},
+          {"mlp.fp8", DType::kF8E4M3FN, {1000, 515}},   {"norm.f16", DType::kF16, {4097}},
+          {"steps.i64", DType::kI64, {10001}},          {"rot.c128", DType::kC128, {77}},
+          {"empty.bf16", DType::kBF16, {0, 8}},         {"head.bf16", DType::kBF16, {64, 4096}}};
+}
+
+// The tensors' bytes at version 1, then advanced one version at a time.
+struct Model {
+  std::uint64_t seed, version = 0;
+  std::vector<TensorSpec> t = specs();
+  std::vector<std::vector<std::uint8_t>> data;
+  explicit Model(std::uint64_t s) : seed(s) {
+    data.resize(t.size());
+    for (std::size_t i = 0; i < t.size(); ++i) data[i].resize(t[i].nbytes());
+  }
+  void advance() {
+    ++version;
+    for (std::size_t i = 0; i < t.size(); ++i) {
+      std::vector<std::uint8_t>& d = data[i];
+      const std::size_t w = dtype_size(t[i].dtype), n = d.size() / w;
+      std::uint64_t s = mix(seed * 1000003 + version * 131 + i);
+      if (version == 1) {
+        for (std::size_t b = 0; b < d.size(); ++b) d[b] = static_cast<std::uint8_t>(mix(s + b) >> 17);
+        continue;
+      }
+      // 0.5 % .. 30 % of the elements, at random positions.
+      const double frac = 0.005 + 0.295 * static_cast<double>(mix(s) % 10000) / 10000.0;
+      const auto changes = static_cast<std::size_t>(frac * static_cast<double>(n));
+      for (std::size_t k = 0; k < changes; ++k) {
+        s = mix(s);
+        const std::size_t e = s % n;
+        for (std::size_t b = 0; b < w; ++b) d[e * w + b] = static_cast<std::uint8_t>(mix(s + b + 1) >> 23);
+      }
+    }
+  }
+};
+
+bool wait_file(const std::string& path, std::chrono::seconds timeout) {
+  const auto end = std::chrono::steady_clock::now() + timeout;
+  struct stat st {};
+  while (::stat(path.c_str(), &st) != 0) {
+    if (std::chrono::steady_clock::now() > end) return false;
+    std::this_thread::sleep_for(2ms);
+  }
+  return true;
+}
+
+std::string kind(const SyncReport& r) {
+  return std::string(r.delta ? "delta" : "full") + " " + std::to_string(r.logical_bytes) + " " +
+         std::to_string(r.payload_bytes);
+}
+
+int produce(const Args& a) {
+  ProducerOptions o;
+  o.slot_bytes = 2 << 20;
+  o.pin = Pin::kNo;
+  o.engine = CopyEngine::kHost;
+  o.consumer_timeout = 60s;
+  o.delta = true;
+  Producer p = Producer::create(a.name, o);
+  report(a, "ready");
+  Model m(a.seed);
+  for (int v = 1; v <= a.versions; ++v) {
+    if (!wait_file(a.go + "." + std::to_string(v), 120s)) return 3;
+    m.advance();
+    std::vector<const void*> src;
+    for (const auto& d : m.data) src.push_back(d.data());
+    if (p.send(m.t, src, static_cast<std::uint64_t>(v)) != static_cast<std::uint64_t>(v)) return 4;
+    report(a, "sent " + std::to_string(v) + " " + kind(p.last_sync()));
+  }
+  for (;;) std::this_thread::sleep_for(1s);  // consumers downstream may still read
+}
+
+int consume(const Args& a) {
+  ConsumerOptions o;
+  o.pin = Pin::kNo;
+  o.open_timeout = 120s;
+  Consumer c = Consumer::open(a.name, o);
+  report(a, "attached");
+  Model m(a.seed);
+  std::vector<std::vector<std::uint8_t>> got(m.t.size());
+  std::vector<void*> dst;
+  for (std::size_t i = 0; i < m.t.size(); ++i) {
+    got[i].assign(m.data[i].size(), 0xEE);
+    dst.push_back(got[i].data());
+  }
+  for (;;) {
+    const SyncInfo& info = c.wait_sync(120s);
+    const std::uint64_t v = info.version;
+    if (a.skip_every > 0 && v % static_cast<std::uint64_t>(a.skip_every) == 0) {
+      c.skip();
+      report(a, "skipped " + std::to_string(v));
+    } else {
+      c.read_into(dst);
+      while (m.version < v) m.advance();
+      if (got != m.data) {
+        report(a, "bad " + std::to_string(v));
+        return 12;
+      }
+      report(a, "ok " + std::to_string(v) + " " + kind(c.last_sync()));
+    }
+    if (v >= static_cast<std::uint64_t>(a.versions)) return 0;
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc < 3) return 2;
+  Args a;
+  a.role = argv[1];
+  a.name = argv[2];
+  for (int i = 3; i + 1 < argc; i += 2) {
+    const std::string k = argv[i], v = argv[i + 1];
+    if (k == "--versions") a.versions = std::stoi(v);
+    else if (k == "--go") a.go = v;
+    else if (k == "--report") a.report = v;
+    else if (k == "--seed") a.seed = std::stoull(v);
+    else if (k == "--skip-every") a.skip_every = std::stoi(v);
+    else return 2;
+  }
+  if (a.report.empty()) return 2;
+  try {
+    if (a.role == "produce") return produce(a);
+    if (a.role == "consume") return consume(a);
+  } catch (const Error& e) {
+    std::fprintf(stderr, "relay_delta_peer %s: %s\n", a.role.c_str(), e.what());
+    return 20 + static_cast<int>(e.code());
+  }
+  return 2;
+}

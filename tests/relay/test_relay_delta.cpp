@@ -1,0 +1,162 @@
+// The relay carrying delta syncs (issue 31): a delta producer (host codec)
+// on node 0, the source relay, and relays on nodes 1 and 2 (and a late one
+// on node 3), each with a worker that checks every version bit-exactly.
+// Every step waits for a handshake (a report line, a status field) with a
+// deadline, never for time to pass.
+#include <sstream>
+
+#include "relay_cluster.hpp"
+
+using namespace relay_test;
+
+namespace {
+
+const std::string kDeltaPeer = RELAY_DELTA_PEER_BIN;
+
+// The report's lines that start with `word`, split into fields.
+std::vector<std::vector<std::string>> lines(const std::string& path, const std::string& word) {
+  std::vector<std::vector<std::string>> out;
+  std::istringstream in(slurp(path));
+  for (std::string l; std::getline(in, l);) {
+    std::istringstream ls(l);
+    std::vector<std::string> f;
+    for (std::string w; ls >> w;) f.push_back(w);
+    if (!f.empty() && f[0] == word) out.push_back(f);
+  }
+  return out;
+}
+
+}  // namespace
+
+// 24 versions, each changing 0.5-30 % of the elements of bf16, f16, f32,
+// fp8, i64 and c128 tensors: node 1's worker reads every one, bit-exact, as
+// the same kind the trainer sent (deltas cross the link as deltas, and are
+// smaller there); node 2's worker skips every 5th version, so the next
+// delta cannot apply to its buffers: it asks for a full sync through its
+// seat, its relay passes the request upstream, and its next read is full.
+// Node 3 joins after version 10: its first version is full.
+TEST(RelayDelta, DeltasReachTwoNodesBitExact) {
+  const int n = 24;
+  Cluster c(4, "delta");
+  auto peer = [&](const std::string& tag, int node, std::vector<std::string> args) -> Proc& {
+    args.insert(args.begin(), kDeltaPeer);
+    return c.start(tag, args, node);
+  };
+  const std::string N = std::to_string(n);
+  Proc& trainer = peer("trainer", 0, {"produce", c.region(), "--versions", N, "--go", c.file("go"), "--report",
+                                      c.file("trainer.txt")});
+  ASSERT_TRUE(c.wait_line(c.file("trainer.txt"), "ready"));
+  c.relay(0, 0, true);
+  const int port = c.listen_port(0);
+  ASSERT_NE(port, 0);
+  c.relay(1, port, false, kKey, 0, {"--direct-receive"});
+  c.relay(2, port, false);
+  for (int i : {1, 2}) ASSERT_FALSE(c.wait_status(i, [](const json& j) { return upstream_connected(j); }).is_null());
+  ASSERT_FALSE(c.wait_status(0, [](const json& j) { return downstream_ready(j, 2); }).is_null());
+  auto rep = [&](int node) { return c.file("worker" + std::to_string(node) + ".txt"); };
+  Proc& w1 = peer("worker1", 1, {"consume", c.region(), "--versions", N, "--report", rep(1)});
+  Proc& w2 = peer("worker2", 2, {"consume", c.region(), "--versions", N, "--report", rep(2), "--skip-every", "5"});
+  ASSERT_TRUE(c.wait_line(rep(1), "attached"));
+  ASSERT_TRUE(c.wait_line(rep(2), "attached"));
+  Proc* w3 = nullptr;
+  for (int v = 1; v <= n; ++v) {
+    c.touch(c.file("go." + std::to_string(v)));
+    // Node 1's worker read it; node 2's region holds it.
+    const json s1 = c.wait_status(1, [&](const json& j) { return j["region_state"].value("version", 0) >= v; });
+    const json s2 = c.wait_status(2, [&](const json& j) { return j["region_state"].value("version", 0) >= v; });
+    ASSERT_FALSE(s1.is_null() || s2.is_null()) << "version " << v;
+    bool seen = false;
+    for (const auto& f : lines(rep(1), "ok")) seen = seen || f[1] == std::to_string(v);
+    for (int t = 0; !seen && t < 6000; ++t) {
+      std::this_thread::sleep_for(10ms);
+      for (const auto& f : lines(rep(1), "ok")) seen = seen || f[1] == std::to_string(v);
+    }
+    ASSERT_TRUE(seen) << "node 1's worker never read version " << v << ":\n" << slurp(rep(1));
+    if (v == 10) {
+      // A node that joins late.
+      c.relay(3, port, false);
+      ASSERT_FALSE(c.wait_status(3, [](const json& j) { return upstream_connected(j); }).is_null());
+      ASSERT_FALSE(c.wait_status(0, [](const json& j) { return downstream_ready(j, 3); }).is_null());
+      w3 = &peer("worker3", 3, {"consume", c.region(), "--versions", N, "--report", rep(3)});
+      ASSERT_TRUE(c.wait_line(rep(3), "attached"));
+    }
+  }
+  EXPECT_EQ(w1.wait(), 0) << w1.output();
+  EXPECT_EQ(w2.wait(), 0) << w2.output();
+  ASSERT_NE(w3, nullptr);
+  EXPECT_EQ(w3->wait(), 0) << w3->output();
+  (void)trainer;
+
+  // Node 1 read every version, as the kind the trainer sent it, with the
+  // same logical and payload sizes: the relay passed the deltas on as they were.
+  const auto sent = lines(c.file("trainer.txt"), "sent");
+  const auto ok1 = lines(rep(1), "ok");
+  ASSERT_EQ(sent.size(), static_cast<std::size_t>(n));
+  ASSERT_EQ(ok1.size(), static_cast<std::size_t>(n)) << slurp(rep(1));
+  int deltas = 0;
+  std::uint64_t logical = 0, payload = 0;
+  for (int i = 0; i < n; ++i) {
+    // (Payload sizes differ: a consumer's report counts only the delta
+    // pieces' blobs, the producer's every piece.)
+    const auto& f = ok1[static_cast<std::size_t>(i)];
+    const auto& s = sent[static_cast<std::size_t>(i)];
+    EXPECT_EQ((std::vector<std::string>{f[1], f[2], f[3]}), (std::vector<std::string>{s[1], s[2], s[3]}));
+    logical += std::stoull(f[3]);
+    payload += std::stoull(f[4]);
+    if (f[2] == "delta") {
+      ++deltas;
+      EXPECT_LT(std::stoull(f[4]), std::stoull(f[3]) / 2) << "version " << f[1];
+    }
+  }
+  EXPECT_GE(deltas, n / 3) << slurp(c.file("trainer.txt"));
+  // Less crossed the link than the tensors' bytes: node 1 received the blobs.
+  const json s1 = c.wait_status(1, [](const json& j) { return j["delta"].value("syncs", 0) > 0; });
+  ASSERT_FALSE(s1.is_null());
+  EXPECT_EQ(s1["delta"].value("syncs", 0), deltas) << s1.dump();
+  EXPECT_EQ(s1["delta"].value("skipped", -1), 0) << s1.dump();
+  EXPECT_LT(s1.value("bytes_in", 0ull), logical * 3 / 4) << s1.dump();
+  EXPECT_GE(s1.value("bytes_in", 0ull), payload) << s1.dump();
+
+  // Node 2's worker: after each skipped version its next read is full (it
+  // asked, through its seat and the relays), and deltas apply again after.
+  const auto all2 = [&] {
+    std::vector<std::vector<std::string>> out;
+    std::istringstream in(slurp(rep(2)));
+    for (std::string l; std::getline(in, l);) {
+      std::istringstream ls(l);
+      std::vector<std::string> f;
+      for (std::string w; ls >> w;) f.push_back(w);
+      if (!f.empty() && (f[0] == "ok" || f[0] == "skipped")) out.push_back(f);
+    }
+    return out;
+  }();
+  int skipped = 0, deltas2 = 0;
+  std::uint64_t prev = 0;
+  for (std::size_t i = 0; i < all2.size(); ++i) {
+    const std::uint64_t v = std::stoull(all2[i][1]);
+    if (all2[i][0] == "skipped") {
+      ++skipped;
+      ASSERT_LT(i + 1, all2.size() + (v == static_cast<std::uint64_t>(n) ? 1 : 0)) << slurp(rep(2));
+      if (i + 1 < all2.size()) EXPECT_EQ(all2[i + 1][2], "full") << "after skipping " << v << ":\n" << slurp(rep(2));
+    } else if (all2[i][2] == "delta") {
+      ++deltas2;
+      EXPECT_EQ(v, prev + 1) << "a delta read after a gap:\n" << slurp(rep(2));
+    }
+    prev = v;
+  }
+  EXPECT_EQ(skipped, n / 5) << slurp(rep(2));
+  EXPECT_GT(deltas2, 0) << slurp(rep(2));
+
+  // Node 3 joined late: its first read is full, then deltas apply.
+  const auto ok3 = lines(rep(3), "ok");
+  ASSERT_FALSE(ok3.empty());
+  EXPECT_EQ(ok3[0][2], "full") << slurp(rep(3));
+  EXPECT_GT(std::stoull(ok3[0][1]), 10u);
+  int deltas3 = 0;
+  for (const auto& f : ok3) deltas3 += f[2] == "delta";
+  EXPECT_GT(deltas3, 0) << slurp(rep(3));
+  EXPECT_EQ(ok3.back()[1], N);
+  // The source asked its region for full syncs on the downstreams' requests.
+  const json s0 = c.wait_status(0, [](const json& j) { return j["delta"].value("full_requests", 0) > 0; });
+  EXPECT_FALSE(s0.is_null());
+}
