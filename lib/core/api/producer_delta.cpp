@@ -311,14 +311,17 @@ void Producer::Impl::write_staged(std::size_t index, const Buffer& src, void* st
 }
 
 // The tensors write_staged() recorded from GPUs: every one planned on its
-// GPU into one head buffer, the blob sizes read back at once, then encoded
-// into one blob buffer, which the ring then copies from (device to slot:
-// only the blobs cross PCIe). `sources[i]` becomes the blob of tensor i.
-// False, with nothing encoded and no base changed, when the planned blobs
-// (with the host's) would take more than delta_max_ratio of the tensors:
-// the sync then goes full.
-bool Producer::Impl::encode_pending(std::vector<Buffer>* sources) {
+// GPU into one head buffer, the blob sizes read back at once, and room for
+// the blobs in one device buffer (d.out). end_staged() then encodes each
+// into it just before the ring copies it out (device to slot: only the
+// blobs cross PCIe), so the copies of the first blobs overlap the encoding
+// of the later ones. False, with nothing encoded and no base changed, when
+// the planned blobs (with the host's) would take more than delta_max_ratio
+// of the tensors: the sync then goes full.
+bool Producer::Impl::plan_pending() {
   DeltaState& d = delta;
+  d.heads = nullptr;
+  d.out = nullptr;
   std::uint64_t heads = 0;
   void* stream = nullptr;
   for (std::size_t i = 0; i < specs.size(); ++i) {
@@ -357,25 +360,21 @@ bool Producer::Impl::encode_pending(std::vector<Buffer>* sources) {
     planned += p.blob;
   }
   if (static_cast<double>(d.wire + planned) > opts.delta_max_ratio * static_cast<double>(d.logical)) return false;
-  auto* out = static_cast<std::byte*>(c.buffer(1, outs, stream));
-  for (std::size_t i = 0; i < specs.size(); ++i) {
-    const DeltaState::Pending& p = d.pending[i];
-    if (p.src == nullptr) continue;
-    const std::uint32_t w = delta::elem_width(specs[i].dtype);
-    c.encode(d.base[i].dev, p.src, w, specs[i].local_nbytes() / w, head + p.head_at, out + p.out_at, p.blob,
-             p.stream);
-  }
-  for (std::size_t i = 0; i < specs.size(); ++i)
-    if (d.pending[i].src != nullptr && d.pending[i].stream != stream) c.finish(d.pending[i].stream);
-  c.finish(stream);  // waits; throws what the kernels found (inputs changed between plan and encode)
-  for (std::size_t i = 0; i < specs.size(); ++i) {
-    const DeltaState::Pending& p = d.pending[i];
-    if (p.src == nullptr) continue;
-    (*sources)[i] = Buffer{out + p.out_at, true, {}};
-    d.blobs[i].clear();
-    d.wire += p.blob;
-  }
+  d.heads = head;
+  d.out = static_cast<std::byte*>(c.buffer(1, outs, stream));
+  d.wire += planned;
   return true;
+}
+
+// Tensor i's blob (planned by plan_pending), encoded on its stream into
+// d.out: the ring's copy of it, queued next on the same stream, waits for it.
+Buffer Producer::Impl::encode_one(std::size_t i) {
+  DeltaState& d = delta;
+  const DeltaState::Pending& p = d.pending[i];
+  const std::uint32_t w = delta::elem_width(specs[i].dtype);
+  codec().encode(d.base[i].dev, p.src, w, specs[i].local_nbytes() / w, d.heads + p.head_at, d.out + p.out_at, p.blob,
+                 p.stream);
+  return Buffer{d.out + p.out_at, true, {}};
 }
 
 // end_sync() of a staged sync: encodes the tensors from GPUs, then
@@ -387,20 +386,18 @@ void Producer::Impl::end_staged() {
   std::vector<Buffer> sources(specs.size());
   for (std::size_t i = 0; i < specs.size(); ++i)
     sources[i] = d.raw_from_base[i] ? Buffer{d.base[i].dev, true, {}} : Buffer{d.blobs[i].data(), false, {}};
-  const bool encoded = !d.force_full && encode_pending(&sources);
+  const bool planned = !d.force_full && plan_pending();
   in_sync = false;  // begin_ring sets it again
   d.staged = false;
   const bool no_pay =
-      !encoded || static_cast<double>(d.wire) > opts.delta_max_ratio * static_cast<double>(d.logical);
+      !planned || static_cast<double>(d.wire) > opts.delta_max_ratio * static_cast<double>(d.logical);
   if (d.force_full || no_pay || seat_wants_full()) {
-    if (!encoded) {
-      // Tensors recorded from GPUs were not encoded: their bases take the bytes now.
-      for (std::size_t i = 0; i < specs.size(); ++i) {
-        const DeltaState::Pending& p = d.pending[i];
-        if (p.src == nullptr) continue;
-        codec().copy(d.base[i].dev, p.src, specs[i].local_nbytes(), p.stream);
-        codec().wait(p.stream);
-      }
+    // Tensors recorded from GPUs were not encoded: their bases take the bytes now.
+    for (std::size_t i = 0; i < specs.size(); ++i) {
+      const DeltaState::Pending& p = d.pending[i];
+      if (p.src == nullptr) continue;
+      codec().copy(d.base[i].dev, p.src, specs[i].local_nbytes(), p.stream);
+      codec().wait(p.stream);
     }
     d.full = true;
     wire_sizes.clear();
@@ -439,7 +436,20 @@ void Producer::Impl::end_staged() {
   payload_bytes = wire;
   begin_ring(d.want, pieces);
   layout.payload_bytes = logical;
-  for (std::size_t i = 0; i < specs.size(); ++i) write_tensor_in_sync(i, sources[i], nullptr, 0, kWhole);
+  for (std::size_t i = 0; i < specs.size(); ++i) {
+    const DeltaState::Pending& p = d.pending[i];
+    if (p.src != nullptr)
+      write_tensor_in_sync(i, encode_one(i), p.stream, 0, kWhole);
+    else
+      write_tensor_in_sync(i, sources[i], nullptr, 0, kWhole);
+  }
+  // What the kernels found (inputs changed between plan and encode): thrown
+  // before the sync's last chunk is published, so end_sync() aborts it.
+  std::vector<void*> streams;
+  for (const DeltaState::Pending& p : d.pending)
+    if (p.src != nullptr && std::find(streams.begin(), streams.end(), p.stream) == streams.end())
+      streams.push_back(p.stream);
+  for (void* st : streams) codec().finish(st);
 }
 
 // After a completed sync: the base holds it.

@@ -112,6 +112,8 @@ struct __attribute__((visibility("hidden"))) Producer::Impl {
     std::uint64_t base_bytes = 0;
     std::unique_ptr<detail::delta::CudaCodec> codec;  // device bases (made on first use)
     std::vector<Pending> pending;                     // per tensor; src null: not from a GPU
+    std::byte* heads = nullptr;                       // plan_pending(): the planned heads (device)
+    std::byte* out = nullptr;                         // plan_pending(): room for the blobs (device)
     std::vector<bool> raw_from_base;                  // per tensor: sent as its bytes from its device base
     bool force_full = false;                          // a base changed outside the codec this sync
     int codec_ok = -1;                                // codec_usable(): -1 not asked yet
@@ -175,7 +177,8 @@ struct __attribute__((visibility("hidden"))) Producer::Impl {
   void write_staged(std::size_t index, const detail::Buffer& src, void* stream, std::uint64_t from,
                     std::uint64_t len);
   void end_staged();
-  bool encode_pending(std::vector<detail::Buffer>* sources);
+  bool plan_pending();
+  detail::Buffer encode_one(std::size_t i);
   void delta_done();
   detail::delta::CudaCodec& codec();
   bool codec_usable(void* stream);
