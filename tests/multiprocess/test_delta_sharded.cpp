@@ -342,12 +342,12 @@ int run_consumer(const std::string& name, int id, const ConsumerPlan& plan, Kind
   }
 }
 
-struct Run {
+struct Procs {
   std::string name;
   RegionGuard guard;
   Kinds* k = Kinds::make();
   std::vector<std::unique_ptr<Child>> ranks, consumers;
-  explicit Run(const std::string& tag) : name(unique_name(tag)), guard{name} {}
+  explicit Procs(const std::string& tag) : name(unique_name(tag)), guard{name} {}
   void rank(int r, int R, const RankPlan& plan) {
     ranks.emplace_back(new Child(Child::spawn([=, this] { return run_rank(name, r, R, plan, k); })));
   }
@@ -357,7 +357,7 @@ struct Run {
 };
 
 void bit_exact(int R) {
-  Run t("dshard" + std::to_string(R));
+  Procs t("dshard" + std::to_string(R));
   for (int r = 0; r < R; ++r) t.rank(r, R, RankPlan{});
   t.consumer(0, ConsumerPlan{-1});
   t.consumer(1, ConsumerPlan{0});
@@ -385,7 +385,7 @@ TEST(ShardedDelta, FourRanksWithEmptyShardsBitExact) { bit_exact(4); }
 // and every version is bit-exact.
 TEST(ShardedDelta, OneRanksKeyframeOrFallbackMakesTheRoundFull) {
   const int R = 3;
-  Run t("dshardmix");
+  Procs t("dshardmix");
   t.rank(0, R, RankPlan{});
   RankPlan odd;
   odd.keyframe_every = 5;
@@ -413,7 +413,7 @@ TEST(ShardedDelta, OneRanksKeyframeOrFallbackMakesTheRoundFull) {
 // after request_full_sync(). The other consumers keep reading bit-exact.
 TEST(ShardedDelta, SkippingOrAskingConsumerGetsAFullSync) {
   const int R = 2;
-  Run t("dshardskip");
+  Procs t("dshardskip");
   for (int r = 0; r < R; ++r) t.rank(r, R, RankPlan{});
   t.consumer(0, ConsumerPlan{-1, 32, {6, 7, 19}, 25});
   t.consumer(1, ConsumerPlan{0, 32, {12}, 0});
@@ -440,7 +440,7 @@ TEST(ShardedDelta, SkippingOrAskingConsumerGetsAFullSync) {
 // base, so the next round is full, and deltas follow, all bit-exact.
 TEST(ShardedDelta, RankKilledMidDeltaThenRestarted) {
   const int R = 3;
-  Run t("dshardkill");
+  Procs t("dshardkill");
   RankPlan keep;
   keep.tolerate_failure = true;
   keep.wait_flag = 2;  // version 12 waits for the new rank 1
@@ -462,6 +462,7 @@ TEST(ShardedDelta, RankKilledMidDeltaThenRestarted) {
   ASSERT_EQ(t.k->flag[0].load(), 1) << "rank 1 never heard go for version 11";
   t.ranks[1]->kill9();
   EXPECT_EQ(t.ranks[1]->wait(10s), 128 + SIGKILL);
+  t.ranks.erase(t.ranks.begin() + 1);
   RankPlan again;
   again.first = 12;
   t.rank(1, R, again);
@@ -485,7 +486,7 @@ TEST(ShardedDelta, RankKilledMidDeltaThenRestarted) {
 // its new process does not hold.
 TEST(ShardedDelta, RankRestartedBetweenSyncsMakesTheNextRoundFull) {
   const int R = 2;
-  Run t("dshardrestart");
+  Procs t("dshardrestart");
   RankPlan lead;
   lead.wait_flag = 2;
   lead.wait_at = 9;
@@ -501,6 +502,7 @@ TEST(ShardedDelta, RankRestartedBetweenSyncsMakesTheNextRoundFull) {
   ASSERT_EQ(t.k->flag[1].load(), 1) << "rank 1 never finished version 8";
   t.ranks[1]->kill9();
   EXPECT_EQ(t.ranks[1]->wait(10s), 128 + SIGKILL);
+  t.ranks.erase(t.ranks.begin() + 1);
   RankPlan again;
   again.first = 9;
   t.rank(1, R, again);
