@@ -122,10 +122,12 @@ class Producer(_Closing):
     sync of whole tensors. rank_timeout: how long rank 0 waits for the
     others (and they for it) before Timeout naming the missing rank.
 
-    delta=True (ring regions of one rank): each send() after the first
-    carries only the elements whose raw bits changed since the previous
-    send (bit-exact for every dtype); the producer keeps a host copy of the
-    last sent tensors for that (delta_base_bytes). A send goes out full
+    delta=True (ring regions; sharded producers: on every rank): each
+    send() after the first carries only the elements whose raw bits changed
+    since the previous send (bit-exact for every dtype); the producer keeps
+    a copy of the last sent tensors for that (delta_base_bytes; a sharded
+    rank: of its own shards). A sharded send is a delta only when it is
+    one on every rank: any rank's reason to go full makes it full for all. A send goes out full
     when there is no base yet, the tensors (names, dtypes, shapes) changed,
     a consumer asked for one (it attached late, skipped a version, or was
     handed other destinations), every keyframe_every-th send (0: never on a

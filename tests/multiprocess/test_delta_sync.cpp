@@ -468,16 +468,26 @@ TEST(DeltaSync, CraftedStoreRegionWithDeltasIsNotOpened) {
   EXPECT_EQ(code_of([&] { Consumer::open(name, co); }), Errc::kCorrupt);
 }
 
-// Delta syncs need a ring region of one rank.
+// Delta syncs need a ring region, and sharded ranks that all send them.
 TEST(DeltaSync, RefusedWhereNotSupported) {
   RegionDir dir("delta");
   ProducerOptions o = delta_opts();
   o.mode = RegionMode::kStore;
   o.store_bytes = 4ull << 20;
   EXPECT_EQ(code_of([&] { Producer::create(unique_name("dstore"), o); }), Errc::kInvalidArgument);
-  o = delta_opts();
-  o.world_size = 2;
-  EXPECT_EQ(code_of([&] { Producer::create(unique_name("dranks"), o); }), Errc::kInvalidArgument);
+  {
+    // Sharded: every rank alike (a rank without delta does not join rank 0's delta region).
+    o = delta_opts();
+    o.world_size = 2;
+    o.slots = 4;
+    o.rank_timeout = 2s;
+    const std::string ranks = unique_name("dranks");
+    RegionGuard g{ranks};
+    Producer r0 = Producer::create(ranks, o);
+    o.rank = 1;
+    o.delta = false;
+    EXPECT_EQ(code_of([&] { Producer::create(ranks, o); }), Errc::kInvalidArgument);
+  }
   o = delta_opts();
   o.delta_max_ratio = 0;
   EXPECT_EQ(code_of([&] { Producer::create(unique_name("dratio"), o); }), Errc::kInvalidArgument);

@@ -304,8 +304,10 @@ struct Consumer::Impl {
       for (std::size_t k = 0; k < ti.shards.size(); ++k) plan_piece(ti, ti.shards[k], sel, &plan[t][k]);
     }
     std::vector<std::size_t> cursor(info.world_size, 0);
-    std::vector<std::byte> blob;  // a delta piece's blob, gathered across chunks
-    std::uint64_t blob_have = 0;  // its bytes gathered so far
+    // Per rank: a delta piece's blob gathered across chunks, and its bytes
+    // so far (the ranks' chunks interleave; each rank's come in order).
+    std::vector<std::vector<std::byte>> blobs(info.world_size);
+    std::vector<std::uint64_t> blobs_have(info.world_size, 0);
     for_each_chunk(
         e,
         [&](const std::byte* data, std::uint32_t rank, std::uint64_t start, std::uint64_t bytes) {
@@ -327,7 +329,9 @@ struct Consumer::Impl {
                        apply_blob(p, sel, dst, std::span<const std::byte>(src, n));
                        return;
                      }
-                     // One rank: a piece's ranges come in order, one piece at a time.
+                     // One rank's pieces: their ranges come in order, one piece at a time.
+                     std::vector<std::byte>& blob = blobs[rank];
+                     std::uint64_t& blob_have = blobs_have[rank];
                      if (off == 0) blob.resize(sh.wire_bytes);
                      if (off != blob_have || off + n > blob.size())
                        throw Error(Errc::kCorrupt, "a delta blob's bytes came out of order");
@@ -507,11 +511,11 @@ Consumer Consumer::open(std::string_view name, const ConsumerOptions& o) {
           if ((init == kInitReady && a != Alive::kNo) || kept) {
             impl->checksums = (snap.features & kFeatureChecksums) != 0;
             impl->delta_region = (snap.features & kFeatureDelta) != 0;
-            // Delta syncs come from ring regions of one producer rank only
-            // (Producer::create refuses the rest): anything else was crafted.
-            if (impl->delta_region && (g.store || g.world_size != 1))
-              throw Error(Errc::kCorrupt, f.path() + " claims delta syncs in a store region or one of several "
-                                          "producer ranks, which no shmcast producer makes: not opened");
+            // Delta syncs come from ring regions only (Producer::create
+            // refuses a store region): anything else was crafted.
+            if (impl->delta_region && g.store)
+              throw Error(Errc::kCorrupt, f.path() + " claims delta syncs in a store region, which no shmcast "
+                                          "producer makes: not opened");
             impl->device_slots = snapshot_device_slots(f.data());
             if (std::string bad = device_slots_problem(impl->device_slots, g, snap.features); !bad.empty())
               throw Error(Errc::kCorrupt, f.path() + ": " + bad + ": not opened");

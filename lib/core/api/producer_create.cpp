@@ -176,6 +176,11 @@ Producer::Impl* attach_rank(Producer::Impl* m, std::string_view name, const Prod
                             "region '" + std::string(name) + "' was created by rank 0 with " +
                                 (g.device_slots ? "device" : "host") + " slots, this rank asks for " +
                                 (g.device_slots ? "host" : "device") + " slots: give every rank the same slot_memory");
+              if (((snap.features & kFeatureDelta) != 0) != o.delta)
+                throw Error(Errc::kInvalidArgument,
+                            "region '" + std::string(name) + "' was created by rank 0 " +
+                                (o.delta ? "without" : "with") + " delta syncs, this rank asks for " +
+                                (o.delta ? "them" : "none") + ": give every rank the same delta option");
               m->checksums = (snap.features & kFeatureChecksums) != 0;
               m->path = f.path();
               m->view = RegionView(std::move(f), g);
@@ -239,9 +244,8 @@ Producer Producer::create(std::string_view name, const ProducerOptions& o) {
   if (store && o.world_size != 1)
     throw Error(Errc::kInvalidArgument, "a store region takes one producer rank (world_size 1): gather the "
                                         "shards on one rank, or use a ring region");
-  if (o.delta && (store || o.world_size != 1))
-    throw Error(Errc::kInvalidArgument, "delta syncs need a ring region of one producer rank (a store region keeps "
-                                        "full versions; sharded producers send full syncs)");
+  if (o.delta && store)
+    throw Error(Errc::kInvalidArgument, "delta syncs need a ring region (a store region keeps full versions)");
   if (o.delta && !(o.delta_max_ratio > 0.0 && o.delta_max_ratio <= 1.0))
     throw Error(Errc::kInvalidArgument, "delta_max_ratio must be in (0, 1]");
   const bool dev_slots = o.slot_memory == SlotMemory::kDevice;

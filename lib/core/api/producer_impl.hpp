@@ -128,6 +128,12 @@ struct __attribute__((visibility("hidden"))) Producer::Impl {
     std::vector<std::vector<std::byte>> blobs;
     std::vector<std::byte> scratch;  // a tensor gathered from parts, strides or the device
     std::uint64_t wire = 0, logical = 0;
+    // Sharded (world > 1): what this rank listed for the round, and the
+    // round's kind as rank 0 agreed it (every rank's sync of a round is
+    // full, or every one a delta against the same base).
+    enum class Posted { kFull, kDelta, kNeutral };  // kNeutral: no piece a delta can carry (the same either way)
+    Posted posted = Posted::kFull;
+    bool round_full = true;
   } delta;
   // A delta sync's stream: each tensor's blob size (write_tensor_in_sync
   // writes that many bytes); empty: the tensors' own sizes.
@@ -180,6 +186,11 @@ struct __attribute__((visibility("hidden"))) Producer::Impl {
   bool plan_pending();
   detail::Buffer encode_one(std::size_t i);
   void delta_done();
+  std::string keyframe_reason();
+  std::uint64_t begin_delta_sharded(std::uint64_t n, std::uint64_t used);
+  void end_staged_sharded();
+  std::string adopt_round_kind(std::uint64_t base);
+  std::uint64_t round_kind(std::vector<SyncInfo>* posts);
   detail::delta::CudaCodec& codec();
   bool codec_usable(void* stream);
   void base_on_host(std::size_t i);

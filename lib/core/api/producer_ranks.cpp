@@ -335,7 +335,22 @@ std::uint64_t Producer::Impl::lead_round(std::uint64_t n, std::uint64_t used) {
       throw;
     }
   }
-  const std::vector<SyncInfo> posts = gather(n, used);
+  std::vector<SyncInfo> posts = gather(n, used);
+  // Delta regions: one kind for the whole round (docs/protocol.md §12.1).
+  std::uint64_t base = 0;
+  if (opts.delta) {
+    base = round_kind(&posts);
+    (void)adopt_round_kind(base);  // this rank's own list is posts[0], laid out alike
+  } else {
+    for (std::uint32_t k = 0; k < world; ++k)
+      for (const TensorInfo& t : posts[k].tensors)
+        if (t.shards[0].base_version != 0) {
+          const std::string w = "producer rank " + std::to_string(k) + " lists '" + t.name +
+                                "' as a delta piece, but the region was created without delta syncs";
+          fail_round(n, Errc::kInvalidArgument, w);
+          throw Error(Errc::kInvalidArgument, w);
+        }
+  }
   std::vector<TensorSpec> tensors;
   std::vector<ManifestPiece> pieces;
   std::vector<std::uint64_t> rank_bytes;
@@ -391,6 +406,7 @@ std::uint64_t Producer::Impl::lead_round(std::uint64_t n, std::uint64_t used) {
   go.version = version;
   go.first_seq = first_seq;
   go.rank_chunks = chunks_per_rank;
+  go.base_version = base;
   rounds::go(words(), go);
   detail::ring(view.header().rank_reply);
   return chunks_per_rank;
@@ -426,6 +442,9 @@ std::uint64_t Producer::Impl::begin_sharded(std::uint64_t n, std::uint64_t used)
     version = a.version;
     first_seq = a.first_seq;
     chunks_per_rank = a.rank_chunks;
+    // Delta regions: the round's kind (a list of blobs may have to go whole).
+    if (const std::string bad = adopt_round_kind(a.base_version); !bad.empty())
+      refuse(Errc::kCorrupt, bad + ": the region is corrupt");
     // What rank 0 gave must be this round's and fit this rank's own pieces.
     if (version != n || first_seq == 0 || chunk_count(stream_bytes, S) > chunks_per_rank ||
         chunks_per_rank > (1ull << 40)) {

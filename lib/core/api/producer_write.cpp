@@ -97,7 +97,7 @@ std::uint64_t Producer::Impl::begin_sync(std::span<const TensorSpec> tensors, st
     if (world > 1) drop_round(n, Errc::kSystem, e.what());
     throw;
   }
-  if (world > 1) return begin_sharded(n, used);
+  if (world > 1) return opts.delta ? begin_delta_sharded(n, used) : begin_sharded(n, used);
   if (view.geo().store) return begin_store(want);
   if (opts.delta) {
     fwd.active = fwd.requested;  // begin_forwarded() (producer_forward.cpp)
@@ -308,6 +308,9 @@ void Producer::Impl::abort(std::string_view why, Errc code) {
       delta.staged = false;
       delta.blobs.clear();
       in_sync = false;
+      // Sharded: nothing was posted either; the round is dropped, so the
+      // other ranks fail it at once instead of waiting for this rank's list.
+      if (world > 1) drop_round(round, code, std::string(why));
       return;
     }
   }

@@ -280,7 +280,8 @@ struct alignas(64) RankSeat {
   std::atomic<std::uint64_t> reply_version;  // 144 the sync's version
   std::atomic<std::uint64_t> reply_first_seq;// 152 the sync's first chunk
   std::atomic<std::uint64_t> reply_rank_chunks; // 160 chunks per rank (J): rank r's chunk j is seq first + j*R + r
-  std::uint8_t reserved3[24];                // 168
+  std::atomic<std::uint64_t> reply_base;     // 168 delta regions: the go's kind: 0 a full sync, else the base version of a delta sync
+  std::uint8_t reserved3[16];                // 176
 
   // ---- [192, 448) error text (rank 0's reason for a failed round, or the rank's own)
   char error_text[kErrorTextBytes];          // 192
@@ -294,7 +295,7 @@ static_assert(sizeof(SlotDesc) == kSlotDescBytes);
 static_assert(sizeof(RankSeat) == kRankSeatBytes);
 static_assert(offsetof(RankSeat, post) == 64 && offsetof(RankSeat, reply_round) == 128);
 static_assert(offsetof(RankSeat, left_code) == 92 && offsetof(RankSeat, left_round) == 96);
-static_assert(offsetof(RankSeat, error_text) == 192);
+static_assert(offsetof(RankSeat, error_text) == 192 && offsetof(RankSeat, reply_base) == 168);
 static_assert(offsetof(HeaderFixed, world_size) == 96 && offsetof(HeaderFixed, ranks_offset) == 104);
 static_assert(offsetof(Header, round) == 176 && offsetof(Header, round_open) == 184);
 static_assert(offsetof(Header, round_done) == 344);

@@ -375,9 +375,6 @@ std::string merge_posts(std::span<const SyncInfo> posts, std::vector<TensorSpec>
                  "shape and dtype";
       }
       const ShardInfo& sh = t.shards[0];
-      if (sh.base_version != 0)
-        return "rank " + std::to_string(r) + " lists '" + t.name + "' as a delta piece, but sharded producers send "
-               "full syncs";
       ManifestPiece p{};
       p.tensor = it->second;
       p.rank = static_cast<std::uint16_t>(r);

@@ -43,6 +43,8 @@ std::uint64_t encode_manifest(std::span<const TensorSpec> tensors, std::span<con
 // entry, rank field 0) into the sync's logical tensors and pieces, in order of
 // first appearance. Returns an empty string, or why the posts do not make one
 // consistent sync (dtype or shape disagree, pieces overlap or leave gaps).
+// A delta piece keeps its blob size and base (rank 0 makes the posts of a
+// round one kind first: producer_ranks.cpp, round_kind).
 std::string merge_posts(std::span<const SyncInfo> posts, std::vector<TensorSpec>* tensors,
                         std::vector<ManifestPiece>* pieces, std::vector<std::uint64_t>* rank_bytes,
                         std::uint64_t* payload_bytes);

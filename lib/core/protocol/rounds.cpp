@@ -26,6 +26,7 @@ void answer_one(RankSeat& rs, const Answer& a, std::string_view why) {
   rs.reply_version.store(a.version, std::memory_order_relaxed);
   rs.reply_first_seq.store(a.first_seq, std::memory_order_relaxed);
   rs.reply_rank_chunks.store(a.rank_chunks, std::memory_order_relaxed);
+  rs.reply_base.store(a.base_version, std::memory_order_relaxed);
   rs.reply_round.store(a.round, std::memory_order_release);
 }
 
@@ -74,6 +75,7 @@ Heard hear(const RankSeat& rs, std::uint64_t n, Answer* out) {
     a.version = rs.reply_version.load(std::memory_order_relaxed);
     a.first_seq = rs.reply_first_seq.load(std::memory_order_relaxed);
     a.rank_chunks = rs.reply_rank_chunks.load(std::memory_order_relaxed);
+    a.base_version = rs.reply_base.load(std::memory_order_relaxed);
     if (a.status != Errc{}) a.why = read_error_text(rs.error_text);
     std::atomic_thread_fence(std::memory_order_acquire);
     if (rs.reply_round.load(std::memory_order_relaxed) != r1) continue;  // rewritten meanwhile

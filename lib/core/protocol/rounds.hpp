@@ -68,6 +68,9 @@ struct Answer {
   std::uint64_t round = 0;
   Errc status{};  // Errc{} (0): go
   std::uint64_t version = 0, first_seq = 0, rank_chunks = 0;
+  // Delta regions: the kind of the sync rank 0 agreed (RankSeat::reply_base):
+  // 0 full, else a delta sync against this version.
+  std::uint64_t base_version = 0;
   std::string why;  // a failure's reason (the seat's error_text)
 };
 // RankSeat::reply_round while rank 0 rewrites the answer: the round it is

@@ -329,7 +329,9 @@ struct ProducerOptions {
   // begin a sync (rank 0, kTimeout naming the missing rank) or for rank 0 to
   // answer (ranks 1..).
   Duration rank_timeout = std::chrono::seconds(120);
-  // Delta syncs (ring regions of one rank): the producer keeps a base, a
+  // Delta syncs (ring regions; sharded producers: every rank alike, each
+  // keeping the base of its own pieces, and a sync is a delta only when it
+  // is one on every rank, docs/protocol.md §12.1): the producer keeps a base, a
   // copy of the bytes it last sent (host memory, delta_base_bytes()), and
   // sends each tensor as the elements that changed since then (compared as
   // raw words: bit-exact for any dtype), docs/protocol.md §12. A sync goes
