@@ -259,6 +259,12 @@ struct ConsumerPlan {
   bool expect_error = false;  // a rank dies: some read fails (never wrong data)
 };
 
+ConsumerPlan plan_part(int part) {
+  ConsumerPlan p;
+  p.part = part;
+  return p;
+}
+
 int run_consumer(const std::string& name, int id, const ConsumerPlan& plan, Kinds* k) {
   Consumer c = Consumer::open(name, copts());
   Weights w;
@@ -359,9 +365,9 @@ struct Procs {
 void bit_exact(int R) {
   Procs t("dshard" + std::to_string(R));
   for (int r = 0; r < R; ++r) t.rank(r, R, RankPlan{});
-  t.consumer(0, ConsumerPlan{-1});
-  t.consumer(1, ConsumerPlan{0});
-  t.consumer(2, ConsumerPlan{1});
+  t.consumer(0, plan_part(-1));
+  t.consumer(1, plan_part(0));
+  t.consumer(2, plan_part(1));
   for (int r = 0; r < R; ++r) EXPECT_EQ(t.ranks[static_cast<std::size_t>(r)]->wait(240s), 0) << "rank " << r;
   for (int i = 0; i < 3; ++i) EXPECT_EQ(t.consumers[static_cast<std::size_t>(i)]->wait(240s), 0) << "consumer " << i;
   // Version 1 full, every later one a delta, on every rank and consumer.
@@ -392,9 +398,9 @@ TEST(ShardedDelta, OneRanksKeyframeOrFallbackMakesTheRoundFull) {
   odd.max_ratio = 0.12;
   t.rank(1, R, odd);
   t.rank(2, R, RankPlan{});
-  t.consumer(0, ConsumerPlan{-1});
-  t.consumer(1, ConsumerPlan{0});
-  t.consumer(2, ConsumerPlan{1});
+  t.consumer(0, plan_part(-1));
+  t.consumer(1, plan_part(0));
+  t.consumer(2, plan_part(1));
   for (auto& c : t.ranks) EXPECT_EQ(c->wait(240s), 0);
   for (auto& c : t.consumers) EXPECT_EQ(c->wait(240s), 0);
   int full = 0, delta = 0;
@@ -417,7 +423,7 @@ TEST(ShardedDelta, SkippingOrAskingConsumerGetsAFullSync) {
   for (int r = 0; r < R; ++r) t.rank(r, R, RankPlan{});
   t.consumer(0, ConsumerPlan{-1, 32, {6, 7, 19}, 25});
   t.consumer(1, ConsumerPlan{0, 32, {12}, 0});
-  t.consumer(2, ConsumerPlan{-1});
+  t.consumer(2, plan_part(-1));
   for (auto& c : t.ranks) EXPECT_EQ(c->wait(240s), 0);
   for (auto& c : t.consumers) EXPECT_EQ(c->wait(240s), 0);
   auto first_read_after = [&](int id, int v) {
@@ -494,9 +500,9 @@ TEST(ShardedDelta, RankRestartedBetweenSyncsMakesTheNextRoundFull) {
   RankPlan victim;
   victim.pause_after = 8;
   t.rank(1, R, victim);
-  t.consumer(0, ConsumerPlan{-1});
-  t.consumer(1, ConsumerPlan{0});
-  t.consumer(2, ConsumerPlan{1});
+  t.consumer(0, plan_part(-1));
+  t.consumer(1, plan_part(0));
+  t.consumer(2, plan_part(1));
   const std::int64_t until = mono_now_ns() + 60'000'000'000;
   while (t.k->flag[1].load() == 0 && mono_now_ns() < until) ::usleep(1000);
   ASSERT_EQ(t.k->flag[1].load(), 1) << "rank 1 never finished version 8";

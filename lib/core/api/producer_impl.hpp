@@ -184,6 +184,7 @@ struct __attribute__((visibility("hidden"))) Producer::Impl {
                     std::uint64_t len);
   void end_staged();
   bool plan_pending();
+  bool encode_pending(std::vector<detail::Buffer>* sources);
   detail::Buffer encode_one(std::size_t i);
   void delta_done();
   std::string keyframe_reason();
