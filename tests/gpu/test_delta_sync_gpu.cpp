@@ -1,5 +1,5 @@
 // GPU tier: delta syncs (ProducerOptions::delta) between processes with
-// device tensors. The producer's bases live on its GPU and its deltas are
+// device tensors, from one producer and from two sharded ranks. The producer's bases live on its GPU and its deltas are
 // encoded there (the CUDA codec); a device consumer applies them on its GPU
 // (read_into_device), a host consumer on the host (read_into); both must be
 // bit-exact at every version. Skips without a GPU or without the delta
@@ -234,4 +234,119 @@ TEST(DeltaSyncGpu, WrongBaseAndOtherDestinationsOnTheDevice) {
   });
   EXPECT_EQ(prod.wait(120s), 0);
   EXPECT_EQ(cons.wait(120s), 0);
+}
+
+// Two sharded ranks, each writing its rows of two tensors from its GPU (its
+// base: its shards only, encoded on the GPU); a device consumer reads the
+// whole tensors: bit-exact at every version, every version after the first
+// a delta on both ranks.
+TEST(DeltaSyncGpu, ShardedRanksEncodeTheirShardsOnTheGpu) {
+  REQUIRE_DELTA_GPU();
+  const std::string name = unique_name("gpudeltash");
+  RegionGuard guard{name};
+  constexpr int kRanks = 2;
+  constexpr std::uint64_t kLast = 8;
+  struct T {
+    const char* name;
+    DType dt;
+    std::int64_t rows, cols;
+  };
+  static const T kT[] = {{"w", DType::kBF16, 512, 1536}, {"n", DType::kF32, 300, 700}};
+  // The whole tensors at version v: 2 % of the elements changed per version.
+  auto weights = [](std::uint64_t v) {
+    std::vector<std::vector<std::uint8_t>> out;
+    for (std::size_t i = 0; i < 2; ++i) {
+      const std::size_t z = dtype_size(kT[i].dt);
+      const std::uint64_t n = static_cast<std::uint64_t>(kT[i].rows * kT[i].cols);
+      std::vector<std::uint8_t> d(n * z);
+      fill_pattern(d.data(), d.size(), 0x5eed + i);
+      for (std::uint64_t u = 2; u <= v; ++u) {
+        std::mt19937_64 rng(u * 131 + i);
+        for (std::uint64_t j = 0; j < n / 50; ++j) {
+          const std::uint64_t e = rng() % n;
+          d[e * z] ^= static_cast<std::uint8_t>(rng() | 1);
+        }
+      }
+      out.push_back(std::move(d));
+    }
+    return out;
+  };
+  auto rows_of = [](std::int64_t rows, int r) {
+    const std::int64_t c = (rows + kRanks - 1) / kRanks, start = std::min(rows, c * r);
+    return std::pair<std::int64_t, std::int64_t>{start, std::min(rows, start + c) - start};
+  };
+  auto rank = [&](int r) {
+    ProducerOptions o = opts();
+    o.rank = static_cast<std::uint32_t>(r);
+    o.world_size = kRanks;
+    o.slots = 4;
+    o.rank_timeout = 60s;
+    Producer p = Producer::create(name, o);
+    if (r == 0) p.wait_for_consumers(1, 60s);
+    cudaStream_t s = nullptr;
+    ck(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "cudaStreamCreate");
+    std::vector<TensorSpec> specs;
+    std::vector<DevBuf> dev;
+    std::uint64_t mine = 0;
+    for (const T& t : kT) {
+      const auto [start, len] = rows_of(t.rows, r);
+      TensorSpec sp{t.name, t.dt, {t.rows, t.cols}};
+      sp.shard_dim = 0;
+      sp.shard_start = start;
+      sp.shard_length = len;
+      specs.push_back(sp);
+      dev.emplace_back(static_cast<std::size_t>(len * t.cols) * dtype_size(t.dt));
+      mine += static_cast<std::uint64_t>(len * t.cols) * dtype_size(t.dt);
+    }
+    for (std::uint64_t v = 1; v <= kLast; ++v) {
+      const auto w = weights(v);
+      for (std::size_t i = 0; i < 2; ++i) {
+        const std::size_t row = static_cast<std::size_t>(kT[i].cols) * dtype_size(kT[i].dt);
+        dev[i].upload(w[i].data() + static_cast<std::size_t>(rows_of(kT[i].rows, r).first) * row,
+                      specs[i].local_nbytes());
+      }
+      ck(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+      if (p.begin_sync(specs, v) != v) return 81;
+      for (std::size_t i = 0; i < 2; ++i) p.write_device(i, dev[i].p, s);
+      p.end_sync();
+      if (p.last_sync().delta != (v > 1)) {
+        std::fprintf(stderr, "rank %d version %llu went %s\n", r, (unsigned long long)v,
+                     p.last_sync().delta ? "delta" : "full");
+        return 82;
+      }
+    }
+    if (p.delta_base_bytes() != mine) return 83;
+    if (r == 0) p.wait_drained(60s);
+    cudaStreamDestroy(s);
+    return 0;
+  };
+  Child r0 = Child::spawn([&] { return rank(0); });
+  Child r1 = Child::spawn([&] { return rank(1); });
+  Child cons = Child::spawn([&] {
+    Consumer c = Consumer::open(name, copts());
+    std::vector<DevBuf> dst;
+    std::vector<void*> ptrs;
+    for (const T& t : kT) {
+      dst.emplace_back(static_cast<std::size_t>(t.rows * t.cols) * dtype_size(t.dt));
+      ptrs.push_back(dst.back().p);
+    }
+    for (std::uint64_t v = 1; v <= kLast; ++v) {
+      if (c.wait_sync(60s).version != v) return 91;
+      c.read_into_device(ptrs, nullptr);
+      ck(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+      const auto w = weights(v);
+      for (std::size_t i = 0; i < 2; ++i) {
+        const long long d = first_diff(download(ptrs[i], w[i].size()), w[i]);
+        if (d >= 0) {
+          std::fprintf(stderr, "version %llu tensor %zu differs at byte %lld\n", (unsigned long long)v, i, d);
+          return 92;
+        }
+      }
+      if (c.last_sync().delta != (v > 1)) return 93;
+    }
+    return 0;
+  });
+  EXPECT_EQ(r0.wait(240s), 0);
+  EXPECT_EQ(r1.wait(240s), 0);
+  EXPECT_EQ(cons.wait(240s), 0);
 }
