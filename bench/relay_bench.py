@@ -37,6 +37,29 @@ Prints min/median/max of every figure and the ratios the issue asks for:
 2-node relay / perftest, and the last node of the N-node chain / 2-node.
 Exit 1 when a worker saw a wrong byte or a step did not finish in time.
 
+Delta syncs (issue #31's relay figure; instead of step 2):
+
+    python3 bench/relay_bench.py --delta-change 0.02 [--manifest qwen2.5-3b] [--link 10Gbit] [--nodes 2] ...
+
+For each chain length, two chains in the same run, each with its own
+trainer: "full" (ProducerOptions::delta off) and "delta" (on). Both trainers
+start from the same kind of seeded bytes and, before each sync (outside the
+timer), change about F of their bf16 elements at seeded random positions
+(XOR with a non-zero value), so both move the same logical bytes. A worker
+on every node, node 0's too (it reads the trainer's region), reads each sync
+into the same buffers (a delta applies in place) and compares every byte
+with its own copy, which takes the same changes (relay_peer.cpp mutate()).
+Two warm-up syncs (full: the first, and the one that answers the downstream
+relay's full-sync request made when it connected before the first sync),
+then --reps timed syncs. Per node: the rate in logical bytes/s (from the
+trainer's begin_sync to the worker's read_into returning), the sync time,
+each sync's kind; the trainer's payload/logical (Producer::last_sync), its
+begin_sync -> last write() (a delta trainer's compare and encode on host
+threads), -> end_sync, and the delta base's bytes; the ratio delta / full of
+the last node's median rate; and the logical rate the link alone would carry
+(ucx_perftest / payload per logical byte, computed). A timed sync of the
+wrong kind is reported, not hidden.
+
 Isolation (instead of the above; TCP over loopback only):
 
     python3 bench/relay_bench.py --flood 1000 [--window 4] [--reps 10] ...
