@@ -278,3 +278,88 @@ TEST(RelayDelta, CorruptedDeltaBlobIsRejectedAndFollowedByAFullSync) {
   EXPECT_FALSE(has_line(rep, "bad 4")) << slurp(rep);
   EXPECT_EQ(lines(rep, "ok").size(), 5u) << slurp(rep);  // 1, 2, 3, 5, 6
 }
+
+// A full-sync request through a middle relay: a chain node 0 -> node 1 ->
+// node 2 (node 2's relay connects to node 1's, never to the source). Node
+// 2's worker skips every 4th version, so the delta after it cannot apply:
+// the worker lets it go and asks through its seat; node 2's relay sends
+// want-full to node 1's, which passes it on to the source relay, which asks
+// the trainer's region. Once the source relay has asked (its log), the next
+// version is full at node 2 (and at node 1: a full sync is for everyone), and
+// deltas apply again after it. Node 1's worker reads every version
+// bit-exactly.
+TEST(RelayDelta, FullSyncRequestPassesThroughAMiddleRelay) {
+  Cluster c(3, "deltachain");
+  auto peer = [&](const std::string& tag, int node, std::vector<std::string> args) -> Proc& {
+    args.insert(args.begin(), kDeltaPeer);
+    return c.start(tag, args, node);
+  };
+  const int n = 10;
+  const std::string N = std::to_string(n), trainer_rep = c.file("trainer.txt");
+  auto rep = [&](int node) { return c.file("worker" + std::to_string(node) + ".txt"); };
+  peer("trainer", 0, {"produce", c.region(), "--versions", N, "--go", c.file("go"), "--report", trainer_rep,
+                      "--fraction", "0.02"});
+  ASSERT_TRUE(c.wait_line(trainer_rep, "ready"));
+  c.relay(0, 0, true);
+  const int p0 = c.listen_port(0);
+  ASSERT_NE(p0, 0);
+  c.relay(1, p0, true);
+  ASSERT_FALSE(c.wait_status(1, [](const json& j) { return upstream_connected(j); }).is_null());
+  const int p1 = c.listen_port(1);
+  ASSERT_NE(p1, 0);
+  c.relay(2, p1, false);
+  ASSERT_FALSE(c.wait_status(2, [](const json& j) { return upstream_connected(j); }).is_null());
+  ASSERT_FALSE(c.wait_status(0, [](const json& j) { return downstream_ready(j, 1); }).is_null());
+  ASSERT_FALSE(c.wait_status(1, [](const json& j) { return downstream_ready(j, 1); }).is_null());
+  Proc& w1 = peer("worker1", 1, {"consume", c.region(), "--versions", N, "--report", rep(1), "--fraction", "0.02"});
+  Proc& w2 = peer("worker2", 2, {"consume", c.region(), "--versions", N, "--report", rep(2), "--fraction", "0.02",
+                                 "--skip-every", "4"});
+  ASSERT_TRUE(c.wait_line(rep(1), "attached"));
+  ASSERT_TRUE(c.wait_line(rep(2), "attached"));
+  const std::string log0 = c.file("relay0.log");
+  auto asked = [&] {
+    std::size_t k = 0;
+    const std::string l = slurp(log0);
+    for (std::size_t at = 0; (at = l.find("for a full sync: a downstream relay asked for one", at)) != std::string::npos;
+         ++at)
+      ++k;
+    return k;
+  };
+  std::size_t before = 0;
+  for (int v = 1; v <= n; ++v) {
+    if (v % 4 == 1 && v > 1) before = asked();  // after the skipped version
+    c.touch(c.file("go." + std::to_string(v)));
+    for (int node : {1, 2})
+      ASSERT_FALSE(
+          c.wait_status(node, [&](const json& j) { return j["region_state"].value("version", 0) >= v; }).is_null())
+          << "node " << node << ", version " << v;
+    ASSERT_EQ(verdict(rep(1), v), "ok") << slurp(rep(1));
+    if (v % 4 == 1 && v > 1) {
+      // Node 2's worker let this delta go and asked; wait until the request
+      // reached the trainer's region through node 1.
+      const auto until = std::chrono::steady_clock::now() + 60s;
+      while (asked() <= before && std::chrono::steady_clock::now() < until) std::this_thread::sleep_for(2ms);
+      ASSERT_GT(asked(), before) << "version " << v << ": node 2's request never reached the source relay\n"
+                                 << slurp(log0) << slurp(c.file("relay1.log")) << slurp(c.file("relay2.log"));
+    }
+  }
+  EXPECT_EQ(w1.wait(), 0) << w1.output() << slurp(rep(1));
+  EXPECT_EQ(w2.wait(), 0) << w2.output() << slurp(rep(2));
+  // Node 2: 4 and 8 skipped, 5 and 9 (deltas on a version its worker did not
+  // read) let go, 6 and 10 full, 7 a delta again.
+  EXPECT_TRUE(has_line(rep(2), "skipped 4")) << slurp(rep(2));
+  EXPECT_TRUE(has_line(rep(2), "skipped 8")) << slurp(rep(2));
+  for (int v : {5, 9})
+    for (const char* w : {"ok", "bad", "corrupt"}) {
+      for (const auto& f : lines(rep(2), w)) EXPECT_NE(f.at(1), std::to_string(v)) << slurp(rep(2));
+    }
+  EXPECT_EQ(wait_fields(rep(2), "ok", 6).at(2), "full") << slurp(rep(2));
+  EXPECT_EQ(wait_fields(rep(2), "ok", 7).at(2), "delta") << slurp(rep(2));
+  EXPECT_EQ(wait_fields(rep(2), "ok", 10).at(2), "full") << slurp(rep(2));
+  // Node 1 read every version; 6 and 10 came full there too.
+  EXPECT_EQ(lines(rep(1), "ok").size(), static_cast<std::size_t>(n)) << slurp(rep(1));
+  EXPECT_EQ(wait_fields(rep(1), "ok", 6).at(2), "full") << slurp(rep(1));
+  EXPECT_EQ(wait_fields(rep(1), "ok", 7).at(2), "delta") << slurp(rep(1));
+  // Node 1 passed requests up (its own counter of want-full sent upstream).
+  EXPECT_FALSE(c.wait_status(1, [](const json& j) { return j["delta"].value("full_requests", 0) >= 2; }).is_null());
+}
