@@ -825,6 +825,9 @@ def run_delta(args, tools, env, links, result):
     result["delta_change"] = args.delta_change
     result["manifest"] = args.manifest
     result["delta"] = {}
+    result["perftest_bytes"] = args.bytes
+    if args.manifest:
+        result["tensors"] = None  # the manifest's; payload_bytes: the chains' logical bytes, below
     ceiling = result["perftest"]["gbs"]["median"]
     for n in [int(x) for x in args.nodes.split(",")]:
         entry = {}
@@ -840,6 +843,7 @@ def run_delta(args, tools, env, links, result):
             finally:
                 chain.close()
             tr = chain.detail["trainer"]
+            result["payload_bytes"] = chain.logical
             e = {"logical_bytes": chain.logical,
                  "nodes": {str(i): stats(r) for i, r in rates.items()}, "all": rates,
                  "sync_s": {str(i): stats(chain.detail[i]["sync_s"]) for i in rates},
