@@ -37,6 +37,29 @@ Prints min/median/max of every figure and the ratios the issue asks for:
 2-node relay / perftest, and the last node of the N-node chain / 2-node.
 Exit 1 when a worker saw a wrong byte or a step did not finish in time.
 
+Delta syncs (issue #31's relay figure; instead of step 2):
+
+    python3 bench/relay_bench.py --delta-change 0.02 [--manifest qwen2.5-3b] [--link 10Gbit] [--nodes 2] ...
+
+For each chain length, two chains in the same run, each with its own
+trainer: "full" (ProducerOptions::delta off) and "delta" (on). Both trainers
+start from the same kind of seeded bytes and, before each sync (outside the
+timer), change about F of their bf16 elements at seeded random positions
+(XOR with a non-zero value), so both move the same logical bytes. A worker
+on every node, node 0's too (it reads the trainer's region), reads each sync
+into the same buffers (a delta applies in place) and compares every byte
+with its own copy, which takes the same changes (relay_peer.cpp mutate()).
+Two warm-up syncs (full: the first, and the one that answers the downstream
+relay's full-sync request made when it connected before the first sync),
+then --reps timed syncs. Per node: the rate in logical bytes/s (from the
+trainer's begin_sync to the worker's read_into returning), the sync time,
+each sync's kind; the trainer's payload/logical (Producer::last_sync), its
+begin_sync -> last write() (a delta trainer's compare and encode on host
+threads), -> end_sync, and the delta base's bytes; the ratio delta / full of
+the last node's median rate; and the logical rate the link alone would carry
+(ucx_perftest / payload per logical byte, computed). A timed sync of the
+wrong kind is reported, not hidden.
+
 Isolation (instead of the above; TCP over loopback only):
 
     python3 bench/relay_bench.py --flood 1000 [--window 4] [--reps 10] ...
@@ -272,9 +295,14 @@ def perftest(args, env, exe, msg, wait, outstanding=None, links=None):
 
 
 class Chain:
-    def __init__(self, args, n, env, tools, links=None):
-        self.args, self.n, self.env, self.tools, self.links = args, n, env, tools, links
-        self.root = tempfile.mkdtemp(prefix=f"shmcast-relay-bench-{n}-")
+    """mode: None (fresh random bytes every sync), or with --delta-change
+    "full" (the trainer's ProducerOptions::delta off) or "delta" (on); both
+    change --delta-change of the elements before each sync, and then a worker
+    on node 0 reads the trainer's region too."""
+
+    def __init__(self, args, n, env, tools, links=None, mode=None):
+        self.args, self.n, self.env, self.tools, self.links, self.mode = args, n, env, tools, links, mode
+        self.root = tempfile.mkdtemp(prefix=f"shmcast-relay-bench-{n}{'-' + mode if mode else ''}-")
         self.procs = []
         self.region = "relay-bench"
 
@@ -305,14 +333,26 @@ class Chain:
         for i in range(n):
             os.makedirs(self.dir(i))
         peer, relay = self.tools["peer"], self.tools["relay"]
-        syncs = a.reps + 1
+        # Warm-up: the first sync; with --delta-change the first two (a relay
+        # that connects before the first sync asks for a full sync after
+        # version 1, so the trainer's second sync is full too), in both modes.
+        self.warmup = 2 if self.mode else 1
+        syncs = a.reps + self.warmup
+        timed = range(self.warmup + 1, syncs + 1)
         seed = int.from_bytes(os.urandom(7), "little")
         trainer = os.path.join(self.root, "trainer.txt")
         go = os.path.join(self.root, "go")
+        content = []  # the peers' content arguments
+        if self.mode:
+            content = ["--change", repr(a.delta_change)]
+        manifest = ["--manifest", a.manifest] if a.manifest else []
         self.start("trainer", [peer, "produce", self.region, "--bytes", str(a.bytes), "--tensors", str(a.tensors),
                                "--slot-bytes", str(a.chunk), "--syncs", str(syncs), "--go", go, "--seed", str(seed),
-                               "--report", trainer], 0)
-        wait_for(lambda: "ready" in read_lines(trainer), 120, "the trainer")
+                               "--report", trainer] + manifest + content +
+                   (["--delta", "1"] if self.mode == "delta" else []), 0)
+        wait_for(lambda: "ready" in read_lines(trainer), 300, "the trainer")
+        logical = [int(l.split()[1]) for l in read_lines(trainer) if l.startswith("logical ")]
+        self.logical = logical[0] if logical else a.payload
         ports = [0] * n
         for i in range(n):
             argv = [relay, self.region] + self.args.relay_args
@@ -331,23 +371,26 @@ class Chain:
                                  "connected")
         for i in range(n - 1):
             self.wait_status(i, lambda s: s["downstream_ready"] >= 1, "its downstream relay")
-        reports = []
-        for i in range(1, n):
+        reports = {}
+        for i in range(0 if self.mode else 1, n):
             rep = os.path.join(self.root, f"worker{i}.txt")
             self.start(f"worker{i}", [peer, "consume", self.region, "--syncs", str(syncs), "--seed", str(seed),
-                                      "--report", rep], i)
+                                      "--report", rep] + content, i)
             wait_for(lambda: "attached" in read_lines(rep), 120, f"worker {i}")
-            reports.append(rep)
+            reports[i] = rep
         cpu0 = sum(proc_cpu_s(p.pid) for p in self.procs)
         m0 = machine_busy()
         t0 = time.monotonic()
         for v in range(1, syncs + 1):
             open(f"{go}.{v}", "w").close()
-            for rep in reports:
+            for rep in reports.values():
                 def done(rep=rep, v=v):
                     lines = read_lines(rep)
                     if any(l.startswith(f"bad {v}") for l in lines):
                         raise RuntimeError(f"{rep}: sync {v} has wrong bytes")
+                    if f"needsfull {v}" in lines:
+                        raise RuntimeError(f"{rep}: sync {v} was a delta on a base the worker did not hold "
+                                           "(kNeedsFullSync)")
                     return f"ok {v}" in lines
                 wait_for(done, 600, f"sync {v} at {rep}")
         # Cores kept busy while the syncs ran: by this chain's processes, and
@@ -356,11 +399,41 @@ class Chain:
         m1 = machine_busy()
         self.cores = {"chain": (sum(proc_cpu_s(p.pid) for p in self.procs) - cpu0) / wall,
                       "machine": (m1[0] - m0[0]) / max(1, m1[1] - m0[1]) * os.cpu_count()}
-        begin = {int(l.split()[1]): int(l.split()[2]) for l in read_lines(trainer) if l.startswith("begin ")}
+        tl = read_lines(trainer)
+        begin = {int(l.split()[1]): int(l.split()[2]) for l in tl if l.startswith("begin ")}
+        tend = {int(l.split()[1]): int(l.split()[2]) for l in tl if l.startswith("end ")}
         rates = {}
-        for i, rep in enumerate(reports, start=1):
-            end = {int(l.split()[1]): int(l.split()[2]) for l in read_lines(rep) if l.startswith("end ")}
-            rates[i] = [a.payload / ((end[v] - begin[v]) * 1e-9) / 1e9 for v in range(2, syncs + 1)]
+        self.detail = {}
+        for i, rep in reports.items():
+            lines = read_lines(rep)
+            end = {int(l.split()[1]): int(l.split()[2]) for l in lines if l.startswith("end ")}
+            rates[i] = [self.logical / ((end[v] - begin[v]) * 1e-9) / 1e9 for v in timed]
+            if self.mode:
+                kinds = {int(l.split()[1]): l.split()[2:] for l in lines if l.startswith("sync ")}
+                self.detail[i] = {
+                    "sync_s": [(end[v] - begin[v]) * 1e-9 for v in timed],
+                    "kinds": [kinds[v][0] for v in timed],
+                    # the trainer's end_sync returned -> this worker's
+                    # read_into returned (the last chunks' way, the apply)
+                    "after_end_sync_s": [(end[v] - tend[v]) * 1e-9 for v in timed],
+                    "verified": sum(1 for l in lines if l.startswith("ok ")),
+                }
+        if self.mode:
+            written = {int(l.split()[1]): int(l.split()[2]) for l in tl if l.startswith("written ")}
+            kinds = {int(l.split()[1]): l.split()[2:] for l in tl if l.startswith("sync ")}
+            self.detail["trainer"] = {
+                # begin_sync to the last write() returned: a delta trainer's
+                # compare-and-encode of every tensor (host threads).
+                "written_s": [(written[v] - begin[v]) * 1e-9 for v in timed],
+                "end_sync_s": [(tend[v] - begin[v]) * 1e-9 for v in timed],
+                "kinds": [kinds[v][0] for v in timed],
+                "payload_bytes": [int(kinds[v][1]) for v in timed],
+                "logical_bytes": [int(kinds[v][2]) for v in timed],
+                "warmup_kinds": [kinds[v][0] for v in range(1, self.warmup + 1)],
+            }
+            base = [int(l.split()[1]) for l in tl if l.startswith("delta_base_bytes ")]
+            if base:
+                self.detail["trainer"]["delta_base_bytes"] = base[0]
         relays = [self.status(i) for i in range(n)]
         return rates, relays
 
@@ -598,6 +671,13 @@ def main():
                     help="instead of chains: a downstream's rate alone and beside a stopped one and one stopped 4 s "
                          "/ resumed 0.3 s over and over")
     ap.add_argument("--window", type=float, default=4.3, help="--flood/--slow: seconds of syncs per repetition")
+    ap.add_argument("--delta-change", type=float, metavar="F",
+                    help="instead of fresh bytes: each sync changes F (e.g. 0.02) of the bf16 elements at random "
+                         "positions; per chain length, a chain of full syncs and a chain of delta syncs "
+                         "(ProducerOptions::delta), the last node's rate in logical bytes/s, a worker on every "
+                         "node (node 0's too) checking every byte against its own changed copy")
+    ap.add_argument("--manifest", help="the trainer's tensors: a named model's shapes (qwen2.5-3b: bf16, 6.17 GB) "
+                    "instead of --tensors tensors of --bytes in all (ucx_perftest still moves --bytes)")
     ap.add_argument("--json")
     ap.add_argument("--keep", action="store_true", help="keep the node directories and logs")
     args = ap.parse_args()
@@ -611,6 +691,8 @@ def main():
         if not os.access(t, os.X_OK):
             sys.exit(f"relay_bench: {t} is missing: build it (cmake --build {args.build} --target "
                      "shmcast-relay shmcast-relay-bench-peer)")
+    if args.delta_change is not None and not 0 < args.delta_change <= 1:
+        sys.exit("relay_bench: --delta-change F: 0 < F <= 1")
     if args.flood or args.slow:
         if args.link or args.tls != "tcp" or args.devices != "lo":
             sys.exit("relay_bench: --flood and --slow run over TCP loopback only")
@@ -688,6 +770,8 @@ def run_bench(args, tools, perf, links):
         print(f"ucx_perftest {run['args']}: {fmt(run['gbs'])}")
     result["perftest"] = max(result["perftest_runs"], key=lambda r: r["gbs"]["median"])
 
+    if args.delta_change is not None:
+        return run_delta(args, tools, env, links, result)
     ok = True
     result["chains"] = {}
     for n in [int(x) for x in args.nodes.split(",")]:
@@ -726,6 +810,81 @@ def run_bench(args, tools, perf, links):
             r = e["last"]["median"] / e["nodes"]["1"]["median"]
             result[f"ratio_{n}node_last_vs_first"] = r
             print(f"{n}-node chain, last node / first downstream node: {r:.2f} (store-and-forward: {1 / (int(n) - 1):.2f})")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    return 0 if ok else 1
+
+
+def run_delta(args, tools, env, links, result):
+    """--delta-change F: for each chain length, a chain whose trainer sends
+    full syncs (delta off) and one whose trainer sends delta syncs, both
+    changing F of the bf16 elements before each sync; the figure is the last
+    node's rate in logical bytes per second, delta against full."""
+    ok = True
+    result["delta_change"] = args.delta_change
+    result["manifest"] = args.manifest
+    result["delta"] = {}
+    result["perftest_bytes"] = args.bytes
+    if args.manifest:
+        result["tensors"] = None  # the manifest's; payload_bytes: the chains' logical bytes, below
+    ceiling = result["perftest"]["gbs"]["median"]
+    for n in [int(x) for x in args.nodes.split(",")]:
+        entry = {}
+        for mode in ("full", "delta"):
+            chain = Chain(args, n, env, tools, links, mode)
+            try:
+                rates, relays = chain.run()
+            except Exception as e:  # noqa: BLE001 (report, keep the logs, fail)
+                print(f"relay_bench: {n} nodes, {mode} syncs: {e} (logs in {chain.root})", file=sys.stderr)
+                args.keep = True
+                ok = False
+                continue
+            finally:
+                chain.close()
+            tr = chain.detail["trainer"]
+            result["payload_bytes"] = chain.logical
+            e = {"logical_bytes": chain.logical,
+                 "nodes": {str(i): stats(r) for i, r in rates.items()}, "all": rates,
+                 "sync_s": {str(i): stats(chain.detail[i]["sync_s"]) for i in rates},
+                 "after_end_sync_s": {str(i): stats(chain.detail[i]["after_end_sync_s"]) for i in rates},
+                 "kinds": {str(i): chain.detail[i]["kinds"] for i in rates},
+                 "verified": {str(i): chain.detail[i]["verified"] for i in rates},
+                 "trainer": tr,
+                 "trainer_written_s": stats(tr["written_s"]), "trainer_end_sync_s": stats(tr["end_sync_s"]),
+                 "payload_over_logical": stats([p / l for p, l in zip(tr["payload_bytes"], tr["logical_bytes"])]),
+                 "cores_busy": chain.cores, "relay_status": relays}
+            e["last"] = e["nodes"][str(n - 1)]
+            e["last_vs_perftest"] = e["last"]["median"] / ceiling
+            # What the link alone would allow: logical bytes at the ceiling's
+            # rate for the payload (computed, no encode or apply).
+            e["link_bound_logical_gbs"] = ceiling / e["payload_over_logical"]["median"]
+            entry[mode] = e
+            want = "delta" if mode == "delta" else "full"
+            other = sum(1 for k in tr["kinds"] if k != want)
+            for i in rates:
+                print(f"{n} nodes, {mode} syncs, node {i}: {fmt(e['nodes'][str(i)])} logical; sync "
+                      f"{e['sync_s'][str(i)]['median']:.3f} s ({e['sync_s'][str(i)]['min']:.3f}-"
+                      f"{e['sync_s'][str(i)]['max']:.3f}); verified {e['verified'][str(i)]}/{args.reps + chain.warmup}")
+            print(f"{n} nodes, {mode} syncs: payload/logical {e['payload_over_logical']['median']:.4f}; trainer "
+                  f"begin_sync -> last write {e['trainer_written_s']['median']:.3f} s, -> end_sync "
+                  f"{e['trainer_end_sync_s']['median']:.3f} s, -> node {n - 1}'s read_into "
+                  f"{e['trainer_end_sync_s']['median'] + e['after_end_sync_s'][str(n - 1)]['median']:.3f} s "
+                  f"(medians); last node / ucx_perftest "
+                  f"{e['last_vs_perftest']:.2f}; cores busy {chain.cores['chain']:.2f} by the chain"
+                  + (f"; {other} of {len(tr['kinds'])} timed syncs were not {want}" if other else ""))
+            if mode == "delta":
+                print(f"{n} nodes, delta syncs: the link alone would carry {e['link_bound_logical_gbs']:.2f} GB/s "
+                      "logical (ucx_perftest / payload per logical byte, computed)")
+            if "delta_base_bytes" in tr:
+                print(f"{n} nodes, delta syncs: the trainer's base {tr['delta_base_bytes'] / 1e9:.3f} GB")
+        if "full" in entry and "delta" in entry:
+            r = entry["delta"]["last"]["median"] / entry["full"]["last"]["median"]
+            entry["ratio_delta_vs_full"] = r
+            print(f"{n} nodes: delta / full, last node's logical rate (medians): {r:.2f} (issue #31: >= 8 on 2 nodes "
+                  f"at 10 Gbit/s, 2 % changed)")
+        result["delta"][str(n)] = entry
+    result["machine"]["loadavg_after"] = os.getloadavg()
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)

@@ -15,12 +15,30 @@
 # relay_bench runs: "default"; "nocsum": --no-checksums; "inline":
 # --no-progress-threads; "direct": --direct-receive; "link:RATE": emulated
 # links of RATE, e.g. link:10Gbit, see relay_bench.py --link; "none"),
-# TESTS (1: the relay test tier first).
+# TESTS (1: the relay test tier first), TARGETS (what to build: all when empty),
+# BUILD_DIR (/tmp/shmcast-relay-build), CMAKE_ARGS (more configure arguments).
+#
+# The delta stage (issue #31's relay figure): full syncs and delta syncs over
+# the relay in one relay_bench run, 2 nodes on emulated 10 Gbit/s links, 2 %
+# of the bf16 elements changed at random positions before each sync,
+# Qwen2.5-3B shapes (6.17 GB), every sync checked byte for byte by a worker on
+# each node; builds only the relay and the bench peer, no tests:
+#
+#   run: STAGE=delta bash bench/relay_device.sh   carry: [".deb"]   kind: nvidia-h200
+#
+# Results in $OUT: relay-delta-10Gbit.json (+ the logs). RUNS entries
+# "delta:RATE" (relay_bench.py --link RATE --delta-change $DELTA_CHANGE) can
+# be combined with the others; DELTA_CHANGE (0.02), DELTA_MANIFEST
+# (qwen2.5-3b; empty: --bytes in --tensors equal tensors).
 # iproute2 (ip, tc) for link:RATE comes from .deb/net when the machine lacks it
 #   (mkdir -p .deb/net && cd .deb/net && apt-get download iproute2 libbpf1 libelf1 \
 #     libmnl0 libcap2 libxtables12 libbsd0 libmd0).
 set -uo pipefail
 cd "$(dirname "$0")/.."
+if [ "${STAGE:-}" = delta ]; then
+  : "${TESTS:=0}" "${RUNS:=delta:10Gbit}" "${NODES:=2}" "${CHUNK:=8M}" "${BENCH_TIMEOUT:=420}"
+  : "${TARGETS:=shmcast-relay shmcast-relay-bench-peer}" "${BENCH_ARGS:=--perftest 1M:sleep}"
+fi
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 exec > >(tee -a "$OUT/relay_device.log") 2>&1
@@ -62,11 +80,11 @@ export CMAKE_PREFIX_PATH=$PFX/usr${CMAKE_PREFIX_PATH:+:$CMAKE_PREFIX_PATH}
 { uname -a; lscpu | grep -E "Model name|^CPU\(s\)|NUMA node\(s\)|Hypervisor"; free -g | head -2; df -h /dev/shm;
   ucx_info -v | head -2; ucx_info -d 2>/dev/null | grep -E "Transport|Device" | head -20; } >>"$OUT/env.log" 2>&1
 log build
-B=/tmp/shmcast-relay-build
+B=${BUILD_DIR:-/tmp/shmcast-relay-build}
 gen=(); command -v ninja >/dev/null && gen=(-G Ninja)
 { cmake -S . -B $B "${gen[@]}" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DSHMCAST_WITH_CUDA=OFF -DSHMCAST_BUILD_RELAY=ON \
-    -DSHMCAST_BUILD_PYTHON=OFF \
-  && cmake --build $B -j"$(nproc)"; } >"$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
+    -DSHMCAST_BUILD_PYTHON=OFF ${CMAKE_ARGS:-} \
+  && cmake --build $B -j"$(nproc)" ${TARGETS:+--target $TARGETS}; } >"$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
 if [ "${TESTS:-1}" = 1 ]; then
   log "relay tests"
   (cd $B && timeout 300 ctest -L relay --output-on-failure -j4 2>&1 | tail -15)
@@ -77,7 +95,11 @@ for run in ${RUNS:-default nocsum}; do
   [ "$run" = nocsum ] && extra=(--relay-arg=--no-checksums --perftest 1M:sleep)
   [ "$run" = inline ] && extra=(--relay-arg=--no-progress-threads --perftest 1M:sleep)
   [ "$run" = direct ] && extra=(--relay-arg=--direct-receive --perftest 1M:sleep)
-  case $run in link:*) extra=(--link "${run#link:}") ;; esac
+  case $run in
+    link:*) extra=(--link "${run#link:}") ;;
+    delta:*) extra=(--link "${run#delta:}" --delta-change "${DELTA_CHANGE:-0.02}")
+      [ -n "${DELTA_MANIFEST-qwen2.5-3b}" ] && extra+=(--manifest "${DELTA_MANIFEST-qwen2.5-3b}") ;;
+  esac
   log "relay_bench ($run)"
   timeout ${BENCH_TIMEOUT:-400} python3 bench/relay_bench.py --build $B --bytes ${BYTES:-2G} --chunk ${CHUNK:-32M} \
     --reps ${REPS:-10} --nodes ${NODES:-2,4} --json "$OUT/relay-${run/:/-}.json" "${extra[@]}" ${BENCH_ARGS:-}

@@ -3,14 +3,30 @@
 // reports). One process per role; every node is its own SHMCAST_DIR.
 //
 //   produce NAME --bytes B --tensors T --slot-bytes S --syncs N --go PREFIX --seed X --report FILE
+//           [--manifest qwen2.5-3b] [--change F [--delta 1]]
 //     sync v (1..N) waits for the file PREFIX.v, then fills its tensors with
 //     fresh random bytes (content.hpp, outside the timer) and sends them;
-//     reports "begin v <CLOCK_MONOTONIC ns>" just before begin_sync and
-//     "end v <ns>" after end_sync.
-//   consume NAME --syncs N --seed X --report FILE
+//     reports "begin v <CLOCK_MONOTONIC ns>" just before begin_sync,
+//     "written v <ns>" when the last write() returned (a delta producer has
+//     then compared and encoded every tensor: its host codec's time) and
+//     "end v <ns>" after end_sync, then "sync v full|delta <payload bytes>
+//     <logical bytes>" (Producer::last_sync). First "logical <bytes>" (of
+//     one sync) and "ready".
+//     --manifest: the tensors of a named model's shapes (bf16, manifests.cpp)
+//     instead of --tensors equal 1-D bf16 tensors of --bytes in all.
+//     --change F: instead of fresh bytes, the tensors start from seeded bytes
+//     and before each sync about F of their bf16 elements change, at seeded
+//     random positions (mutate(), outside the timer): what a training step
+//     does to bf16 weights. --delta 1: ProducerOptions::delta (the syncs go
+//     out as deltas when they pay), else every sync is full.
+//   consume NAME --syncs N --seed X --report FILE [--change F]
 //     reports "end v <ns>" when read_into() returned (the sync is in this
 //     process's memory), then checks every byte (after the timer) and
-//     reports "ok v" or "bad v <blocks>".
+//     reports "sync v full|delta <payload> <logical>" (Consumer::last_sync)
+//     and "ok v" or "bad v <blocks or tensors>". With --change F it reads
+//     every sync into the same buffers (a delta applies in place), and its
+//     reference (its own copy, from the seed) takes the same changes for
+//     every version up to v; every byte is compared with it.
 //   costs --bytes S --reps R [--threads T]
 //     what a relay does per received chunk besides the network: memcpy into
 //     the region and XXH3 of the chunk, on S-byte buffers; with T > 1 also
@@ -22,6 +38,7 @@
 #include <xxhash.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <cstring>
@@ -31,6 +48,7 @@
 #include <thread>
 #include <vector>
 
+#include "bench.hpp"
 #include "content.hpp"
 #include "shmcast/shmcast.hpp"
 
@@ -46,10 +64,75 @@ std::int64_t now_ns() {
 }
 
 struct Args {
-  std::string role, name, go, report;
+  std::string role, name, go, report, manifest;
   std::uint64_t bytes = 512ull << 20, slot_bytes = 32ull << 20, seed = 1, reps = 10;
   int tensors = 16, syncs = 11, threads = 1;
+  double change = 0;  // > 0: seeded changes of this fraction of the elements (else fresh bytes)
+  bool delta = false;
 };
+
+// Tensor t's key for the changes before sync v (v >= 1); its bytes before
+// the first change: content::fill of key(seed, 0, t).
+std::uint64_t change_key(const Args& a, std::uint64_t v, std::size_t t) {
+  return bench::content::key(a.seed ^ 0xc4a6e5ull, v, t);
+}
+
+// About `fraction` of the bf16 elements of p[0, bytes) change: each region
+// of 64 Ki elements takes round(fraction * its length) (rounded at random)
+// XORs with a non-zero 16-bit value at positions drawn from (key, region).
+// A pure function of (bytes before, fraction, key): the producer and every
+// consumer's reference make the same change.
+void mutate(void* p, std::uint64_t bytes, double fraction, std::uint64_t key) {
+  using bench::content::kGolden;
+  using bench::content::mix;
+  auto* e = static_cast<std::uint16_t*>(p);
+  const std::uint64_t n = bytes / 2;
+  constexpr std::uint64_t kRegion = 1ull << 16;
+  const std::uint64_t regions = (n + kRegion - 1) / kRegion;
+  for (std::uint64_t r = 0; r < regions; ++r) {
+    const std::uint64_t len = std::min(kRegion, n - r * kRegion);
+    const std::uint64_t rk = mix(key ^ mix((r + 1) * kGolden));
+    const double want = fraction * static_cast<double>(len);
+    const double u = static_cast<double>(rk >> 11) * 0x1.0p-53;
+    const std::uint64_t k = static_cast<std::uint64_t>(want + u);  // E[k] = want
+    std::uint16_t* base = e + r * kRegion;
+    for (std::uint64_t j = 0; j < k; ++j) {
+      const std::uint64_t h = mix(rk + (j + 1) * kGolden);
+      const std::uint64_t pos = static_cast<std::uint64_t>((static_cast<unsigned __int128>(h >> 16) * len) >> 48);
+      base[pos] ^= static_cast<std::uint16_t>(h | 1);
+    }
+  }
+}
+
+// fn(t) for t in [0, count) on up to 8 threads (outside the timers: the
+// changes and the checks of a sync's tensors).
+template <class F>
+void for_tensors(std::size_t count, F&& fn) {
+  const std::size_t threads = std::min<std::size_t>({std::max(1u, std::thread::hardware_concurrency()), 8, count});
+  std::atomic<std::size_t> next{0};
+  auto work = [&] {
+    for (std::size_t t; (t = next.fetch_add(1)) < count;) fn(t);
+  };
+  std::vector<std::thread> th;
+  for (std::size_t i = 1; i < threads; ++i) th.emplace_back(work);
+  work();
+  for (auto& x : th) x.join();
+}
+
+std::vector<TensorSpec> tensor_specs(const Args& a) {
+  if (!a.manifest.empty()) return bench::manifest_by_name(a.manifest);
+  std::vector<TensorSpec> specs;
+  const std::uint64_t each = a.bytes / static_cast<std::uint64_t>(a.tensors) / 2 * 2;
+  for (int t = 0; t < a.tensors; ++t)
+    specs.push_back({"model.layers." + std::to_string(t) + ".weight", DType::kBF16,
+                     {static_cast<std::int64_t>(each / 2)}});
+  return specs;
+}
+
+std::string sync_line(std::uint64_t v, const SyncReport& r) {
+  return "sync " + std::to_string(v) + (r.delta ? " delta " : " full ") + std::to_string(r.payload_bytes) + " " +
+         std::to_string(r.logical_bytes);
+}
 
 void say(const Args& a, const std::string& line) {
   std::ofstream f(a.report, std::ios::app);
@@ -73,25 +156,41 @@ int produce(const Args& a) {
   o.pin = Pin::kNo;
   o.engine = CopyEngine::kHost;
   o.consumer_timeout = 120s;
+  o.delta = a.delta;
   Producer p = Producer::create(a.name, o);
-  std::vector<TensorSpec> specs;
-  const std::uint64_t each = a.bytes / static_cast<std::uint64_t>(a.tensors) / 2 * 2;
-  for (int t = 0; t < a.tensors; ++t)
-    specs.push_back({"model.layers." + std::to_string(t) + ".weight", DType::kBF16,
-                     {static_cast<std::int64_t>(each / 2)}});
+  const std::vector<TensorSpec> specs = tensor_specs(a);
   std::vector<std::vector<std::byte>> data(specs.size());
-  for (auto& d : data) d.resize(each);
+  std::uint64_t logical = 0;
+  for (std::size_t t = 0; t < specs.size(); ++t) {
+    data[t].resize(specs[t].nbytes());
+    logical += specs[t].nbytes();
+  }
+  if (a.change > 0)
+    for_tensors(data.size(), [&](std::size_t t) {
+      bench::content::fill(data[t].data(), data[t].size(), bench::content::key(a.seed, 0, t));
+    });
+  say(a, "logical " + std::to_string(logical));
   say(a, "ready");
   p.wait_for_consumers(1, 120s);
   for (int v = 1; v <= a.syncs; ++v) {
     if (!wait_file(a.go + "." + std::to_string(v))) return 3;
-    for (std::size_t t = 0; t < data.size(); ++t)
-      bench::content::fill(data[t].data(), each, bench::content::key(a.seed, static_cast<std::uint64_t>(v), t));
+    for_tensors(data.size(), [&](std::size_t t) {
+      if (a.change > 0)
+        mutate(data[t].data(), data[t].size(), a.change, change_key(a, static_cast<std::uint64_t>(v), t));
+      else
+        bench::content::fill(data[t].data(), data[t].size(),
+                             bench::content::key(a.seed, static_cast<std::uint64_t>(v), t));
+    });
     say(a, "begin " + std::to_string(v) + " " + std::to_string(now_ns()));
     p.begin_sync(specs);
     for (std::size_t t = 0; t < data.size(); ++t) p.write(t, data[t].data());
+    const std::int64_t t_written = now_ns();
     p.end_sync();
-    say(a, "end " + std::to_string(v) + " " + std::to_string(now_ns()));
+    const std::int64_t t_end = now_ns();
+    say(a, "written " + std::to_string(v) + " " + std::to_string(t_written));
+    say(a, "end " + std::to_string(v) + " " + std::to_string(t_end));
+    say(a, sync_line(static_cast<std::uint64_t>(v), p.last_sync()));
+    if (v == 1 && a.delta) say(a, "delta_base_bytes " + std::to_string(p.delta_base_bytes()));
   }
   for (;;) std::this_thread::sleep_for(1s);  // until the bench ends it
 }
@@ -103,7 +202,8 @@ int consume(const Args& a) {
   o.chunk_timeout = 120s;
   Consumer c = Consumer::open(a.name, o);
   say(a, "attached");
-  std::vector<std::vector<std::byte>> got;
+  std::vector<std::vector<std::byte>> got, ref;
+  std::uint64_t ref_version = 0;  // --change: the version ref holds
   for (int i = 0; i < a.syncs; ++i) {
     const SyncInfo& s = c.wait_sync(600s);
     if (got.size() != s.tensors.size()) {
@@ -112,13 +212,39 @@ int consume(const Args& a) {
     }
     std::vector<void*> dst;
     for (auto& g : got) dst.push_back(g.data());
-    c.read_into(dst);
+    try {
+      c.read_into(dst);
+    } catch (const Error& e) {
+      if (e.code() != Errc::kNeedsFullSync) throw;
+      // Not applied (this consumer did not hold the delta's base): the
+      // bench counts it as a failure of the sync.
+      say(a, "needsfull " + std::to_string(s.version));
+      continue;
+    }
     const std::int64_t t_end = now_ns();
     say(a, "end " + std::to_string(s.version) + " " + std::to_string(t_end));
-    std::uint64_t bad = 0;
-    for (std::size_t t = 0; t < got.size(); ++t)
-      bad += bench::content::count_bad(got[t].data(), got[t].size(), bench::content::key(a.seed, s.version, t));
-    say(a, bad == 0 ? "ok " + std::to_string(s.version) : "bad " + std::to_string(s.version) + " " + std::to_string(bad));
+    say(a, sync_line(s.version, c.last_sync()));
+    std::atomic<std::uint64_t> bad{0};
+    if (a.change > 0) {
+      const bool fresh = ref.empty();
+      if (fresh) ref.resize(got.size());
+      const std::uint64_t from = ref_version;
+      for_tensors(got.size(), [&](std::size_t t) {
+        if (fresh) {
+          ref[t].resize(got[t].size());
+          bench::content::fill(ref[t].data(), ref[t].size(), bench::content::key(a.seed, 0, t));
+        }
+        for (std::uint64_t v = from + 1; v <= s.version; ++v)
+          mutate(ref[t].data(), ref[t].size(), a.change, change_key(a, v, t));
+        if (std::memcmp(got[t].data(), ref[t].data(), got[t].size()) != 0) ++bad;
+      });
+      ref_version = s.version;
+    } else {
+      for (std::size_t t = 0; t < got.size(); ++t)
+        bad += bench::content::count_bad(got[t].data(), got[t].size(), bench::content::key(a.seed, s.version, t));
+    }
+    say(a, bad == 0 ? "ok " + std::to_string(s.version)
+                    : "bad " + std::to_string(s.version) + " " + std::to_string(bad.load()));
     if (bad != 0) return 12;
   }
   return 0;
@@ -195,6 +321,9 @@ int main(int argc, char** argv) {
     else if (k == "--reps") a.reps = std::stoull(v);
     else if (k == "--threads") a.threads = std::max(1, std::stoi(v));
     else if (k == "--report") a.report = v;
+    else if (k == "--manifest") a.manifest = v;
+    else if (k == "--change") a.change = std::stod(v);
+    else if (k == "--delta") a.delta = v == "1";
     else {
       std::fprintf(stderr, "shmcast-relay-bench-peer: unknown option %s\n", k.c_str());
       return 2;

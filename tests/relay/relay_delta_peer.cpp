@@ -2,14 +2,17 @@
 // a delta producer (ProducerOptions::delta, host copy engine: the host
 // codec) and consumers that check every version bit-exactly.
 //
-//   relay_delta_peer produce NAME --versions N --go PREFIX --report FILE [--seed S]
-//   relay_delta_peer consume NAME --versions N --report FILE [--seed S] [--skip-every K]
+//   relay_delta_peer produce NAME --versions N --go PREFIX --report FILE [--seed S] [--fraction F]
+//   relay_delta_peer consume NAME --versions N --report FILE [--seed S] [--skip-every K] [--fraction F]
+//                            [--corrupt-ok 1]
 //
 // Version 1 fills every tensor with random bytes; version v > 1 changes a
 // random 0.5-30 % of each tensor's elements (random positions, new random
 // values) of version v - 1: both roles compute version v from the seed
-// alone. Tensors: bf16, f16, f32, fp8 e4m3, i64, c128 (sent whole in a delta
-// sync) and an empty one, in several slots.
+// alone (--fraction F: F of each tensor's elements every time, so that every
+// version the producer may send as a delta is one). Tensors: bf16, f16, f32,
+// fp8 e4m3, i64, c128 (sent whole in a delta sync) and an empty one, in
+// several slots.
 // produce: creates the region, reports "ready", then for each version v
 // waits for the file PREFIX.v, sends it and reports "sent v full|delta
 // LOGICAL PAYLOAD" (Producer::last_sync).
@@ -18,7 +21,11 @@
 // time, so that deltas apply) once every byte matched version v, "bad v"
 // when not (exit 12). --skip-every K: versions divisible by K are skipped
 // (wait_sync, then skip(): the next delta cannot apply), reported "skipped
-// v". It ends once it has seen version N.
+// v". --corrupt-ok 1: a read that fails with Corrupt (a delta blob
+// rejected, or its result's checksum not the delta's) is reported "corrupt v
+// <message>" and the worker goes on (the consumer asked for a full sync);
+// without it the worker exits 20 + the error's code. It ends once it has
+// seen version N.
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -40,6 +47,8 @@ struct Args {
   std::string role, name, report, go;
   int versions = 10, skip_every = 0;
   std::uint64_t seed = 11;
+  double fraction = 0;  // 0: 0.5-30 % at random
+  bool corrupt_ok = false;
 };
 
 void report(const Args& a, const std::string& line) {
@@ -64,9 +73,10 @@ std::vector<TensorSpec> specs() {
 // The tensors' bytes at version 1, then advanced one version at a time.
 struct Model {
   std::uint64_t seed, version = 0;
+  double fraction = 0;
   std::vector<TensorSpec> t = specs();
   std::vector<std::vector<std::uint8_t>> data;
-  explicit Model(std::uint64_t s) : seed(s) {
+  explicit Model(std::uint64_t s, double f = 0) : seed(s), fraction(f) {
     data.resize(t.size());
     for (std::size_t i = 0; i < t.size(); ++i) data[i].resize(t[i].nbytes());
   }
@@ -81,7 +91,8 @@ struct Model {
         continue;
       }
       // 0.5 % .. 30 % of the elements, at random positions.
-      const double frac = 0.005 + 0.295 * static_cast<double>(mix(s) % 10000) / 10000.0;
+      const double frac =
+          fraction > 0 ? fraction : 0.005 + 0.295 * static_cast<double>(mix(s) % 10000) / 10000.0;
       const auto changes = static_cast<std::size_t>(frac * static_cast<double>(n));
       for (std::size_t k = 0; k < changes; ++k) {
         s = mix(s);
@@ -116,7 +127,7 @@ int produce(const Args& a) {
   o.delta = true;
   Producer p = Producer::create(a.name, o);
   report(a, "ready");
-  Model m(a.seed);
+  Model m(a.seed, a.fraction);
   for (int v = 1; v <= a.versions; ++v) {
     if (!wait_file(a.go + "." + std::to_string(v), 120s)) return 3;
     m.advance();
@@ -134,7 +145,7 @@ int consume(const Args& a) {
   o.open_timeout = 120s;
   Consumer c = Consumer::open(a.name, o);
   report(a, "attached");
-  Model m(a.seed);
+  Model m(a.seed, a.fraction);
   std::vector<std::vector<std::uint8_t>> got(m.t.size());
   std::vector<void*> dst;
   for (std::size_t i = 0; i < m.t.size(); ++i) {
@@ -148,7 +159,14 @@ int consume(const Args& a) {
       c.skip();
       report(a, "skipped " + std::to_string(v));
     } else {
-      c.read_into(dst);
+      try {
+        c.read_into(dst);
+      } catch (const Error& e) {
+        if (!a.corrupt_ok || e.code() != Errc::kCorrupt) throw;
+        report(a, "corrupt " + std::to_string(v) + " " + e.what());
+        if (v >= static_cast<std::uint64_t>(a.versions)) return 0;
+        continue;
+      }
       while (m.version < v) m.advance();
       if (got != m.data) {
         report(a, "bad " + std::to_string(v));
@@ -174,6 +192,8 @@ int main(int argc, char** argv) {
     else if (k == "--report") a.report = v;
     else if (k == "--seed") a.seed = std::stoull(v);
     else if (k == "--skip-every") a.skip_every = std::stoi(v);
+    else if (k == "--fraction") a.fraction = std::stod(v);
+    else if (k == "--corrupt-ok") a.corrupt_ok = v == "1";
     else return 2;
   }
   if (a.report.empty()) return 2;

@@ -160,3 +160,206 @@ TEST(RelayDelta, DeltasReachTwoNodesBitExact) {
   const json s0 = c.wait_status(0, [](const json& j) { return j["delta"].value("full_requests", 0) > 0; });
   EXPECT_FALSE(s0.is_null());
 }
+
+namespace {
+
+// Waits (up to 60 s) for a line "<word> <v> ..." in the report; its fields,
+// or empty.
+std::vector<std::string> wait_fields(const std::string& path, const std::string& word, int v) {
+  const auto end = std::chrono::steady_clock::now() + 60s;
+  for (;;) {
+    for (const auto& f : lines(path, word))
+      if (f.size() > 1 && f[1] == std::to_string(v)) return f;
+    if (std::chrono::steady_clock::now() > end) return {};
+    std::this_thread::sleep_for(2ms);
+  }
+}
+
+// A line "<word> <v> ..." in the report, or a worker's verdict on version v
+// ("ok", "bad", "corrupt"), whichever comes first (up to 60 s).
+std::string verdict(const std::string& path, int v) {
+  const auto end = std::chrono::steady_clock::now() + 60s;
+  while (std::chrono::steady_clock::now() < end) {
+    for (const char* w : {"ok", "bad", "corrupt"})
+      for (const auto& f : lines(path, w))
+        if (f.size() > 1 && f[1] == std::to_string(v)) return w;
+    std::this_thread::sleep_for(2ms);
+  }
+  return "";
+}
+
+}  // namespace
+
+// A corrupted delta blob that reaches a downstream node as if a peer holding
+// the key had sent it: the relays run with --no-checksums (no XXH3 across
+// the hop, so nothing but the delta's own checks stands between the bytes
+// and the weights; the key and the MACs cover the sync message, not the
+// blobs), and one byte of version 4's stream is flipped on its way out of
+// the source relay (tests/relay/flip_send.c, below TCP's checksum). The
+// worker on node 1 must not report the version as read (its read fails with
+// Corrupt: the blob is rejected, or the result's checksum is not the
+// delta's); it asked for a full sync, which reaches the trainer through the
+// relays, so version 5 is full and bit-exact and version 6 a delta again.
+TEST(RelayDelta, CorruptedDeltaBlobIsRejectedAndFollowedByAFullSync) {
+  Cluster c(2, "deltaflip");
+  const std::string arm = c.file("flip");
+  std::map<std::string, std::string> e = {{"LD_PRELOAD", RELAY_FLIP_SEND_LIB}, {"SHMCAST_TEST_FLIP_FILE", arm}};
+#if defined(__SANITIZE_ADDRESS__)
+  const char* asan = std::getenv("ASAN_OPTIONS");
+  e["ASAN_OPTIONS"] = std::string(asan ? asan : "") + (asan && *asan ? ":" : "") + "verify_asan_link_order=0";
+#endif
+  c.relay_env(0, e);
+  auto peer = [&](const std::string& tag, int node, std::vector<std::string> args) -> Proc& {
+    args.insert(args.begin(), kDeltaPeer);
+    return c.start(tag, args, node);
+  };
+  const int n = 6;
+  const std::string N = std::to_string(n), trainer_rep = c.file("trainer.txt"), rep = c.file("worker1.txt");
+  peer("trainer", 0, {"produce", c.region(), "--versions", N, "--go", c.file("go"), "--report", trainer_rep,
+                      "--fraction", "0.02"});
+  ASSERT_TRUE(c.wait_line(trainer_rep, "ready"));
+  c.relay(0, 0, true, kKey, 0, {"--no-checksums"});
+  const int port = c.listen_port(0);
+  ASSERT_NE(port, 0);
+  c.relay(1, port, false, kKey, 0, {"--no-checksums"});
+  ASSERT_FALSE(c.wait_status(1, [](const json& j) { return upstream_connected(j); }).is_null());
+  ASSERT_FALSE(c.wait_status(0, [](const json& j) { return downstream_ready(j, 1); }).is_null());
+  Proc& w = peer("worker1", 1,
+                 {"consume", c.region(), "--versions", N, "--report", rep, "--fraction", "0.02", "--corrupt-ok", "1"});
+  ASSERT_TRUE(c.wait_line(rep, "attached"));
+  auto go = [&](int v) { c.touch(c.file("go." + std::to_string(v))); };
+  // Versions 1-3 read whole; 3 is a delta (1 is full, and 2 may be: the
+  // node asked for a full sync when it connected).
+  for (int v = 1; v <= 3; ++v) {
+    go(v);
+    ASSERT_EQ(verdict(rep, v), "ok") << slurp(rep);
+  }
+  ASSERT_EQ(wait_fields(trainer_rep, "sent", 3).at(2), "delta") << slurp(trainer_rep);
+  // The source relay's requests to the trainer's region, from its log (the
+  // line follows the request; the status file may lag behind).
+  const std::string log0 = c.file("relay0.log");
+  auto asked = [&] {
+    std::size_t k = 0;
+    const std::string l = slurp(log0);
+    for (std::size_t at = 0; (at = l.find("for a full sync: a downstream relay asked for one", at)) != std::string::npos;
+         ++at)
+      ++k;
+    return k;
+  };
+  const std::size_t requests = asked();
+
+  // Version 4, a delta, with one byte flipped between the relays.
+  c.touch(arm);
+  go(4);
+  ASSERT_EQ(wait_fields(trainer_rep, "sent", 4).at(2), "delta") << slurp(trainer_rep);
+  const auto until = std::chrono::steady_clock::now() + 60s;
+  while (slurp(arm + ".sent").find("flipped") == std::string::npos && std::chrono::steady_clock::now() < until)
+    std::this_thread::sleep_for(2ms);
+  ASSERT_NE(slurp(arm + ".sent").find("flipped"), std::string::npos)
+      << "the flip never went out: the test proved nothing";
+  EXPECT_EQ(verdict(rep, 4), "corrupt") << slurp(rep);
+  EXPECT_NE(slurp(rep).find("Corrupt"), std::string::npos) << slurp(rep);
+  // The worker's request went up to the source relay, which asked the
+  // trainer's region (before version 5 begins: else 5 would be a delta that
+  // node 1 publishes and its worker lets go, and 6 the full one).
+  const auto asked_until = std::chrono::steady_clock::now() + 60s;
+  while (asked() <= requests && std::chrono::steady_clock::now() < asked_until)
+    std::this_thread::sleep_for(2ms);
+  ASSERT_GT(asked(), requests) << slurp(log0);
+
+  // Version 5: full, bit-exact; version 6: a delta again, bit-exact.
+  go(5);
+  ASSERT_EQ(verdict(rep, 5), "ok") << slurp(rep);
+  EXPECT_EQ(wait_fields(rep, "ok", 5).at(2), "full") << slurp(rep);
+  go(6);
+  ASSERT_EQ(verdict(rep, 6), "ok") << slurp(rep);
+  EXPECT_EQ(wait_fields(rep, "ok", 6).at(2), "delta") << slurp(rep);
+  EXPECT_EQ(w.wait(), 0) << w.output() << slurp(rep);
+  EXPECT_FALSE(has_line(rep, "bad 4")) << slurp(rep);
+  EXPECT_EQ(lines(rep, "ok").size(), 5u) << slurp(rep);  // 1, 2, 3, 5, 6
+}
+
+// A full-sync request through a middle relay: a chain node 0 -> node 1 ->
+// node 2 (node 2's relay connects to node 1's, never to the source). Node
+// 2's worker skips every 4th version, so the delta after it cannot apply:
+// the worker lets it go and asks through its seat; node 2's relay sends
+// want-full to node 1's, which passes it on to the source relay, which asks
+// the trainer's region. Once the source relay has asked (its log), the next
+// version is full at node 2 (and at node 1: a full sync is for everyone), and
+// deltas apply again after it. Node 1's worker reads every version
+// bit-exactly.
+TEST(RelayDelta, FullSyncRequestPassesThroughAMiddleRelay) {
+  Cluster c(3, "deltachain");
+  auto peer = [&](const std::string& tag, int node, std::vector<std::string> args) -> Proc& {
+    args.insert(args.begin(), kDeltaPeer);
+    return c.start(tag, args, node);
+  };
+  const int n = 10;
+  const std::string N = std::to_string(n), trainer_rep = c.file("trainer.txt");
+  auto rep = [&](int node) { return c.file("worker" + std::to_string(node) + ".txt"); };
+  peer("trainer", 0, {"produce", c.region(), "--versions", N, "--go", c.file("go"), "--report", trainer_rep,
+                      "--fraction", "0.02"});
+  ASSERT_TRUE(c.wait_line(trainer_rep, "ready"));
+  c.relay(0, 0, true);
+  const int p0 = c.listen_port(0);
+  ASSERT_NE(p0, 0);
+  c.relay(1, p0, true);
+  ASSERT_FALSE(c.wait_status(1, [](const json& j) { return upstream_connected(j); }).is_null());
+  const int p1 = c.listen_port(1);
+  ASSERT_NE(p1, 0);
+  c.relay(2, p1, false);
+  ASSERT_FALSE(c.wait_status(2, [](const json& j) { return upstream_connected(j); }).is_null());
+  ASSERT_FALSE(c.wait_status(0, [](const json& j) { return downstream_ready(j, 1); }).is_null());
+  ASSERT_FALSE(c.wait_status(1, [](const json& j) { return downstream_ready(j, 1); }).is_null());
+  Proc& w1 = peer("worker1", 1, {"consume", c.region(), "--versions", N, "--report", rep(1), "--fraction", "0.02"});
+  Proc& w2 = peer("worker2", 2, {"consume", c.region(), "--versions", N, "--report", rep(2), "--fraction", "0.02",
+                                 "--skip-every", "4"});
+  ASSERT_TRUE(c.wait_line(rep(1), "attached"));
+  ASSERT_TRUE(c.wait_line(rep(2), "attached"));
+  const std::string log0 = c.file("relay0.log");
+  auto asked = [&] {
+    std::size_t k = 0;
+    const std::string l = slurp(log0);
+    for (std::size_t at = 0; (at = l.find("for a full sync: a downstream relay asked for one", at)) != std::string::npos;
+         ++at)
+      ++k;
+    return k;
+  };
+  std::size_t before = 0;
+  for (int v = 1; v <= n; ++v) {
+    if (v % 4 == 1 && v > 1) before = asked();  // after the skipped version
+    c.touch(c.file("go." + std::to_string(v)));
+    for (int node : {1, 2})
+      ASSERT_FALSE(
+          c.wait_status(node, [&](const json& j) { return j["region_state"].value("version", 0) >= v; }).is_null())
+          << "node " << node << ", version " << v;
+    ASSERT_EQ(verdict(rep(1), v), "ok") << slurp(rep(1));
+    if (v % 4 == 1 && v > 1) {
+      // Node 2's worker let this delta go and asked; wait until the request
+      // reached the trainer's region through node 1.
+      const auto until = std::chrono::steady_clock::now() + 60s;
+      while (asked() <= before && std::chrono::steady_clock::now() < until) std::this_thread::sleep_for(2ms);
+      ASSERT_GT(asked(), before) << "version " << v << ": node 2's request never reached the source relay\n"
+                                 << slurp(log0) << slurp(c.file("relay1.log")) << slurp(c.file("relay2.log"));
+    }
+  }
+  EXPECT_EQ(w1.wait(), 0) << w1.output() << slurp(rep(1));
+  EXPECT_EQ(w2.wait(), 0) << w2.output() << slurp(rep(2));
+  // Node 2: 4 and 8 skipped, 5 and 9 (deltas on a version its worker did not
+  // read) let go, 6 and 10 full, 7 a delta again.
+  EXPECT_TRUE(has_line(rep(2), "skipped 4")) << slurp(rep(2));
+  EXPECT_TRUE(has_line(rep(2), "skipped 8")) << slurp(rep(2));
+  for (int v : {5, 9})
+    for (const char* w : {"ok", "bad", "corrupt"}) {
+      for (const auto& f : lines(rep(2), w)) EXPECT_NE(f.at(1), std::to_string(v)) << slurp(rep(2));
+    }
+  EXPECT_EQ(wait_fields(rep(2), "ok", 6).at(2), "full") << slurp(rep(2));
+  EXPECT_EQ(wait_fields(rep(2), "ok", 7).at(2), "delta") << slurp(rep(2));
+  EXPECT_EQ(wait_fields(rep(2), "ok", 10).at(2), "full") << slurp(rep(2));
+  // Node 1 read every version; 6 and 10 came full there too.
+  EXPECT_EQ(lines(rep(1), "ok").size(), static_cast<std::size_t>(n)) << slurp(rep(1));
+  EXPECT_EQ(wait_fields(rep(1), "ok", 6).at(2), "full") << slurp(rep(1));
+  EXPECT_EQ(wait_fields(rep(1), "ok", 7).at(2), "delta") << slurp(rep(1));
+  // Node 1 passed requests up (its own counter of want-full sent upstream).
+  EXPECT_FALSE(c.wait_status(1, [](const json& j) { return j["delta"].value("full_requests", 0) >= 2; }).is_null());
+}
