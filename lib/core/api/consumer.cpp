@@ -926,9 +926,13 @@ void Consumer::Impl::read_delta_device(std::span<void* const> dsts, std::span<co
   read_planned(e, dsts, sels, true, false, &col);
   e.end(stream);  // `stream` waits for the copies
   try {
+    // Every piece in one batch (a launch per piece cost more than the bytes).
+    std::vector<delta::CudaCodec::ApplyItem> items;
+    items.reserve(applies.size());
     for (const Apply& a : applies)
-      codec->apply(col.base + col.at[a.t][a.k], info.tensors[a.t].shards[a.k].wire_bytes, a.w, a.map, dsts[a.t],
-                   a.dst_bytes, opts.verify_checksums && delta::covers_piece(a.map), stream);
+      items.push_back({col.base + col.at[a.t][a.k], info.tensors[a.t].shards[a.k].wire_bytes, a.w, a.map, dsts[a.t],
+                       a.dst_bytes, opts.verify_checksums && delta::covers_piece(a.map)});
+    codec->apply_batch(items, stream);
     codec->finish(stream);
   } catch (...) {
     // Nothing of this read may land after the error (a full sync read next,

@@ -100,6 +100,7 @@ class CtxScope {
 struct Module {
   CUfunction count[4], encode[4], validate[4], apply[4];
   CUfunction scan, checksum, finish, reset;
+  CUfunction batch_reset, batch_validate, batch_apply, batch_checksum, batch_finish;
   CUfunction copy_pieces;
 };
 
@@ -150,6 +151,11 @@ const Module& module_for(const cu::Api& d, CUcontext ctx) {
   get(&mod.checksum, "shmcast_delta_checksum");
   get(&mod.finish, "shmcast_delta_finish");
   get(&mod.reset, "shmcast_delta_reset");
+  get(&mod.batch_reset, "shmcast_batch_reset");
+  get(&mod.batch_validate, "shmcast_batch_validate");
+  get(&mod.batch_apply, "shmcast_batch_apply");
+  get(&mod.batch_checksum, "shmcast_batch_checksum");
+  get(&mod.batch_finish, "shmcast_batch_finish");
   get(&mod.copy_pieces, "shmcast_copy_pieces");
   return mods->emplace(ctx, mod).first->second;
 }
@@ -219,6 +225,7 @@ struct CudaCodec::Impl {
   CUdeviceptr bufs[4] = {};
   std::uint64_t buf_bytes[4] = {};
   std::vector<CUdeviceptr> owned;  // alloc()
+  std::vector<ApplyJob> batch;     // apply_batch()'s table, as last uploaded
 
   // Binds to the stream's context on first use; makes it current for the scope.
   struct Use {
@@ -256,6 +263,11 @@ struct CudaCodec::Impl {
         case Kernel::kChecksum: return launch(m.checksum, grid, block, args, "checksum");
         case Kernel::kFinish: return launch(m.finish, grid, block, args, "checksum finish");
         case Kernel::kReset: return launch(m.reset, grid, block, args, "reset");
+        case Kernel::kBatchReset: return launch(m.batch_reset, grid, block, args, "batch reset");
+        case Kernel::kBatchValidate: return launch(m.batch_validate, grid, block, args, "batch validate");
+        case Kernel::kBatchApply: return launch(m.batch_apply, grid, block, args, "batch apply");
+        case Kernel::kBatchChecksum: return launch(m.batch_checksum, grid, block, args, "batch checksum");
+        case Kernel::kBatchFinish: return launch(m.batch_finish, grid, block, args, "batch finish");
       }
     }
   };
@@ -335,6 +347,53 @@ void CudaCodec::apply(const void* blob, std::uint64_t blob_bytes, std::uint32_t 
                                     "for a full sync)");
   Impl::Use u(*impl_, stream);
   launch_apply(u, addr(blob), blob_bytes, w, map, addr(dst), verify, u.i.scratch);
+}
+
+void CudaCodec::apply_batch(const std::vector<ApplyItem>& items, void* stream) {
+  if (items.empty()) return;
+  // Every check apply() makes, before anything is queued.
+  for (const ApplyItem& it : items) {
+    require_width(it.w);
+    const std::uint64_t want = tensor_bytes(it.w, it.map.dst_elems);
+    tensor_bytes(it.w, it.map.n);
+    if (it.dst_bytes != want)
+      bad_arg("the destination holds " + std::to_string(it.dst_bytes) + " bytes, the selection " +
+              std::to_string(want));
+    if (it.verify && !covers_piece(it.map))
+      bad_arg("a result can be verified only where the whole piece lands in one run of the destination");
+    require_aligned(it.blob, 8, "blob");
+    require_aligned(it.dst, it.w, "dst");
+    if (it.blob_bytes < head_bytes_for(block_count(it.map.n)))
+      throw Error(Errc::kCorrupt, "delta blob rejected: " + std::to_string(it.blob_bytes) +
+                                      " bytes cannot hold the header and table of " + std::to_string(it.map.n) +
+                                      " elements (the delta is damaged or not one for this tensor: ask the producer "
+                                      "for a full sync)");
+  }
+  Impl::Use u(*impl_, stream);
+  const std::uint64_t njobs = items.size();
+  const std::uint64_t table = (njobs * sizeof(ApplyJob) + 255) & ~std::uint64_t{255};
+  auto* dev = static_cast<std::byte*>(buffer(2, table + njobs * sizeof(Scratch), stream));
+  const std::uint64_t scratch0 = addr(dev + table);
+  std::vector<ApplyJob>& jobs = u.i.batch;  // kept: the upload below reads it (pageable: before it returns)
+  jobs.assign(njobs, ApplyJob{});
+  for (std::uint64_t k = 0; k < njobs; ++k) {
+    const ApplyItem& it = items[k];
+    ApplyJob& j = jobs[k];
+    j.blob = addr(it.blob);
+    j.blob_bytes = it.blob_bytes;
+    j.n = it.map.n;
+    j.blocks = block_count(it.map.n);
+    j.dst = addr(it.dst);
+    j.scratch = scratch0 + k * sizeof(Scratch);
+    j.w = it.w;
+    j.verify = it.verify ? 1 : 0;
+    j.map = it.map;
+  }
+  std::uint64_t units = 0, sum_units = 0;
+  number_jobs(jobs.data(), njobs, &units, &sum_units);
+  SHMCAST_DCK(*u.i.d, u.i.d->cuMemcpyHtoDAsync(addr(dev), jobs.data(), njobs * sizeof(ApplyJob), u.s),
+              "cuMemcpyHtoDAsync of the apply table");
+  launch_apply_batch(u, addr(dev), njobs, units, sum_units, u.i.scratch);
 }
 
 void CudaCodec::checksum(const void* data, std::uint64_t bytes, void* out, void* stream) {

@@ -37,6 +37,8 @@
 #include <memory>
 #include <string>
 
+#include <vector>
+
 #include "protocol/delta_format.hpp"
 
 namespace shmcast::detail::delta {
@@ -80,6 +82,19 @@ class CudaCodec {
   // not the blob's.
   void apply(const void* blob, std::uint64_t blob_bytes, std::uint32_t w, const SliceMap& map, void* dst,
              std::uint64_t dst_bytes, bool verify, void* stream);
+  // apply() of many pieces in one go (five launches in all, not five
+  // each): the same checks, before anything is queued; the same errors at
+  // finish() (a rejected piece writes nothing; the others are applied).
+  struct ApplyItem {
+    const void* blob;
+    std::uint64_t blob_bytes;
+    std::uint32_t w;
+    SliceMap map;
+    void* dst;
+    std::uint64_t dst_bytes;
+    bool verify;
+  };
+  void apply_batch(const std::vector<ApplyItem>& items, void* stream);
   // The content checksum of [data, data + bytes) into *out (a device u64).
   void checksum(const void* data, std::uint64_t bytes, void* out, void* stream);
   // Waits for `stream`, then throws what the device found since the last

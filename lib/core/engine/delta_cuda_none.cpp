@@ -34,6 +34,7 @@ void CudaCodec::encode(void*, const void*, std::uint32_t, std::uint64_t, const v
 void CudaCodec::apply(const void*, std::uint64_t, std::uint32_t, const SliceMap&, void*, std::uint64_t, bool, void*) {
   no_cuda();
 }
+void CudaCodec::apply_batch(const std::vector<ApplyItem>&, void*) { no_cuda(); }
 void CudaCodec::checksum(const void*, std::uint64_t, void*, void*) { no_cuda(); }
 void CudaCodec::finish(void*) { no_cuda(); }
 Header CudaCodec::read_header(const void*, void*) { no_cuda(); }

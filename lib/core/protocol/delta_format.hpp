@@ -256,6 +256,25 @@ struct ResetArgs {  // scratch->op_err = op_sum = sum = 0, and status too when `
   uint64_t scratch, all;
 };
 
+// A batched apply (CudaCodec::apply_batch): the apply of many pieces in
+// five launches (reset, validate, apply, checksum, finish) instead of five
+// each. `jobs` (device memory) holds njobs ApplyJobs; each has its own
+// Scratch for the validation and checksum words, and the status bits go to
+// the codec's Scratch (`status`). A job's units: its delta blocks (at least
+// 1: unit 0 checks the header) for validate and apply, from unit0 on;
+// kSumUnitWords-word runs of its destination for the checksum (0 when it
+// is not verified), from sum_unit0 on. Both run over every job in order.
+struct ApplyJob {
+  uint64_t blob, blob_bytes, n, blocks, dst, scratch;
+  uint64_t unit0, sum_unit0, sum_units;
+  uint32_t w, verify;
+  SliceMap map;
+};
+struct BatchArgs {
+  uint64_t jobs, njobs, units, status;  // units: of this launch's kind (blocks, or checksum runs)
+};
+inline constexpr uint64_t kSumUnitWords = 256 * 16;  // 32 KiB of destination per checksum unit
+
 // Not the delta format, but the same kernels' module: a batch of small
 // device-to-device copies in one launch (the CUDA engine, device slots:
 // engine/cuda_engine.cpp). `pieces` (device memory) holds n {src, dst,

@@ -15,7 +15,10 @@
 
 namespace shmcast::detail::delta {
 
-enum class Kernel { kCount, kScan, kEncode, kValidate, kApply, kChecksum, kFinish, kReset };
+enum class Kernel {
+  kCount, kScan, kEncode, kValidate, kApply, kChecksum, kFinish, kReset,
+  kBatchReset, kBatchValidate, kBatchApply, kBatchChecksum, kBatchFinish
+};
 
 inline constexpr std::uint64_t kMaxGrid = 32768;  // the kernels grid-stride beyond it
 
@@ -67,6 +70,39 @@ void launch_apply(L& l, std::uint64_t blob, std::uint64_t blob_bytes, std::uint3
   l.launch(Kernel::kValidate, w, grid_for(blocks), kKernelThreads, ValidateArgs{blob, blob_bytes, m.n, blocks, scratch});
   l.launch(Kernel::kApply, w, grid_for(blocks), kKernelThreads, ApplyArgs{blob, m.n, blocks, dst, scratch, m});
   if (verify) launch_checksum(l, dst + m.dst0 * w, m.n * w, 0, blob, scratch, false);
+}
+
+// Numbers a batch's jobs (unit0, sum_unit0, sum_units; the rest filled by
+// the caller) and returns the totals of apply units and checksum units.
+inline void number_jobs(ApplyJob* jobs, std::uint64_t njobs, std::uint64_t* units, std::uint64_t* sum_units) {
+  std::uint64_t u = 0, s = 0;
+  for (std::uint64_t i = 0; i < njobs; ++i) {
+    ApplyJob& j = jobs[i];
+    j.unit0 = u;
+    u += j.blocks > 0 ? j.blocks : 1;
+    const std::uint64_t words = j.map.n * j.w / 8;
+    j.sum_units = j.verify != 0 ? (words / kSumUnitWords + 1) : 0;
+    j.sum_unit0 = s;
+    s += j.sum_units;
+  }
+  *units = u;
+  *sum_units = s;
+}
+
+// A batch of applies (jobs: device memory, numbered by number_jobs): every
+// job's validation words cleared, all validated, then applied (a rejected
+// job writes nothing), then the verified ones' results checked.
+template <class L>
+void launch_apply_batch(L& l, std::uint64_t jobs, std::uint64_t njobs, std::uint64_t units, std::uint64_t sum_units,
+                        std::uint64_t status) {
+  if (njobs == 0) return;
+  const unsigned per_job = grid_for((njobs + kKernelThreads - 1) / kKernelThreads);
+  l.launch(Kernel::kBatchReset, 0, per_job, kKernelThreads, BatchArgs{jobs, njobs, njobs, status});
+  l.launch(Kernel::kBatchValidate, 0, grid_for(units), kKernelThreads, BatchArgs{jobs, njobs, units, status});
+  l.launch(Kernel::kBatchApply, 0, grid_for(units), kKernelThreads, BatchArgs{jobs, njobs, units, status});
+  if (sum_units == 0) return;
+  l.launch(Kernel::kBatchChecksum, 0, grid_for(sum_units), kKernelThreads, BatchArgs{jobs, njobs, sum_units, status});
+  l.launch(Kernel::kBatchFinish, 0, per_job, kKernelThreads, BatchArgs{jobs, njobs, njobs, status});
 }
 
 // Throws the error that accumulated status bits stand for (nothing for 0):

@@ -366,24 +366,26 @@ SHMCAST_UNROLL
 // caller owns: it cannot change between the steps). Only locations derived
 // from the caller's n and blob size are read; header fields are compared,
 // never used to address. Errors go to op_err; counts add up in op_sum.
+// Unit b of a validation: the header (unit 0) and delta block b (when
+// b < blocks). Every thread of the CUDA block calls it with the same b.
 template <int W>
-__device__ void validate_body(const ValidateArgs& a) {
+__device__ void validate_unit(const ValidateArgs& a, ull b, Scratch* sc) {
   __shared__ int ok_sh;
   __shared__ ull sum_sh[kWarps];
-  Scratch* sc = scratch_of(a.scratch);
   const unsigned char* blob = reinterpret_cast<const unsigned char*>(a.blob);
   const Header* h = reinterpret_cast<const Header*>(blob);
   const Entry* table = reinterpret_cast<const Entry*>(blob + kHeaderBytes);
   const ull headb = head_bytes_for(a.blocks);  // the host checked blob_bytes >= headb
   const ull P = a.blob_bytes - headb;
   const unsigned char* payload = blob + headb;
-  if (blockIdx.x == 0 && threadIdx.x == 0) {
+  if (b == 0 && threadIdx.x == 0) {
     const bool bad = h->magic != kMagic || h->format != kFormat || h->elem_bytes != W ||
                      h->block_elems != kBlockElems || h->reserved0 != 0 || h->reserved1 != 0 || h->elems != a.n ||
                      h->blocks != a.blocks || h->payload_bytes != P;
     if (bad) atomicOr(&sc->op_err, kStBadHeader);
   }
-  for (ull b = blockIdx.x; b < a.blocks; b += gridDim.x) {
+  if (b >= a.blocks) return;
+  {
     const ull len = block_len(a.n, b);
     if (threadIdx.x == 0) {
       const Entry e = table[b];
@@ -400,8 +402,8 @@ __device__ void validate_body(const ValidateArgs& a) {
     }
     __syncthreads();
     const int ok = ok_sh;
-    __syncthreads();  // ok_sh is rewritten in the next round
-    if (!ok) continue;
+    __syncthreads();  // ok_sh is rewritten in the next unit
+    if (!ok) return;
     const Entry e = table[b];
     const unsigned count = e.count;
     const unsigned kind = kind_of(count, len, W);
@@ -444,30 +446,38 @@ __device__ void validate_body(const ValidateArgs& a) {
   }
 }
 
+template <int W>
+__device__ void validate_body(const ValidateArgs& a) {
+  const ull units = a.blocks > 0 ? a.blocks : 1;
+  for (ull b = blockIdx.x; b < units; b += gridDim.x) validate_unit<W>(a, b, scratch_of(a.scratch));
+}
+
 // Step 2: writes the new elements the slice map selects, unless step 1
 // found anything (then block 0 records the rejection and nothing is
 // written).
+// Unit b of an apply: the rejection (unit 0 records it: `op` holds the
+// validation's words, `st` takes the status) and delta block b.
 template <int W>
-__device__ void apply_body(const ApplyArgs& a) {
+__device__ void apply_unit(const ApplyArgs& a, ull b, Scratch* op, Scratch* st) {
   typedef typename ElemOf<W>::T E;
   __shared__ unsigned scan_sh[kWarps];
-  Scratch* sc = scratch_of(a.scratch);
   const unsigned char* blob = reinterpret_cast<const unsigned char*>(a.blob);
   const Header* h = reinterpret_cast<const Header*>(blob);
   const Entry* table = reinterpret_cast<const Entry*>(blob + kHeaderBytes);
   const unsigned char* payload = blob + head_bytes_for(a.blocks);
-  const unsigned err = sc->op_err;
-  const ull sum = sc->op_sum;
+  const unsigned err = op->op_err;
+  const ull sum = op->op_sum;
   if (err != 0 || sum != h->changed) {
-    if (blockIdx.x == 0 && threadIdx.x == 0) {
+    if (b == 0 && threadIdx.x == 0) {
       const unsigned why = err != 0 ? err : static_cast<unsigned>(kStBadChanged);
-      atomicOr(&sc->op_err, why);  // so that a verification after it is skipped
-      atomicOr(&sc->status, why);
+      atomicOr(&op->op_err, why);  // so that a verification after it is skipped
+      atomicOr(&st->status, why);
     }
     return;
   }
+  if (b >= a.blocks) return;
   E* dst = reinterpret_cast<E*>(a.dst);
-  for (ull b = blockIdx.x; b < a.blocks; b += gridDim.x) {
+  {
     const Entry e = table[b];
     const ull len = block_len(a.n, b), e0 = b * kBlockElems;
     const unsigned count = e.count;
@@ -502,6 +512,28 @@ __device__ void apply_body(const ApplyArgs& a) {
       }
     }
   }
+}
+
+template <int W>
+__device__ void apply_body(const ApplyArgs& a) {
+  Scratch* sc = scratch_of(a.scratch);
+  const ull units = a.blocks > 0 ? a.blocks : 1;
+  for (ull b = blockIdx.x; b < units; b += gridDim.x) apply_unit<W>(a, b, sc, sc);
+}
+
+// The job of unit u of a batch: the last whose first unit is <= u (of
+// checksum units with `sums`; jobs without any are skipped over that way).
+__device__ const ApplyJob* job_at(const BatchArgs& a, ull u, bool sums) {
+  const ApplyJob* jobs = reinterpret_cast<const ApplyJob*>(a.jobs);
+  ull lo = 0, hi = a.njobs;
+  while (hi - lo > 1) {
+    const ull mid = lo + (hi - lo) / 2;
+    if ((sums ? jobs[mid].sum_unit0 : jobs[mid].unit0) <= u)
+      lo = mid;
+    else
+      hi = mid;
+  }
+  return jobs + lo;
 }
 
 }  // namespace
@@ -590,5 +622,92 @@ extern "C" __global__ void __launch_bounds__(256) shmcast_copy_pieces(CopyPieces
       unsigned char* d = reinterpret_cast<unsigned char*>(p.dst);
       for (ull k = threadIdx.x; k < p.bytes; k += blockDim.x) d[k] = s[k];
     }
+  }
+}
+
+// ---------------------------------------------------------------- batched apply
+//
+// The apply of many pieces (ApplyJob, delta_format.hpp) in five launches:
+// the same per-unit code as the single kernels, each CUDA block finding
+// its job by a binary search over the jobs' first units.
+
+extern "C" __global__ void __launch_bounds__(kThreads) shmcast_batch_reset(BatchArgs a) {
+  const ApplyJob* jobs = reinterpret_cast<const ApplyJob*>(a.jobs);
+  const ull stride = static_cast<ull>(gridDim.x) * blockDim.x;
+  for (ull i = static_cast<ull>(blockIdx.x) * blockDim.x + threadIdx.x; i < a.njobs; i += stride) {
+    Scratch* op = scratch_of(jobs[i].scratch);
+    op->status = 0;
+    op->op_err = 0;
+    op->op_sum = 0;
+    op->sum = 0;
+  }
+}
+
+extern "C" __global__ void __launch_bounds__(kThreads) shmcast_batch_validate(BatchArgs a) {
+  for (ull u = blockIdx.x; u < a.units; u += gridDim.x) {
+    const ApplyJob* j = job_at(a, u, false);
+    const ValidateArgs v{j->blob, j->blob_bytes, j->n, j->blocks, j->scratch};
+    Scratch* op = scratch_of(j->scratch);
+    const ull b = u - j->unit0;
+    switch (j->w) {
+      case 1: validate_unit<1>(v, b, op); break;
+      case 2: validate_unit<2>(v, b, op); break;
+      case 4: validate_unit<4>(v, b, op); break;
+      default: validate_unit<8>(v, b, op); break;
+    }
+  }
+}
+
+extern "C" __global__ void __launch_bounds__(kThreads) shmcast_batch_apply(BatchArgs a) {
+  Scratch* st = scratch_of(a.status);
+  for (ull u = blockIdx.x; u < a.units; u += gridDim.x) {
+    const ApplyJob* j = job_at(a, u, false);
+    const ApplyArgs p{j->blob, j->n, j->blocks, j->dst, j->scratch, j->map};
+    Scratch* op = scratch_of(j->scratch);
+    const ull b = u - j->unit0;
+    switch (j->w) {
+      case 1: apply_unit<1>(p, b, op, st); break;
+      case 2: apply_unit<2>(p, b, op, st); break;
+      case 4: apply_unit<4>(p, b, op, st); break;
+      default: apply_unit<8>(p, b, op, st); break;
+    }
+  }
+}
+
+// Checksum unit k of a job: words [k * kSumUnitWords, +kSumUnitWords) of
+// its result (dst + dst0 elements, n elements), and the tail in unit 0.
+extern "C" __global__ void __launch_bounds__(kThreads) shmcast_batch_checksum(BatchArgs a) {
+  __shared__ ull sh[kWarps];
+  for (ull u = blockIdx.x; u < a.units; u += gridDim.x) {
+    const ApplyJob* j = job_at(a, u, true);
+    const ull data = j->dst + j->map.dst0 * j->w, bytes = j->map.n * j->w;
+    const unsigned char* p = reinterpret_cast<const unsigned char*>(data);
+    const ull words = bytes / 8, k = u - j->sum_unit0;
+    const bool aligned = (data & 7) == 0;
+    const ull w0 = k * kSumUnitWords, w1 = words < w0 + kSumUnitWords ? words : w0 + kSumUnitWords;
+    ull s = 0;
+    for (ull i = w0 + threadIdx.x; i < w1; i += kThreads) {
+      const ull x = aligned ? reinterpret_cast<const ull*>(p)[i] : load_partial(p + 8 * i, 8);
+      s += checksum_term(i, x);
+    }
+    const unsigned tail = static_cast<unsigned>(bytes % 8);
+    if (k == 0 && tail != 0 && threadIdx.x == 0) s += checksum_term(words, load_partial(p + 8 * words, tail));
+    s = block_sum(s, sh);
+    if (threadIdx.x == 0 && s != 0) atomicAdd(reinterpret_cast<ull*>(&scratch_of(j->scratch)->sum), s);
+  }
+}
+
+// One thread per job: a verified job's result against its blob's header
+// (only when its validation found nothing).
+extern "C" __global__ void __launch_bounds__(kThreads) shmcast_batch_finish(BatchArgs a) {
+  const ApplyJob* jobs = reinterpret_cast<const ApplyJob*>(a.jobs);
+  Scratch* st = scratch_of(a.status);
+  const ull stride = static_cast<ull>(gridDim.x) * blockDim.x;
+  for (ull i = static_cast<ull>(blockIdx.x) * blockDim.x + threadIdx.x; i < a.njobs; i += stride) {
+    const ApplyJob& j = jobs[i];
+    if (j.verify == 0) continue;
+    const Scratch* op = scratch_of(j.scratch);
+    const ull c = checksum_final(op->sum, j.map.n * j.w);
+    if (op->op_err == 0 && reinterpret_cast<const Header*>(j.blob)->checksum != c) atomicOr(&st->status, kStBadChecksum);
   }
 }
