@@ -359,7 +359,9 @@ TEST(Manifest, DeltaPiecesAreChecked) {
 
 // Sharded producers send full syncs: rank 0 refuses a rank's list that
 // holds a delta piece rather than publish it into a region without deltas.
-TEST(Manifest, MergeRefusesDeltaPiecesOfRanks) {
+// Ranks' delta pieces keep their base in the merged manifest (rank 0
+// decides the round's kind from them: producer_delta.cpp, round_kind).
+TEST(Manifest, MergeKeepsTheBaseOfRanksDeltaPieces) {
   SyncInfo post;
   post.stream_bytes = 256;
   TensorInfo t{"w", DType::kBF16, {8}, 16, 0, {}};
@@ -374,6 +376,11 @@ TEST(Manifest, MergeRefusesDeltaPiecesOfRanks) {
   std::vector<std::uint64_t> rank_bytes;
   std::uint64_t payload = 0;
   EXPECT_EQ(merge_posts(posts, &tensors, &pieces, &rank_bytes, &payload), "");
+  EXPECT_EQ(pieces[1].base_version, 0u);
   posts[1].tensors[0].shards[0].base_version = 3;
-  EXPECT_NE(merge_posts(posts, &tensors, &pieces, &rank_bytes, &payload).find("delta"), std::string::npos);
+  ASSERT_EQ(merge_posts(posts, &tensors, &pieces, &rank_bytes, &payload), "");
+  ASSERT_EQ(pieces.size(), 2u);
+  EXPECT_EQ(pieces[0].base_version, 0u);
+  EXPECT_EQ(pieces[1].base_version, 3u);
+  EXPECT_EQ(pieces[1].rank, 1u);
 }
