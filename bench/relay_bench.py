@@ -60,6 +60,20 @@ the last node's median rate; and the logical rate the link alone would carry
 (ucx_perftest / payload per logical byte, computed). A timed sync of the
 wrong kind is reported, not hidden.
 
+    python3 bench/relay_bench.py --delta-change 0.02 --cuda ...   (a GPU, the CUDA build)
+
+--cuda: as a real trainer and engine do it, both chains (full and delta) on
+GPU 0: the trainer's tensors live in device memory and go out with
+write_device() through the CUDA engine (a delta trainer compares and
+encodes on the GPU in end_sync(), and only the blobs cross PCIe; its
+"begin_sync -> last write" is then only the queueing of the copies), and
+each worker reads with read_into_device() into device buffers (a delta is
+applied by the library's kernels) and compares every word on the GPU with
+its own device copy after its timer stopped. Content and changes come from
+kernels (bench/cuda_kernels.cu: each element changes with probability F).
+Without --delta-change (fresh bytes) it works the same way. A peer that
+cannot run (no GPU, a build without CUDA) ends the run with its reason.
+
 Isolation (instead of the above; TCP over loopback only):
 
     python3 bench/relay_bench.py --flood 1000 [--window 4] [--reps 10] ...
@@ -304,10 +318,26 @@ class Chain:
         self.args, self.n, self.env, self.tools, self.links, self.mode = args, n, env, tools, links, mode
         self.root = tempfile.mkdtemp(prefix=f"shmcast-relay-bench-{n}{'-' + mode if mode else ''}-")
         self.procs = []
+        self.by_tag = {}
         self.region = "relay-bench"
 
     def dir(self, i):
         return os.path.join(self.root, f"node{i}")
+
+    def alive(self, *tags, unless=None):
+        """Raises when a peer of these tags has exited (with its report's
+        "error" line, or its log's tail): no waiting out a timeout for a
+        process that is gone. unless: what it was waiting for, read again
+        once the exit is seen (a worker exits after its last sync)."""
+        for tag in tags:
+            p = self.by_tag.get(tag)
+            if p is not None and p.poll() is not None:
+                if unless is not None and unless():
+                    return False
+                why = [l for l in read_lines(os.path.join(self.root, tag + ".txt")) if l.startswith("error ")]
+                if not why:
+                    why = read_lines(os.path.join(self.root, tag + ".log"))[-5:]
+                raise RuntimeError(f"{tag} exited with status {p.returncode}: " + " | ".join(why))
 
     def host(self, i):
         return self.links.host(i) if self.links else "127.0.0.1"
@@ -320,6 +350,7 @@ class Chain:
         log = open(os.path.join(self.root, tag + ".log"), "w")
         p = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT)
         self.procs.append(p)
+        self.by_tag[tag] = p
         return p
 
     def status(self, i):
@@ -345,12 +376,14 @@ class Chain:
         content = []  # the peers' content arguments
         if self.mode:
             content = ["--change", repr(a.delta_change)]
+        if a.cuda:
+            content += ["--cuda", "1"]
         manifest = ["--manifest", a.manifest] if a.manifest else []
         self.start("trainer", [peer, "produce", self.region, "--bytes", str(a.bytes), "--tensors", str(a.tensors),
                                "--slot-bytes", str(a.chunk), "--syncs", str(syncs), "--go", go, "--seed", str(seed),
                                "--report", trainer] + manifest + content +
                    (["--delta", "1"] if self.mode == "delta" else []), 0)
-        wait_for(lambda: "ready" in read_lines(trainer), 300, "the trainer")
+        wait_for(lambda: self.alive("trainer") or "ready" in read_lines(trainer), 300, "the trainer")
         logical = [int(l.split()[1]) for l in read_lines(trainer) if l.startswith("logical ")]
         self.logical = logical[0] if logical else a.payload
         ports = [0] * n
@@ -376,22 +409,25 @@ class Chain:
             rep = os.path.join(self.root, f"worker{i}.txt")
             self.start(f"worker{i}", [peer, "consume", self.region, "--syncs", str(syncs), "--seed", str(seed),
                                       "--report", rep] + content, i)
-            wait_for(lambda: "attached" in read_lines(rep), 120, f"worker {i}")
+            wait_for(lambda: self.alive(f"worker{i}") or "attached" in read_lines(rep), 120, f"worker {i}")
             reports[i] = rep
         cpu0 = sum(proc_cpu_s(p.pid) for p in self.procs)
         m0 = machine_busy()
         t0 = time.monotonic()
         for v in range(1, syncs + 1):
             open(f"{go}.{v}", "w").close()
-            for rep in reports.values():
-                def done(rep=rep, v=v):
+            for wi, rep in reports.items():
+                def done(rep=rep, v=v, tag=f"worker{wi}"):
                     lines = read_lines(rep)
                     if any(l.startswith(f"bad {v}") for l in lines):
                         raise RuntimeError(f"{rep}: sync {v} has wrong bytes")
                     if f"needsfull {v}" in lines:
                         raise RuntimeError(f"{rep}: sync {v} was a delta on a base the worker did not hold "
                                            "(kNeedsFullSync)")
-                    return f"ok {v}" in lines
+                    if f"ok {v}" in lines:
+                        return True
+                    self.alive("trainer", tag, unless=lambda: f"ok {v}" in read_lines(rep))
+                    return False
                 wait_for(done, 600, f"sync {v} at {rep}")
         # Cores kept busy while the syncs ran: by this chain's processes, and
         # by everything on the machine (others' jobs included).
@@ -423,7 +459,9 @@ class Chain:
             kinds = {int(l.split()[1]): l.split()[2:] for l in tl if l.startswith("sync ")}
             self.detail["trainer"] = {
                 # begin_sync to the last write() returned: a delta trainer's
-                # compare-and-encode of every tensor (host threads).
+                # compare-and-encode of every tensor (host threads); with
+                # --cuda the queueing of the write_device() copies (the GPU
+                # encodes in end_sync).
                 "written_s": [(written[v] - begin[v]) * 1e-9 for v in timed],
                 "end_sync_s": [(tend[v] - begin[v]) * 1e-9 for v in timed],
                 "kinds": [kinds[v][0] for v in timed],
@@ -678,6 +716,10 @@ def main():
                          "node (node 0's too) checking every byte against its own changed copy")
     ap.add_argument("--manifest", help="the trainer's tensors: a named model's shapes (qwen2.5-3b: bf16, 6.17 GB) "
                     "instead of --tensors tensors of --bytes in all (ucx_perftest still moves --bytes)")
+    ap.add_argument("--cuda", action="store_true",
+                    help="the trainer's tensors in GPU memory, sent with write_device (CUDA engine: a delta is "
+                         "encoded on the GPU), the workers read with read_into_device into GPU buffers and check "
+                         "them on the GPU (needs a GPU and a build with CUDA and nvcc)")
     ap.add_argument("--json")
     ap.add_argument("--keep", action="store_true", help="keep the node directories and logs")
     args = ap.parse_args()
@@ -694,6 +736,8 @@ def main():
     if args.delta_change is not None and not 0 < args.delta_change <= 1:
         sys.exit("relay_bench: --delta-change F: 0 < F <= 1")
     if args.flood or args.slow:
+        if args.cuda:
+            sys.exit("relay_bench: --cuda is for the chains (fresh bytes or --delta-change), not --flood or --slow")
         if args.link or args.tls != "tcp" or args.devices != "lo":
             sys.exit("relay_bench: --flood and --slow run over TCP loopback only")
         if args.flood and not 0 < args.flood <= 1000:
@@ -738,7 +782,7 @@ def run_bench(args, tools, perf, links):
         "ucx": ucx_version, "transport": {"UCX_TLS": args.tls, "UCX_NET_DEVICES": args.devices,
                                           "links": None if not links else {"rate_bit_s": args.link, "mtu": args.mtu,
                                                                             "tbf": links.shape}},
-        "relay_args": args.relay_args, "payload_bytes": args.payload, "chunk_bytes": args.chunk, "tensors": args.tensors, "reps": args.reps,
+        "relay_args": args.relay_args, "cuda": args.cuda, "payload_bytes": args.payload, "chunk_bytes": args.chunk, "tensors": args.tensors, "reps": args.reps,
     }
     try:
         with open("/proc/cpuinfo") as f:

@@ -30,12 +30,26 @@
 # "delta:RATE" (relay_bench.py --link RATE --delta-change $DELTA_CHANGE) can
 # be combined with the others; DELTA_CHANGE (0.02), DELTA_MANIFEST
 # (qwen2.5-3b; empty: --bytes in --tensors equal tensors).
+#
+# The same on the GPU (as a real trainer and engine do it: relay_bench.py
+# --cuda; the trainer's tensors in GPU memory sent with write_device, the
+# delta encoded on the GPU, the workers' read_into_device into GPU buffers,
+# checked on the GPU; full and delta chains alike), built with CUDA (nvcc
+# from /usr/local/cuda) in its own BUILD_DIR (/tmp/shmcast-relay-cuda-build):
+#
+#   run: STAGE=delta CUDA=1 bash bench/relay_device.sh   carry: [".deb"]   kind: nvidia-h200
+#
+# Results in $OUT: relay-deltacuda-10Gbit.json. RUNS entries
+# "deltacuda:RATE" are the delta runs with --cuda (CUDA=1 makes it the
+# stage's default run; RUNS="delta:10Gbit deltacuda:10Gbit" gives both, in
+# about twice the time); any deltacuda entry builds with CUDA.
 # iproute2 (ip, tc) for link:RATE comes from .deb/net when the machine lacks it
 #   (mkdir -p .deb/net && cd .deb/net && apt-get download iproute2 libbpf1 libelf1 \
 #     libmnl0 libcap2 libxtables12 libbsd0 libmd0).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 if [ "${STAGE:-}" = delta ]; then
+  [ "${CUDA:-0}" = 1 ] && : "${RUNS:=deltacuda:10Gbit}"
   : "${TESTS:=0}" "${RUNS:=delta:10Gbit}" "${NODES:=2}" "${CHUNK:=8M}" "${BENCH_TIMEOUT:=420}"
   : "${TARGETS:=shmcast-relay shmcast-relay-bench-peer}" "${BENCH_ARGS:=--perftest 1M:sleep}"
 fi
@@ -79,12 +93,21 @@ export UCX_MODULE_DIR=$PFX/usr/lib/x86_64-linux-gnu/ucx
 export CMAKE_PREFIX_PATH=$PFX/usr${CMAKE_PREFIX_PATH:+:$CMAKE_PREFIX_PATH}
 { uname -a; lscpu | grep -E "Model name|^CPU\(s\)|NUMA node\(s\)|Hypervisor"; free -g | head -2; df -h /dev/shm;
   ucx_info -v | head -2; ucx_info -d 2>/dev/null | grep -E "Transport|Device" | head -20; } >>"$OUT/env.log" 2>&1
-log build
+# CUDA (relay_bench.py --cuda): the peer's kernels need nvcc.
+cuda=(-DSHMCAST_WITH_CUDA=OFF)
 B=${BUILD_DIR:-/tmp/shmcast-relay-build}
+if [ "${CUDA:-0}" = 1 ] || [[ " ${RUNS:-} " == *" deltacuda:"* ]]; then
+  export PATH=/usr/local/cuda/bin:$PATH
+  cuda=(-DSHMCAST_WITH_CUDA=ON -DCUDAToolkit_ROOT=/usr/local/cuda -DCMAKE_CUDA_COMPILER=/usr/local/cuda/bin/nvcc)
+  B=${BUILD_DIR:-/tmp/shmcast-relay-cuda-build}
+  { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; nvcc --version | tail -1; } >>"$OUT/env.log" 2>&1
+fi
+log "build (${cuda[*]})"
 gen=(); command -v ninja >/dev/null && gen=(-G Ninja)
-{ cmake -S . -B $B "${gen[@]}" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DSHMCAST_WITH_CUDA=OFF -DSHMCAST_BUILD_RELAY=ON \
+{ cmake -S . -B $B "${gen[@]}" -DCMAKE_BUILD_TYPE=RelWithDebInfo "${cuda[@]}" -DSHMCAST_BUILD_RELAY=ON \
     -DSHMCAST_BUILD_PYTHON=OFF ${CMAKE_ARGS:-} \
   && cmake --build $B -j"$(nproc)" ${TARGETS:+--target $TARGETS}; } >"$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
+grep -E "^-- shmcast:" "$OUT/build.log"
 if [ "${TESTS:-1}" = 1 ]; then
   log "relay tests"
   (cd $B && timeout 300 ctest -L relay --output-on-failure -j4 2>&1 | tail -15)
@@ -97,8 +120,9 @@ for run in ${RUNS:-default nocsum}; do
   [ "$run" = direct ] && extra=(--relay-arg=--direct-receive --perftest 1M:sleep)
   case $run in
     link:*) extra=(--link "${run#link:}") ;;
-    delta:*) extra=(--link "${run#delta:}" --delta-change "${DELTA_CHANGE:-0.02}")
-      [ -n "${DELTA_MANIFEST-qwen2.5-3b}" ] && extra+=(--manifest "${DELTA_MANIFEST-qwen2.5-3b}") ;;
+    delta:*|deltacuda:*) extra=(--link "${run#*:}" --delta-change "${DELTA_CHANGE:-0.02}")
+      [ -n "${DELTA_MANIFEST-qwen2.5-3b}" ] && extra+=(--manifest "${DELTA_MANIFEST-qwen2.5-3b}")
+      [ "${run%%:*}" = deltacuda ] && extra+=(--cuda) ;;
   esac
   log "relay_bench ($run)"
   timeout ${BENCH_TIMEOUT:-400} python3 bench/relay_bench.py --build $B --bytes ${BYTES:-2G} --chunk ${CHUNK:-32M} \

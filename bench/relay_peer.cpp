@@ -19,7 +19,16 @@
 //     random positions (mutate(), outside the timer): what a training step
 //     does to bf16 weights. --delta 1: ProducerOptions::delta (the syncs go
 //     out as deltas when they pay), else every sync is full.
-//   consume NAME --syncs N --seed X --report FILE [--change F]
+//     --cuda 1: the trainer's tensors live in GPU memory (cudaMalloc on GPU
+//     0), the producer uses the CUDA engine (CopyEngine::kCuda, pinned
+//     slots) and sends them with write_device(): a delta producer compares
+//     and encodes on the GPU in end_sync() (so "written" is when the last
+//     write_device() was queued) and only its blobs cross PCIe. Their
+//     content and changes come from kernels (cuda_kernels.cu: fill, and
+//     mutate_u16 for --change: each element changes with probability F),
+//     outside the timer. Needs the CUDA build (nvcc) and a GPU; without
+//     either the process says why ("error ..." in the report) and exits 4.
+//   consume NAME --syncs N --seed X --report FILE [--change F] [--cuda 1]
 //     reports "end v <ns>" when read_into() returned (the sync is in this
 //     process's memory), then checks every byte (after the timer) and
 //     reports "sync v full|delta <payload> <logical>" (Consumer::last_sync)
@@ -52,6 +61,14 @@
 #include "content.hpp"
 #include "shmcast/shmcast.hpp"
 
+#if SHMCAST_RELAY_PEER_CUDA
+#include <cuda_runtime_api.h>
+
+#include <stdexcept>
+
+#include "cuda_kernels.hpp"
+#endif
+
 using namespace shmcast;
 using namespace std::chrono_literals;
 
@@ -69,6 +86,7 @@ struct Args {
   int tensors = 16, syncs = 11, threads = 1;
   double change = 0;  // > 0: seeded changes of this fraction of the elements (else fresh bytes)
   bool delta = false;
+  bool cuda = false;  // --cuda 1: device tensors, write_device / read_into_device
 };
 
 // Tensor t's key for the changes before sync v (v >= 1); its bytes before
@@ -298,6 +316,155 @@ int costs(const Args& a) {
   return 0;
 }
 
+
+#if SHMCAST_RELAY_PEER_CUDA
+// --cuda 1. The CUDA runtime's errors (no GPU included) end the process
+// with their text, in the report too (main()).
+void ck(cudaError_t e, const char* what) {
+  if (e != cudaSuccess)
+    throw std::runtime_error(std::string("--cuda 1: ") + what + ": " + cudaGetErrorName(e) + " (" +
+                             cudaGetErrorString(e) + ")");
+}
+
+void cuda_device() {
+  int n = 0;
+  const cudaError_t e = cudaGetDeviceCount(&n);
+  if (e != cudaSuccess || n == 0)
+    throw std::runtime_error(std::string("--cuda 1 needs a CUDA GPU: cudaGetDeviceCount: ") +
+                             (e != cudaSuccess ? cudaGetErrorString(e) : "no device"));
+  ck(cudaSetDevice(0), "cudaSetDevice(0)");
+}
+
+// Device buffers of n bytes rounded up to 8 (count_diff compares 8-byte
+// words), the rounding zeroed: neither a read nor the kernels write it.
+void* device_buffer(std::uint64_t n) {
+  void* p = nullptr;
+  const std::uint64_t r = (n + 7) / 8 * 8;
+  ck(cudaMalloc(&p, std::max<std::uint64_t>(r, 8)), "cudaMalloc");
+  if (r > n) ck(cudaMemset(static_cast<std::byte*>(p) + n, 0, r - n), "cudaMemset");
+  return p;
+}
+
+// The content of tensor t before sync v: with --change, the seeded start
+// (fill) and the changes of versions from+1..v (mutate_u16, each element
+// with probability F); else the fresh bytes of (seed, v, t).
+void change_device(const Args& a, void* p, std::uint64_t n, std::size_t t, std::uint64_t v, cudaStream_t s) {
+  ck(bench::kernels::mutate_u16(p, n, a.change, change_key(a, v, t), s), "mutate_u16");
+}
+
+int produce_cuda(const Args& a) {
+  cuda_device();
+  cudaStream_t s = nullptr;
+  ck(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "cudaStreamCreate");
+  const std::vector<TensorSpec> specs = tensor_specs(a);
+  std::vector<void*> src(specs.size());
+  std::uint64_t logical = 0;
+  for (std::size_t t = 0; t < specs.size(); ++t) {
+    src[t] = device_buffer(specs[t].nbytes());
+    logical += specs[t].nbytes();
+    if (a.change > 0)
+      ck(bench::kernels::fill(src[t], specs[t].nbytes(), bench::content::key(a.seed, 0, t), s), "fill");
+  }
+  ck(cudaStreamSynchronize(s), "cudaStreamSynchronize");
+  ProducerOptions o;
+  o.slot_bytes = a.slot_bytes;
+  o.slots = 2;
+  o.pin = Pin::kYes;
+  o.engine = CopyEngine::kCuda;
+  o.consumer_timeout = 120s;
+  o.delta = a.delta;
+  Producer p = Producer::create(a.name, o);
+  say(a, "logical " + std::to_string(logical));
+  say(a, "ready");
+  p.wait_for_consumers(1, 120s);
+  for (int v = 1; v <= a.syncs; ++v) {
+    if (!wait_file(a.go + "." + std::to_string(v))) return 3;
+    const auto uv = static_cast<std::uint64_t>(v);
+    for (std::size_t t = 0; t < specs.size(); ++t) {
+      if (a.change > 0)
+        change_device(a, src[t], specs[t].nbytes(), t, uv, s);
+      else
+        ck(bench::kernels::fill(src[t], specs[t].nbytes(), bench::content::key(a.seed, uv, t), s), "fill");
+    }
+    ck(cudaStreamSynchronize(s), "cudaStreamSynchronize");
+    say(a, "begin " + std::to_string(v) + " " + std::to_string(now_ns()));
+    p.begin_sync(specs);
+    for (std::size_t t = 0; t < specs.size(); ++t) p.write_device(t, src[t], s);
+    const std::int64_t t_written = now_ns();
+    p.end_sync();
+    const std::int64_t t_end = now_ns();
+    say(a, "written " + std::to_string(v) + " " + std::to_string(t_written));
+    say(a, "end " + std::to_string(v) + " " + std::to_string(t_end));
+    say(a, sync_line(uv, p.last_sync()));
+    if (v == 1 && a.delta) say(a, "delta_base_bytes " + std::to_string(p.delta_base_bytes()));
+  }
+  for (;;) std::this_thread::sleep_for(1s);  // until the bench ends it
+}
+
+int consume_cuda(const Args& a) {
+  cuda_device();
+  cudaStream_t s = nullptr;
+  ck(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "cudaStreamCreate");
+  unsigned long long* bad_dev = nullptr;
+  ck(cudaMalloc(reinterpret_cast<void**>(&bad_dev), sizeof *bad_dev), "cudaMalloc");
+  ConsumerOptions o;
+  o.pin = Pin::kYes;
+  o.open_timeout = 120s;
+  o.chunk_timeout = 120s;
+  Consumer c = Consumer::open(a.name, o);
+  say(a, "attached");
+  std::vector<void*> got, ref;
+  std::vector<std::uint64_t> bytes;
+  std::uint64_t ref_version = 0;  // --change: the version ref holds
+  for (int i = 0; i < a.syncs; ++i) {
+    const SyncInfo& info = c.wait_sync(600s);
+    if (got.empty()) {
+      for (const auto& ti : info.tensors) {
+        bytes.push_back(ti.nbytes);
+        got.push_back(device_buffer(ti.nbytes));
+        if (a.change > 0) ref.push_back(device_buffer(ti.nbytes));
+      }
+      for (std::size_t t = 0; t < ref.size(); ++t)
+        ck(bench::kernels::fill(ref[t], bytes[t], bench::content::key(a.seed, 0, t), s), "fill");
+      ck(cudaStreamSynchronize(s), "cudaStreamSynchronize");
+    } else if (got.size() != info.tensors.size()) {
+      throw std::runtime_error("sync " + std::to_string(info.version) + " has " + std::to_string(info.tensors.size()) +
+                               " tensors, the first had " + std::to_string(got.size()));
+    }
+    const std::uint64_t version = info.version;
+    try {
+      c.read_into_device(got, s);
+      ck(cudaStreamSynchronize(s), "cudaStreamSynchronize");
+    } catch (const Error& e) {
+      if (e.code() != Errc::kNeedsFullSync) throw;
+      say(a, "needsfull " + std::to_string(version));
+      continue;
+    }
+    const std::int64_t t_end = now_ns();
+    say(a, "end " + std::to_string(version) + " " + std::to_string(t_end));
+    say(a, sync_line(version, c.last_sync()));
+    // Every byte, on the GPU, after the timer.
+    ck(cudaMemsetAsync(bad_dev, 0, sizeof *bad_dev, s), "cudaMemsetAsync");
+    for (std::size_t t = 0; t < got.size(); ++t) {
+      if (a.change > 0) {
+        for (std::uint64_t v = ref_version + 1; v <= version; ++v) change_device(a, ref[t], bytes[t], t, v, s);
+        ck(bench::kernels::count_diff(got[t], ref[t], (bytes[t] + 7) / 8 * 8, bad_dev, s), "count_diff");
+      } else {
+        ck(bench::kernels::count_bad(got[t], bytes[t], bench::content::key(a.seed, version, t), bad_dev, s),
+           "count_bad");
+      }
+    }
+    if (a.change > 0) ref_version = version;
+    unsigned long long bad = 0;
+    ck(cudaMemcpyAsync(&bad, bad_dev, sizeof bad, cudaMemcpyDeviceToHost, s), "cudaMemcpyAsync");
+    ck(cudaStreamSynchronize(s), "cudaStreamSynchronize");
+    say(a, bad == 0 ? "ok " + std::to_string(version) : "bad " + std::to_string(version) + " " + std::to_string(bad));
+    if (bad != 0) return 12;
+  }
+  return 0;
+}
+#endif
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -324,18 +491,37 @@ int main(int argc, char** argv) {
     else if (k == "--manifest") a.manifest = v;
     else if (k == "--change") a.change = std::stod(v);
     else if (k == "--delta") a.delta = v == "1";
+    else if (k == "--cuda") a.cuda = v == "1";
     else {
       std::fprintf(stderr, "shmcast-relay-bench-peer: unknown option %s\n", k.c_str());
       return 2;
     }
   }
   try {
+    if (a.cuda && a.role != "costs") {
+#if SHMCAST_RELAY_PEER_CUDA
+      if (a.role == "produce") return produce_cuda(a);
+      if (a.role == "consume") return consume_cuda(a);
+#else
+      const std::string why =
+          "--cuda 1: this shmcast-relay-bench-peer was built without CUDA (configure with -DSHMCAST_WITH_CUDA=ON "
+          "and nvcc, e.g. -DCMAKE_CUDA_COMPILER=/usr/local/cuda/bin/nvcc)";
+      std::fprintf(stderr, "shmcast-relay-bench-peer %s: %s\n", a.role.c_str(), why.c_str());
+      if (!a.report.empty()) say(a, "error " + why);
+      return 4;
+#endif
+    }
     if (a.role == "produce") return produce(a);
     if (a.role == "consume") return consume(a);
     if (a.role == "costs") return costs(a);
   } catch (const Error& e) {
     std::fprintf(stderr, "shmcast-relay-bench-peer %s: %s\n", a.role.c_str(), e.what());
+    if (!a.report.empty()) say(a, std::string("error ") + e.what());
     return 20 + static_cast<int>(e.code());
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "shmcast-relay-bench-peer %s: %s\n", a.role.c_str(), e.what());
+    if (!a.report.empty()) say(a, std::string("error ") + e.what());
+    return 4;
   }
   return 2;
 }
