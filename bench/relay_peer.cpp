@@ -369,7 +369,9 @@ int produce_cuda(const Args& a) {
   ProducerOptions o;
   o.slot_bytes = a.slot_bytes;
   o.slots = 2;
-  o.pin = Pin::kYes;
+  // Unpinned: on the GPU machine cuMemHostRegister refused the bench's node
+  // regions (CUDA_ERROR_INVALID_VALUE, 2026-12-03); the link, not PCIe, bounds these syncs.
+  o.pin = Pin::kNo;
   o.engine = CopyEngine::kCuda;
   o.consumer_timeout = 120s;
   o.delta = a.delta;
@@ -408,7 +410,7 @@ int consume_cuda(const Args& a) {
   unsigned long long* bad_dev = nullptr;
   ck(cudaMalloc(reinterpret_cast<void**>(&bad_dev), sizeof *bad_dev), "cudaMalloc");
   ConsumerOptions o;
-  o.pin = Pin::kYes;
+  o.pin = Pin::kNo;  // as the trainer's
   o.open_timeout = 120s;
   o.chunk_timeout = 120s;
   Consumer c = Consumer::open(a.name, o);
