@@ -62,6 +62,25 @@ __device__ ull block_sum(ull v, ull* sh) {
   return r;
 }
 
+// block_sum of two values at once (one pair of barriers), valid in thread
+// 0; `sh` holds 2 kWarps values and is free again when it returns.
+__device__ void block_sum2(ull* a, ull* b, ull* sh) {
+  const unsigned lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  ull x = warp_sum(*a), y = warp_sum(*b);
+  if (lane == 0) {
+    sh[warp] = x;
+    sh[kWarps + warp] = y;
+  }
+  __syncthreads();
+  if (warp == 0) {
+    x = warp_sum(lane < kWarps ? sh[lane] : 0);
+    y = warp_sum(lane < kWarps ? sh[kWarps + lane] : 0);
+  }
+  __syncthreads();
+  *a = x;
+  *b = y;
+}
+
 // Exclusive prefix sum of v over the block's threads (in thread order);
 // *total gets the sum, in every thread. Every thread calls it; `sh` holds
 // kWarps values and is free again when it returns.
@@ -113,7 +132,7 @@ __device__ __forceinline__ Scratch* scratch_of(ull p) { return reinterpret_cast<
 // terms, into the table entry (offset holds the sum until the scan).
 template <int W>
 __device__ void count_body(const CountArgs& a) {
-  __shared__ ull sh[kWarps];
+  __shared__ ull sh[2 * kWarps];
   const unsigned char* base = reinterpret_cast<const unsigned char*>(a.base);
   const unsigned char* next = reinterpret_cast<const unsigned char*>(a.next);
   Entry* table = reinterpret_cast<Entry*>(a.table);
@@ -123,10 +142,26 @@ __device__ void count_body(const CountArgs& a) {
     const ull* pn = reinterpret_cast<const ull*>(next + byte0);
     const ull* pb = reinterpret_cast<const ull*>(base + byte0);
     ull c = 0, s = 0;
-    for (ull k = threadIdx.x; k < words; k += kThreads) {
-      const ull x = pn[k], y = pb[k];
-      s += checksum_term(word0 + k, x);
-      c += static_cast<ull>(lanes_nonzero<W>(x ^ y));
+    if (len == kBlockElems) {
+      // A whole block: each thread's 2W words (coalesced) all in flight
+      // before any is used (a loop of unknown length waited for each).
+      ull xs[kWordsPerThread<W>], ys[kWordsPerThread<W>];
+      SHMCAST_UNROLL
+      for (unsigned i = 0; i < kWordsPerThread<W>; ++i) {
+        xs[i] = pn[threadIdx.x + i * kThreads];
+        ys[i] = pb[threadIdx.x + i * kThreads];
+      }
+      SHMCAST_UNROLL
+      for (unsigned i = 0; i < kWordsPerThread<W>; ++i) {
+        s += checksum_term(word0 + threadIdx.x + i * kThreads, xs[i]);
+        c += static_cast<ull>(lanes_nonzero<W>(xs[i] ^ ys[i]));
+      }
+    } else {
+      for (ull k = threadIdx.x; k < words; k += kThreads) {
+        const ull x = pn[k], y = pb[k];
+        s += checksum_term(word0 + k, x);
+        c += static_cast<ull>(lanes_nonzero<W>(x ^ y));
+      }
     }
     const unsigned tail = static_cast<unsigned>(bytes % 8);
     if (tail != 0 && threadIdx.x == 0) {
@@ -134,8 +169,7 @@ __device__ void count_body(const CountArgs& a) {
       s += checksum_term(word0 + words, x);
       c += static_cast<ull>(lanes_nonzero<W>(x ^ y));
     }
-    c = block_sum(c, sh);
-    s = block_sum(s, sh);
+    block_sum2(&c, &s, sh);
     if (threadIdx.x == 0) {
       table[b].offset = s;
       table[b].count = static_cast<unsigned>(c);
