@@ -9,6 +9,7 @@
 #include "delta_sync_support.hpp"
 #include "engine/delta_cuda.hpp"
 #include "gpu_support.hpp"
+#include "protocol/rounds.hpp"
 
 using namespace shmcast;
 using namespace shmcast_test;
@@ -349,4 +350,96 @@ TEST(DeltaSyncGpu, ShardedRanksEncodeTheirShardsOnTheGpu) {
   EXPECT_EQ(r0.wait(240s), 0);
   EXPECT_EQ(r1.wait(240s), 0);
   EXPECT_EQ(cons.wait(240s), 0);
+}
+
+// A tensor changed on the GPU between the plan (the blobs' sizes, the
+// announced manifest) and its encode: the sync is aborted before its last
+// chunk is published, so a consumer that does not verify checksums never
+// reads it as a success; the next sync is full and bit-exact. (The check
+// used to run after the last write, whose chunk a fast consumer could
+// already have read.)
+TEST(DeltaSyncGpu, ATensorChangedBetweenPlanAndEncodeAbortsTheSync) {
+  REQUIRE_DELTA_GPU();
+  const std::string name = unique_name("gpudeltaplan");
+  RegionGuard guard{name};
+  constexpr std::uint64_t kLast = 5, kBad = 3;
+  auto* seen = static_cast<std::atomic<int>*>(
+      ::mmap(nullptr, sizeof(std::atomic<int>), PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0));
+  ASSERT_NE(seen, MAP_FAILED);
+  new (seen) std::atomic<int>(0);
+  Child prod = Child::spawn([&] {
+    Producer p = Producer::create(name, opts());
+    p.wait_for_consumers(1, 60s);
+    Model m(false);
+    std::vector<DevBuf> dev;
+    for (const auto& d : m.data) dev.emplace_back(d.size());
+    void* victim = dev[0].p;
+    shmcast::detail::test_point = [victim, seen](const shmcast::detail::TestPointArgs& a) {
+      if (a.at != shmcast::detail::TestPoint::kDeltaPlanned || a.round != kBad) return;
+      // The consumer is waiting for this sync's chunks (bounded: it may be late).
+      for (int i = 0; i < 20000 && seen->load() == 0; ++i) ::usleep(1000);
+      ck(cudaMemset(victim, 0x5a, 65536), "cudaMemset");  // 32768 bf16 elements: counts change
+      ck(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+    };
+    for (std::uint64_t v = 1; v <= kLast; ++v) {
+      if (v > 1) m.step(v);
+      for (std::size_t i = 0; i < dev.size(); ++i) dev[i].upload(m.data[i].data(), m.data[i].size());
+      ck(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+      if (p.begin_sync(m.specs) != v) return 70;
+      for (std::size_t i = 0; i < dev.size(); ++i) p.write_device(i, dev[i].p, nullptr);
+      if (v == kBad) {
+        const Errc e = code_of([&] { p.end_sync(); });
+        if (e != Errc::kInvalidArgument) {
+          std::fprintf(stderr, "end_sync of the changed tensor's sync: errc %d\n", static_cast<int>(e));
+          return 71;
+        }
+        continue;
+      }
+      p.end_sync();
+      if (v == 2 && !p.last_sync().delta) return 72;
+      if (v == kBad + 1 && p.last_sync().delta) return 73;  // after the abort: full
+    }
+    p.wait_drained(60s);
+    return 0;
+  });
+  Child cons = Child::spawn([&] {
+    ConsumerOptions o = copts();
+    o.verify_checksums = false;  // only the abort keeps the bad sync out
+    Consumer c = Consumer::open(name, o);
+    Model want(false);
+    std::uint64_t have = 1;
+    std::vector<DevBuf> dst;
+    std::vector<void*> ptrs;
+    for (const auto& d : want.data) {
+      dst.emplace_back(d.size());
+      ptrs.push_back(dst.back().p);
+    }
+    std::uint64_t v = 0;
+    while (v < kLast) {
+      v = c.wait_sync(60s).version;
+      while (have < v) want.step(++have);
+      if (v == kBad) {
+        seen->store(1);
+        const Errc e = code_of([&] { c.read_into_device(ptrs, nullptr); });
+        if (e == static_cast<Errc>(0)) return 81;  // the aborted sync read as a success
+        continue;
+      }
+      try {
+        c.read_into_device(ptrs, nullptr);
+      } catch (const Error& e) {
+        if (e.code() != Errc::kNeedsFullSync) throw;
+        continue;  // a delta on a base this consumer lacks (after the bad sync): the next is full
+      }
+      ck(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+      for (std::size_t i = 0; i < want.data.size(); ++i)
+        if (first_diff(download(ptrs[i], want.data[i].size()), want.data[i]) >= 0) {
+          std::fprintf(stderr, "version %llu tensor %zu differs\n", (unsigned long long)v, i);
+          return 82;
+        }
+    }
+    return 0;
+  });
+  EXPECT_EQ(prod.wait(120s), 0);
+  EXPECT_EQ(cons.wait(120s), 0);
+  ::munmap(seen, sizeof(std::atomic<int>));
 }

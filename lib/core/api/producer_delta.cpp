@@ -391,15 +391,13 @@ Buffer Producer::Impl::encode_one(std::size_t i) {
 // plan_pending() (nothing encoded, no base changed).
 bool Producer::Impl::encode_pending(std::vector<Buffer>* sources) {
   if (!plan_pending()) return false;
-  std::vector<void*> streams;
   for (std::size_t i = 0; i < specs.size(); ++i) {
     const DeltaState::Pending& p = delta.pending[i];
     if (p.src == nullptr) continue;
     (*sources)[i] = encode_one(i);
     delta.blobs[i].clear();
-    if (std::find(streams.begin(), streams.end(), p.stream) == streams.end()) streams.push_back(p.stream);
   }
-  for (void* st : streams) codec().finish(st);  // waits; throws what the kernels found
+  check_encodes();  // waits; throws what the kernels found
   return true;
 }
 
@@ -663,20 +661,49 @@ void Producer::Impl::end_staged() {
   payload_bytes = wire;
   begin_ring(d.want, pieces);
   layout.payload_bytes = logical;
-  for (std::size_t i = 0; i < specs.size(); ++i) {
-    const DeltaState::Pending& p = d.pending[i];
-    if (p.src != nullptr)
-      write_tensor_in_sync(i, encode_one(i), p.stream, 0, kWhole);
-    else
-      write_tensor_in_sync(i, sources[i], nullptr, 0, kWhole);
+  if (test_point) test_point(TestPointArgs{TestPoint::kDeltaPlanned, version, nullptr, nullptr});
+  // Each GPU tensor's blob is encoded just before its write, except from
+  // the write that completes the sync's last chunk (the first whose end
+  // reaches stream_bytes: empty tensors may follow it) on: every encode
+  // left is queued and what the kernels found (a tensor changed since the
+  // plan) is read before that write, so a fault throws while no consumer
+  // can have the whole sync, and end_sync() aborts it.
+  const std::size_t n = specs.size();
+  std::size_t last = n;
+  for (std::size_t i = 0; i < n && last == n; ++i)
+    if ((i + 1 < n ? offsets[i + 1] : stream_bytes) >= stream_bytes) last = i;
+  try {
+    for (std::size_t i = 0; i < n; ++i) {
+      if (i == last) {
+        for (std::size_t j = i; j < n; ++j)
+          if (d.pending[j].src != nullptr) sources[j] = encode_one(j);
+        check_encodes();
+      } else if (i < last && d.pending[i].src != nullptr) {
+        sources[i] = encode_one(i);
+      }
+      write_tensor_in_sync(i, sources[i], d.pending[i].src != nullptr ? d.pending[i].stream : nullptr, 0, kWhole);
+    }
+  } catch (...) {
+    // The kernels' status is not left for a later sync's check to find.
+    try {
+      check_encodes();
+    } catch (...) {
+    }
+    throw;
   }
-  // What the kernels found (inputs changed between plan and encode): thrown
-  // before the sync's last chunk is published, so end_sync() aborts it.
+}
+
+// Waits for every stream this sync encoded on, then throws what the
+// kernels found. One status word serves them all: a finish() per stream
+// could read it before another stream's encode set it, then clear it.
+void Producer::Impl::check_encodes() {
   std::vector<void*> streams;
-  for (const DeltaState::Pending& p : d.pending)
+  for (const DeltaState::Pending& p : delta.pending)
     if (p.src != nullptr && std::find(streams.begin(), streams.end(), p.stream) == streams.end())
       streams.push_back(p.stream);
-  for (void* st : streams) codec().finish(st);
+  if (streams.empty()) return;
+  for (void* st : streams) codec().wait(st);
+  codec().finish(streams.front());
 }
 
 // After a completed sync: the base holds it.

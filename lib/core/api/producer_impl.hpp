@@ -186,6 +186,7 @@ struct __attribute__((visibility("hidden"))) Producer::Impl {
   bool plan_pending();
   bool encode_pending(std::vector<detail::Buffer>* sources);
   detail::Buffer encode_one(std::size_t i);
+  void check_encodes();
   void delta_done();
   std::string keyframe_reason();
   std::uint64_t begin_delta_sharded(std::uint64_t n, std::uint64_t used);

@@ -186,6 +186,7 @@ enum class TestPoint {
   kJoined,              // rank k, begin_sharded: rank 0's go for round n heard (answer: rounds::Answer*)
   kAbandonWon,          // any rank, abort: it won abandon(n), before it writes the reason
   kAwaitReason,         // any rank: round n is abandoned by another rank, waiting for its reason
+  kDeltaPlanned,        // a delta producer, end_staged: its GPU tensors planned, before their encodes (round: version)
 };
 struct TestPointArgs {
   TestPoint at;
