@@ -93,6 +93,23 @@ std::string Producer::Impl::keyframe_reason() {
   return why;
 }
 
+// A staged sync begins (version `want`, 0: the next): its tensors are
+// gathered and encoded by write() (host) or end_sync() (GPU).
+void Producer::Impl::stage(std::uint64_t want) {
+  DeltaState& d = delta;
+  d.staged = true;
+  d.full = false;
+  d.want = want;
+  d.blobs.assign(specs.size(), {});
+  d.pending.assign(specs.size(), {});
+  d.raw_from_base.assign(specs.size(), false);
+  sync_start_ns = mono_ns();
+  in_sync = true;
+  next_tensor = 0;
+  part_done = 0;
+  lent_chunks = false;
+}
+
 std::uint64_t Producer::Impl::begin_delta(std::uint64_t want) {
   DeltaState& d = delta;
   const std::string why = keyframe_reason();
@@ -105,17 +122,7 @@ std::uint64_t Producer::Impl::begin_delta(std::uint64_t want) {
   }
   // Staged: encoded by write() (host) or end_sync() (GPU), announced by end_sync().
   if (last_completed > 0) ring->wait_acks(last_completed);
-  d.staged = true;
-  d.full = false;
-  d.want = want;
-  d.blobs.assign(specs.size(), {});
-  d.pending.assign(specs.size(), {});
-  d.raw_from_base.assign(specs.size(), false);
-  sync_start_ns = mono_ns();
-  in_sync = true;
-  next_tensor = 0;
-  part_done = 0;
-  lent_chunks = false;
+  stage(want);
   return want != 0 ? want : version + 1;
 }
 
@@ -422,17 +429,7 @@ std::uint64_t Producer::Impl::begin_delta_sharded(std::uint64_t n, std::uint64_t
     return begin_sharded(n, used);
   }
   round = n;  // taken: a failure before the post drops it (abort)
-  d.staged = true;
-  d.full = false;
-  d.want = n;
-  d.blobs.assign(specs.size(), {});
-  d.pending.assign(specs.size(), {});
-  d.raw_from_base.assign(specs.size(), false);
-  sync_start_ns = mono_ns();
-  in_sync = true;
-  next_tensor = 0;
-  part_done = 0;
-  lent_chunks = false;
+  stage(n);
   return n;
 }
 

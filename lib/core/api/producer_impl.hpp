@@ -183,6 +183,7 @@ struct __attribute__((visibility("hidden"))) Producer::Impl {
   void write_staged(std::size_t index, const detail::Buffer& src, void* stream, std::uint64_t from,
                     std::uint64_t len);
   void end_staged();
+  void stage(std::uint64_t want);
   bool plan_pending();
   bool encode_pending(std::vector<detail::Buffer>* sources);
   detail::Buffer encode_one(std::size_t i);
