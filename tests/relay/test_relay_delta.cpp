@@ -137,7 +137,9 @@ TEST(RelayDelta, DeltasReachTwoNodesBitExact) {
     if (all2[i][0] == "skipped") {
       ++skipped;
       ASSERT_LT(i + 1, all2.size() + (v == static_cast<std::uint64_t>(n) ? 1 : 0)) << slurp(rep(2));
-      if (i + 1 < all2.size()) EXPECT_EQ(all2[i + 1][2], "full") << "after skipping " << v << ":\n" << slurp(rep(2));
+      if (i + 1 < all2.size()) {
+        EXPECT_EQ(all2[i + 1][2], "full") << "after skipping " << v << ":\n" << slurp(rep(2));
+      }
     } else if (all2[i][2] == "delta") {
       ++deltas2;
       EXPECT_EQ(v, prev + 1) << "a delta read after a gap:\n" << slurp(rep(2));

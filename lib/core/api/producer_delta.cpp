@@ -461,18 +461,8 @@ void Producer::Impl::end_staged_sharded() {
   for (const TensorSpec& t : specs) encodable = encodable || delta_encodes(t.dtype);
   std::uint64_t used = 0;
   if (pays) {
-    // The blobs as this rank's pieces, packed as raw tensors of their sizes.
-    std::vector<TensorSpec> packed(specs.size());
-    wire_sizes.resize(specs.size());
-    for (std::size_t i = 0; i < specs.size(); ++i) {
-      wire_sizes[i] = d.pending[i].src != nullptr ? d.pending[i].blob
-                      : d.raw_from_base[i]         ? specs[i].local_nbytes()
-                                                   : d.blobs[i].size();
-      packed[i].dtype = DType::kRaw;
-      packed[i].shape = {static_cast<std::int64_t>(wire_sizes[i])};
-    }
-    std::uint64_t wire = 0;
-    stream_bytes = pack(packed, S, &offsets, &wire);
+    // The blobs as this rank's pieces.
+    const std::uint64_t wire = pack_blobs();
     std::vector<ManifestPiece> pieces(specs.size());
     for (std::size_t i = 0; i < specs.size(); ++i) {
       const TensorSpec& t = specs[i];
@@ -632,18 +622,8 @@ void Producer::Impl::end_staged() {
     d.blobs.clear();
     return;
   }
-  // The blobs as the stream's pieces: packed as raw tensors of their sizes.
-  std::vector<TensorSpec> packed(specs.size());
-  wire_sizes.resize(specs.size());
-  for (std::size_t i = 0; i < specs.size(); ++i) {
-    wire_sizes[i] = d.pending[i].src != nullptr ? d.pending[i].blob
-                    : d.raw_from_base[i]         ? specs[i].local_nbytes()
-                                                 : d.blobs[i].size();
-    packed[i].dtype = DType::kRaw;
-    packed[i].shape = {static_cast<std::int64_t>(wire_sizes[i])};
-  }
-  std::uint64_t wire = 0;
-  stream_bytes = pack(packed, view.geo().slot_bytes, &offsets, &wire);
+  // The blobs as the stream's pieces.
+  const std::uint64_t wire = pack_blobs();
   std::vector<ManifestPiece> pieces(specs.size());
   for (std::size_t i = 0; i < specs.size(); ++i) {
     ManifestPiece& p = pieces[i];
@@ -701,6 +681,24 @@ void Producer::Impl::check_encodes() {
   if (streams.empty()) return;
   for (void* st : streams) codec().wait(st);
   codec().finish(streams.front());
+}
+
+// Lays a staged sync's blobs out as the stream (wire_sizes, offsets,
+// stream_bytes): packed as raw tensors of their sizes. Returns the bytes.
+std::uint64_t Producer::Impl::pack_blobs() {
+  const DeltaState& d = delta;
+  std::vector<TensorSpec> packed(specs.size());
+  wire_sizes.resize(specs.size());
+  for (std::size_t i = 0; i < specs.size(); ++i) {
+    wire_sizes[i] = d.pending[i].src != nullptr ? d.pending[i].blob
+                    : d.raw_from_base[i]         ? specs[i].local_nbytes()
+                                                 : d.blobs[i].size();
+    packed[i].dtype = DType::kRaw;
+    packed[i].shape = {static_cast<std::int64_t>(wire_sizes[i])};
+  }
+  std::uint64_t wire = 0;
+  stream_bytes = pack(packed, view.geo().slot_bytes, &offsets, &wire);
+  return wire;
 }
 
 // After a completed sync: the base holds it.

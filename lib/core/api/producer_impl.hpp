@@ -184,6 +184,7 @@ struct __attribute__((visibility("hidden"))) Producer::Impl {
                     std::uint64_t len);
   void end_staged();
   void stage(std::uint64_t want);
+  std::uint64_t pack_blobs();
   bool plan_pending();
   bool encode_pending(std::vector<detail::Buffer>* sources);
   detail::Buffer encode_one(std::size_t i);
