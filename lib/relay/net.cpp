@@ -132,9 +132,14 @@ ucp_request_param_t Relay::Impl::send_param(Op* op, ucp_mem_h memh) {
   return p;
 }
 
+// Receives always complete through the callback (UCP_OP_ATTR_FLAG_NO_IMM_CMPL):
+// with Debian 12's UCX 1.13 a receive of a message that had already arrived
+// (an eager fragment of a few KiB, sent before the receive was posted)
+// completed at once without filling recv_info, so its length read as 0 and
+// the node dropped a good sync ("fragment 0 of chunk 0 has 0 bytes").
 ucp_request_param_t Relay::Impl::recv_param(Op* op, ucp_mem_h memh) {
   ucp_request_param_t p{};
-  p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+  p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FLAG_NO_IMM_CMPL;
   p.cb.recv = op_recv_cb;
   p.user_data = op;
   p.op_attr_mask |= UCP_OP_ATTR_FIELD_RECV_INFO;
