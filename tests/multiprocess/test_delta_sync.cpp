@@ -499,3 +499,105 @@ TEST(DeltaSync, RefusedWhereNotSupported) {
   p.begin_sync(m.specs);
   EXPECT_EQ(code_of([&] { p.lend_chunk(0); }), Errc::kInvalidArgument);
 }
+
+namespace {
+
+// An update sent as buckets (one sync each, as verl's and the backends'
+// bucket_bytes do): the tensors of each bucket, by index into the Model.
+using Buckets = std::vector<std::vector<std::size_t>>;
+const Buckets kThree = {{0, 1}, {2, 3, 4}, {5, 6}};
+const Buckets kTwo = {{0, 1, 2}, {3, 4, 5, 6}};  // regrouped from update kRegroupAt on
+constexpr std::uint64_t kUpdates = 12, kRegroupAt = 8;
+const Buckets& buckets_of(std::uint64_t update) { return update < kRegroupAt ? kThree : kTwo; }
+// The update and the bucket that sync version v carries.
+std::pair<std::uint64_t, std::size_t> update_of(std::uint64_t v) {
+  const std::uint64_t before = (kRegroupAt - 1) * kThree.size();
+  if (v <= before) return {(v - 1) / kThree.size() + 1, (v - 1) % kThree.size()};
+  return {kRegroupAt + (v - before - 1) / kTwo.size(), (v - before - 1) % kTwo.size()};
+}
+
+}  // namespace
+
+// Buckets: every sync a different set of tensors. Each bucket's sync is a
+// delta against that bucket's last version (not the sync before it), and
+// consumers apply it to the destinations that version filled. A consumer
+// that skips a bucket gets that bucket full again; regrouped tensors go
+// full once, then as deltas; the base stays one copy of the tensors.
+TEST(DeltaSync, BucketsAreDeltasAgainstTheirOwnLastVersion) {
+  RegionDir dir("delta");
+  const std::string name = unique_name("deltabuckets");
+  RegionGuard guard{name};
+  // skip_at: the version this consumer lets go (0: none).
+  auto consumer = [&](std::uint64_t skip_at) {
+    return [&, skip_at]() -> int {
+      Consumer c = Consumer::open(name, copts());
+      Model want(true);
+      Dsts got(want);
+      std::uint64_t at = 1, full_after_skip = 0;
+      const std::uint64_t total = (kRegroupAt - 1) * kThree.size() + (kUpdates - kRegroupAt + 1) * kTwo.size();
+      for (;;) {
+        const SyncInfo& s = c.wait_sync(60s * kSlowdown);
+        const std::uint64_t v = s.version;
+        const auto [u, b] = update_of(v);
+        while (at < u) want.step(++at);
+        const std::vector<std::size_t>& idx = buckets_of(u)[b];
+        if (s.tensors.size() != idx.size()) return 20;
+        for (std::size_t k = 0; k < idx.size(); ++k)
+          if (s.tensors[k].name != want.specs[idx[k]].name) return 21;
+        if (v == skip_at) {
+          c.skip();
+          continue;
+        }
+        std::vector<void*> ptrs;
+        for (std::size_t i : idx) ptrs.push_back(got.ptrs[i]);
+        c.read_into(ptrs);
+        for (std::size_t i : idx)
+          if (got.buf[i] != want.data[i]) return 22;
+        const SyncReport r = c.last_sync();
+        if (r.version != v) return 23;
+        // The skipped bucket's next read is full (the delta after the skip
+        // was let go, and the producer answered the request).
+        if (skip_at != 0 && v > skip_at && full_after_skip == 0 && update_of(skip_at).second == b) {
+          if (r.delta) return 24;
+          full_after_skip = v;
+        }
+        if (v == total) return skip_at != 0 && full_after_skip == 0 ? 25 : 0;
+      }
+    };
+  };
+  Producer p = Producer::create(name, delta_opts());
+  Child a = Child::spawn(consumer(0));
+  // Skips version 14: bucket 1 of update 5.
+  Child b = Child::spawn(consumer(14));
+  p.wait_for_consumers(2, 30s);
+  Model m(true);
+  int deltas = 0, syncs = 0;
+  std::uint64_t v = 0;
+  for (std::uint64_t u = 1; u <= kUpdates; ++u) {
+    if (u > 1) m.step(u);
+    for (const auto& idx : buckets_of(u)) {
+      std::vector<TensorSpec> specs;
+      std::vector<const void*> ptrs;
+      for (std::size_t i : idx) {
+        specs.push_back(m.specs[i]);
+        ptrs.push_back(m.data[i].data());
+      }
+      ASSERT_EQ(p.send(specs, ptrs), ++v);
+      const SyncReport r = p.last_sync();
+      // The first update's buckets and the regrouped ones' first sync are full.
+      if (u == 1 || u == kRegroupAt) {
+        EXPECT_FALSE(r.delta) << "version " << v;
+      }
+      deltas += r.delta ? 1 : 0;
+      ++syncs;
+    }
+    // One copy of the tensors: a base per bucket, the old buckets' dropped
+    // when they were regrouped.
+    EXPECT_EQ(p.delta_base_bytes(), m.bytes()) << "update " << u;
+  }
+  EXPECT_EQ(a.wait(120s), 0);
+  EXPECT_EQ(b.wait(120s), 0);
+  // All but the first update's, the regrouped update's, and about one
+  // update's worth after the skipped bucket's full-sync request.
+  EXPECT_GE(deltas, syncs - 3 - 2 - 4) << syncs;
+}

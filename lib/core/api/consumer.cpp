@@ -125,12 +125,20 @@ struct Consumer::Impl {
 
   // ---- delta syncs (a region with kFeatureDelta, docs/protocol.md §9, §12)
   bool delta_region = false;
-  // The destinations the last read_into() filled completely, and the version
-  // they hold: a delta sync applies only to exactly these (0: none).
-  std::uint64_t applied_version = 0;
-  std::vector<void*> applied_dsts;
-  std::vector<Selection> applied_sels;
-  bool applied_device = false;
+  // What complete reads filled: the destinations of each, and the version
+  // they hold. A delta sync applies only to exactly the destinations that
+  // hold its base (protocol.md §12.2). An update sent as several syncs of
+  // different tensors (buckets) has one record per bucket; a read forgets
+  // every record whose destinations it overlaps (they no longer hold that
+  // version), and at most kMaxDeltaGroups are kept (the oldest go first).
+  struct Applied {
+    std::uint64_t version = 0;
+    std::vector<void*> dsts;
+    std::vector<Selection> sels;
+    bool device = false;
+    std::vector<std::pair<std::uintptr_t, std::uint64_t>> ranges;  // [start, bytes) of each destination
+  };
+  std::vector<Applied> applied;  // oldest first
   SyncReport report;
   std::unique_ptr<delta::CudaCodec> codec;  // read_into_device of a delta sync
   bool forwarding = false;  // forward_syncs(): a relay passes delta syncs on as they are
@@ -142,15 +150,45 @@ struct Consumer::Impl {
     if (after > s.full_after.load(std::memory_order_relaxed)) s.full_after.store(after, std::memory_order_release);
     detail::ring(view.header().release);  // a producer waiting on the bell looks again
   }
-  bool same_destinations(std::span<void* const> dsts, std::span<const Selection> sels, bool device) const {
-    if (device != applied_device || !std::equal(dsts.begin(), dsts.end(), applied_dsts.begin(), applied_dsts.end()))
+  bool holds(std::uint64_t version) const {
+    return std::any_of(applied.begin(), applied.end(), [&](const Applied& a) { return a.version == version; });
+  }
+  // The record of `version` whose destinations are exactly these, or null.
+  const Applied* find_applied(std::uint64_t version, std::span<void* const> dsts, std::span<const Selection> sels,
+                              bool device) const {
+    for (const Applied& a : applied) {
+      if (a.version != version || a.device != device ||
+          !std::equal(dsts.begin(), dsts.end(), a.dsts.begin(), a.dsts.end()))
+        continue;
+      if (sels.size() != a.sels.size()) continue;
+      bool same = true;
+      for (std::size_t i = 0; i < sels.size() && same; ++i)
+        same = sels[i].dim == a.sels[i].dim && sels[i].start == a.sels[i].start && sels[i].length == a.sels[i].length;
+      if (same) return &a;
+    }
+    return nullptr;
+  }
+  // The byte ranges that a read of the current sync into `dsts` writes.
+  std::vector<std::pair<std::uintptr_t, std::uint64_t>> ranges_of(std::span<void* const> dsts,
+                                                                  std::span<const Selection> sels) const {
+    std::vector<std::pair<std::uintptr_t, std::uint64_t>> out;
+    for (std::size_t t = 0; t < info.tensors.size() && t < dsts.size(); ++t) {
+      if (dsts[t] == nullptr) continue;
+      const TensorInfo& ti = info.tensors[t];
+      const std::uint64_t n = sels.empty() ? ti.nbytes : sels[t].nbytes(ti);
+      out.emplace_back(reinterpret_cast<std::uintptr_t>(dsts[t]), std::max<std::uint64_t>(n, 1));
+    }
+    return out;
+  }
+  // Forgets every record whose destinations overlap `ranges`.
+  void forget(const std::vector<std::pair<std::uintptr_t, std::uint64_t>>& ranges) {
+    auto overlaps = [&](const Applied& a) {
+      for (const auto& [s, n] : a.ranges)
+        for (const auto& [s2, n2] : ranges)
+          if (s < s2 + n2 && s2 < s + n) return true;
       return false;
-    if (sels.size() != applied_sels.size()) return false;
-    for (std::size_t i = 0; i < sels.size(); ++i)
-      if (sels[i].dim != applied_sels[i].dim || sels[i].start != applied_sels[i].start ||
-          sels[i].length != applied_sels[i].length)
-        return false;
-    return true;
+    };
+    applied.erase(std::remove_if(applied.begin(), applied.end(), overlaps), applied.end());
   }
 
   ~Impl() { close_quietly(); }
@@ -383,30 +421,28 @@ struct Consumer::Impl {
       set_report(dsts, sels, false);
       return;
     }
-    if (info.delta() &&
-        (applied_version != info.base_version || !same_destinations(dsts, sels, device))) {
+    const auto ranges = ranges_of(dsts, sels);
+    if (info.delta() && find_applied(info.base_version, dsts, sels, device) == nullptr) {
       request_full(info.version);
       release_rest();
-      applied_version = 0;
+      forget(ranges);
       throw Error(Errc::kNeedsFullSync,
                   "sync " + std::to_string(info.version) + " of '" + name + "' is a delta against version " +
-                      std::to_string(info.base_version) + ", and these destinations are not the ones the last "
-                      "read filled (other buffers, selections or device): a full sync was requested; call "
-                      "wait_sync() again and read that one");
+                      std::to_string(info.base_version) + ", and these destinations are not the ones a complete "
+                      "read of that version filled (other buffers, selections or device): a full sync was "
+                      "requested; call wait_sync() again and read that one");
     }
     const std::uint64_t v = info.version;
     const bool was_delta = info.delta();
-    applied_version = 0;
+    forget(ranges);
     try {
       read();
     } catch (...) {
       request_full(v);  // the destinations now hold neither version
       throw;
     }
-    applied_version = v;
-    applied_dsts.assign(dsts.begin(), dsts.end());
-    applied_sels.assign(sels.begin(), sels.end());
-    applied_device = device;
+    applied.push_back(Applied{v, {dsts.begin(), dsts.end()}, {sels.begin(), sels.end()}, device, ranges});
+    if (applied.size() > limits::kMaxDeltaGroups) applied.erase(applied.begin());
     set_report(dsts, sels, was_delta);
   }
   void set_report(std::span<void* const> dsts, std::span<const Selection> sels, bool was_delta) {
@@ -689,7 +725,7 @@ const SyncInfo& Consumer::wait_sync(Duration timeout) {
   const std::int64_t deadline = mono_ns() + timeout.count();
   for (;;) {
     next_sync(m, deadline);
-    if (!m.info.delta() || m.forwarding || m.info.base_version == m.applied_version) return m.info;
+    if (!m.info.delta() || m.forwarding || m.holds(m.info.base_version)) return m.info;
     // A delta against a version this consumer's destinations do not hold (it
     // attached late, or skipped or failed a sync): never applied. It asks for
     // a full sync, lets this one go and waits for the next.
@@ -958,9 +994,15 @@ void Consumer::request_full_sync() {
   Impl& m = *impl_;
   m.require_open();
   if (!m.delta_region) return;
-  m.applied_version = 0;
+  m.applied.clear();
   const std::uint64_t announced = m.view.header().sync.version.load(std::memory_order_acquire);
   m.request_full(std::max<std::uint64_t>({m.last_version, announced, 1}));
+}
+
+void Consumer::forget_destinations(const void* ptr, std::uint64_t bytes) {
+  Impl& m = *impl_;
+  m.require_open();
+  m.forget({{reinterpret_cast<std::uintptr_t>(ptr), std::max<std::uint64_t>(bytes, 1)}});
 }
 
 const SyncInfo& Consumer::sync() const { return impl_->info; }

@@ -133,7 +133,7 @@ CopyEngine Producer::engine() const { return impl_->engine->is_cuda() ? CopyEngi
 double Producer::pin_seconds() const { return impl_->pin.seconds; }
 double Producer::create_seconds() const { return impl_->create_s; }
 SyncReport Producer::last_sync() const { return impl_->report; }
-std::uint64_t Producer::delta_base_bytes() const { return impl_->delta.base_bytes; }
+std::uint64_t Producer::delta_base_bytes() const { return impl_->delta.base_bytes + impl_->delta.parked_bytes; }
 void Producer::close() {
   if (impl_) impl_->close_quietly();
 }

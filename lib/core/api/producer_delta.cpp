@@ -21,6 +21,8 @@
 // sync is full.
 #include <algorithm>
 #include <cstring>
+#include <string_view>
+#include <unordered_set>
 
 #include "api/producer_impl.hpp"
 #include "base/checks.hpp"
@@ -54,20 +56,27 @@ bool delta_encodes(DType dtype) { return delta::elem_width(dtype) == dtype_size(
 }  // namespace
 
 // Whether a live seat asked for a full sync after a version the last full
-// sync does not cover (protocol.md §9).
-bool Producer::Impl::seat_wants_full() const {
+// sync does not cover (protocol.md §9); *after (when given): the latest
+// such version.
+bool Producer::Impl::seat_wants_full(std::uint64_t* after) const {
+  bool want = false;
   for (std::uint32_t i = 0; i < view.geo().max_consumers; ++i) {
     const Seat& s = view.seat(i);
     if (seat_state(s.word.load(std::memory_order_acquire)) != kSeatActive) continue;
-    if (s.full_after.load(std::memory_order_acquire) >= delta.last_full) return true;
+    const std::uint64_t a = s.full_after.load(std::memory_order_acquire);
+    if (a < delta.last_full) continue;
+    if (after == nullptr) return true;
+    want = true;
+    *after = std::max(*after, a);
   }
-  return false;
+  return want;
 }
 
 // Why this sync must be full (a keyframe), or "" when it may be a delta;
 // resets the per-sync state, and (the tensors changed) the base.
 std::string Producer::Impl::keyframe_reason() {
   DeltaState& d = delta;
+  if (opts.world_size == 1 && !same_tensors(specs, d.specs)) switch_group();
   std::string why;
   if (!d.valid)
     why = d.base_version == 0 ? "first sync" : "the last sync was aborted";
@@ -91,6 +100,68 @@ std::string Producer::Impl::keyframe_reason() {
     d.specs = specs;
   }
   return why;
+}
+
+// Other tensors than the last sync's (one rank): an update sent as several
+// syncs (buckets) keeps a base per tensor set. The current set is parked
+// when consumers hold it (its last sync completed) and no tensor of it is in
+// the new set; a parked set of exactly these tensors comes back (its next
+// sync may be a delta against its own last version); a parked set sharing a
+// tensor with them is dropped (the tensors were regrouped: their bytes are in
+// the new set's base from now on). At most kMaxDeltaGroups sets are kept, the
+// least recently sent dropped first.
+void Producer::Impl::switch_group() {
+  DeltaState& d = delta;
+  std::unordered_set<std::string_view> names;
+  for (const TensorSpec& t : specs) names.insert(t.name);
+  auto shares = [&](const std::vector<TensorSpec>& set) {
+    return std::any_of(set.begin(), set.end(), [&](const TensorSpec& t) { return names.count(t.name) != 0; });
+  };
+  auto release = [&](std::vector<DeltaState::Base>& base) {
+    for (DeltaState::Base& b : base)
+      if (b.dev != nullptr) d.codec->release(b.dev);
+    base.clear();
+  };
+  if (d.valid && !d.specs.empty() && !shares(d.specs)) {
+    d.parked_bytes += d.base_bytes;
+    d.parked.push_back(DeltaState::Group{std::move(d.specs), std::move(d.base), d.base_bytes, d.valid, d.base_version,
+                                         d.last_full, d.deltas_since_full});
+  } else {
+    release(d.base);
+  }
+  DeltaState::Group back;
+  bool found = false;
+  for (auto it = d.parked.begin(); it != d.parked.end();) {
+    const bool same = !found && same_tensors(specs, it->specs);
+    if (!same && !shares(it->specs)) {
+      ++it;
+      continue;
+    }
+    d.parked_bytes -= it->base_bytes;
+    if (same) {
+      back = std::move(*it);
+      found = true;
+    } else {
+      release(it->base);
+    }
+    it = d.parked.erase(it);
+  }
+  while (!d.parked.empty() && d.parked.size() + 1 > limits::kMaxDeltaGroups) {
+    d.parked_bytes -= d.parked.front().base_bytes;
+    release(d.parked.front().base);
+    d.parked.erase(d.parked.begin());
+  }
+  if (!found) {
+    back.specs = specs;
+    back.base.resize(specs.size());
+  }
+  d.specs = std::move(back.specs);
+  d.base = std::move(back.base);
+  d.base_bytes = back.base_bytes;
+  d.valid = back.valid;
+  d.base_version = back.base_version;
+  d.last_full = back.last_full;
+  d.deltas_since_full = back.deltas_since_full;
 }
 
 // A staged sync begins (version `want`, 0: the next): its tensors are

@@ -45,9 +45,10 @@ std::uint64_t Producer::begin_forwarded(std::span<const TensorSpec> tensors, std
   return m.begin_sync(tensors, version);
 }
 
-bool Producer::full_sync_requested() const {
+bool Producer::full_sync_requested(std::uint64_t* after) const {
   impl_->require_open();
-  return impl_->opts.delta && impl_->seat_wants_full();
+  if (after != nullptr) *after = 0;
+  return impl_->opts.delta && impl_->seat_wants_full(after);
 }
 
 // begin_sync() of a forwarded sync (specs, offsets and payload_bytes are

@@ -121,6 +121,19 @@ struct __attribute__((visibility("hidden"))) Producer::Impl {
     std::uint64_t base_version = 0;
     std::uint64_t last_full = 0;     // version of the last full sync (0: none)
     std::uint64_t deltas_since_full = 0;
+    // Other tensor sets' bases (an update sent as several syncs of different
+    // tensors, buckets; one rank only): parked while other tensors are sent,
+    // taken back when the same tensors come again (switch_group()). Least
+    // recently sent first; with the current set at most kMaxDeltaGroups.
+    struct Group {
+      std::vector<TensorSpec> specs;
+      std::vector<Base> base;
+      std::uint64_t base_bytes = 0;
+      bool valid = false;
+      std::uint64_t base_version = 0, last_full = 0, deltas_since_full = 0;
+    };
+    std::vector<Group> parked;
+    std::uint64_t parked_bytes = 0;
     // the sync in progress
     bool staged = false;             // encoding into blobs; announced by end_sync()
     bool full = false;               // a keyframe (or a staged sync that fell back)
@@ -174,7 +187,7 @@ struct __attribute__((visibility("hidden"))) Producer::Impl {
   void abort(std::string_view why, Errc code = Errc::kAborted);
 
   // ---- producer_delta.cpp: delta syncs
-  bool seat_wants_full() const;
+  bool seat_wants_full(std::uint64_t* after = nullptr) const;
   std::uint64_t begin_delta(std::uint64_t want);
   const std::byte* delta_source(const detail::Buffer& src, std::uint64_t from, std::uint64_t len,
                                 std::byte* into);
@@ -191,6 +204,7 @@ struct __attribute__((visibility("hidden"))) Producer::Impl {
   void check_encodes();
   void delta_done();
   std::string keyframe_reason();
+  void switch_group();
   std::uint64_t begin_delta_sharded(std::uint64_t n, std::uint64_t used);
   void end_staged_sharded();
   std::string adopt_round_kind(std::uint64_t base);

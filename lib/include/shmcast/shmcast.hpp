@@ -107,6 +107,11 @@ inline constexpr std::uint64_t kMinManifestBytes = 4096;
 inline constexpr std::uint64_t kMaxManifestBytes = 1ull << 30;
 inline constexpr std::uint32_t kMaxTensors = 1u << 20;        // tensors in one sync
 inline constexpr std::uint32_t kMaxRanks = 64;                // producer ranks of one region
+// Delta syncs of an update sent as several syncs of different tensors
+// (buckets; docs/protocol.md §12): a delta producer keeps a base for each of at most this many
+// tensor sets, and a consumer remembers as many reads (the least recently
+// sent set, or the oldest read, goes first; its next sync is full).
+inline constexpr std::uint32_t kMaxDeltaGroups = 1024;
 inline constexpr std::uint64_t kMaxStreamBytes = 1ull << 46;  // 64 TiB: one sync's stream, and one tensor
 // Alignments of the layout (docs/protocol.md): each tensor starts at a multiple
 // of kTensorAlign bytes of its (sub-)stream; slot sizes, and the slot data area,
@@ -334,12 +339,15 @@ struct ProducerOptions {
   // is one on every rank, docs/protocol.md §12.1): the producer keeps a base, a
   // copy of the bytes it last sent (host memory, delta_base_bytes()), and
   // sends each tensor as the elements that changed since then (compared as
-  // raw words: bit-exact for any dtype), docs/protocol.md §12. A sync goes
-  // out full (a keyframe) when there is no base yet, the tensors' names,
-  // dtypes or shapes changed, a consumer asked for one (it attached late,
+  // raw words: bit-exact for any dtype), docs/protocol.md §12. One rank
+  // keeps a base per set of tensors (names, dtypes, shapes): an update sent
+  // as several syncs (buckets) has each bucket's sync a delta against that
+  // bucket's last one (kMaxDeltaGroups). A sync goes out full (a keyframe)
+  // when there is no base for its tensors yet (a sharded rank: they are not
+  // its last sync's), a consumer asked for one (it attached late,
   // skipped a version, was handed other destinations, or found a checksum
-  // mismatch), the previous sync was aborted, every keyframe_every-th sync
-  // (0: never on a schedule), or when the deltas would take more than
+  // mismatch), the set's previous sync was aborted, every keyframe_every-th
+  // sync of a set (0: never on a schedule), or when the deltas would take more than
   // delta_max_ratio of the full size (they would not pay: on an H200,
   // Qwen2.5-3B shapes, a delta sync stopped being faster than a full one
   // between 0.37 and 0.57 of the bytes, docs/benchmarks.md; decided from the
@@ -540,8 +548,10 @@ class SHMCAST_API Producer {
                                 std::span<const std::uint8_t> is_delta);
   // Delta regions: whether a live consumer asked for a full sync that the
   // last full sync does not answer (what makes a delta producer's next sync
-  // full; a relay passes it upstream).
-  bool full_sync_requested() const;
+  // full; a relay passes it upstream). `after`, when given, receives the
+  // latest version after which such a consumer wants one (any full sync
+  // of a later version answers every such request).
+  bool full_sync_requested(std::uint64_t* after = nullptr) const;
 
   // Marks the region closed (consumers get Errc::kClosed after the last
   // sync), unpins, unmaps and, by default, unlinks the name.
@@ -664,6 +674,12 @@ class SHMCAST_API Consumer {
   // after weights were discarded or reloaded); forgets the destinations, so
   // no delta is applied to them meanwhile. Does nothing on other regions.
   void request_full_sync();
+  // Delta regions: the memory [ptr, ptr + bytes) no longer holds what a
+  // read left there (freed, reused or written): no delta is ever applied to
+  // destinations in it on that read's base. A later delta for them raises
+  // kNeedsFullSync (or wait_sync() lets it go), as for other destinations.
+  // Asks for nothing. Does nothing on other regions.
+  void forget_destinations(const void* ptr, std::uint64_t bytes);
 
   // Leaves the seat; the producer stops waiting for this consumer.
   void close();
