@@ -230,6 +230,7 @@ void Relay::Impl::on_up_message(Down& d, const std::vector<std::uint8_t>& msg) {
   if (d.state != Down::kHandshake) {
     // After the handshake a downstream sends only full-sync requests,
     // authenticated with its session key, in sequence.
+    std::uint64_t after = 0;
     try {
       if (msg.size() < wire::kHeaderBytes + wire::kMacBytes) throw wire::ProtocolError("message too short");
       wire::Mac got{};
@@ -242,8 +243,8 @@ void Relay::Impl::on_up_message(Down& d, const std::vector<std::uint8_t>& msg) {
       ++d.recv_seq;
       if (r.type() != Type::kWantFull)
         throw wire::ProtocolError(std::string("a ") + wire::type_name(r.type()) + " message after the handshake");
-      (void)r.u64();  // after version: any request is answered by the next full sync
-      (void)r.u8();   // flags
+      after = r.u64();  // a full sync of a later version answers it (0: any)
+      (void)r.u8();     // flags
       r.expect_done();
     } catch (const wire::ProtocolError& e) {
       drop_down(d, std::string("protocol error: ") + e.what());
@@ -251,8 +252,8 @@ void Relay::Impl::on_up_message(Down& d, const std::vector<std::uint8_t>& msg) {
     }
     ++d.want_full;
     // The source asks its region; any other relay passes it upstream.
-    if (source) src_want_full = true;
-    else want_full_up = true;
+    if (source) src_want_full.add(after);
+    else want_full_up.add(after);
     wake();
     return;
   }

@@ -47,6 +47,7 @@
 #include "auth.hpp"
 #include "base/clock.hpp"
 #include "ctrl.hpp"
+#include "held.hpp"
 #include "ratelog.hpp"
 #include "shmcast/relay.hpp"
 #include "shmcast/shmcast.hpp"
@@ -400,8 +401,11 @@ struct Relay::Impl {
   // wants the source producer's next sync full; the network thread sends
   // kWantFull to the upstream once it is connected. src_want_full: a
   // downstream asked the source relay; its reader asks the source region.
-  std::atomic<bool> want_full_up{false};
-  std::atomic<bool> src_want_full{false};
+  // Each request says after which version a full sync answers it (0: any
+  // later sync), so that the source asks its region again only for a
+  // request that the full syncs it already asked for do not answer.
+  WantFull want_full_up;
+  WantFull src_want_full;
   void send_want_full();
 
   // ---- region writer (nodes with `from`): wq, wdone and writer_exit under
@@ -570,7 +574,8 @@ struct Relay::Impl {
   std::uint64_t data_end(const WriterState& ws, const WCmd& c) const;
   void write_chunk(WriterState& ws, const WCmd& c, std::uint64_t from, std::uint64_t to);
   void local_failure(const std::string& why);
-  void ask_full(WriterState& ws, const std::string& why);
+  // Asks the upstream for a full sync of a version after `after` (0: any).
+  void ask_full(WriterState& ws, const std::string& why, std::uint64_t after);
 
   // ---- status.cpp: the log and the status file (log, set_state, note_error: any thread; write_status: network thread)
   void log(const std::string& line);

@@ -177,22 +177,32 @@ void Relay::Impl::reader_main() {
 
 // Forwards syncs until the consumer must be reopened (an Error escapes).
 // A delta region's delta syncs go as they are (their blobs), when their
-// base is the last sync this relay passed on whole (`held`); else the
-// relay lets the delta go and asks the region for a full sync. Each node
-// downstream checks the base again against its own region.
+// base is the last sync of the same tensors this relay passed on whole
+// (`held`); else the relay lets the delta go and asks the region for a full
+// sync. Each node downstream checks the base again against its own region.
 void Relay::Impl::read_syncs(Consumer& cons, std::uint64_t S) {
   cons.forward_syncs();
-  std::uint64_t held = 0;  // the last version sent whole to the downstreams (0: none)
+  HeldBases held;  // per tensor set, the last version sent whole to the downstreams
+  // The region's producer makes every sync after `asked` full (for each
+  // tensor set, its next one): a downstream's request for a full sync after
+  // a version up to `asked` is answered by those (0: not asked yet).
+  std::uint64_t asked = 0;
   auto ask_full = [&](const std::string& why) {
     if (!cons.delta()) return;
     cons.request_full_sync();
+    asked = std::max<std::uint64_t>(cons.last_version(), 1);
     log("asked region " + o.region + " for a full sync: " + why);
     std::lock_guard<std::mutex> g(smu);
     ++st.full_requests;
     status_dirty = true;
   };
   while (!stopping) {
-    if (src_want_full.exchange(false)) ask_full("a downstream relay asked for one");
+    // A request for a full sync after a version the last request
+    // covers is already answered (its duplicates come from a node that
+    // asks once per sync until a full one arrives: buckets, or syncs
+    // already on their way); one for any later sync (0) never is.
+    if (std::uint64_t after = 0; src_want_full.take(&after) && (after == 0 || after > asked))
+      ask_full("a downstream relay asked for one");
     const SyncInfo* info = nullptr;
     try {
       info = &cons.wait_sync(200ms);
@@ -209,10 +219,13 @@ void Relay::Impl::read_syncs(Consumer& cons, std::uint64_t S) {
       ++st.skipped;
       continue;
     }
-    if (info->delta() && info->base_version != held) {
+    std::vector<TensorSpec> specs;
+    for (const TensorInfo& t : info->tensors) specs.push_back(TensorSpec{t.name, t.dtype, t.shape});
+    const std::uint64_t set = HeldBases::key(specs);
+    if (info->delta() && info->base_version != held.version(set)) {
       const std::uint64_t v = info->version, base = info->base_version;
       cons.skip();
-      held = 0;
+      held.forget(set);
       {
         std::lock_guard<std::mutex> g(smu);
         ++st.skipped;
@@ -229,8 +242,8 @@ void Relay::Impl::read_syncs(Consumer& cons, std::uint64_t S) {
     plan->frag_bytes = o.fragment_bytes;
     plan->stream_bytes = info->stream_bytes;
     plan->payload_bytes = info->payload_bytes;
+    plan->specs = std::move(specs);
     for (const TensorInfo& t : info->tensors) {
-      plan->specs.push_back(TensorSpec{t.name, t.dtype, t.shape});
       plan->offsets.push_back(t.stream_offset);
       // One rank: one whole piece each. A delta piece's stream bytes are its blob.
       const bool blob = !t.shards.empty() && t.shards[0].base_version != 0;
@@ -243,7 +256,7 @@ void Relay::Impl::read_syncs(Consumer& cons, std::uint64_t S) {
       cons.skip();
       // Nobody downstream holds anything: a relay that joins asks for a
       // full sync itself (kWantFull), so a delta's base is not checked here.
-      held = plan->version;
+      held.hold(set, plan->version);
       log("sync " + std::to_string(plan->version) + " skipped: no downstream relay is connected and ready");
       std::lock_guard<std::mutex> g(smu);
       ++st.skipped;
@@ -266,10 +279,10 @@ void Relay::Impl::read_syncs(Consumer& cons, std::uint64_t S) {
         post_chunk(cu, base, plan->chunk_len(cu), std::move(release));
       });
       post(SrcCmd{SrcCmd::kEnd, plan, 0, nullptr, 0, 0, 0, {}, {}}, false);
-      held = plan->version;
+      held.hold(set, plan->version);
       set_state("idle");
     } catch (const Error& e) {
-      held = 0;
+      held.forget(set);
       post(SrcCmd{SrcCmd::kAbort, plan, 0, nullptr, 0, 0, 0, std::string("source sync aborted: ") + e.what(), {}},
            false);
       log("sync " + std::to_string(plan->version) + " aborted at the source: " + e.what());

@@ -357,8 +357,9 @@ void Relay::Impl::on_down_message(std::vector<std::uint8_t>& msg) {
       log("connected to upstream " + from_addr.str() + " (connection " + std::to_string(up.tr.conn) +
           "): key proven both ways");
       // A node that (re)joins holds no version the upstream's deltas build
-      // on: it asks for a full sync first (a no-op for a region without deltas).
-      want_full_up = true;
+      // on: it asks for a full sync first (a no-op for a region without
+      // deltas), answered by any later full sync: it saw none of them.
+      want_full_up.add(0);
       set_state("connected");
       return;
     }
@@ -388,12 +389,13 @@ wire::Reader Relay::Impl::verified(const std::vector<std::uint8_t>& msg) {
 // Sends a full-sync request upstream (kWantFull) when one is pending and
 // the upstream connection is authenticated; else it waits for that.
 void Relay::Impl::send_want_full() {
-  if (source || up.state != Up::kAuthed || !want_full_up.exchange(false)) return;
+  std::uint64_t after = 0;
+  if (source || up.state != Up::kAuthed || !want_full_up.take(&after)) return;
   Writer w(Type::kWantFull);
-  w.u64(0).u8(0);  // after version (0: any), flags (none yet)
+  w.u64(after).u8(0);  // after version (0: any), flags (none yet)
   std::uint64_t seq = up.send_seq;
   if (!up.sock.send(seal(w, up.session, &seq, "up"), kMaxCtrlOut) || !up.sock.flush()) {
-    want_full_up = true;
+    want_full_up.add(after);
     fail_upstream("control channel: " + up.sock.error());
     return;
   }

@@ -119,11 +119,12 @@ struct Relay::Impl::WriterState {
   std::size_t cursor = 0;
   // Delta syncs (docs/relay.md, "Delta syncs"). The region is a delta region
   // (a ring of host slots): every sync is published as it came
-  // (Producer::begin_forwarded), a delta only on the version this region
-  // completed last (`held`, 0: none), so consumers here find its base.
+  // (Producer::begin_forwarded), a delta only on the version of the same
+  // tensors this region completed last (`held`), so consumers here find its
+  // base.
   bool delta_region = false;
   bool saw_delta = false;       // a delta sync came from upstream
-  std::uint64_t held = 0;       // the last sync this region completed, since it was created
+  HeldBases held;               // per tensor set, the last sync this region completed, since it was created
   std::uint64_t last_seen = 0;  // the last sync begun upstream
   std::uint64_t asked_at = ~0ull;  // last_seen when a full sync was last asked for
 };
@@ -171,12 +172,14 @@ void Relay::Impl::writer_main() {
     // (it answers the consumers enrolled in it).
     if (ws.prod && ws.asked_at != ws.last_seen && !(ws.ok && ws.plan && !ws.plan->delta())) {
       bool want = false;
+      std::uint64_t after = 0;  // a store region: any full sync
       try {
-        want = ws.delta_region ? ws.prod->full_sync_requested() : ws.saw_delta;
+        want = ws.delta_region ? ws.prod->full_sync_requested(&after) : ws.saw_delta;
       } catch (...) {
       }
       if (want) ask_full(ws, ws.delta_region ? "a consumer of this node's region asked for a full sync"
-                                             : "this node's store region keeps full versions");
+                                             : "this node's store region keeps full versions",
+                         after);
     }
     // Live consumers of this node's region, for the status file.
     if (ws.prod) {
@@ -221,7 +224,7 @@ void Relay::Impl::ensure_region(WriterState& ws, std::uint64_t chunk_bytes, bool
   po.delta = po.mode == RegionMode::kRing && po.world_size == 1 && po.slot_memory == SlotMemory::kHost;
   ws.prod.emplace(Producer::create(o.region, po));
   ws.delta_region = po.delta;
-  ws.held = 0;
+  ws.held.clear();
   ++ws.gen;
   region_slot_bytes = ws.prod->slot_bytes();
   region_slots = ws.prod->slots();
@@ -253,26 +256,29 @@ void Relay::Impl::writer_do(WriterState& ws, const WCmd& c) {
       ws.lent = false;
       ws.last_seen = c.plan->version;
       const SyncPlan& p = *c.plan;
+      const std::uint64_t set = HeldBases::key(p.specs);
       if (p.delta()) {
         ws.saw_delta = true;
-        if (!ws.delta_region || ws.held != p.base_version) {
+        const std::uint64_t held = ws.held.version(set);
+        if (!ws.delta_region || held != p.base_version) {
           // Never published on another base: let it go, ask for a full sync.
           const std::string why =
               "delta sync " + std::to_string(p.version) + " builds on version " + std::to_string(p.base_version) +
               (ws.delta_region ? ", which this node's region does not hold (it holds " +
-                                     (ws.held ? "version " + std::to_string(ws.held) : std::string("none")) + ")"
+                                     (held ? "version " + std::to_string(held) : std::string("none")) +
+                                     " of these tensors)"
                                : ", and this node's store region keeps full versions");
-          ws.held = 0;
+          ws.held.forget(set);
           {
             std::lock_guard<std::mutex> g(smu);
             ++st.delta_skipped;
             status_dirty = true;
           }
-          ask_full(ws, why);
+          ask_full(ws, why, p.version);  // this node goes on from the syncs after it
           return;
         }
       }
-      ws.held = 0;  // until this sync is complete here
+      ws.held.forget(set);  // until this sync is complete here
       try {
         if (ws.delta_region)
           ws.prod->begin_forwarded(p.specs, p.version, p.base_version, p.delta() ? p.nbytes : std::vector<std::uint64_t>{},
@@ -330,7 +336,7 @@ void Relay::Impl::writer_do(WriterState& ws, const WCmd& c) {
         if (!ws.lent)
           for (; ws.cursor < p.specs.size(); ++ws.cursor) ws.prod->write_part(ws.cursor, 0, nullptr, 0);
         ws.prod->end_sync();
-        ws.held = p.version;
+        ws.held.hold(HeldBases::key(p.specs), p.version);
         std::lock_guard<std::mutex> g(smu);
         ++st.region_syncs;
         st.region_version = p.version;
@@ -420,11 +426,11 @@ void Relay::Impl::local_failure(const std::string& why) {
 
 // Asks the upstream for a full sync (kWantFull, sent by the network
 // thread), at most once per upstream sync.
-void Relay::Impl::ask_full(WriterState& ws, const std::string& why) {
+void Relay::Impl::ask_full(WriterState& ws, const std::string& why, std::uint64_t after) {
   if (ws.asked_at == ws.last_seen) return;
   ws.asked_at = ws.last_seen;
   log("asking the upstream for a full sync: " + why);
-  want_full_up = true;
+  want_full_up.add(after);
   wake();
 }
 

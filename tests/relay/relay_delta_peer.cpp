@@ -5,6 +5,7 @@
 //   relay_delta_peer produce NAME --versions N --go PREFIX --report FILE [--seed S] [--fraction F]
 //   relay_delta_peer consume NAME --versions N --report FILE [--seed S] [--skip-every K] [--fraction F]
 //                            [--corrupt-ok 1]
+//   either role: [--buckets B]
 //
 // Version 1 fills every tensor with random bytes; version v > 1 changes a
 // random 0.5-30 % of each tensor's elements (random positions, new random
@@ -26,6 +27,11 @@
 // <message>" and the worker goes on (the consumer asked for a full sync);
 // without it the worker exits 20 + the error's code. It ends once it has
 // seen version N.
+// --buckets B (both roles alike): each version is an update sent as B syncs
+// (buckets), tensor i in bucket i * B / 8: version v's buckets are syncs
+// (v - 1) * B + 1 .. v * B. The producer reports "sent v.b KIND ..." per
+// bucket, the consumer "ok v.b KIND ..." per bucket read (into the same
+// buffers as every other read of that bucket) and "skipped v.b".
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -45,7 +51,7 @@ namespace {
 
 struct Args {
   std::string role, name, report, go;
-  int versions = 10, skip_every = 0;
+  int versions = 10, skip_every = 0, buckets = 0;
   std::uint64_t seed = 11;
   double fraction = 0;  // 0: 0.5-30 % at random
   bool corrupt_ok = false;
@@ -178,6 +184,80 @@ int consume(const Args& a) {
   }
 }
 
+// --buckets: the tensors of bucket b.
+std::vector<std::size_t> bucket(const Args& a, std::size_t b) {
+  std::vector<std::size_t> idx;
+  const std::size_t n = specs().size();
+  for (std::size_t i = 0; i < n; ++i)
+    if (i * static_cast<std::size_t>(a.buckets) / n == b) idx.push_back(i);
+  return idx;
+}
+
+int produce_buckets(const Args& a) {
+  ProducerOptions o;
+  o.slot_bytes = 2 << 20;
+  o.pin = Pin::kNo;
+  o.engine = CopyEngine::kHost;
+  o.consumer_timeout = 60s;
+  o.delta = true;
+  Producer p = Producer::create(a.name, o);
+  report(a, "ready");
+  Model m(a.seed, a.fraction);
+  for (int v = 1; v <= a.versions; ++v) {
+    if (!wait_file(a.go + "." + std::to_string(v), 120s)) return 3;
+    m.advance();
+    for (std::size_t b = 0; b < static_cast<std::size_t>(a.buckets); ++b) {
+      std::vector<TensorSpec> t;
+      std::vector<const void*> src;
+      for (std::size_t i : bucket(a, b)) {
+        t.push_back(m.t[i]);
+        src.push_back(m.data[i].data());
+      }
+      const std::uint64_t want = static_cast<std::uint64_t>(v - 1) * static_cast<std::uint64_t>(a.buckets) + b + 1;
+      if (p.send(t, src, want) != want) return 4;
+      report(a, "sent " + std::to_string(v) + "." + std::to_string(b) + " " + kind(p.last_sync()));
+    }
+  }
+  for (;;) std::this_thread::sleep_for(1s);  // consumers downstream may still read
+}
+
+int consume_buckets(const Args& a) {
+  ConsumerOptions o;
+  o.pin = Pin::kNo;
+  o.open_timeout = 120s;
+  Consumer c = Consumer::open(a.name, o);
+  report(a, "attached");
+  Model m(a.seed, a.fraction);
+  std::vector<std::vector<std::uint8_t>> got(m.t.size());
+  for (std::size_t i = 0; i < m.t.size(); ++i) got[i].assign(m.data[i].size(), 0xEE);
+  const auto B = static_cast<std::uint64_t>(a.buckets);
+  for (;;) {
+    const SyncInfo& info = c.wait_sync(120s);
+    const std::uint64_t s = info.version, v = (s - 1) / B + 1, b = (s - 1) % B;
+    const std::string tag = std::to_string(v) + "." + std::to_string(b);
+    const std::vector<std::size_t> idx = bucket(a, b);
+    if (info.tensors.size() != idx.size()) return 13;
+    for (std::size_t k = 0; k < idx.size(); ++k)
+      if (info.tensors[k].name != m.t[idx[k]].name) return 13;
+    if (a.skip_every > 0 && v % static_cast<std::uint64_t>(a.skip_every) == 0 && b == 0) {
+      c.skip();
+      report(a, "skipped " + tag);
+    } else {
+      std::vector<void*> dst;
+      for (std::size_t i : idx) dst.push_back(got[i].data());
+      c.read_into(dst);
+      while (m.version < v) m.advance();
+      for (std::size_t i : idx)
+        if (got[i] != m.data[i]) {
+          report(a, "bad " + tag);
+          return 12;
+        }
+      report(a, "ok " + tag + " " + kind(c.last_sync()));
+    }
+    if (s >= static_cast<std::uint64_t>(a.versions) * B) return 0;
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -194,12 +274,13 @@ int main(int argc, char** argv) {
     else if (k == "--skip-every") a.skip_every = std::stoi(v);
     else if (k == "--fraction") a.fraction = std::stod(v);
     else if (k == "--corrupt-ok") a.corrupt_ok = v == "1";
+    else if (k == "--buckets") a.buckets = std::stoi(v);
     else return 2;
   }
-  if (a.report.empty()) return 2;
+  if (a.report.empty() || a.buckets < 0 || a.buckets > 8) return 2;
   try {
-    if (a.role == "produce") return produce(a);
-    if (a.role == "consume") return consume(a);
+    if (a.role == "produce") return a.buckets > 0 ? produce_buckets(a) : produce(a);
+    if (a.role == "consume") return a.buckets > 0 ? consume_buckets(a) : consume(a);
   } catch (const Error& e) {
     std::fprintf(stderr, "relay_delta_peer %s: %s\n", a.role.c_str(), e.what());
     return 20 + static_cast<int>(e.code());

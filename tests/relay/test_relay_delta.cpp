@@ -171,14 +171,18 @@ namespace {
 
 // Waits (up to 60 s) for a line "<word> <v> ..." in the report; its fields,
 // or empty.
-std::vector<std::string> wait_fields(const std::string& path, const std::string& word, int v) {
+std::vector<std::string> wait_fields(const std::string& path, const std::string& word, const std::string& v) {
   const auto end = std::chrono::steady_clock::now() + 60s;
   for (;;) {
     for (const auto& f : lines(path, word))
-      if (f.size() > 1 && f[1] == std::to_string(v)) return f;
+      if (f.size() > 1 && f[1] == v) return f;
     if (std::chrono::steady_clock::now() > end) return {};
     std::this_thread::sleep_for(2ms);
   }
+}
+
+std::vector<std::string> wait_fields(const std::string& path, const std::string& word, int v) {
+  return wait_fields(path, word, std::to_string(v));
 }
 
 // A line "<word> <v> ..." in the report, or a worker's verdict on version v
@@ -368,4 +372,94 @@ TEST(RelayDelta, FullSyncRequestPassesThroughAMiddleRelay) {
   EXPECT_EQ(wait_fields(rep(1), "ok", 7).at(2), "delta") << slurp(rep(1));
   // Node 1 passed requests up (its own counter of want-full sent upstream).
   EXPECT_FALSE(c.wait_status(1, [](const json& j) { return j["delta"].value("full_requests", 0) >= 2; }).is_null());
+}
+
+// An update sent as buckets (3 syncs of different tensors per version, as
+// verl's and the backends' bucket_bytes do): each bucket's delta builds on
+// that bucket's last sync, and the relays pass it on as a delta (each keeps
+// the last version of every tensor set it passed whole). Node 2's worker
+// skips bucket 0 of every 4th update: its next bucket-0 sync is a delta it
+// cannot apply, so it asks, through both relays, and gets that bucket full.
+TEST(RelayDelta, BucketsCrossAsDeltas) {
+  Cluster c(3, "deltabuckets");
+  auto peer = [&](const std::string& tag, int node, std::vector<std::string> args) -> Proc& {
+    args.insert(args.begin(), kDeltaPeer);
+    return c.start(tag, args, node);
+  };
+  const int n = 10, B = 3;
+  const std::string N = std::to_string(n), trainer_rep = c.file("trainer.txt");
+  auto rep = [&](int node) { return c.file("worker" + std::to_string(node) + ".txt"); };
+  peer("trainer", 0, {"produce", c.region(), "--versions", N, "--go", c.file("go"), "--report", trainer_rep,
+                      "--fraction", "0.02", "--buckets", std::to_string(B)});
+  ASSERT_TRUE(c.wait_line(trainer_rep, "ready"));
+  c.relay(0, 0, true);
+  const int p0 = c.listen_port(0);
+  ASSERT_NE(p0, 0);
+  c.relay(1, p0, true);
+  ASSERT_FALSE(c.wait_status(1, [](const json& j) { return upstream_connected(j); }).is_null());
+  const int p1 = c.listen_port(1);
+  ASSERT_NE(p1, 0);
+  c.relay(2, p1, false);
+  ASSERT_FALSE(c.wait_status(2, [](const json& j) { return upstream_connected(j); }).is_null());
+  ASSERT_FALSE(c.wait_status(0, [](const json& j) { return downstream_ready(j, 1); }).is_null());
+  ASSERT_FALSE(c.wait_status(1, [](const json& j) { return downstream_ready(j, 1); }).is_null());
+  Proc& w1 = peer("worker1", 1,
+                  {"consume", c.region(), "--versions", N, "--report", rep(1), "--fraction", "0.02", "--buckets", "3"});
+  Proc& w2 = peer("worker2", 2, {"consume", c.region(), "--versions", N, "--report", rep(2), "--fraction", "0.02",
+                                 "--buckets", "3", "--skip-every", "4"});
+  ASSERT_TRUE(c.wait_line(rep(1), "attached"));
+  ASSERT_TRUE(c.wait_line(rep(2), "attached"));
+  const std::string log0 = c.file("relay0.log");
+  auto asked = [&] {
+    std::size_t k = 0;
+    const std::string l = slurp(log0);
+    for (std::size_t at = 0; (at = l.find("for a full sync: a downstream relay asked for one", at)) != std::string::npos;
+         ++at)
+      ++k;
+    return k;
+  };
+  std::size_t before = 0;
+  for (int v = 1; v <= n; ++v) {
+    if (v % 4 == 1 && v > 1) before = asked();  // after the skipped bucket
+    c.touch(c.file("go." + std::to_string(v)));
+    // Node 1's worker read every bucket of this update.
+    for (int b = 0; b < B; ++b)
+      ASSERT_FALSE(wait_fields(rep(1), "ok", std::to_string(v) + "." + std::to_string(b)).empty())
+          << slurp(rep(1)) << w1.output();
+    ASSERT_FALSE(
+        c.wait_status(2, [&](const json& j) { return j["region_state"].value("version", 0) >= v * B; }).is_null())
+        << "version " << v;
+    if (v % 4 == 1 && v > 1) {
+      // Node 2's worker let this update's bucket 0 go and asked; the next
+      // update starts once the request reached the trainer's region.
+      const auto until = std::chrono::steady_clock::now() + 60s;
+      while (asked() <= before && std::chrono::steady_clock::now() < until) std::this_thread::sleep_for(2ms);
+      ASSERT_GT(asked(), before) << "update " << v << ": node 2's request never reached the source relay";
+    }
+  }
+  EXPECT_EQ(w1.wait(), 0) << w1.output() << slurp(rep(1));
+  EXPECT_EQ(w2.wait(), 0) << w2.output() << slurp(rep(2));
+  // Bucket deltas crossed both links as deltas: no relay let one go.
+  for (int node : {0, 1, 2}) {
+    const json s = c.wait_status(node, [](const json& j) { return j.contains("delta"); });
+    ASSERT_FALSE(s.is_null());
+    EXPECT_EQ(s["delta"].value("skipped", -1), 0) << "node " << node << ": " << s.dump();
+  }
+  int deltas = 0;
+  for (const auto& f : lines(rep(1), "ok")) deltas += f.at(2) == "delta" ? 1 : 0;
+  EXPECT_EQ(lines(rep(1), "ok").size(), static_cast<std::size_t>(n * B)) << slurp(rep(1));
+  // Full: the first update (and the second, when a relay's request at its
+  // start came late), and one update's buckets after each of node 2's two
+  // requests.
+  EXPECT_GE(deltas, n * B - 4 * B) << slurp(rep(1));
+  // Node 2: bucket 0 of updates 4 and 8 skipped; that of updates 5 and 9
+  // let go (a delta on a version it did not read); bucket 0 came full at
+  // updates 6 and 10, and as a delta at 7.
+  EXPECT_TRUE(has_line(rep(2), "skipped 4.0")) << slurp(rep(2));
+  EXPECT_TRUE(has_line(rep(2), "skipped 8.0")) << slurp(rep(2));
+  std::vector<std::string> kinds0;  // node 2's bucket-0 reads after update 4, in order
+  for (const auto& f : lines(rep(2), "ok"))
+    if (f.at(1).size() > 2 && f.at(1).substr(f.at(1).size() - 2) == ".0" && std::stoi(f.at(1)) > 4)
+      kinds0.push_back(f.at(2));
+  EXPECT_EQ(kinds0, (std::vector<std::string>{"full", "delta", "full"})) << slurp(rep(2));
 }
