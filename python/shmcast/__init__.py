@@ -50,6 +50,7 @@ from ._shmcast import (  # noqa: F401  (exceptions: shmcast.Error and one subcla
     VersionMismatch,
     cuda_available,
     cuda_unavailable_reason,
+    max_delta_groups,
     region_dir,
     region_path,
     unlink_region,
@@ -81,5 +82,5 @@ __all__ = [
     "VersionMismatch", "Timeout", "PeerDied", "Closed", "NoSeat", "Evicted", "Aborted", "Checksum", "CudaError",
     "CudaUnavailable", "SystemFailure", "Unsupported", "NeedsFullSync",
     "cuda_available", "cuda_unavailable_reason", "region_dir", "region_path", "unlink_region", "validate_name",
-    "dtype_name", "torch_dtype", "supported_dtypes",
+    "dtype_name", "torch_dtype", "supported_dtypes", "max_delta_groups",
 ]

@@ -3,6 +3,7 @@ checks on what a read asks for (slices, destinations: Mismatch).
 """
 from __future__ import annotations
 
+import collections
 import os
 import threading
 import weakref
@@ -75,15 +76,16 @@ class Consumer(_Closing):
           you keep (load_weights() does).
 
     Delta regions (Producer(delta=True); `delta` is True): receive() and
-    read() keep the consumer's own copy of the tensors it reads, in one
-    buffer on `device` that stays in place while the same tensors (names,
+    read() keep the consumer's own copy of the tensors it reads, a buffer
+    on `device` per set of tensors read (one per bucket when an update
+    comes as buckets) that stays in place while the same tensors (names,
     slices) are asked for, and each delta sync is applied to it; 'copy'
     returns a copy of it (so twice the sync's memory), 'staging' views of
     it (do not write into them: they are what the next delta applies to).
     receive_into() keeps the temporaries of its non-contiguous destinations
     the same way. A delta sync that cannot apply (other destinations, names
-    or slices than the last read) raises shmcast.NeedsFullSync after asking
-    the producer for a full sync: call again for it.
+    or slices than the read of its base) raises shmcast.NeedsFullSync after
+    asking the producer for a full sync: call again for it.
 
     Device slots (Producer(slot_memory='device'); `slot_memory` is
     'device'): the slots are GPU memory of the producer's GPU, mapped here
@@ -118,7 +120,9 @@ class Consumer(_Closing):
         self._view = None  # the StoreView hold() handed out, while held
         self._host_buf: Optional[torch.Tensor] = None
         self._delta = False  # the region sends delta syncs (set below, or by the first delta sync)
-        self._kept = None  # delta regions: (key, buffer), receive()'s own copy that deltas apply to
+        # Delta regions: receive()'s own copies that deltas apply to, by the
+        # tensors and slices read (one per bucket), least recently read first.
+        self._kept: "collections.OrderedDict" = collections.OrderedDict()
         self._tmps: dict = {}  # delta regions: receive_into()'s temporaries by name (kept in place)
         if self.device.type == "cuda":
             with torch.cuda.device(self.device):
@@ -281,22 +285,34 @@ class Consumer(_Closing):
                 c.read_into_device(ptrs, torch.cuda.current_stream(dev).cuda_stream, selections)
 
     def _read_kept(self, c, info, mode, names, slices) -> list:
-        """Delta regions: the sync is read into the consumer's own copy, one
-        buffer that stays where it is while the same tensors and slices are
-        read (the library applies a delta sync only to the destinations the
-        previous read filled, which then hold its base). 'staging' returns
-        views of that buffer, 'copy' a copy of it."""
+        """Delta regions: the sync is read into the consumer's own copy, a
+        buffer per set of tensors and slices read (an update sent as buckets
+        has one per bucket) that stays where it is while the same tensors
+        and slices are read (the library applies a delta sync only to the
+        destinations that hold its base). 'staging' returns views of that
+        buffer, 'copy' a copy of it."""
         picked, selections, total = self._pack(info, names, slices)
         dev = self.device
         what = f"sync {info.version} of '{c.name}'"
         key = (tuple(picked), None if selections is None else tuple(selections))
         kept = self._kept
-        if kept is not None and kept[0] == key:
-            buf = kept[1]
+        buf = kept.get(key)
+        if buf is not None:
+            kept.move_to_end(key)
         else:
-            self._kept = kept = None  # the old copy goes first
+            # Copies of the same tensors under another key (regrouped, or
+            # other slices) go first, and the oldest beyond the library's
+            # max_delta_groups; the library forgets what they held (their
+            # memory may come back as another buffer).
+            read = {t.name for _, t in picked}
+            stale = [kept.pop(k) for k in [k for k in kept if any(t.name in read for _, t in k[0])]]
+            while len(kept) >= _C.max_delta_groups:
+                stale.append(kept.popitem(last=False)[1])
+            for old in stale:
+                c.forget_destinations(old.data_ptr(), old.numel())
+            del stale
             buf = _alloc(_round_up(max(total, 1), _TENSOR_ALIGN), torch.uint8, dev, what)
-            self._kept = (key, buf)
+            kept[key] = buf
         self._fill(c, buf, info, picked, selections)
         if mode != "staging":
             out = _alloc(buf.numel(), torch.uint8, dev, what)
@@ -387,12 +403,14 @@ class Consumer(_Closing):
             raise Mismatch(f"sync {info.version} does not match the destinations: {shown}")
         ptrs = [None] * len(info.tensors)
         after = []  # (destination, temporary): copied once the read is done
-        # Delta regions: a delta applies only to the destinations the last
-        # read filled, so temporaries are kept by name (same pointers next
-        # time; they hold the base, whatever happened to the destination).
+        # Delta regions: a delta applies only to the destinations that hold
+        # its base, so temporaries are kept by name (same pointers next time;
+        # they hold the base, whatever happened to the destination), those of
+        # other tensors too (buckets: each sync has other tensors).
         keep = self._delta or info.delta
         self._delta = keep
-        old_tmps, tmps = self._tmps, {}
+        old_tmps = self._tmps
+        tmps = dict(old_tmps) if keep else {}
         self._tmps = {}
         for j, d, nbytes in plan:
             if not nbytes:
@@ -404,15 +422,17 @@ class Consumer(_Closing):
             else:
                 name = _TensorAt._make(info.tensors[j]).name
                 tdev = cuda_dev if cuda_dev is not None else d.device
-                tmp = old_tmps.pop(name, None) if keep else None
+                tmp = tmps.pop(name, None) if keep else None
                 if tmp is None or tmp.shape != d.shape or tmp.dtype != d.dtype or tmp.device != tdev:
+                    if tmp is not None:  # its memory may come back as another buffer
+                        c.forget_destinations(tmp.data_ptr(), tmp.numel() * tmp.element_size())
                     tmp = None
                     tmp = _alloc(tuple(d.shape), d.dtype, tdev, f"sync {info.version}: the temporary for '{name}'")
                 if keep:
                     tmps[name] = tmp
                 after.append((d, tmp))
                 ptrs[j] = tmp.data_ptr()
-        del old_tmps  # temporaries this read does not use
+        del old_tmps
         self._tmps = tmps
         selections = sels if slices else None
         if cuda_dev is None:
@@ -489,12 +509,14 @@ class Consumer(_Closing):
                     self._skip_quietly(c)
                     lease.close_consumer = True  # the lease closes c when the last tensor goes
                     self._deferred_close = True
-                    self._host_buf = self._kept = None
+                    self._host_buf = None
+                    self._kept = collections.OrderedDict()
                     self._tmps = {}
                     return
         if c is not None and not c.closed:
             c.close()
-        self._host_buf = self._kept = None
+        self._host_buf = None
+        self._kept = collections.OrderedDict()
         self._tmps = {}
 
     @property

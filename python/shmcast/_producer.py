@@ -124,11 +124,13 @@ class Producer(_Closing):
 
     delta=True (ring regions; sharded producers: on every rank): each
     send() after the first carries only the elements whose raw bits changed
-    since the previous send (bit-exact for every dtype); the producer keeps
-    a copy of the last sent tensors for that (delta_base_bytes; a sharded
-    rank: of its own shards). A sharded send is a delta only when it is
+    since the previous send of the same tensors (bit-exact for every dtype;
+    an update sent as buckets: since that bucket's previous send); the
+    producer keeps a copy of the last sent tensors for that
+    (delta_base_bytes; a sharded rank: of its own shards, one set of
+    tensors at a time). A sharded send is a delta only when it is
     one on every rank: any rank's reason to go full makes it full for all. A send goes out full
-    when there is no base yet, the tensors (names, dtypes, shapes) changed,
+    when there is no base for its tensors (names, dtypes, shapes) yet,
     a consumer asked for one (it attached late, skipped a version, or was
     handed other destinations), every keyframe_every-th send (0: never on a
     schedule), or when the deltas would take more than delta_max_ratio of

@@ -63,7 +63,14 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["ShmcastCheckpointEngine", "CONTROL"]
 
-CONTROL = "__shmcast__.verl.bucket"  # int64 [bucket index, is_last]: the last tensor of every sync
+# The last tensor of every sync: int64 [bucket index, is_last], named
+# CONTROL + ".<bucket index>" (each bucket its own tensors, so that a delta
+# producer keeps each bucket's base apart and sends it as a delta).
+CONTROL = "__shmcast__.verl.bucket"
+
+
+def _control(index: int) -> str:
+    return f"{CONTROL}.{index}"
 
 
 def _dtype(d: Union[str, torch.dtype, None]) -> Optional[torch.dtype]:
@@ -168,10 +175,10 @@ class ShmcastCheckpointEngine(CheckpointEngine):
         await loop.run_in_executor(None, prod.wait_for_consumers, self.world_size - 1, self.timeout)
         index = 0
         for bucket in buckets(weights, self.bucket_size, self.rollout_dtype):
-            bucket.append((CONTROL, torch.tensor([index, 0], dtype=torch.int64)))
+            bucket.append((_control(index), torch.tensor([index, 0], dtype=torch.int64)))
             await loop.run_in_executor(None, prod.send, bucket)
             index += 1
-        await loop.run_in_executor(None, prod.send, [(CONTROL, torch.tensor([index, 1], dtype=torch.int64))])
+        await loop.run_in_executor(None, prod.send, [(_control(index), torch.tensor([index, 1], dtype=torch.int64))])
 
     async def receive_weights(self) -> AsyncGenerator[tuple, None]:
         assert self.rank is not None and self.rank > 0, "only rollout workers receive"
@@ -186,9 +193,9 @@ class ShmcastCheckpointEngine(CheckpointEngine):
             try:
                 named = await loop.run_in_executor(None, receive)
                 name, ctl = named.pop()
-                if name != CONTROL or int(ctl[0]) != expect:
+                if name != _control(expect) or int(ctl[0]) != expect:
                     raise _C.Corrupt(f"region '{cons.name}': expected bucket {expect} of this update, got {name} "
-                                     f"{ctl.tolist() if name == CONTROL else ''}")
+                                     f"{ctl.tolist() if name == _control(expect) else ''}")
             except BaseException:
                 self._consumers.drop(self._region)  # never keep the trainer waiting for this worker
                 raise

@@ -45,16 +45,15 @@ sleep(level=2) discards them; after wake_up the weights are garbage until the
 trainer's next send_weights() (RL frameworks sync right after waking the
 weights).
 
-Delta syncs (producer_options={"delta": True}, with bucket_bytes=0 so that
-every update is one sync of the same tensors): 'direct' applies each delta to
+Delta syncs (producer_options={"delta": True}; with bucket_bytes > 0 each
+bucket's sync is a delta against that bucket's last one): 'direct' applies each delta to
 the parameters in place; start_weight_update() checks that they still hold
 what the last update left there (a sample of their bits,
 DirectLoader.holds_last_load) and, after a level-2 sleep, takes a new seat,
 which makes the round's sync full. 'loader' reads through the consumer's own
 copy of the weights (one more copy of the model on the worker's device) and
 hands load_weights() whole tensors, so loads that transform the weights
-(quantization) are fine. Buckets (bucket_bytes > 0) change the tensors from
-one sync to the next, so they always go full. This backend streams through a ring region; a store region
+(quantization) are fine. This backend streams through a ring region; a store region
 (shmcast.Producer(mode='store'), docs/python.md) keeps the newest version,
 so a worker could reload it after sleep(level=2) or a restart without the
 trainer (Consumer.receive_into), but this backend does not do that itself.

@@ -266,3 +266,35 @@ def test_delta_staged_cuda_copies_freed_before_end_sync(region, budget):
                     bad.append((v, prod.last_sync["kind"], f"w{i}"))
             del src
     assert (bad, kinds) == ([], ["full", "delta", "delta", "delta"])
+
+
+def test_buckets_are_deltas(region):
+    # An update sent as buckets (one sync each, as bucket_bytes > 0 and
+    # verl's checkpoint engine do): each bucket's sync is a delta against
+    # that bucket's last one, applied by receive_into (transposed
+    # destinations: kept temporaries), receive() 'copy' and 'staging' (a
+    # kept copy per bucket). Regrouped tensors go full once, then as deltas.
+    groups = [[["bf16.big"], ["bf16.2d", "fp32.2d"], ["fp16.vec", "u8.vec"]]] * 4 + \
+             [[["bf16.big", "bf16.2d"], ["fp32.2d", "fp16.vec", "u8.vec"]]] * 3
+    with shmcast.Producer(region, slot_bytes=roles.SLOT, slots=8, max_consumers=4, delta=True,
+                          delta_max_ratio=0.6) as prod, \
+            shmcast.Consumer(region) as into, shmcast.Consumer(region) as copy, \
+            shmcast.Consumer(region) as staging:
+        dst = dr.destinations()
+        kinds = []
+        for named, buckets in zip(dr.versions(41, len(groups)), groups):
+            by_name = dict(named)
+            for names in buckets:
+                bucket = [(n, by_name[n]) for n in names]
+                v = prod.send(bucket)
+                kinds.append(prod.last_sync["kind"])
+                assert into.receive_into({n: dst[n] for n in names}, timeout=10) == v
+                assert dr.compare([(n, dst[n]) for n in names], bucket) == [], v
+                assert into.last_sync == prod.last_sync
+                got = copy.receive(timeout=10)
+                assert dr.compare(got, bucket) == [] and copy.last_sync == prod.last_sync, v
+                got = staging.receive(timeout=10, mode="staging")
+                assert dr.compare(got, bucket) == [] and staging.last_sync == prod.last_sync, v
+        # One base: a copy of the tensors, whatever the grouping.
+        assert prod.delta_base_bytes == dr.logical_bytes()
+    assert kinds == ["full"] * 3 + ["delta"] * 9 + ["full"] * 2 + ["delta"] * 4, kinds

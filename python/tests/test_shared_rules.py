@@ -15,6 +15,7 @@ from shmcast import _torch as T
 def test_alignments_are_the_librarys():
     assert T._TENSOR_ALIGN == _C.tensor_align == 256
     assert T._DATA_ALIGN == _C.data_align == 2 << 20
+    assert shmcast.max_delta_groups == _C.max_delta_groups == 1024  # limits::kMaxDeltaGroups
     # ... and the ones the library lays a sync out with: each tensor starts at
     # a multiple of tensor_align, slots are rounded up to data_align.
     specs = [("a", "u8", (1,)), ("b", "u8", (3,)), ("c", "f32", (5,))]

@@ -156,6 +156,9 @@ class PyConsumer : Owned {
   void request_full_sync() {
     locked([](Consumer& c) { c.request_full_sync(); });
   }
+  void forget_destinations(std::uintptr_t ptr, std::uint64_t bytes) {
+    locked([&](Consumer& c) { c.forget_destinations(reinterpret_cast<const void*>(ptr), bytes); });
+  }
 
   // Store regions: the held version's tensors in the region (0 for an empty one).
   std::vector<std::uintptr_t> views() {
@@ -274,6 +277,9 @@ void bind_consumer(py::module_& m) {
       .def("request_full_sync", &PyConsumer::request_full_sync,
            "Delta regions: the next sync is full, and no delta is applied to the destinations meanwhile "
            "(shmcast::Consumer::request_full_sync)")
+      .def("forget_destinations", &PyConsumer::forget_destinations, py::arg("ptr"), py::arg("nbytes"),
+           "Delta regions: the memory [ptr, ptr + nbytes) no longer holds what a read left there; no delta is "
+           "applied to it on that read's base (shmcast::Consumer::forget_destinations)")
       .def_property_readonly("delta", &PyConsumer::delta,
                              "True when the region was created with delta syncs (Producer(delta=True))")
       .def_property_readonly("last_version", &PyConsumer::last_version)

@@ -64,6 +64,7 @@ PYBIND11_MODULE(_shmcast, m) {
   m.attr("dtypes") = dtypes;
   m.attr("tensor_align") = limits::kTensorAlign;
   m.attr("data_align") = limits::kDataAlign;
+  m.attr("max_delta_groups") = limits::kMaxDeltaGroups;
   m.def(
       "selection_problem",
       [](py::handle tensor, py::handle selection) {
