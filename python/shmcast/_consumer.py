@@ -409,9 +409,11 @@ class Consumer(_Closing):
         # other tensors too (buckets: each sync has other tensors).
         keep = self._delta or info.delta
         self._delta = keep
+        # Kept in place as the loop goes: an error in it (a temporary that
+        # cannot be allocated) must not drop the temporaries of the other
+        # tensors, which the library still holds as the base of their syncs.
         old_tmps = self._tmps
-        tmps = dict(old_tmps) if keep else {}
-        self._tmps = {}
+        tmps = self._tmps = old_tmps if keep else {}
         for j, d, nbytes in plan:
             if not nbytes:
                 continue
@@ -433,7 +435,6 @@ class Consumer(_Closing):
                 after.append((d, tmp))
                 ptrs[j] = tmp.data_ptr()
         del old_tmps
-        self._tmps = tmps
         selections = sels if slices else None
         if cuda_dev is None:
             c.read_into(ptrs, selections)

@@ -298,3 +298,58 @@ def test_buckets_are_deltas(region):
         # One base: a copy of the tensors, whatever the grouping.
         assert prod.delta_base_bytes == dr.logical_bytes()
     assert kinds == ["full"] * 3 + ["delta"] * 9 + ["full"] * 2 + ["delta"] * 4, kinds
+
+
+def test_receive_into_failure_forgets_dropped_temporaries(region, monkeypatch):
+    # An error inside receive_into()'s loop (a temporary that cannot be
+    # allocated: OOM) must not drop the temporaries of the other buckets
+    # without forget_destinations() (it did: the dict was emptied before
+    # the loop and set back after it). The library still holds a
+    # record for each (its version, these pointers); when the allocator
+    # hands the same memory back for the next temporary (the CUDA caching
+    # allocator does, for the same size), the next delta of that bucket is
+    # applied to memory that does not hold its base. With a TP-style slice
+    # (part of a piece) no blob checksum can catch it: wrong weights,
+    # reported as a good delta. The reuse is simulated here by handing back
+    # the dropped temporary itself, filled with other bytes.
+    from shmcast import _consumer as consumer_mod
+    torch.manual_seed(7)
+    a1 = torch.randn(64, 64)
+    a2 = a1.clone()
+    a2[3, 5] += 1.0  # a small change: a delta
+    b = torch.randn(32, 32)
+    sl = {"a": (1, 0, 32)}  # a column slice, as a TP rank reads
+    with shmcast.Producer(region, slot_bytes=roles.SLOT, slots=8, max_consumers=4, delta=True) as prod, \
+            shmcast.Consumer(region) as cons:
+        dst_a = torch.zeros(32, 64).t()  # (64, 32), non-contiguous: a kept temporary
+        dst_b = torch.zeros(32, 32).t()
+        assert prod.send([("a", a1)]) == 1
+        assert cons.receive_into({"a": dst_a}, timeout=10, slices=sl) == 1
+        assert torch.equal(dst_a, a1[:, :32])
+        tmp_a = cons._tmps["a"]
+        real_alloc = consumer_mod._alloc
+
+        def oom(*args, **kw):
+            raise MemoryError("simulated out of memory for b's temporary")
+
+        monkeypatch.setattr(consumer_mod, "_alloc", oom)
+        assert prod.send([("b", b)]) == 2
+        with pytest.raises(MemoryError):
+            cons.receive_into({"b": dst_b}, timeout=10)
+        dropped = "a" not in cons._tmps  # a's temporary was let go ...
+
+        def reuse(shape, dtype, dev, what):  # ... and its memory comes back for the next one
+            if tuple(shape) == tuple(tmp_a.shape) and dtype == tmp_a.dtype:
+                tmp_a.fill_(0.0)
+                return tmp_a
+            return real_alloc(shape, dtype, dev, what)
+
+        monkeypatch.setattr(consumer_mod, "_alloc", reuse)
+        assert prod.send([("a", a2)]) == 3
+        assert prod.last_sync["kind"] == "delta"
+        try:
+            v = cons.receive_into({"a": dst_a}, timeout=10, slices=sl)
+        except shmcast.NeedsFullSync:
+            v = None  # the right outcome: that memory no longer holds version 1
+        wrong = v == 3 and not torch.equal(dst_a, a2[:, :32])
+        assert not wrong, f"a delta was applied to memory that does not hold its base (dropped: {dropped})"
