@@ -7,6 +7,7 @@
 #include <chrono>
 #include <cstring>
 #include <condition_variable>
+#include <iterator>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -180,13 +181,29 @@ struct Consumer::Impl {
     }
     return out;
   }
-  // Forgets every record whose destinations overlap `ranges`.
+  // Forgets every record whose destinations overlap `ranges`: the ranges
+  // sorted and merged once, then each record range found by a binary search
+  // (an update of B buckets of T tensors in all costs B x T log, not T^2).
   void forget(const std::vector<std::pair<std::uintptr_t, std::uint64_t>>& ranges) {
+    if (applied.empty()) return;
+    std::vector<std::pair<std::uintptr_t, std::uintptr_t>> q;  // [start, end), sorted, disjoint
+    q.reserve(ranges.size());
+    for (const auto& [s, n] : ranges) q.emplace_back(s, s + n);
+    std::sort(q.begin(), q.end());
+    std::size_t k = 0;
+    for (std::size_t i = 1; i < q.size(); ++i) {
+      if (q[i].first <= q[k].second) q[k].second = std::max(q[k].second, q[i].second);
+      else q[++k] = q[i];
+    }
+    if (!q.empty()) q.resize(k + 1);
+    auto hit = [&](std::uintptr_t s, std::uintptr_t e) {
+      auto it = std::upper_bound(q.begin(), q.end(), s,
+                                 [](std::uintptr_t v, const auto& r) { return v < r.first; });  // first start > s
+      if (it != q.begin() && std::prev(it)->second > s) return true;
+      return it != q.end() && it->first < e;
+    };
     auto overlaps = [&](const Applied& a) {
-      for (const auto& [s, n] : a.ranges)
-        for (const auto& [s2, n2] : ranges)
-          if (s < s2 + n2 && s2 < s + n) return true;
-      return false;
+      return std::any_of(a.ranges.begin(), a.ranges.end(), [&](const auto& r) { return hit(r.first, r.first + r.second); });
     };
     applied.erase(std::remove_if(applied.begin(), applied.end(), overlaps), applied.end());
   }
