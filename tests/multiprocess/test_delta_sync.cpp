@@ -651,3 +651,39 @@ TEST(DeltaSync, AReadOverlappingEarlierDestinationsForgetsThem) {
   EXPECT_FALSE(got_delta);
   EXPECT_EQ(0, std::memcmp(buf.data(), m.data[0].data(), m.data[0].size()));
 }
+
+// A relay's node region (Producer::begin_forwarded) that passes on an
+// update sent as buckets: a consumer's request for a full sync is answered
+// only once every bucket came full after it, not by the first bucket's
+// full sync (the node would stop passing the request upstream while the
+// other buckets' deltas still cannot apply).
+TEST(DeltaSync, ForwardedBucketsAnswerARequestOnlyWhenEveryBucketCameFull) {
+  RegionDir dir("delta");
+  const std::string name = unique_name("deltafwd");
+  RegionGuard guard{name};
+  Producer p = Producer::create(name, delta_opts());
+  Consumer c = Consumer::open(name, copts());
+  Model m(false);
+  const std::vector<TensorSpec> a = {m.specs[0]}, b = {m.specs[1]};
+  Dsts d(m);
+  auto forward_full = [&](const std::vector<TensorSpec>& s, std::size_t i, std::uint64_t v) {
+    ASSERT_EQ(p.begin_forwarded(s, v, 0, {}, {}), v);
+    p.write(0, m.data[i].data());
+    p.end_sync();
+    ASSERT_EQ(c.wait_sync(10s).version, v);
+    std::vector<void*> dst{d.ptrs[i]};
+    c.read_into(dst);
+  };
+  forward_full(a, 0, 1);
+  forward_full(b, 1, 2);
+  EXPECT_FALSE(p.full_sync_requested());
+  c.request_full_sync();  // after version 2
+  std::uint64_t after = 0;
+  EXPECT_TRUE(p.full_sync_requested(&after));
+  EXPECT_EQ(after, 2u);
+  forward_full(a, 0, 3);
+  EXPECT_TRUE(p.full_sync_requested()) << "bucket b has not come full since the request";
+  forward_full(b, 1, 4);
+  EXPECT_FALSE(p.full_sync_requested());
+  EXPECT_TRUE(d.buf[0] == m.data[0] && d.buf[1] == m.data[1]);
+}

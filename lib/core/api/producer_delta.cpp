@@ -36,9 +36,7 @@ namespace shmcast {
 
 using namespace detail;
 
-namespace {
-
-bool same_tensors(const std::vector<TensorSpec>& a, const std::vector<TensorSpec>& b) {
+bool detail::same_tensor_set(const std::vector<TensorSpec>& a, const std::vector<TensorSpec>& b) {
   if (a.size() != b.size()) return false;
   for (std::size_t i = 0; i < a.size(); ++i)
     if (a[i].name != b[i].name || a[i].dtype != b[i].dtype || a[i].shape != b[i].shape ||
@@ -47,6 +45,9 @@ bool same_tensors(const std::vector<TensorSpec>& a, const std::vector<TensorSpec
       return false;
   return true;
 }
+
+namespace {
+
 
 // Tensors whose elements are words of 1, 2, 4 or 8 bytes are sent as
 // deltas; others (c128: 16-byte elements, whose slices a word map cannot
@@ -76,11 +77,11 @@ bool Producer::Impl::seat_wants_full(std::uint64_t* after) const {
 // resets the per-sync state, and (the tensors changed) the base.
 std::string Producer::Impl::keyframe_reason() {
   DeltaState& d = delta;
-  if (opts.world_size == 1 && !same_tensors(specs, d.specs)) switch_group();
+  if (opts.world_size == 1 && !same_tensor_set(specs, d.specs)) switch_group();
   std::string why;
   if (!d.valid)
     why = d.base_version == 0 ? "first sync" : "the last sync was aborted";
-  else if (!same_tensors(specs, d.specs))
+  else if (!same_tensor_set(specs, d.specs))
     why = "the tensors changed";
   else if (opts.keyframe_every > 0 && d.deltas_since_full + 1 >= opts.keyframe_every)
     why = "keyframe_every";
@@ -91,7 +92,7 @@ std::string Producer::Impl::keyframe_reason() {
   d.logical = 0;
   d.force_full = false;
   for (const TensorSpec& t : specs) d.logical += t.local_nbytes();
-  if (!why.empty() && !same_tensors(specs, d.specs)) {
+  if (!why.empty() && !same_tensor_set(specs, d.specs)) {
     for (DeltaState::Base& b : d.base)
       if (b.dev != nullptr) d.codec->release(b.dev);
     d.base.clear();
@@ -132,7 +133,7 @@ void Producer::Impl::switch_group() {
   DeltaState::Group back;
   bool found = false;
   for (auto it = d.parked.begin(); it != d.parked.end();) {
-    const bool same = !found && same_tensors(specs, it->specs);
+    const bool same = !found && same_tensor_set(specs, it->specs);
     if (!same && !shares(it->specs)) {
       ++it;
       continue;

@@ -7,8 +7,11 @@
 // kept: nothing is encoded here, so nothing needs one. The consumers that
 // apply the blobs validate them (docs/protocol.md §12); here only their
 // sizes are checked, as the manifest's decoder will check them.
+#include <algorithm>
 #include <cstring>
 #include <string>
+#include <string_view>
+#include <unordered_set>
 
 #include "api/producer_impl.hpp"
 #include "protocol/delta.hpp"
@@ -116,7 +119,29 @@ std::uint64_t Producer::Impl::begin_forward(std::uint64_t want) {
 void Producer::Impl::forward_done() {
   DeltaState& d = delta;
   report = SyncReport{version, fwd.base != 0, d.logical, d.wire};
-  if (fwd.base == 0) d.last_full = version;
+  // This set's last full sync; other sets sharing a tensor with it go.
+  std::unordered_set<std::string_view> names;
+  for (const TensorSpec& t : specs) names.insert(t.name);
+  auto& sets = fwd.sets;
+  sets.erase(std::remove_if(sets.begin(), sets.end(),
+                            [&](const Forward::SetFull& s) {
+                              return !same_tensor_set(s.specs, specs) &&
+                                     std::any_of(s.specs.begin(), s.specs.end(),
+                                                 [&](const TensorSpec& t) { return names.count(t.name) != 0; });
+                            }),
+             sets.end());
+  auto found = std::find_if(sets.begin(), sets.end(), [&](const auto& s) { return same_tensor_set(s.specs, specs); });
+  Forward::SetFull* mine = found == sets.end() ? nullptr : &*found;
+  if (mine == nullptr) {
+    if (sets.size() >= limits::kMaxDeltaGroups)
+      sets.erase(std::min_element(sets.begin(), sets.end(), [](const auto& a, const auto& b) { return a.used < b.used; }));
+    sets.push_back(Forward::SetFull{specs, 0, 0});
+    mine = &sets.back();
+  }
+  mine->used = ++fwd.tick;
+  if (fwd.base == 0) mine->last_full = version;
+  d.last_full = mine->last_full;
+  for (const auto& s : sets) d.last_full = std::min(d.last_full, s.last_full);
   d.valid = false;
   wire_sizes.clear();
   fwd.active = false;

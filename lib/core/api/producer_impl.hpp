@@ -44,6 +44,11 @@
 
 namespace shmcast {
 
+namespace detail {
+// Delta syncs: the same tensor set (names, dtypes, shapes, shards, in order).
+bool same_tensor_set(const std::vector<TensorSpec>& a, const std::vector<TensorSpec>& b);
+}  // namespace detail
+
 // Hidden: a member of the exported class Producer would be exported with it
 // from a shared libshmcast (lib/shmcast.map), and Impl is no public API.
 struct __attribute__((visibility("hidden"))) Producer::Impl {
@@ -159,6 +164,16 @@ struct __attribute__((visibility("hidden"))) Producer::Impl {
     std::uint64_t base = 0;  // its base version (0: full)
     std::vector<std::uint64_t> wire;
     std::vector<std::uint8_t> is_delta;
+    // Per tensor set forwarded (buckets), the version of its last full
+    // sync: a seat's request is answered once every set had one after it
+    // (delta.last_full is the oldest). Sets sharing a tensor with a newer
+    // one are dropped (regrouped); at most kMaxDeltaGroups, least recent first.
+    struct SetFull {
+      std::vector<TensorSpec> specs;
+      std::uint64_t last_full = 0, used = 0;
+    };
+    std::vector<SetFull> sets;
+    std::uint64_t tick = 0;
   } fwd;
 
   ~Impl() { close_quietly(); }

@@ -108,9 +108,10 @@ inline constexpr std::uint64_t kMaxManifestBytes = 1ull << 30;
 inline constexpr std::uint32_t kMaxTensors = 1u << 20;        // tensors in one sync
 inline constexpr std::uint32_t kMaxRanks = 64;                // producer ranks of one region
 // Delta syncs of an update sent as several syncs of different tensors
-// (buckets; docs/protocol.md §12): a delta producer keeps a base for each of at most this many
-// tensor sets, and a consumer remembers as many reads (the least recently
-// sent set, or the oldest read, goes first; its next sync is full).
+// (buckets; docs/protocol.md §12): a delta producer keeps a base for each of
+// at most this many tensor sets (the least recently sent goes first: its
+// next sync is full), and a consumer remembers as many reads (the oldest
+// goes first: a delta on it is let go, and a full sync asked for).
 inline constexpr std::uint32_t kMaxDeltaGroups = 1024;
 inline constexpr std::uint64_t kMaxStreamBytes = 1ull << 46;  // 64 TiB: one sync's stream, and one tensor
 // Alignments of the layout (docs/protocol.md): each tensor starts at a multiple
