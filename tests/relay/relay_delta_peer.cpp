@@ -124,6 +124,21 @@ std::string kind(const SyncReport& r) {
          std::to_string(r.payload_bytes);
 }
 
+// The tensors of bucket b (--buckets B: tensor i is in bucket i * B / 8;
+// without --buckets, one bucket of every tensor).
+std::vector<std::size_t> bucket(const Args& a, std::size_t b) {
+  std::vector<std::size_t> idx;
+  const std::size_t n = specs().size();
+  for (std::size_t i = 0; i < n; ++i)
+    if (a.buckets == 0 || i * static_cast<std::size_t>(a.buckets) / n == b) idx.push_back(i);
+  return idx;
+}
+std::uint64_t buckets(const Args& a) { return a.buckets > 0 ? static_cast<std::uint64_t>(a.buckets) : 1; }
+// The report's name of version v's bucket b: "v", or "v.b" with --buckets.
+std::string tag(const Args& a, std::uint64_t v, std::uint64_t b) {
+  return std::to_string(v) + (a.buckets > 0 ? "." + std::to_string(b) : std::string());
+}
+
 int produce(const Args& a) {
   ProducerOptions o;
   o.slot_bytes = 2 << 20;
@@ -134,13 +149,21 @@ int produce(const Args& a) {
   Producer p = Producer::create(a.name, o);
   report(a, "ready");
   Model m(a.seed, a.fraction);
+  const std::uint64_t B = buckets(a);
   for (int v = 1; v <= a.versions; ++v) {
     if (!wait_file(a.go + "." + std::to_string(v), 120s)) return 3;
     m.advance();
-    std::vector<const void*> src;
-    for (const auto& d : m.data) src.push_back(d.data());
-    if (p.send(m.t, src, static_cast<std::uint64_t>(v)) != static_cast<std::uint64_t>(v)) return 4;
-    report(a, "sent " + std::to_string(v) + " " + kind(p.last_sync()));
+    for (std::uint64_t b = 0; b < B; ++b) {
+      std::vector<TensorSpec> t;
+      std::vector<const void*> src;
+      for (std::size_t i : bucket(a, b)) {
+        t.push_back(m.t[i]);
+        src.push_back(m.data[i].data());
+      }
+      const std::uint64_t want = static_cast<std::uint64_t>(v - 1) * B + b + 1;
+      if (p.send(t, src, want) != want) return 4;
+      report(a, "sent " + tag(a, static_cast<std::uint64_t>(v), b) + " " + kind(p.last_sync()));
+    }
   }
   for (;;) std::this_thread::sleep_for(1s);  // consumers downstream may still read
 }
@@ -153,108 +176,38 @@ int consume(const Args& a) {
   report(a, "attached");
   Model m(a.seed, a.fraction);
   std::vector<std::vector<std::uint8_t>> got(m.t.size());
-  std::vector<void*> dst;
-  for (std::size_t i = 0; i < m.t.size(); ++i) {
-    got[i].assign(m.data[i].size(), 0xEE);
-    dst.push_back(got[i].data());
-  }
-  for (;;) {
-    const SyncInfo& info = c.wait_sync(120s);
-    const std::uint64_t v = info.version;
-    if (a.skip_every > 0 && v % static_cast<std::uint64_t>(a.skip_every) == 0) {
-      c.skip();
-      report(a, "skipped " + std::to_string(v));
-    } else {
-      try {
-        c.read_into(dst);
-      } catch (const Error& e) {
-        if (!a.corrupt_ok || e.code() != Errc::kCorrupt) throw;
-        report(a, "corrupt " + std::to_string(v) + " " + e.what());
-        if (v >= static_cast<std::uint64_t>(a.versions)) return 0;
-        continue;
-      }
-      while (m.version < v) m.advance();
-      if (got != m.data) {
-        report(a, "bad " + std::to_string(v));
-        return 12;
-      }
-      report(a, "ok " + std::to_string(v) + " " + kind(c.last_sync()));
-    }
-    if (v >= static_cast<std::uint64_t>(a.versions)) return 0;
-  }
-}
-
-// --buckets: the tensors of bucket b.
-std::vector<std::size_t> bucket(const Args& a, std::size_t b) {
-  std::vector<std::size_t> idx;
-  const std::size_t n = specs().size();
-  for (std::size_t i = 0; i < n; ++i)
-    if (i * static_cast<std::size_t>(a.buckets) / n == b) idx.push_back(i);
-  return idx;
-}
-
-int produce_buckets(const Args& a) {
-  ProducerOptions o;
-  o.slot_bytes = 2 << 20;
-  o.pin = Pin::kNo;
-  o.engine = CopyEngine::kHost;
-  o.consumer_timeout = 60s;
-  o.delta = true;
-  Producer p = Producer::create(a.name, o);
-  report(a, "ready");
-  Model m(a.seed, a.fraction);
-  for (int v = 1; v <= a.versions; ++v) {
-    if (!wait_file(a.go + "." + std::to_string(v), 120s)) return 3;
-    m.advance();
-    for (std::size_t b = 0; b < static_cast<std::size_t>(a.buckets); ++b) {
-      std::vector<TensorSpec> t;
-      std::vector<const void*> src;
-      for (std::size_t i : bucket(a, b)) {
-        t.push_back(m.t[i]);
-        src.push_back(m.data[i].data());
-      }
-      const std::uint64_t want = static_cast<std::uint64_t>(v - 1) * static_cast<std::uint64_t>(a.buckets) + b + 1;
-      if (p.send(t, src, want) != want) return 4;
-      report(a, "sent " + std::to_string(v) + "." + std::to_string(b) + " " + kind(p.last_sync()));
-    }
-  }
-  for (;;) std::this_thread::sleep_for(1s);  // consumers downstream may still read
-}
-
-int consume_buckets(const Args& a) {
-  ConsumerOptions o;
-  o.pin = Pin::kNo;
-  o.open_timeout = 120s;
-  Consumer c = Consumer::open(a.name, o);
-  report(a, "attached");
-  Model m(a.seed, a.fraction);
-  std::vector<std::vector<std::uint8_t>> got(m.t.size());
   for (std::size_t i = 0; i < m.t.size(); ++i) got[i].assign(m.data[i].size(), 0xEE);
-  const auto B = static_cast<std::uint64_t>(a.buckets);
+  const std::uint64_t B = buckets(a), last = static_cast<std::uint64_t>(a.versions) * B;
   for (;;) {
     const SyncInfo& info = c.wait_sync(120s);
     const std::uint64_t s = info.version, v = (s - 1) / B + 1, b = (s - 1) % B;
-    const std::string tag = std::to_string(v) + "." + std::to_string(b);
     const std::vector<std::size_t> idx = bucket(a, b);
     if (info.tensors.size() != idx.size()) return 13;
     for (std::size_t k = 0; k < idx.size(); ++k)
       if (info.tensors[k].name != m.t[idx[k]].name) return 13;
     if (a.skip_every > 0 && v % static_cast<std::uint64_t>(a.skip_every) == 0 && b == 0) {
       c.skip();
-      report(a, "skipped " + tag);
+      report(a, "skipped " + tag(a, v, b));
     } else {
       std::vector<void*> dst;
       for (std::size_t i : idx) dst.push_back(got[i].data());
-      c.read_into(dst);
+      try {
+        c.read_into(dst);
+      } catch (const Error& e) {
+        if (!a.corrupt_ok || e.code() != Errc::kCorrupt) throw;
+        report(a, "corrupt " + tag(a, v, b) + " " + e.what());
+        if (s >= last) return 0;
+        continue;
+      }
       while (m.version < v) m.advance();
       for (std::size_t i : idx)
         if (got[i] != m.data[i]) {
-          report(a, "bad " + tag);
+          report(a, "bad " + tag(a, v, b));
           return 12;
         }
-      report(a, "ok " + tag + " " + kind(c.last_sync()));
+      report(a, "ok " + tag(a, v, b) + " " + kind(c.last_sync()));
     }
-    if (s >= static_cast<std::uint64_t>(a.versions) * B) return 0;
+    if (s >= last) return 0;
   }
 }
 
@@ -279,8 +232,8 @@ int main(int argc, char** argv) {
   }
   if (a.report.empty() || a.buckets < 0 || a.buckets > 8) return 2;
   try {
-    if (a.role == "produce") return a.buckets > 0 ? produce_buckets(a) : produce(a);
-    if (a.role == "consume") return a.buckets > 0 ? consume_buckets(a) : consume(a);
+    if (a.role == "produce") return produce(a);
+    if (a.role == "consume") return consume(a);
   } catch (const Error& e) {
     std::fprintf(stderr, "relay_delta_peer %s: %s\n", a.role.c_str(), e.what());
     return 20 + static_cast<int>(e.code());

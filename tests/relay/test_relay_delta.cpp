@@ -185,6 +185,48 @@ std::vector<std::string> wait_fields(const std::string& path, const std::string&
   return wait_fields(path, word, std::to_string(v));
 }
 
+// A chain of three nodes: the trainer (relay_delta_peer produce, with
+// `extra`) and the source relay on node 0, a middle relay on node 1 and a
+// last one on node 2, each connected, and a worker on nodes 1 and 2 (node
+// 2's with --skip-every 4), attached. The workers' processes go to *w1, *w2.
+void start_chain(Cluster& c, int n, const std::vector<std::string>& extra, Proc** w1, Proc** w2) {
+  auto peer = [&](const std::string& tag, int node, std::vector<std::string> args) -> Proc& {
+    args.insert(args.begin(), kDeltaPeer);
+    args.insert(args.end(), extra.begin(), extra.end());
+    return c.start(tag, args, node);
+  };
+  const std::string N = std::to_string(n), trainer_rep = c.file("trainer.txt");
+  auto rep = [&](int node) { return c.file("worker" + std::to_string(node) + ".txt"); };
+  peer("trainer", 0, {"produce", c.region(), "--versions", N, "--go", c.file("go"), "--report", trainer_rep});
+  ASSERT_TRUE(c.wait_line(trainer_rep, "ready"));
+  c.relay(0, 0, true);
+  const int p0 = c.listen_port(0);
+  ASSERT_NE(p0, 0);
+  c.relay(1, p0, true);
+  ASSERT_FALSE(c.wait_status(1, [](const json& j) { return upstream_connected(j); }).is_null());
+  const int p1 = c.listen_port(1);
+  ASSERT_NE(p1, 0);
+  c.relay(2, p1, false);
+  ASSERT_FALSE(c.wait_status(2, [](const json& j) { return upstream_connected(j); }).is_null());
+  ASSERT_FALSE(c.wait_status(0, [](const json& j) { return downstream_ready(j, 1); }).is_null());
+  ASSERT_FALSE(c.wait_status(1, [](const json& j) { return downstream_ready(j, 1); }).is_null());
+  *w1 = &peer("worker1", 1, {"consume", c.region(), "--versions", N, "--report", rep(1)});
+  *w2 = &peer("worker2", 2, {"consume", c.region(), "--versions", N, "--report", rep(2), "--skip-every", "4"});
+  ASSERT_TRUE(c.wait_line(rep(1), "attached"));
+  ASSERT_TRUE(c.wait_line(rep(2), "attached"));
+}
+
+// How many full syncs the source relay (node 0) asked its region for on a
+// downstream's request.
+std::size_t source_requests(const Cluster& c) {
+  std::size_t k = 0;
+  const std::string l = slurp(c.file("relay0.log"));
+  for (std::size_t at = 0; (at = l.find("for a full sync: a downstream relay asked for one", at)) != std::string::npos;
+       ++at)
+    ++k;
+  return k;
+}
+
 // A line "<word> <v> ..." in the report, or a worker's verdict on version v
 // ("ok", "bad", "corrupt"), whichever comes first (up to 60 s).
 std::string verdict(const std::string& path, int v) {
@@ -248,14 +290,7 @@ TEST(RelayDelta, CorruptedDeltaBlobIsRejectedAndFollowedByAFullSync) {
   // The source relay's requests to the trainer's region, from its log (the
   // line follows the request; the status file may lag behind).
   const std::string log0 = c.file("relay0.log");
-  auto asked = [&] {
-    std::size_t k = 0;
-    const std::string l = slurp(log0);
-    for (std::size_t at = 0; (at = l.find("for a full sync: a downstream relay asked for one", at)) != std::string::npos;
-         ++at)
-      ++k;
-    return k;
-  };
+  auto asked = [&] { return source_requests(c); };
   const std::size_t requests = asked();
 
   // Version 4, a delta, with one byte flipped between the relays.
@@ -300,41 +335,14 @@ TEST(RelayDelta, CorruptedDeltaBlobIsRejectedAndFollowedByAFullSync) {
 // bit-exactly.
 TEST(RelayDelta, FullSyncRequestPassesThroughAMiddleRelay) {
   Cluster c(3, "deltachain");
-  auto peer = [&](const std::string& tag, int node, std::vector<std::string> args) -> Proc& {
-    args.insert(args.begin(), kDeltaPeer);
-    return c.start(tag, args, node);
-  };
   const int n = 10;
-  const std::string N = std::to_string(n), trainer_rep = c.file("trainer.txt");
   auto rep = [&](int node) { return c.file("worker" + std::to_string(node) + ".txt"); };
-  peer("trainer", 0, {"produce", c.region(), "--versions", N, "--go", c.file("go"), "--report", trainer_rep,
-                      "--fraction", "0.02"});
-  ASSERT_TRUE(c.wait_line(trainer_rep, "ready"));
-  c.relay(0, 0, true);
-  const int p0 = c.listen_port(0);
-  ASSERT_NE(p0, 0);
-  c.relay(1, p0, true);
-  ASSERT_FALSE(c.wait_status(1, [](const json& j) { return upstream_connected(j); }).is_null());
-  const int p1 = c.listen_port(1);
-  ASSERT_NE(p1, 0);
-  c.relay(2, p1, false);
-  ASSERT_FALSE(c.wait_status(2, [](const json& j) { return upstream_connected(j); }).is_null());
-  ASSERT_FALSE(c.wait_status(0, [](const json& j) { return downstream_ready(j, 1); }).is_null());
-  ASSERT_FALSE(c.wait_status(1, [](const json& j) { return downstream_ready(j, 1); }).is_null());
-  Proc& w1 = peer("worker1", 1, {"consume", c.region(), "--versions", N, "--report", rep(1), "--fraction", "0.02"});
-  Proc& w2 = peer("worker2", 2, {"consume", c.region(), "--versions", N, "--report", rep(2), "--fraction", "0.02",
-                                 "--skip-every", "4"});
-  ASSERT_TRUE(c.wait_line(rep(1), "attached"));
-  ASSERT_TRUE(c.wait_line(rep(2), "attached"));
   const std::string log0 = c.file("relay0.log");
-  auto asked = [&] {
-    std::size_t k = 0;
-    const std::string l = slurp(log0);
-    for (std::size_t at = 0; (at = l.find("for a full sync: a downstream relay asked for one", at)) != std::string::npos;
-         ++at)
-      ++k;
-    return k;
-  };
+  Proc *w1p = nullptr, *w2p = nullptr;
+  start_chain(c, n, {"--fraction", "0.02"}, &w1p, &w2p);
+  if (HasFatalFailure()) return;
+  Proc &w1 = *w1p, &w2 = *w2p;
+  auto asked = [&] { return source_requests(c); };
   std::size_t before = 0;
   for (int v = 1; v <= n; ++v) {
     if (v % 4 == 1 && v > 1) before = asked();  // after the skipped version
@@ -382,42 +390,13 @@ TEST(RelayDelta, FullSyncRequestPassesThroughAMiddleRelay) {
 // cannot apply, so it asks, through both relays, and gets that bucket full.
 TEST(RelayDelta, BucketsCrossAsDeltas) {
   Cluster c(3, "deltabuckets");
-  auto peer = [&](const std::string& tag, int node, std::vector<std::string> args) -> Proc& {
-    args.insert(args.begin(), kDeltaPeer);
-    return c.start(tag, args, node);
-  };
   const int n = 10, B = 3;
-  const std::string N = std::to_string(n), trainer_rep = c.file("trainer.txt");
   auto rep = [&](int node) { return c.file("worker" + std::to_string(node) + ".txt"); };
-  peer("trainer", 0, {"produce", c.region(), "--versions", N, "--go", c.file("go"), "--report", trainer_rep,
-                      "--fraction", "0.02", "--buckets", std::to_string(B)});
-  ASSERT_TRUE(c.wait_line(trainer_rep, "ready"));
-  c.relay(0, 0, true);
-  const int p0 = c.listen_port(0);
-  ASSERT_NE(p0, 0);
-  c.relay(1, p0, true);
-  ASSERT_FALSE(c.wait_status(1, [](const json& j) { return upstream_connected(j); }).is_null());
-  const int p1 = c.listen_port(1);
-  ASSERT_NE(p1, 0);
-  c.relay(2, p1, false);
-  ASSERT_FALSE(c.wait_status(2, [](const json& j) { return upstream_connected(j); }).is_null());
-  ASSERT_FALSE(c.wait_status(0, [](const json& j) { return downstream_ready(j, 1); }).is_null());
-  ASSERT_FALSE(c.wait_status(1, [](const json& j) { return downstream_ready(j, 1); }).is_null());
-  Proc& w1 = peer("worker1", 1,
-                  {"consume", c.region(), "--versions", N, "--report", rep(1), "--fraction", "0.02", "--buckets", "3"});
-  Proc& w2 = peer("worker2", 2, {"consume", c.region(), "--versions", N, "--report", rep(2), "--fraction", "0.02",
-                                 "--buckets", "3", "--skip-every", "4"});
-  ASSERT_TRUE(c.wait_line(rep(1), "attached"));
-  ASSERT_TRUE(c.wait_line(rep(2), "attached"));
-  const std::string log0 = c.file("relay0.log");
-  auto asked = [&] {
-    std::size_t k = 0;
-    const std::string l = slurp(log0);
-    for (std::size_t at = 0; (at = l.find("for a full sync: a downstream relay asked for one", at)) != std::string::npos;
-         ++at)
-      ++k;
-    return k;
-  };
+  Proc *w1p = nullptr, *w2p = nullptr;
+  start_chain(c, n, {"--fraction", "0.02", "--buckets", std::to_string(B)}, &w1p, &w2p);
+  if (HasFatalFailure()) return;
+  Proc &w1 = *w1p, &w2 = *w2p;
+  auto asked = [&] { return source_requests(c); };
   std::size_t before = 0;
   for (int v = 1; v <= n; ++v) {
     if (v % 4 == 1 && v > 1) before = asked();  // after the skipped bucket
