@@ -125,6 +125,7 @@ struct Relay::Impl::WriterState {
   bool delta_region = false;
   bool saw_delta = false;       // a delta sync came from upstream
   HeldBases held;               // per tensor set, the last sync this region completed, since it was created
+  std::uint64_t set = 0;        // HeldBases::key of the sync in progress
   std::uint64_t last_seen = 0;  // the last sync begun upstream
   std::uint64_t asked_at = ~0ull;  // last_seen when a full sync was last asked for
 };
@@ -256,7 +257,7 @@ void Relay::Impl::writer_do(WriterState& ws, const WCmd& c) {
       ws.lent = false;
       ws.last_seen = c.plan->version;
       const SyncPlan& p = *c.plan;
-      const std::uint64_t set = HeldBases::key(p.specs);
+      const std::uint64_t set = ws.set = HeldBases::key(p.specs);
       if (p.delta()) {
         ws.saw_delta = true;
         const std::uint64_t held = ws.held.version(set);
@@ -336,7 +337,7 @@ void Relay::Impl::writer_do(WriterState& ws, const WCmd& c) {
         if (!ws.lent)
           for (; ws.cursor < p.specs.size(); ++ws.cursor) ws.prod->write_part(ws.cursor, 0, nullptr, 0);
         ws.prod->end_sync();
-        ws.held.hold(HeldBases::key(p.specs), p.version);
+        ws.held.hold(ws.set, p.version);
         std::lock_guard<std::mutex> g(smu);
         ++st.region_syncs;
         st.region_version = p.version;

@@ -21,8 +21,6 @@
 // sync is full.
 #include <algorithm>
 #include <cstring>
-#include <string_view>
-#include <unordered_set>
 
 #include "api/producer_impl.hpp"
 #include "base/checks.hpp"
@@ -113,11 +111,8 @@ std::string Producer::Impl::keyframe_reason() {
 // least recently sent dropped first.
 void Producer::Impl::switch_group() {
   DeltaState& d = delta;
-  std::unordered_set<std::string_view> names;
-  for (const TensorSpec& t : specs) names.insert(t.name);
-  auto shares = [&](const std::vector<TensorSpec>& set) {
-    return std::any_of(set.begin(), set.end(), [&](const TensorSpec& t) { return names.count(t.name) != 0; });
-  };
+  const TensorNames names(specs);
+  auto shares = [&](const std::vector<TensorSpec>& set) { return names.shared_by(set); };
   auto release = [&](std::vector<DeltaState::Base>& base) {
     for (DeltaState::Base& b : base)
       if (b.dev != nullptr) d.codec->release(b.dev);

@@ -10,8 +10,6 @@
 #include <algorithm>
 #include <cstring>
 #include <string>
-#include <string_view>
-#include <unordered_set>
 
 #include "api/producer_impl.hpp"
 #include "protocol/delta.hpp"
@@ -120,14 +118,11 @@ void Producer::Impl::forward_done() {
   DeltaState& d = delta;
   report = SyncReport{version, fwd.base != 0, d.logical, d.wire};
   // This set's last full sync; other sets sharing a tensor with it go.
-  std::unordered_set<std::string_view> names;
-  for (const TensorSpec& t : specs) names.insert(t.name);
+  const TensorNames names(specs);
   auto& sets = fwd.sets;
   sets.erase(std::remove_if(sets.begin(), sets.end(),
                             [&](const Forward::SetFull& s) {
-                              return !same_tensor_set(s.specs, specs) &&
-                                     std::any_of(s.specs.begin(), s.specs.end(),
-                                                 [&](const TensorSpec& t) { return names.count(t.name) != 0; });
+                              return !same_tensor_set(s.specs, specs) && names.shared_by(s.specs);
                             }),
              sets.end());
   auto found = std::find_if(sets.begin(), sets.end(), [&](const auto& s) { return same_tensor_set(s.specs, specs); });

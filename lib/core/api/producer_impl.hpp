@@ -23,6 +23,7 @@
 //                        keyframes, staged encoding, full-sync requests
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -30,6 +31,7 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <unordered_set>
 #include <vector>
 
 #include "base/checks.hpp"
@@ -47,6 +49,20 @@ namespace shmcast {
 namespace detail {
 // Delta syncs: the same tensor set (names, dtypes, shapes, shards, in order).
 bool same_tensor_set(const std::vector<TensorSpec>& a, const std::vector<TensorSpec>& b);
+// The names of a tensor set, and whether another set has a tensor of one of
+// them (the tensors were regrouped: the other set's state is stale).
+class TensorNames {
+ public:
+  explicit TensorNames(const std::vector<TensorSpec>& set) {
+    for (const TensorSpec& t : set) names_.insert(t.name);
+  }
+  bool shared_by(const std::vector<TensorSpec>& other) const {
+    return std::any_of(other.begin(), other.end(), [&](const TensorSpec& t) { return names_.count(t.name) != 0; });
+  }
+
+ private:
+  std::unordered_set<std::string_view> names_;  // views of the set's names: the set outlives this
+};
 }  // namespace detail
 
 // Hidden: a member of the exported class Producer would be exported with it
