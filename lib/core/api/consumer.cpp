@@ -128,7 +128,7 @@ struct Consumer::Impl {
   bool delta_region = false;
   // What complete reads filled: the destinations of each, and the version
   // they hold. A delta sync applies only to exactly the destinations that
-  // hold its base (protocol.md §12.2). An update sent as several syncs of
+  // hold its base (protocol.md §12.1). An update sent as several syncs of
   // different tensors (buckets) has one record per bucket; a read forgets
   // every record whose destinations it overlaps (they no longer hold that
   // version), and at most kMaxDeltaGroups are kept (the oldest go first).
