@@ -148,6 +148,60 @@ TEST(DeltaGpu, BigTensorsCrossTheGridStride) {
   }
 }
 
+// plan_batch: many tensors (every width, sizes around the block boundary,
+// one past the grid's cap of 32768 blocks in all) planned in one batch get
+// the host's blobs when encoded from the batch's heads; planned again in a
+// smaller batch, the codec reuses its table.
+TEST(DeltaGpu, PlanBatchPlansEveryTensorLikeTheHost) {
+  REQUIRE_DELTA_GPU();
+  Stream st;
+  dl::CudaCodec codec;
+  std::mt19937_64 rng(47);
+  struct T {
+    std::uint32_t w;
+    std::uint64_t n;
+    double f;
+  };
+  const std::vector<T> ts = {{2, 4096, 0.02},  {1, 65, 0.3},           {4, 0, 0.0},
+                             {8, 4097, 1.0},   {2, 20000 * 4096, 0.02}, {2, 1, 0.0},
+                             {4, 4096, 0.0},   {1, 13000 * 4096 + 3, 0.005}, {2, 3 * 4096 + 5, 0.1}};
+  for (std::size_t count : {ts.size(), std::size_t{3}}) {
+    SCOPED_TRACE("tensors: " + std::to_string(count));
+    std::vector<Bytes> base, next;
+    std::vector<DevBuf> db, dn, heads;
+    std::vector<dl::CudaCodec::PlanItem> items;
+    for (std::size_t k = 0; k < count; ++k) {
+      const T& t = ts[k];
+      base.push_back(random_bytes(t.n * t.w, rng));
+      next.push_back(mutate(base.back(), t.w, t.f, rng));
+      db.push_back(upload(base.back()));
+      dn.push_back(upload(next.back()));
+      heads.emplace_back(dl::head_bytes(t.n));
+    }
+    for (std::size_t k = 0; k < count; ++k) items.push_back({db[k].p, dn[k].p, ts[k].w, ts[k].n, heads[k].p});
+    codec.plan_batch(items, st.s);
+    for (std::size_t k = 0; k < count; ++k) {
+      SCOPED_TRACE("tensor " + std::to_string(k));
+      const T& t = ts[k];
+      const dl::Header h = codec.read_header(heads[k].p, st.s);
+      const std::uint64_t size = dl::head_bytes(t.n) + h.payload_bytes;
+      DevBuf out(size);
+      codec.encode(db[k].p, dn[k].p, t.w, t.n, heads[k].p, out.p, size, st.s);
+      codec.finish(st.s);
+      const Bytes want = host_blob(base[k], next[k], t.w);
+      const Bytes got = download(out.p, size);
+      ASSERT_EQ(got.size(), want.size());
+      ASSERT_EQ(first_diff(got, want), -1);
+      ASSERT_EQ(first_diff(download(db[k].p, base[k].size()), next[k]), -1);
+    }
+  }
+  // The checks plan() makes, before anything is queued.
+  DevBuf b(64), n(64), hd(dl::head_bytes(8));
+  EXPECT_EQ(error_of([&] { codec.plan_batch({{b.p, n.p, 3, 8, hd.p}}, st.s); }), Errc::kInvalidArgument);
+  EXPECT_EQ(error_of([&] { codec.plan_batch({{b.p, static_cast<char*>(n.p) + 4, 2, 8, hd.p}}, st.s); }),
+            Errc::kInvalidArgument);
+}
+
 TEST(DeltaGpu, SlicesApplyLikeTheHost) {
   REQUIRE_DELTA_GPU();
   Stream st;

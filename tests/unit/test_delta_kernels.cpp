@@ -278,6 +278,9 @@ struct EmuLauncher {
                                 : k == d::Kernel::kBatchChecksum ? shmcast_batch_checksum
                                                                  : shmcast_batch_finish;
       body = [f, args] { f(args); };
+    } else if constexpr (std::is_same_v<A, d::PlanBatchArgs>) {
+      void (*f)(d::PlanBatchArgs) = k == d::Kernel::kBatchCount ? shmcast_batch_count : shmcast_batch_scan;
+      body = [f, args] { f(args); };
     } else {
       static_assert(std::is_same_v<A, d::ResetArgs>);
       body = [args] { shmcast_delta_reset(args); };
@@ -415,6 +418,64 @@ TEST(DeltaKernels, PlanOfManyBlocksScansLikeTheHost) {
   Bytes dbase = base;
   ASSERT_EQ(c.blob(dbase, next, w, false), want);
   ASSERT_EQ(dbase, next);
+}
+
+// The batched plan (CudaCodec::plan_batch): tensors of every width and of
+// sizes around the block and scan boundaries, planned in two launches,
+// each get the header and table that plan() gives them, and encoding from
+// those makes the host's blob. One CUDA block striding over every job's
+// blocks and scans too (shared memory reused from one job to the next).
+TEST(DeltaKernels, PlanBatchPlansEveryTensorLikePlan) {
+  SKIP_UNDER_SANITIZERS();
+  std::mt19937_64 rng(43);
+  struct T {
+    std::uint32_t w;
+    std::uint64_t n;
+    double f;
+  };
+  const std::vector<T> ts = {{2, 4096, 0.02}, {1, 65, 0.3},          {4, 0, 0.0},  {8, 4097, 1.0},
+                             {2, 1, 0.0},     {2, 3 * 4096 + 5, 0.1}, {4, 4096, 0.0}, {1, 1100 * 4096ull + 3, 0.02}};
+  for (unsigned max_grid : {~0u, 1u, 3u}) {
+    SCOPED_TRACE("max_grid=" + std::to_string(max_grid));
+    EmuCodec c;
+    c.l.max_grid = max_grid;
+    std::vector<Bytes> base, next;
+    std::vector<std::vector<std::uint64_t>> heads, want_heads;
+    std::vector<d::PlanJob> jobs;
+    for (const T& t : ts) {
+      base.push_back(random_bytes(t.n * t.w, rng));
+      next.push_back(mutate(base.back(), t.w, t.f, rng));
+      const std::uint64_t words = (d::head_bytes(t.n) + 7) / 8;
+      heads.emplace_back(words, 0x5a5a5a5a5a5a5a5aull);
+      want_heads.emplace_back(words, 0);
+      d::launch_plan(c.l, addr(base.back().data()), addr(next.back().data()), t.w, t.n, addr(want_heads.back().data()));
+    }
+    for (std::size_t k = 0; k < ts.size(); ++k)
+      jobs.push_back(d::PlanJob{addr(base[k].data()), addr(next[k].data()), addr(heads[k].data()), ts[k].n,
+                                d::block_count(ts[k].n), 0, ts[k].w, 0});
+    const std::uint64_t units = d::number_plan_jobs(jobs.data(), jobs.size());
+    std::uint64_t blocks = 0;
+    for (const T& t : ts) blocks += d::block_count(t.n);
+    ASSERT_EQ(units, blocks);
+    const int before = c.l.launches;
+    d::launch_plan_batch(c.l, addr(jobs.data()), jobs.size(), units);
+    EXPECT_EQ(c.l.launches - before, 2);
+    for (std::size_t k = 0; k < ts.size(); ++k) {
+      SCOPED_TRACE("tensor " + std::to_string(k));
+      ASSERT_EQ(heads[k], want_heads[k]);
+      d::Header h;
+      std::memcpy(&h, heads[k].data(), sizeof h);
+      const std::uint64_t size = d::head_bytes(ts[k].n) + h.payload_bytes;
+      std::vector<std::uint64_t> out((size + 7) / 8, 0);
+      const Bytes want = host_blob(base[k], next[k], ts[k].w);
+      d::launch_encode(c.l, addr(base[k].data()), addr(next[k].data()), ts[k].w, ts[k].n, addr(heads[k].data()),
+                       addr(out.data()), size, c.sc());
+      c.finish();
+      const auto* p = reinterpret_cast<const std::uint8_t*>(out.data());
+      ASSERT_EQ(Bytes(p, p + size), want);
+      ASSERT_EQ(base[k], next[k]);
+    }
+  }
 }
 
 TEST(DeltaKernels, SlicesApplyLikeTheHost) {

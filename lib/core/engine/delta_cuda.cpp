@@ -101,6 +101,7 @@ struct Module {
   CUfunction count[4], encode[4], validate[4], apply[4];
   CUfunction scan, checksum, finish, reset;
   CUfunction batch_reset, batch_validate, batch_apply, batch_checksum, batch_finish;
+  CUfunction batch_count, batch_scan;
   CUfunction copy_pieces;
 };
 
@@ -156,6 +157,8 @@ const Module& module_for(const cu::Api& d, CUcontext ctx) {
   get(&mod.batch_apply, "shmcast_batch_apply");
   get(&mod.batch_checksum, "shmcast_batch_checksum");
   get(&mod.batch_finish, "shmcast_batch_finish");
+  get(&mod.batch_count, "shmcast_batch_count");
+  get(&mod.batch_scan, "shmcast_batch_scan");
   get(&mod.copy_pieces, "shmcast_copy_pieces");
   return mods->emplace(ctx, mod).first->second;
 }
@@ -226,6 +229,9 @@ struct CudaCodec::Impl {
   std::uint64_t buf_bytes[4] = {};
   std::vector<CUdeviceptr> owned;  // alloc()
   std::vector<ApplyJob> batch;     // apply_batch()'s table, as last uploaded
+  std::vector<PlanJob> plan_jobs;  // plan_batch()'s, as last uploaded
+  CUdeviceptr plan_dev = 0;        // its copy on the device
+  std::uint64_t plan_cap = 0;
 
   // Binds to the stream's context on first use; makes it current for the scope.
   struct Use {
@@ -268,6 +274,8 @@ struct CudaCodec::Impl {
         case Kernel::kBatchApply: return launch(m.batch_apply, grid, block, args, "batch apply");
         case Kernel::kBatchChecksum: return launch(m.batch_checksum, grid, block, args, "batch checksum");
         case Kernel::kBatchFinish: return launch(m.batch_finish, grid, block, args, "batch finish");
+        case Kernel::kBatchCount: return launch(m.batch_count, grid, block, args, "batch count");
+        case Kernel::kBatchScan: return launch(m.batch_scan, grid, block, args, "batch scan");
       }
     }
   };
@@ -292,6 +300,7 @@ struct CudaCodec::Impl {
       for (CUdeviceptr b : bufs)
         if (b != 0) (void)d->cuMemFree(b);
       for (CUdeviceptr b : owned) (void)d->cuMemFree(b);
+      if (plan_dev != 0) (void)d->cuMemFree(plan_dev);
       CUcontext popped = nullptr;
       if (push) (void)d->cuCtxPopCurrent(&popped);
     }
@@ -310,6 +319,40 @@ void CudaCodec::plan(const void* base, const void* next, std::uint32_t w, std::u
   require_aligned(head, 8, "head");
   Impl::Use u(*impl_, stream);
   launch_plan(u, addr(base), addr(next), w, n, addr(head));
+}
+
+void CudaCodec::plan_batch(const std::vector<PlanItem>& items, void* stream) {
+  if (items.empty()) return;
+  for (const PlanItem& it : items) {  // every check plan() makes, before anything is queued
+    require_width(it.w);
+    tensor_bytes(it.w, it.n);
+    require_aligned(it.base, 8, "base");
+    require_aligned(it.next, 8, "next");
+    require_aligned(it.head, 8, "head");
+  }
+  Impl::Use u(*impl_, stream);
+  Impl& m = u.i;
+  const std::uint64_t njobs = items.size(), bytes = njobs * sizeof(PlanJob);
+  if (bytes > m.plan_cap) {
+    if (m.plan_dev != 0) {  // a queued launch may still read the old table
+      SHMCAST_DCK(*m.d, m.d->cuStreamSynchronize(u.s), "waiting for the stream (cuStreamSynchronize)");
+      (void)m.d->cuMemFree(m.plan_dev);
+      m.plan_dev = 0;
+      m.plan_cap = 0;
+    }
+    const std::uint64_t cap = bytes + bytes / 4;
+    SHMCAST_DCK(*m.d, m.d->cuMemAlloc(&m.plan_dev, cap), "cuMemAlloc of the plan table");
+    m.plan_cap = cap;
+  }
+  std::vector<PlanJob>& jobs = m.plan_jobs;  // pageable: the upload reads it before it returns
+  jobs.assign(njobs, PlanJob{});
+  for (std::uint64_t k = 0; k < njobs; ++k) {
+    const PlanItem& it = items[k];
+    jobs[k] = PlanJob{addr(it.base), addr(it.next), addr(it.head), it.n, block_count(it.n), 0, it.w, 0};
+  }
+  const std::uint64_t units = number_plan_jobs(jobs.data(), njobs);
+  SHMCAST_DCK(*m.d, m.d->cuMemcpyHtoDAsync(m.plan_dev, jobs.data(), bytes, u.s), "cuMemcpyHtoDAsync of the plan table");
+  launch_plan_batch(u, m.plan_dev, njobs, units);
 }
 
 void CudaCodec::encode(void* base, const void* next, std::uint32_t w, std::uint64_t n, const void* head, void* out,

@@ -67,6 +67,17 @@ class CudaCodec {
   // of the output buffer). The blob's size is head_bytes(n) +
   // header.payload_bytes (read_header()).
   void plan(const void* base, const void* next, std::uint32_t w, std::uint64_t n, void* head, void* stream);
+  // plan() of many tensors in two launches (not two each, whose fixed cost
+  // dominates small tensors): the same checks, before anything is queued,
+  // the same headers and tables.
+  struct PlanItem {
+    const void* base;
+    const void* next;
+    std::uint32_t w;
+    std::uint64_t n;
+    void* head;
+  };
+  void plan_batch(const std::vector<PlanItem>& items, void* stream);
   // Writes the blob planned in `head` into out[0, out_bytes) (copying the
   // header and table unless out == head) and makes base equal to next.
   // base and next must hold what plan saw; if they changed, finish() throws

@@ -28,6 +28,7 @@ void launch_copy_pieces(const void*, std::uint64_t, void*) { no_cuda(); }
 CudaCodec::CudaCodec() = default;
 CudaCodec::~CudaCodec() = default;
 void CudaCodec::plan(const void*, const void*, std::uint32_t, std::uint64_t, void*, void*) { no_cuda(); }
+void CudaCodec::plan_batch(const std::vector<PlanItem>&, void*) { no_cuda(); }
 void CudaCodec::encode(void*, const void*, std::uint32_t, std::uint64_t, const void*, void*, std::uint64_t, void*) {
   no_cuda();
 }

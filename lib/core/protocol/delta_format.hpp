@@ -275,6 +275,19 @@ struct BatchArgs {
 };
 inline constexpr uint64_t kSumUnitWords = 256 * 16;  // 32 KiB of destination per checksum unit
 
+// A batch of plans (CudaCodec::plan_batch): the count of every job's delta
+// blocks in one launch (a job's units are its blocks, from unit0 on, in job
+// order), then every job's scan in one launch (a CUDA block per job). `jobs`
+// (device memory) holds njobs PlanJobs; each writes its header and table at
+// `head`, as plan() does.
+struct PlanJob {
+  uint64_t base, next, head, n, blocks, unit0;
+  uint32_t w, reserved;
+};
+struct PlanBatchArgs {
+  uint64_t jobs, njobs, units;
+};
+
 // Not the delta format, but the same kernels' module: a batch of small
 // device-to-device copies in one launch (the CUDA engine, device slots:
 // engine/cuda_engine.cpp). `pieces` (device memory) holds n {src, dst,

@@ -17,7 +17,7 @@ namespace shmcast::detail::delta {
 
 enum class Kernel {
   kCount, kScan, kEncode, kValidate, kApply, kChecksum, kFinish, kReset,
-  kBatchReset, kBatchValidate, kBatchApply, kBatchChecksum, kBatchFinish
+  kBatchReset, kBatchValidate, kBatchApply, kBatchChecksum, kBatchFinish, kBatchCount, kBatchScan
 };
 
 inline constexpr std::uint64_t kMaxGrid = 32768;  // the kernels grid-stride beyond it
@@ -103,6 +103,26 @@ void launch_apply_batch(L& l, std::uint64_t jobs, std::uint64_t njobs, std::uint
   if (sum_units == 0) return;
   l.launch(Kernel::kBatchChecksum, 0, grid_for(sum_units), kKernelThreads, BatchArgs{jobs, njobs, sum_units, status});
   l.launch(Kernel::kBatchFinish, 0, per_job, kKernelThreads, BatchArgs{jobs, njobs, njobs, status});
+}
+
+// Numbers a plan batch's jobs (unit0; the rest filled by the caller) and
+// returns the total of count units (the jobs' delta blocks).
+inline std::uint64_t number_plan_jobs(PlanJob* jobs, std::uint64_t njobs) {
+  std::uint64_t u = 0;
+  for (std::uint64_t i = 0; i < njobs; ++i) {
+    jobs[i].unit0 = u;
+    u += jobs[i].blocks;
+  }
+  return u;
+}
+
+// A batch of plans (jobs: device memory, numbered by number_plan_jobs):
+// every job's counts, then every job's offsets and header.
+template <class L>
+void launch_plan_batch(L& l, std::uint64_t jobs, std::uint64_t njobs, std::uint64_t units) {
+  if (njobs == 0) return;
+  if (units > 0) l.launch(Kernel::kBatchCount, 0, grid_for(units), kKernelThreads, PlanBatchArgs{jobs, njobs, units});
+  l.launch(Kernel::kBatchScan, 0, grid_for(njobs), kScanThreads, PlanBatchArgs{jobs, njobs, units});
 }
 
 // Throws the error that accumulated status bits stand for (nothing for 0):

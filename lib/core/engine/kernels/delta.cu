@@ -128,70 +128,69 @@ __device__ __forceinline__ Scratch* scratch_of(ull p) { return reinterpret_cast<
 
 // ---------------------------------------------------------------- plan
 
-// Per block: how many elements differ, and the block's sum of checksum
-// terms, into the table entry (offset holds the sum until the scan).
+// Delta block b: how many elements differ, and the block's sum of checksum
+// terms, into its table entry (offset holds the sum until the scan). Every
+// thread of the CUDA block calls it with the same b; `sh` holds 2 kWarps
+// values and is free again when it returns.
 template <int W>
-__device__ void count_body(const CountArgs& a) {
-  __shared__ ull sh[2 * kWarps];
+__device__ void count_unit(const CountArgs& a, ull b, ull* sh) {
   const unsigned char* base = reinterpret_cast<const unsigned char*>(a.base);
   const unsigned char* next = reinterpret_cast<const unsigned char*>(a.next);
   Entry* table = reinterpret_cast<Entry*>(a.table);
-  for (ull b = blockIdx.x; b < a.blocks; b += gridDim.x) {
-    const ull len = block_len(a.n, b);
-    const ull byte0 = b * kBlockElems * W, bytes = len * W, words = bytes / 8, word0 = byte0 / 8;
-    const ull* pn = reinterpret_cast<const ull*>(next + byte0);
-    const ull* pb = reinterpret_cast<const ull*>(base + byte0);
-    ull c = 0, s = 0;
-    if (len == kBlockElems) {
-      // A whole block: each thread's 2W words (coalesced) all in flight
-      // before any is used (a loop of unknown length waited for each).
-      ull xs[kWordsPerThread<W>], ys[kWordsPerThread<W>];
-      SHMCAST_UNROLL
-      for (unsigned i = 0; i < kWordsPerThread<W>; ++i) {
-        xs[i] = pn[threadIdx.x + i * kThreads];
-        ys[i] = pb[threadIdx.x + i * kThreads];
-      }
-      SHMCAST_UNROLL
-      for (unsigned i = 0; i < kWordsPerThread<W>; ++i) {
-        s += checksum_term(word0 + threadIdx.x + i * kThreads, xs[i]);
-        c += static_cast<ull>(lanes_nonzero<W>(xs[i] ^ ys[i]));
-      }
-    } else {
-      for (ull k = threadIdx.x; k < words; k += kThreads) {
-        const ull x = pn[k], y = pb[k];
-        s += checksum_term(word0 + k, x);
-        c += static_cast<ull>(lanes_nonzero<W>(x ^ y));
-      }
+  const ull len = block_len(a.n, b);
+  const ull byte0 = b * kBlockElems * W, bytes = len * W, words = bytes / 8, word0 = byte0 / 8;
+  const ull* pn = reinterpret_cast<const ull*>(next + byte0);
+  const ull* pb = reinterpret_cast<const ull*>(base + byte0);
+  ull c = 0, s = 0;
+  if (len == kBlockElems) {
+    // A whole block: each thread's 2W words (coalesced) all in flight
+    // before any is used (a loop of unknown length waited for each).
+    ull xs[kWordsPerThread<W>], ys[kWordsPerThread<W>];
+    SHMCAST_UNROLL
+    for (unsigned i = 0; i < kWordsPerThread<W>; ++i) {
+      xs[i] = pn[threadIdx.x + i * kThreads];
+      ys[i] = pb[threadIdx.x + i * kThreads];
     }
-    const unsigned tail = static_cast<unsigned>(bytes % 8);
-    if (tail != 0 && threadIdx.x == 0) {
-      const ull x = load_partial(next + byte0 + 8 * words, tail), y = load_partial(base + byte0 + 8 * words, tail);
-      s += checksum_term(word0 + words, x);
+    SHMCAST_UNROLL
+    for (unsigned i = 0; i < kWordsPerThread<W>; ++i) {
+      s += checksum_term(word0 + threadIdx.x + i * kThreads, xs[i]);
+      c += static_cast<ull>(lanes_nonzero<W>(xs[i] ^ ys[i]));
+    }
+  } else {
+    for (ull k = threadIdx.x; k < words; k += kThreads) {
+      const ull x = pn[k], y = pb[k];
+      s += checksum_term(word0 + k, x);
       c += static_cast<ull>(lanes_nonzero<W>(x ^ y));
     }
-    block_sum2(&c, &s, sh);
-    if (threadIdx.x == 0) {
-      table[b].offset = s;
-      table[b].count = static_cast<unsigned>(c);
-      table[b].reserved = 0;
-    }
+  }
+  const unsigned tail = static_cast<unsigned>(bytes % 8);
+  if (tail != 0 && threadIdx.x == 0) {
+    const ull x = load_partial(next + byte0 + 8 * words, tail), y = load_partial(base + byte0 + 8 * words, tail);
+    s += checksum_term(word0 + words, x);
+    c += static_cast<ull>(lanes_nonzero<W>(x ^ y));
+  }
+  block_sum2(&c, &s, sh);
+  if (threadIdx.x == 0) {
+    table[b].offset = s;
+    table[b].count = static_cast<unsigned>(c);
+    table[b].reserved = 0;
   }
 }
 
-}  // namespace
+template <int W>
+__device__ void count_body(const CountArgs& a) {
+  __shared__ ull sh[2 * kWarps];
+  for (ull b = blockIdx.x; b < a.blocks; b += gridDim.x) count_unit<W>(a, b, sh);
+}
 
-extern "C" __global__ void __launch_bounds__(kThreads) shmcast_delta_count_w1(CountArgs a) { count_body<1>(a); }
-extern "C" __global__ void __launch_bounds__(kThreads) shmcast_delta_count_w2(CountArgs a) { count_body<2>(a); }
-extern "C" __global__ void __launch_bounds__(kThreads) shmcast_delta_count_w4(CountArgs a) { count_body<4>(a); }
-extern "C" __global__ void __launch_bounds__(kThreads) shmcast_delta_count_w8(CountArgs a) { count_body<8>(a); }
-
-// One CUDA block of 1024 threads: each thread takes a contiguous run of
-// table entries; sizes from counts (kind_of), an exclusive scan into the
-// offsets (warp shuffles, then the 32 warps' totals: no thread walks the
-// 1024 partial sums alone), the checksum terms and counts summed; thread 0
-// writes the header.
-static_assert(kScanThreads == 32 * 32, "the scan kernel's warps' totals fit one warp");
-extern "C" __global__ void __launch_bounds__(kScanThreads) shmcast_delta_scan(ScanArgs a) {
+// The offsets and header of one blob from its counted table: the whole
+// CUDA block (kScanThreads threads) takes it. Each thread takes a
+// contiguous run of table entries; sizes from counts (kind_of), an
+// exclusive scan into the offsets (warp shuffles, then the 32 warps'
+// totals: no thread walks the 1024 partial sums alone), the checksum terms
+// and counts summed; thread 0 writes the header. Every thread calls it;
+// its shared memory is free again when it returns.
+__device__ void scan_job(const ScanArgs& a) {
   __shared__ ull wsize_sh[32];
   __shared__ ull wsum_sh[32];
   __shared__ ull wchanged_sh[32];
@@ -261,7 +260,19 @@ extern "C" __global__ void __launch_bounds__(kScanThreads) shmcast_delta_scan(Sc
     h->changed = wchanged_sh[0];
     h->reserved1 = 0;
   }
+  __syncthreads();  // the shared words are read above before a next job rewrites them
 }
+
+}  // namespace
+
+extern "C" __global__ void __launch_bounds__(kThreads) shmcast_delta_count_w1(CountArgs a) { count_body<1>(a); }
+extern "C" __global__ void __launch_bounds__(kThreads) shmcast_delta_count_w2(CountArgs a) { count_body<2>(a); }
+extern "C" __global__ void __launch_bounds__(kThreads) shmcast_delta_count_w4(CountArgs a) { count_body<4>(a); }
+extern "C" __global__ void __launch_bounds__(kThreads) shmcast_delta_count_w8(CountArgs a) { count_body<8>(a); }
+
+// One CUDA block of kScanThreads threads: the offsets and header (scan_job).
+static_assert(kScanThreads == 32 * 32, "the scan kernel's warps' totals fit one warp");
+extern "C" __global__ void __launch_bounds__(kScanThreads) shmcast_delta_scan(ScanArgs a) { scan_job(a); }
 
 namespace {
 
@@ -744,4 +755,49 @@ extern "C" __global__ void __launch_bounds__(kThreads) shmcast_batch_finish(Batc
     const ull c = checksum_final(op->sum, j.map.n * j.w);
     if (op->op_err == 0 && reinterpret_cast<const Header*>(j.blob)->checksum != c) atomicOr(&st->status, kStBadChecksum);
   }
+}
+
+// ---------------------------------------------------------------- batched plan
+//
+// The plan of many tensors (PlanJob, delta_format.hpp) in two launches
+// instead of two per tensor: the count over every job's delta blocks (a
+// CUDA block finds its job by a binary search over the jobs' first units),
+// then one scan per job, the jobs' scans side by side.
+
+namespace {
+
+__device__ const PlanJob* plan_job_at(const PlanBatchArgs& a, ull u) {
+  const PlanJob* jobs = reinterpret_cast<const PlanJob*>(a.jobs);
+  ull lo = 0, hi = a.njobs;
+  while (hi - lo > 1) {
+    const ull mid = lo + (hi - lo) / 2;
+    if (jobs[mid].unit0 <= u)
+      lo = mid;
+    else
+      hi = mid;
+  }
+  return jobs + lo;
+}
+
+}  // namespace
+
+extern "C" __global__ void __launch_bounds__(kThreads) shmcast_batch_count(PlanBatchArgs a) {
+  __shared__ ull sh[2 * kWarps];
+  for (ull u = blockIdx.x; u < a.units; u += gridDim.x) {
+    const PlanJob* j = plan_job_at(a, u);
+    const CountArgs c{j->base, j->next, j->head + kHeaderBytes, j->n, j->blocks};
+    const ull b = u - j->unit0;
+    switch (j->w) {
+      case 1: count_unit<1>(c, b, sh); break;
+      case 2: count_unit<2>(c, b, sh); break;
+      case 4: count_unit<4>(c, b, sh); break;
+      default: count_unit<8>(c, b, sh); break;
+    }
+  }
+}
+
+extern "C" __global__ void __launch_bounds__(kScanThreads) shmcast_batch_scan(PlanBatchArgs a) {
+  const PlanJob* jobs = reinterpret_cast<const PlanJob*>(a.jobs);
+  for (ull j = blockIdx.x; j < a.njobs; j += gridDim.x)
+    scan_job(ScanArgs{jobs[j].head, jobs[j].n, jobs[j].blocks, jobs[j].w});
 }
