@@ -417,11 +417,29 @@ bool Producer::Impl::plan_pending() {
   if (heads == 0) return true;
   delta::CudaCodec& c = codec();
   auto* head = static_cast<std::byte*>(c.buffer(0, heads, stream));
+  // Tensors written on one stream (the usual case) are planned in one
+  // batch: two launches in all (two per tensor cost Qwen2.5-3B's 434 tensors
+  // 7.7 ms on an H200 against about 3 for the bytes alone); else each on
+  // its own stream.
+  std::vector<delta::CudaCodec::PlanItem> items;
+  bool one_stream = true;
   for (std::size_t i = 0; i < specs.size(); ++i) {
     const DeltaState::Pending& p = d.pending[i];
     if (p.src == nullptr) continue;
     const std::uint32_t w = delta::elem_width(specs[i].dtype);
-    c.plan(d.base[i].dev, p.src, w, specs[i].local_nbytes() / w, head + p.head_at, p.stream);
+    items.push_back({d.base[i].dev, p.src, w, specs[i].local_nbytes() / w, head + p.head_at});
+    one_stream = one_stream && p.stream == stream;
+  }
+  if (one_stream) {
+    c.plan_batch(items, stream);
+  } else {
+    std::size_t k = 0;
+    for (std::size_t i = 0; i < specs.size(); ++i) {
+      const DeltaState::Pending& p = d.pending[i];
+      if (p.src == nullptr) continue;
+      const delta::CudaCodec::PlanItem& it = items[k++];
+      c.plan(it.base, it.next, it.w, it.n, it.head, p.stream);
+    }
   }
   // Every tensor's header (its payload size) in one copy back.
   std::vector<std::byte> host_heads(heads);
