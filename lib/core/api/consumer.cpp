@@ -336,10 +336,14 @@ struct Consumer::Impl {
   // bytes of each range as it arrives.
   // `collect` (read_delta_device): delta pieces' blobs are copied by the
   // engine to device memory, piece (tensor t, shard k) at collect->base +
-  // collect->at[t][k], instead of applied.
+  // collect->at[t][k], instead of applied; with `mirror` (one rank) the
+  // buffer mirrors the stream instead (at = the pieces' stream offsets) and
+  // each range is copied whole, one copy instead of one per piece.
   struct Collect {
     std::byte* base = nullptr;
     std::vector<std::vector<std::uint64_t>> at;
+    bool mirror = false;
+    std::uint64_t bytes = 0;  // of the buffer, with mirror
   };
   void read_planned(ConsumerEngine& e, std::span<void* const> dsts, std::span<const Selection> sels, bool device,
                     bool follow, const Collect* collect = nullptr) {
@@ -366,6 +370,11 @@ struct Consumer::Impl {
     for_each_chunk(
         e,
         [&](const std::byte* data, std::uint32_t rank, std::uint64_t start, std::uint64_t bytes) {
+          if (collect != nullptr && collect->mirror) {
+            if (start > collect->bytes || bytes > collect->bytes - start)
+              throw Error(Errc::kCorrupt, "a range of the sync lies outside its stream");
+            e.copy(Buffer{collect->base, true, {}}, start, data, bytes);
+          }
           pieces(cursor, rank, start, bytes, data,
                  [&](const PieceRef& p, std::uint64_t off, const std::byte* src, std::uint64_t n) {
                    void* dst = dsts[p.tensor];
@@ -374,6 +383,7 @@ struct Consumer::Impl {
                    if (sh.base_version != 0) {
                      if (device && collect == nullptr)  // never: device reads of deltas collect
                        throw Error(Errc::kInvalidArgument, "a delta read into device memory must collect its blobs");
+                     if (collect != nullptr && collect->mirror) return;  // copied with its range
                      if (collect != nullptr) {
                        e.copy(Buffer{collect->base, true, {}}, collect->at[p.tensor][p.shard] + off, src, n);
                        return;
@@ -937,13 +947,30 @@ void Consumer::Impl::read_delta_device(std::span<void* const> dsts, std::span<co
   const Selection whole{};
   Collect col;
   col.at.resize(info.tensors.size());
-  std::uint64_t total = 0;
+  // One rank whose stream is mostly the blobs this read applies (every
+  // delta piece wanted, raw pieces at most an eighth of the stream): the
+  // buffer mirrors the stream and each range crosses in one copy (434
+  // tensors: 2 copies, not 434); else the wanted blobs are packed.
+  std::uint64_t raw = 0;
+  bool all_wanted = true;
+  for (std::size_t t = 0; t < info.tensors.size(); ++t)
+    for (const ShardInfo& sh : info.tensors[t].shards) {
+      if (sh.base_version == 0) raw += sh.wire_bytes;
+      if (sh.base_version != 0 && dsts[t] == nullptr) all_wanted = false;
+    }
+  col.mirror = info.world_size == 1 && all_wanted && raw <= info.stream_bytes / 8;
+  std::uint64_t total = col.mirror ? info.stream_bytes : 0;
+  col.bytes = total;
   for (std::size_t t = 0; t < info.tensors.size(); ++t) {
     if (dsts[t] == nullptr) continue;
     const TensorInfo& ti = info.tensors[t];
     col.at[t].resize(ti.shards.size());
     for (std::size_t k = 0; k < ti.shards.size(); ++k) {
       if (ti.shards[k].base_version == 0) continue;
+      if (col.mirror) {
+        col.at[t][k] = ti.shards[k].stream_offset;
+        continue;
+      }
       col.at[t][k] = total;
       total += align_up(ti.shards[k].wire_bytes, 256);
     }
