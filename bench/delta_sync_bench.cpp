@@ -22,7 +22,9 @@
 // Per phase, min/median/max over --reps: sync time (trainer's begin_sync to
 // the engine's read_into_device done and its stream synchronized; both
 // processes read CLOCK_MONOTONIC), the trainer's time (begin to end_sync),
-// payload/logical bytes; and the trainer's GPU memory for deltas (its base
+// payload/logical bytes; when the sync was announced (the engine's
+// wait_sync returned; a delta sync is announced once planned), from the
+// trainer's begin_sync; and the trainer's GPU memory for deltas (its base
 // and codec buffers: cuMemGetInfo before and after the first sync). The
 // ceilings come from the same run: a device-to-device copy of 1 GiB and the
 // host path's concurrent D2H + H2D (shmcast-bench's measure_ceilings).
@@ -175,7 +177,8 @@ int consumer(const Phase& ph, const Args& a, const std::string& region, int read
       ck(cudaMemcpyAsync(&nbad, bad, sizeof nbad, cudaMemcpyDeviceToHost, s), "D2H");
       ck(cudaStreamSynchronize(s), "sync");
       if (nbad == 0) ++verified;
-      reps.push_back({{"rep", r}, {"t_announced", t_ann}, {"t_done", t2}, {"delta", delta}, {"bad_words", nbad}});
+      reps.push_back({{"rep", r}, {"t_announced", t_ann}, {"t_done", t2}, {"delta", delta},
+                      {"bad_words", nbad}});
     }
     out["reps"] = reps;
     out["verified"] = verified;
@@ -222,7 +225,7 @@ json run_phase(const Phase& ph, const Args& a, int index) {
     r["error"] = p.value("error", "") + " " + c.value("error", "");
     return r;
   }
-  std::vector<double> sync_s, prod_s, ratio;
+  std::vector<double> sync_s, prod_s, ratio, announced_s;
   int deltas = 0, timed = 0;
   double logical = 0;
   for (int i = 1; i <= a.reps; ++i) {
@@ -230,6 +233,7 @@ json run_phase(const Phase& ph, const Args& a, int index) {
     const json& cr = c["reps"][i];
     sync_s.push_back(cr["t_done"].get<double>() - pr["t0"].get<double>());
     prod_s.push_back(pr["t1"].get<double>() - pr["t0"].get<double>());
+    announced_s.push_back(cr["t_announced"].get<double>() - pr["t0"].get<double>());
     logical = pr["logical"].get<double>();
     ratio.push_back(pr["payload"].get<double>() / logical);
     deltas += pr["delta"].get<bool>() ? 1 : 0;
@@ -237,6 +241,7 @@ json run_phase(const Phase& ph, const Args& a, int index) {
   }
   r["sync_s"] = stat(sync_s);
   r["producer_s"] = stat(prod_s);
+  r["announced_s"] = stat(announced_s);
   r["payload_ratio"] = stat(ratio);
   r["logical_bytes"] = logical;
   r["delta_syncs"] = deltas;
@@ -305,6 +310,9 @@ int main(int argc, char** argv) {
                   fmt_stat(r["payload_ratio"], 1, "%.3f").c_str(), r["delta_syncs"].get<int>(),
                   r["timed_syncs"].get<int>(), r["verified"].get<int>(), r["verified_of"].get<int>());
       if (r["verified"].get<int>() != r["verified_of"].get<int>()) ++failures;
+      if (phases[i].label == "delta" || phases[i].label == "full")
+        std::printf("       sync announced (the engine's wait_sync returned) after the trainer's begin_sync, ms: %s\n",
+                    fmt_stat(r["announced_s"], 1e3, "%.1f").c_str());
       if (phases[i].label == "delta")
         std::printf("       trainer's delta base %.2f GB; GPU memory taken by the first sync %.2f GB\n",
                     r["base_bytes"].get<double>() / 1e9, r["gpu_bytes_first_sync"].get<double>() / 1e9);
