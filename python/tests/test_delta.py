@@ -218,6 +218,45 @@ def test_delta_on_cuda(region, src):
     assert kinds == ["full"] + ["delta"] * 7
 
 
+@pytest.mark.cuda
+def test_buckets_are_deltas_on_cuda(region):
+    """test_buckets_are_deltas with CUDA tensors on both sides: the producer
+    parks each bucket's base on the GPU and takes it back; receive_into
+    CUDA destinations (transposed ones through kept device temporaries),
+    receive() 'copy' and 'staging' keep a device copy per bucket."""
+    dev = "cuda:0"
+    groups = [[["bf16.big"], ["bf16.2d", "fp32.2d"], ["fp16.vec", "u8.vec"]]] * 4 + \
+             [[["bf16.big", "bf16.2d"], ["fp32.2d", "fp16.vec", "u8.vec"]]] * 3
+    with shmcast.Producer(region, slot_bytes=roles.SLOT, slots=8, max_consumers=4, delta=True,
+                          delta_max_ratio=0.6) as prod, \
+            shmcast.Consumer(region, device=dev) as into, \
+            shmcast.Consumer(region, device=dev, mode="copy") as copy, \
+            shmcast.Consumer(region, device=dev, mode="staging") as staging:
+        dst = {}
+        for name, dt, shape in dr.SPECS:
+            dst[name] = (torch.empty(shape[::-1], dtype=dt, device=dev).t() if name.endswith(".2d")
+                         else torch.empty(shape, dtype=dt, device=dev))
+        kinds = []
+        for named, buckets in zip(dr.versions(43, len(groups)), groups):
+            by_name = dict(named)
+            for names in buckets:
+                bucket = [(n, by_name[n]) for n in names]
+                v = prod.send([(n, t.to(dev)) for n, t in bucket])
+                kinds.append(prod.last_sync["kind"])
+                assert into.receive_into({n: dst[n] for n in names}, timeout=10) == v
+                got_copy = copy.receive(timeout=10)
+                got_staging = staging.receive(timeout=10)
+                torch.cuda.synchronize()
+                assert dr.compare([(n, dst[n].cpu()) for n in names], bucket) == [], v
+                assert dr.compare([(n, t.cpu()) for n, t in got_copy], bucket) == [], v
+                assert dr.compare([(n, t.cpu()) for n, t in got_staging], bucket) == [], v
+                for c in (into, copy, staging):
+                    assert c.last_sync == prod.last_sync
+                del got_copy, got_staging
+        assert prod.delta_base_bytes == dr.logical_bytes()
+    assert kinds == ["full"] * 3 + ["delta"] * 9 + ["full"] * 2 + ["delta"] * 4, kinds
+
+
 def test_request_full_sync(region):
     with shmcast.Producer(region, slot_bytes=roles.SLOT, slots=8, delta=True) as prod, \
             shmcast.Consumer(region) as cons:
