@@ -9,7 +9,8 @@
 // The emulator runs one CUDA block at a time, its threads as fibers on the
 // calling thread (made once with makecontext, switched with _setjmp and
 // _longjmp) that switch only at __syncthreads and at warp shuffles (which
-// wait for the warp's other lanes). What it cannot show: races between blocks (blocks run
+// wait for the warp's other lanes), in turn or (g_warp_ahead) a warp at a
+// time. What it cannot show: races between blocks (blocks run
 // one after another), memory-model effects, misaligned device accesses and
 // the GPU's speed. Not run under ASan or TSan: they do not follow stack
 // switches made this way.
@@ -138,6 +139,14 @@ inline void entry() {
   }
 }
 
+// The order fibers run in: round robin (each thread one step, to its next
+// switch, in turn), or with g_warp_ahead each warp kAhead steps before the
+// next warp's, so that a warp runs ahead of the others up to their next
+// __syncthreads: shared memory one warp still reads while another already
+// rewrites it then shows (round robin keeps every warp in step).
+inline bool g_warp_ahead = false;
+constexpr unsigned kAhead = 64;
+
 inline void run_block() {
   State& s = st();
   const unsigned n = g_block_dim.x;
@@ -157,8 +166,10 @@ inline void run_block() {
     makecontext(&f.uc, entry, 0);
   }
   while (s.live > 0) {
-    static unsigned t;  // not a local: read after _setjmp returns again
-    for (t = 0; t < n; ++t) {
+    static unsigned t, k;  // not locals: read after _setjmp returns again
+    const unsigned passes = g_warp_ahead ? kAhead : 1;
+    for (k = 0; k < n * passes; ++k) {
+      t = g_warp_ahead ? (k / (32 * kAhead)) * 32 + k % 32 : k;
       if (s.fibers[t].done) continue;
       s.current = t;
       if (!_setjmp(s.sched)) {
@@ -424,7 +435,9 @@ TEST(DeltaKernels, PlanOfManyBlocksScansLikeTheHost) {
 // sizes around the block and scan boundaries, planned in two launches,
 // each get the header and table that plan() gives them, and encoding from
 // those makes the host's blob. One CUDA block striding over every job's
-// blocks and scans too (shared memory reused from one job to the next).
+// blocks and scans too, with warps in step and with warps running ahead
+// (shared memory reused from one job to the next: without the scan's last
+// barrier a warp ahead rewrites the sums another still reads).
 TEST(DeltaKernels, PlanBatchPlansEveryTensorLikePlan) {
   SKIP_UNDER_SANITIZERS();
   std::mt19937_64 rng(43);
@@ -435,46 +448,56 @@ TEST(DeltaKernels, PlanBatchPlansEveryTensorLikePlan) {
   };
   const std::vector<T> ts = {{2, 4096, 0.02}, {1, 65, 0.3},          {4, 0, 0.0},  {8, 4097, 1.0},
                              {2, 1, 0.0},     {2, 3 * 4096 + 5, 0.1}, {4, 4096, 0.0}, {1, 1100 * 4096ull + 3, 0.02}};
-  for (unsigned max_grid : {~0u, 1u, 3u}) {
-    SCOPED_TRACE("max_grid=" + std::to_string(max_grid));
-    EmuCodec c;
+  // The tensors, and the heads plan() makes of them (it writes no base).
+  std::vector<Bytes> base, next;
+  std::vector<std::vector<std::uint64_t>> want_heads;
+  EmuCodec c;
+  std::uint64_t blocks = 0;
+  for (const T& t : ts) {
+    base.push_back(random_bytes(t.n * t.w, rng));
+    next.push_back(mutate(base.back(), t.w, t.f, rng));
+    want_heads.emplace_back((d::head_bytes(t.n) + 7) / 8, 0);
+    d::launch_plan(c.l, addr(base.back().data()), addr(next.back().data()), t.w, t.n, addr(want_heads.back().data()));
+    blocks += d::block_count(t.n);
+  }
+  struct Ahead {  // the emulator's default order again, whatever happens
+    ~Ahead() { emu::g_warp_ahead = false; }
+  } restore;
+  const std::pair<unsigned, bool> modes[] = {{~0u, false}, {1u, false}, {3u, false}, {1u, true}};
+  for (const auto& [max_grid, ahead] : modes) {
+    SCOPED_TRACE("max_grid=" + std::to_string(max_grid) + (ahead ? ", warps ahead" : ""));
+    emu::g_warp_ahead = ahead;
     c.l.max_grid = max_grid;
-    std::vector<Bytes> base, next;
-    std::vector<std::vector<std::uint64_t>> heads, want_heads;
+    std::vector<std::vector<std::uint64_t>> heads;
     std::vector<d::PlanJob> jobs;
-    for (const T& t : ts) {
-      base.push_back(random_bytes(t.n * t.w, rng));
-      next.push_back(mutate(base.back(), t.w, t.f, rng));
-      const std::uint64_t words = (d::head_bytes(t.n) + 7) / 8;
-      heads.emplace_back(words, 0x5a5a5a5a5a5a5a5aull);
-      want_heads.emplace_back(words, 0);
-      d::launch_plan(c.l, addr(base.back().data()), addr(next.back().data()), t.w, t.n, addr(want_heads.back().data()));
-    }
-    for (std::size_t k = 0; k < ts.size(); ++k)
+    for (std::size_t k = 0; k < ts.size(); ++k) {
+      heads.emplace_back(want_heads[k].size(), 0x5a5a5a5a5a5a5a5aull);
       jobs.push_back(d::PlanJob{addr(base[k].data()), addr(next[k].data()), addr(heads[k].data()), ts[k].n,
                                 d::block_count(ts[k].n), 0, ts[k].w, 0});
+    }
     const std::uint64_t units = d::number_plan_jobs(jobs.data(), jobs.size());
-    std::uint64_t blocks = 0;
-    for (const T& t : ts) blocks += d::block_count(t.n);
     ASSERT_EQ(units, blocks);
     const int before = c.l.launches;
     d::launch_plan_batch(c.l, addr(jobs.data()), jobs.size(), units);
     EXPECT_EQ(c.l.launches - before, 2);
-    for (std::size_t k = 0; k < ts.size(); ++k) {
-      SCOPED_TRACE("tensor " + std::to_string(k));
-      ASSERT_EQ(heads[k], want_heads[k]);
-      d::Header h;
-      std::memcpy(&h, heads[k].data(), sizeof h);
-      const std::uint64_t size = d::head_bytes(ts[k].n) + h.payload_bytes;
-      std::vector<std::uint64_t> out((size + 7) / 8, 0);
-      const Bytes want = host_blob(base[k], next[k], ts[k].w);
-      d::launch_encode(c.l, addr(base[k].data()), addr(next[k].data()), ts[k].w, ts[k].n, addr(heads[k].data()),
-                       addr(out.data()), size, c.sc());
-      c.finish();
-      const auto* p = reinterpret_cast<const std::uint8_t*>(out.data());
-      ASSERT_EQ(Bytes(p, p + size), want);
-      ASSERT_EQ(base[k], next[k]);
-    }
+    for (std::size_t k = 0; k < ts.size(); ++k) ASSERT_EQ(heads[k], want_heads[k]) << "tensor " << k;
+  }
+  emu::g_warp_ahead = false;
+  c.l.max_grid = ~0u;
+  // Encoding from those heads makes the host's blobs.
+  for (std::size_t k = 0; k < ts.size(); ++k) {
+    SCOPED_TRACE("tensor " + std::to_string(k));
+    d::Header h;
+    std::memcpy(&h, want_heads[k].data(), sizeof h);
+    const std::uint64_t size = d::head_bytes(ts[k].n) + h.payload_bytes;
+    std::vector<std::uint64_t> out((size + 7) / 8, 0);
+    const Bytes want = host_blob(base[k], next[k], ts[k].w);
+    d::launch_encode(c.l, addr(base[k].data()), addr(next[k].data()), ts[k].w, ts[k].n, addr(want_heads[k].data()),
+                     addr(out.data()), size, c.sc());
+    c.finish();
+    const auto* p = reinterpret_cast<const std::uint8_t*>(out.data());
+    ASSERT_EQ(Bytes(p, p + size), want);
+    ASSERT_EQ(base[k], next[k]);
   }
 }
 
