@@ -545,7 +545,7 @@ class Consumer(_Closing):
                          doc="The last sync read into tensors (receive(), receive_into(), read()): {'version', 'kind' "
                              "('full' | 'delta'; None before the first), 'logical_bytes' (the bytes of what was read: "
                              "tensors, slices), 'payload_bytes' (the bytes that came through the region: the deltas' "
-                             "for a delta sync)}")
+                             "and any tensor sent whole, for a delta sync)}")
     delta = property(lambda self: self._delta,
                      doc="True when the region sends delta syncs (Producer(delta=True)): receive() keeps its own copy")
     pinned = property(lambda self: self._c.pinned)

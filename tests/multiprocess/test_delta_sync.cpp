@@ -338,6 +338,15 @@ TEST(DeltaSync, KeyframesOnScheduleAndWhenDeltasDoNotPay) {
   c2.wait_sync(10s);
   c2.read_into(d.ptrs);
   EXPECT_TRUE(d.equals(m));
+  // The consumer read every piece but the empty tensor's (a null
+  // destination: skipped): the blobs and the c128 tensor, which a delta sync
+  // sends as its bytes.
+  std::uint64_t skipped = 0;
+  for (std::size_t t = 0; t < d.ptrs.size(); ++t)
+    if (d.ptrs[t] == nullptr)
+      for (const ShardInfo& sh : c2.sync().tensors[t].shards) skipped += sh.wire_bytes;
+  EXPECT_TRUE(c2.last_sync().delta);
+  EXPECT_EQ(c2.last_sync().payload_bytes + skipped, q.last_sync().payload_bytes);
 }
 
 // An aborted sync leaves the producer's base ahead of the consumers: the

@@ -472,15 +472,30 @@ struct Consumer::Impl {
     if (applied.size() > limits::kMaxDeltaGroups) applied.erase(applied.begin());
     set_report(dsts, sels, was_delta);
   }
+  // The report of a completed read: of a delta sync, the payload is every
+  // blob read whole plus what the read copied of the pieces sent as their
+  // bytes (a c128 tensor's, or its part in the selection).
   void set_report(std::span<void* const> dsts, std::span<const Selection> sels, bool was_delta) {
     SyncReport r;
     r.version = info.version;
     r.delta = was_delta;
+    const Selection whole{};
+    std::vector<Block> blocks;
     for (std::size_t t = 0; t < info.tensors.size() && t < dsts.size(); ++t) {
       if (dsts[t] == nullptr) continue;
       const TensorInfo& ti = info.tensors[t];
-      r.logical_bytes += sels.empty() ? ti.nbytes : sels[t].nbytes(ti);
-      for (const ShardInfo& sh : ti.shards) r.payload_bytes += sh.base_version != 0 ? sh.wire_bytes : 0;
+      const Selection& sel = sels.empty() ? whole : sels[t];
+      r.logical_bytes += sel.nbytes(ti);
+      if (!was_delta) continue;
+      for (const ShardInfo& sh : ti.shards) {
+        if (sh.base_version != 0) {
+          r.payload_bytes += sh.wire_bytes;
+          continue;
+        }
+        blocks.clear();
+        plan_piece(ti, sh, sel, &blocks);
+        for (const Block& b : blocks) r.payload_bytes += b.width * b.rows;
+      }
     }
     if (!was_delta) r.payload_bytes = r.logical_bytes;
     report = r;

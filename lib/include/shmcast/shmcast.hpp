@@ -205,7 +205,7 @@ struct SyncReport {
   std::uint64_t version = 0;        // 0: none yet
   bool delta = false;               // sent as deltas ("delta") or whole ("full")
   std::uint64_t logical_bytes = 0;  // the tensors' bytes (a consumer: of its selections)
-  std::uint64_t payload_bytes = 0;  // the bytes that crossed the region (blobs for a delta)
+  std::uint64_t payload_bytes = 0;  // the bytes that crossed the region (a delta: blobs, whole pieces)
 };
 
 // A contiguous piece of one tensor inside a slot, valid only during visit().
