@@ -371,6 +371,7 @@ CUresult cuStreamWaitEvent(CUstream s, CUevent e, unsigned int f) { (void)s; (vo
 CUresult cuEventCreate(CUevent* e, unsigned int f) { (void)e; (void)f; NS; }
 CUresult cuEventRecord(CUevent e, CUstream s) { (void)e; (void)s; NS; }
 CUresult cuEventSynchronize(CUevent e) { (void)e; NS; }
+CUresult cuEventQuery(CUevent e) { (void)e; NS; }
 CUresult cuEventDestroy(CUevent e) { (void)e; NS; }
 CUresult cuLaunchHostFunc(CUstream s, CUhostFn fn, void* u) { (void)s; (void)fn; (void)u; NS; }
 CUresult cuMemcpyDtoHAsync(void* d, CUdeviceptr s, size_t n, CUstream st) { (void)d; (void)s; (void)n; (void)st; NS; }

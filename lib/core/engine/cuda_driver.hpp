@@ -46,6 +46,7 @@ namespace shmcast::detail::cu {
   X(cuEventCreate)              \
   X(cuEventRecord)              \
   X(cuEventSynchronize)         \
+  X(cuEventQuery)               \
   X(cuEventDestroy)             \
   X(cuLaunchHostFunc)           \
   X(cuMemcpyDtoHAsync)          \

@@ -29,6 +29,17 @@
 //   itself instead (one stream; the copies stall behind each host function).
 //   Measured on an H200 (docs/benchmarks-log.md): 41.8 GB/s inline against 43.4
 //   with the callback stream, so the callback stream is the default.
+// * Device slots complete chunks by polling instead (SHMCAST_CUDA_COMPLETION=
+//   poll | callback picks either for any lane): chunk_done(fn) records an
+//   event from a small pool after the chunk's copies and queues {event, fn}
+//   for a thread the lane owns, which waits for the events in order (spinning
+//   on cuEventQuery for up to SHMCAST_CUDA_POLL_NS, default 2 ms, then sleeping
+//   in cuEventSynchronize) and runs each fn. A device-slot chunk takes a
+//   fraction of a millisecond, and its hand-over to the other process is the
+//   sync's critical path, so the wake-up of the driver's callback thread is
+//   taken out of it (docs/benchmarks.md has the figures). An event that fails
+//   drops its fn: the chunk is never published or released, and drain()
+//   throws the copy's error.
 // * SHMCAST_CUDA_D2H_STREAMS / SHMCAST_CUDA_H2D_STREAMS (1..4, default 1) give
 //   an engine several copy streams; pieces of 8 MiB or more are then split
 //   across them (several DMA engines at once). On the H200 this gained nothing
@@ -70,18 +81,25 @@
 #include <atomic>
 #include <cerrno>
 #include <chrono>
+#include <condition_variable>
+#include <deque>
 #include <cstdlib>
 #include <cstring>
 #include <exception>
 #include <memory>
 #include <mutex>
 #include <string>
+#include <system_error>
+#include <thread>
 #include <unordered_map>
 #include <vector>
+
+#include <unistd.h>
 
 #include "engine/cuda_driver.hpp"
 #include "engine/delta_cuda.hpp"
 #include "engine/engine.hpp"
+#include "shm/doorbell.hpp"  // cpu_relax(), mono_ns()
 
 namespace shmcast::detail {
 
@@ -131,6 +149,35 @@ bool inline_callbacks() {
   static const bool v = [] {
     const char* s = std::getenv("SHMCAST_CUDA_CALLBACKS");
     return s != nullptr && std::strcmp(s, "inline") == 0;
+  }();
+  return v;
+}
+
+// How chunk completions reach the host (see the file comment): by the
+// lane's polling thread, or by cuLaunchHostFunc. SHMCAST_CUDA_COMPLETION=
+// poll | callback; unset, device slots poll and host slots use callbacks.
+bool poll_completion(bool device_slots) {
+  static const int v = [] {
+    const char* s = std::getenv("SHMCAST_CUDA_COMPLETION");
+    if (s == nullptr || *s == 0) return -1;
+    if (std::strcmp(s, "poll") == 0) return 1;
+    if (std::strcmp(s, "callback") == 0) return 0;
+    return -1;
+  }();
+  return v < 0 ? device_slots : v == 1;
+}
+
+// How long the polling thread spins on a chunk's event before it sleeps in
+// cuEventSynchronize, in ns (SHMCAST_CUDA_POLL_NS, 0..1e9, default 2 ms).
+std::int64_t poll_spin_ns() {
+  static const std::int64_t v = [] {
+    const char* s = std::getenv("SHMCAST_CUDA_POLL_NS");
+    if (s != nullptr && *s != 0) {
+      char* end = nullptr;
+      const long long x = std::strtoll(s, &end, 10);
+      if (end != nullptr && *end == 0 && x >= 0 && x <= 1'000'000'000) return static_cast<std::int64_t>(x);
+    }
+    return std::int64_t{2'000'000};
   }();
   return v;
 }
@@ -196,8 +243,8 @@ struct HostCall {
 // the file comment.
 class Lane {
  public:
-  explicit Lane(int streams)
-      : d_(drv()), n_(streams < 1 ? 1 : (streams > kMaxCopyStreams ? kMaxCopyStreams : streams)) {}
+  Lane(int streams, bool poll)
+      : d_(drv()), n_(streams < 1 ? 1 : (streams > kMaxCopyStreams ? kMaxCopyStreams : streams)), poll_(poll) {}
   ~Lane() { destroy(); }
   Lane(const Lane&) = delete;
   Lane& operator=(const Lane&) = delete;
@@ -348,6 +395,10 @@ class Lane {
   void when_done(std::function<void()> fn) {
     flush_small();
     rethrow_host_error();
+    if (poll_) {
+      poll_when_done(std::move(fn));
+      return;
+    }
     auto call = std::make_unique<HostCall>(HostCall{std::move(fn), this});
     CtxScope scope(d_, ctx_);
     CUresult e = CUDA_SUCCESS;
@@ -378,6 +429,9 @@ class Lane {
       CUresult e = join_copies();
       if (e == CUDA_SUCCESS) e = d_.cuEventRecord(drain_ev_, cb_);
       if (e == CUDA_SUCCESS) e = d_.cuEventSynchronize(drain_ev_);
+      // The polling thread has seen every event complete (or fail) and run
+      // (or dropped) each completion before drain() returns.
+      if (poller_ != nullptr) poll_wait_idle();
       if (e != CUDA_SUCCESS) {
         // A plain synchronize gives the error of the failed copy itself.
         CUresult e2 = CUDA_SUCCESS;
@@ -391,6 +445,132 @@ class Lane {
   }
 
  private:
+  // Completion by polling: an event per completion, recorded after the
+  // chunk's copies, and a thread per lane that waits for the events in order
+  // (spinning on cuEventQuery for up to poll_spin_ns(), then sleeping in
+  // cuEventSynchronize) and runs each fn. A failed event drops its fn (the
+  // chunk is never published or released; drain() reports the copy's error).
+  struct Pending {
+    CUevent ev;
+    std::function<void()> fn;
+  };
+
+  void poll_when_done(std::function<void()> fn) {
+    CtxScope scope(d_, ctx_);
+    CUevent ev = nullptr;
+    {
+      std::lock_guard<std::mutex> lock(pmu_);
+      if (!pfree_.empty()) {
+        ev = pfree_.back();
+        pfree_.pop_back();
+      }
+    }
+    if (ev == nullptr)
+      SHMCAST_CK(d_.cuEventCreate(&ev, CU_EVENT_DISABLE_TIMING | CU_EVENT_BLOCKING_SYNC), "cuEventCreate", "");
+    CUresult e = n_ == 1 ? CUDA_SUCCESS : join_copies();
+    if (e == CUDA_SUCCESS) e = d_.cuEventRecord(ev, n_ == 1 ? copy_[0] : cb_);
+    if (e == CUDA_SUCCESS && poller_ == nullptr) {
+      try {
+        poller_pid_ = ::getpid();
+        poller_ = std::make_unique<std::thread>([this] { poll_loop(); });
+      } catch (const std::system_error& x) {
+        std::lock_guard<std::mutex> lock(pmu_);
+        pfree_.push_back(ev);
+        throw Error(Errc::kCuda, std::string("starting the lane's completion thread failed: ") + x.what() +
+                                     "; raise the process's thread limit, or set SHMCAST_CUDA_COMPLETION=callback");
+      }
+    }
+    {
+      std::lock_guard<std::mutex> lock(pmu_);
+      if (e != CUDA_SUCCESS) {
+        pfree_.push_back(ev);
+      } else {
+        pq_.push_back(Pending{ev, std::move(fn)});
+      }
+    }
+    if (e != CUDA_SUCCESS) throw_cuda(e, "recording a chunk's completion event", kTodoAsync);
+    pcv_.notify_one();
+  }
+
+  CUresult poll_event(CUevent ev) {
+    const std::int64_t spin_end = mono_ns() + poll_spin_ns();
+    for (;;) {
+      const CUresult r = d_.cuEventQuery(ev);
+      if (r != CUDA_ERROR_NOT_READY) return r;
+      if (mono_ns() >= spin_end) return d_.cuEventSynchronize(ev);
+      for (int i = 0; i < 16; ++i) cpu_relax();
+    }
+  }
+
+  void poll_loop() {
+    (void)d_.cuCtxPushCurrent(ctx_);  // this thread's only context
+    std::unique_lock<std::mutex> lock(pmu_);
+    for (;;) {
+      pcv_.wait(lock, [this] { return pstop_ || !pq_.empty(); });
+      if (pq_.empty()) break;  // stopping, and nothing left
+      Pending p = std::move(pq_.front());
+      pq_.pop_front();
+      ++pbusy_;
+      lock.unlock();
+      const CUresult r = poll_event(p.ev);
+      if (r == CUDA_SUCCESS) {
+        try {
+          p.fn();
+        } catch (const std::exception& x) {
+          note_host_error(x.what());
+        } catch (...) {
+          note_host_error("unknown exception");
+        }
+      } else {
+        note_host_error(("a chunk's copies failed (" + err_text(r) + "); the chunk was not handed over").c_str());
+      }
+      p.fn = nullptr;  // its captures go before the lane is idle
+      lock.lock();
+      pfree_.push_back(p.ev);
+      --pbusy_;
+      if (pq_.empty() && pbusy_ == 0) pidle_.notify_all();
+    }
+    CUcontext popped = nullptr;
+    (void)d_.cuCtxPopCurrent(&popped);
+  }
+
+  // Waits until the polling thread has handled every queued completion. The
+  // events are complete when drain() calls this, so the wait is short; the
+  // bound only keeps a wedged thread from hanging the caller.
+  void poll_wait_idle() {
+    std::unique_lock<std::mutex> lock(pmu_);
+    if (!pidle_.wait_for(lock, std::chrono::seconds(60), [this] { return pq_.empty() && pbusy_ == 0; }))
+      throw Error(Errc::kCuda,
+                  "the lane's completion thread did not finish within 60 s of its copies; the process is likely "
+                  "wedged in a completion (restart it, or set SHMCAST_CUDA_COMPLETION=callback)");
+  }
+
+  // Stops the polling thread once it has handled what is queued (the
+  // streams are synchronized first, so every event is complete), then frees
+  // the events. In a forked child the thread does not exist: forget it.
+  void poll_stop() noexcept {
+    if (poller_ != nullptr) {
+      if (poller_pid_ != ::getpid()) {
+        (void)poller_.release();
+      } else {
+        {
+          std::lock_guard<std::mutex> lock(pmu_);
+          pstop_ = true;
+        }
+        pcv_.notify_all();
+        poller_->join();
+        poller_.reset();
+      }
+    }
+    std::lock_guard<std::mutex> lock(pmu_);
+    for (CUevent ev : pfree_) (void)d_.cuEventDestroy(ev);
+    pfree_.clear();
+    for (Pending& p : pq_) (void)d_.cuEventDestroy(p.ev);
+    pq_.clear();
+    pbusy_ = 0;
+    pstop_ = false;
+  }
+
   // The callback stream waits for everything queued on the copy streams.
   CUresult join_copies() {
     CUresult e = CUDA_SUCCESS;
@@ -442,6 +622,7 @@ class Lane {
     for (int i = 0; i < n_; ++i)
       if (copy_[i] != nullptr) (void)d_.cuStreamSynchronize(copy_[i]);
     if (cb_ != nullptr) (void)d_.cuStreamSynchronize(cb_);
+    poll_stop();
     for (int i = 0; i < n_; ++i) {
       if (chunk_ev_[i] != nullptr) (void)d_.cuEventDestroy(chunk_ev_[i]);
       if (copy_[i] != nullptr) (void)d_.cuStreamDestroy(copy_[i]);
@@ -482,6 +663,16 @@ class Lane {
   std::uint64_t desc_cap_ = 0;
   int small_ok_ = -1;                                // the kernels run here: -1 not asked yet
   bool batch_on_ = true;                             // batch_small()
+  // Completion by polling (poll_when_done); pmu_ guards the rest.
+  const bool poll_;
+  std::unique_ptr<std::thread> poller_;
+  pid_t poller_pid_ = 0;
+  std::mutex pmu_;
+  std::condition_variable pcv_, pidle_;
+  std::deque<Pending> pq_;      // recorded, not yet handled, in order
+  std::vector<CUevent> pfree_;  // completed events, for reuse
+  std::size_t pbusy_ = 0;       // taken by the thread, not yet handled
+  bool pstop_ = false;
 };
 
 // Where the two sides of a copy live: the slot (host memory, or device
@@ -609,7 +800,8 @@ class CudaProducerEngine final : public ProducerEngine {
   // `device` >= 0: the lane starts there (device slots: the slots' GPU, so
   // that copies from host sources run on the GPU the slots are mapped for).
   CudaProducerEngine(bool device_slots, int device)
-      : lane_(stream_count("SHMCAST_CUDA_D2H_STREAMS", kD2HStreams)), device_slots_(device_slots) {
+      : lane_(stream_count("SHMCAST_CUDA_D2H_STREAMS", kD2HStreams), poll_completion(device_slots)),
+        device_slots_(device_slots) {
     if (device >= 0) {
       int count = 0;
       SHMCAST_CK(lane_.api().cuDeviceGetCount(&count), "cuDeviceGetCount", "");
@@ -660,7 +852,8 @@ class CudaProducerEngine final : public ProducerEngine {
 class CudaConsumerEngine final : public ConsumerEngine {
  public:
   explicit CudaConsumerEngine(bool device_slots, int device)
-      : lane_(stream_count("SHMCAST_CUDA_H2D_STREAMS", kH2DStreams)), device_slots_(device_slots) {
+      : lane_(stream_count("SHMCAST_CUDA_H2D_STREAMS", kH2DStreams), poll_completion(device_slots)),
+        device_slots_(device_slots) {
     lane_.home(device >= 0 ? device : current_device(lane_.api()));
   }
   ~CudaConsumerEngine() override {
