@@ -40,11 +40,14 @@
 //   taken out of it (docs/benchmarks.md has the figures). An event that fails
 //   drops its fn: the chunk is never published or released, and drain()
 //   throws the copy's error.
-// * SHMCAST_CUDA_D2H_STREAMS / SHMCAST_CUDA_H2D_STREAMS (1..4, default 1) give
-//   an engine several copy streams; pieces of 8 MiB or more are then split
-//   across them (several DMA engines at once). On the H200 this gained nothing
-//   (44.7 GB/s with 2 H2D streams against 44.7 with 1; 42.9 with 2 + 2), so
-//   one stream each is the default; the knob stays for other machines.
+// * SHMCAST_CUDA_D2H_STREAMS / SHMCAST_CUDA_H2D_STREAMS (1..4) give an engine
+//   several copy streams; pieces of 8 MiB or more are then split across them
+//   (several DMA engines at once) and smaller ones take turns. Host slots:
+//   default 1, since on the H200 more gained nothing (44.7 GB/s with 2 H2D
+//   streams against 44.7 with 1; 42.9 with 2 + 2). Device slots: default 2,
+//   since there each device-to-device copy's fixed cost is exposed (the two
+//   processes' contexts take turns on the GPU) and a second stream hides it
+//   (2 x 1 GiB slots: 8.4 -> 8.1 ms; with pieces under 8 MiB batched, 7.2).
 // * drain() records a blocking-sync event after everything on all streams and
 //   waits for it with cuEventSynchronize: the caller's thread sleeps, it does
 //   not spin. Copy errors and exceptions thrown by a host function are
@@ -229,8 +232,9 @@ int stream_count(const char* env, int dflt) {
 constexpr int kMaxCopyStreams = 4;
 constexpr int kD2HStreams = 1;  // defaults, from docs/benchmarks.md
 constexpr int kH2DStreams = 1;
+constexpr int kDeviceSlotStreams = 2;  // either direction, device slots (docs/benchmarks.md)
 constexpr std::uint64_t kSplitMin = 8ull << 20;  // split pieces of at least this size
-constexpr std::uint64_t kBatchBytes = 1ull << 20;  // device slots: batch copies under this size (Lane::batch_bytes)
+constexpr std::uint64_t kBatchBytes = 8ull << 20;  // device slots: batch copies under this size (Lane::batch_bytes)
 
 // What a host function carries: the user callback and the lane to report to.
 class Lane;
@@ -326,11 +330,11 @@ class Lane {
     }
   }
 
-  // Device slots: a device-to-device piece under batch_bytes() is not
-  // copied at once but gathered, and flush_small() copies the gathered
+  // Device slots: a device-to-device piece under batch_bytes() (8 MiB) is
+  // not copied at once but gathered, and flush_small() copies the gathered
   // pieces in one kernel launch on copy stream 0 (a cudaMemcpy's fixed
-  // cost, about 6 us on an H200, dominates small copies: 181 of
-  // Qwen2.5-3B's 434 tensors are under 1 MiB). False (copy it yourself)
+  // cost, about 6 us on an H200, dominates small copies: 253 of
+  // Qwen2.5-3B's 434 tensors are under 8 MiB). False (copy it yourself)
   // when the kernels cannot run here (a build without nvcc). Every
   // completion point (when_done, before, drain) flushes first.
   static std::uint64_t batch_bytes() {
@@ -340,6 +344,20 @@ class Lane {
       char* end = nullptr;
       const unsigned long long n = std::strtoull(s, &end, 10);
       return end != nullptr && *end == 0 ? static_cast<std::uint64_t>(n) : kBatchBytes;
+    }();
+    return v;
+  }
+  // The most bytes one CUDA block of the batch kernel copies (a larger
+  // piece is split): SHMCAST_CUDA_PIECE_BYTES, a multiple of 16 from 4 KiB
+  // to 64 MiB, default delta::kCopyPieceMax (64 KiB).
+  static std::uint64_t piece_bytes() {
+    static const std::uint64_t v = [] {
+      const char* s = std::getenv("SHMCAST_CUDA_PIECE_BYTES");  // docs/design.md, "Tuning"
+      if (s == nullptr || *s == 0) return delta::kCopyPieceMax;
+      char* end = nullptr;
+      const unsigned long long n = std::strtoull(s, &end, 10);
+      const bool ok = end != nullptr && *end == 0 && n % 16 == 0 && n >= (4u << 10) && n <= (64ull << 20);
+      return ok ? static_cast<std::uint64_t>(n) : delta::kCopyPieceMax;
     }();
     return v;
   }
@@ -353,8 +371,9 @@ class Lane {
       small_ok_ = delta::copy_pieces_ready(nullptr) ? 1 : 0;
     }
     if (small_ok_ == 0) return false;
-    for (std::uint64_t at = 0; at < bytes; at += delta::kCopyPieceMax) {
-      const std::uint64_t n = bytes - at < delta::kCopyPieceMax ? bytes - at : delta::kCopyPieceMax;
+    const std::uint64_t most = piece_bytes();
+    for (std::uint64_t at = 0; at < bytes; at += most) {
+      const std::uint64_t n = bytes - at < most ? bytes - at : most;
       small_.push_back(delta::CopyPiece{dptr(src + at), dptr(dst + at), n});
     }
     if (small_.size() >= kSmallBatch) flush_small();
@@ -800,7 +819,8 @@ class CudaProducerEngine final : public ProducerEngine {
   // `device` >= 0: the lane starts there (device slots: the slots' GPU, so
   // that copies from host sources run on the GPU the slots are mapped for).
   CudaProducerEngine(bool device_slots, int device)
-      : lane_(stream_count("SHMCAST_CUDA_D2H_STREAMS", kD2HStreams), poll_completion(device_slots)),
+      : lane_(stream_count("SHMCAST_CUDA_D2H_STREAMS", device_slots ? kDeviceSlotStreams : kD2HStreams),
+              poll_completion(device_slots)),
         device_slots_(device_slots) {
     if (device >= 0) {
       int count = 0;
@@ -852,7 +872,8 @@ class CudaProducerEngine final : public ProducerEngine {
 class CudaConsumerEngine final : public ConsumerEngine {
  public:
   explicit CudaConsumerEngine(bool device_slots, int device)
-      : lane_(stream_count("SHMCAST_CUDA_H2D_STREAMS", kH2DStreams), poll_completion(device_slots)),
+      : lane_(stream_count("SHMCAST_CUDA_H2D_STREAMS", device_slots ? kDeviceSlotStreams : kH2DStreams),
+              poll_completion(device_slots)),
         device_slots_(device_slots) {
     lane_.home(device >= 0 ? device : current_device(lane_.api()));
   }
