@@ -15,7 +15,13 @@
 #           fanout, fanout-host; REPS timed syncs each, default 10; the D2D and
 #           host-path ceilings), plain, then again under Docker's default
 #           seccomp profile (shmcast-seccomp-run --profile
-#           tests/seccomp/docker-default.json)
+#           tests/seccomp/docker-default.json); BENCH_ARGS are added to
+#           both (e.g. "--slot-mib 1024")
+#   sweep   shmcast-device-slots-bench --phases device --reps REPS once per
+#           line of SWEEP, each "label; VAR=value ...; bench args" (the
+#           variables set for that run only, e.g. "poll-1024;
+#           SHMCAST_CUDA_COMPLETION=poll; --slot-mib 1024 --slots 2"): a
+#           summary in sweep.txt, the JSONs in sweep.tgz
 #   python  python/tests/test_device_slots.py (skipped when absent), with the
 #           module of this build tree (PYTHONPATH, as delta_sync_device.sh);
 #           PIP=1: pip install the package into a venv instead, as
@@ -73,6 +79,7 @@ if has tests; then
   fi
 fi
 has bench && targets+=(shmcast-device-slots-bench shmcast-seccomp-run)
+has sweep && targets+=(shmcast-device-slots-bench)
 has model && targets+=(shmcast-seccomp-run)
 pyopts=(-DSHMCAST_BUILD_PYTHON=OFF)
 if { has python && [ "$PIP" != 1 ] && [ -f python/tests/test_device_slots.py ]; } || has model; then
@@ -107,17 +114,43 @@ fi
 if has bench; then
   BIN=$B/bench/shmcast-device-slots-bench
   SEC=$B/tests/seccomp/shmcast-seccomp-run
-  log "bench: shmcast-device-slots-bench --reps $REPS"
-  timeout 200 "$BIN" --reps "$REPS" --json "$OUT/bench.json" >"$OUT/bench.txt" 2>&1
+  log "bench: shmcast-device-slots-bench --reps $REPS ${BENCH_ARGS:-}"
+  # shellcheck disable=SC2086  # BENCH_ARGS is a word list
+  timeout 200 "$BIN" --reps "$REPS" ${BENCH_ARGS:-} --json "$OUT/bench.json" >"$OUT/bench.txt" 2>&1
   rc=$?
   cat "$OUT/bench.txt"
   result bench $rc
   log "bench under $PROFILE (shmcast-seccomp-run)"
-  timeout 200 "$SEC" --profile "$PROFILE" -- "$BIN" --reps "$REPS" --json "$OUT/bench-docker.json" \
+  # shellcheck disable=SC2086
+  timeout 200 "$SEC" --profile "$PROFILE" -- "$BIN" --reps "$REPS" ${BENCH_ARGS:-} --json "$OUT/bench-docker.json" \
     >"$OUT/bench-docker.txt" 2>&1
   rc=$?
   cat "$OUT/bench-docker.txt"
   result bench-docker $rc
+fi
+
+# ---- sweep: one device phase per SWEEP line
+if has sweep; then
+  BIN=$B/bench/shmcast-device-slots-bench
+  SW=/tmp/sweep
+  rm -rf $SW && mkdir -p $SW
+  src=0
+  while IFS= read -r line; do
+    [ -z "${line// /}" ] && continue
+    IFS=';' read -r label vars args <<<"$line"
+    label=$(echo $label)
+    log "sweep $label: env $vars $BIN --phases device --reps $REPS $args"
+    # shellcheck disable=SC2086  # vars and args are word lists
+    env $vars timeout 150 "$BIN" --phases device --reps "$REPS" $args --json "$SW/$label.json" \
+      >"$SW/$label.txt" 2>&1
+    rc=$?
+    { echo "== $label: env $vars --phases device --reps $REPS $args (rc=$rc)"; cat "$SW/$label.txt"; } \
+      >>"$OUT/sweep.txt"
+    grep -iE "ceiling|^ *device|ratio|median" "$SW/$label.txt" | head -8
+    [ $rc -eq 0 ] || src=$rc
+  done <<<"${SWEEP:-}"
+  tar -C $SW -czf "$OUT/sweep.tgz" . 2>/dev/null
+  result sweep $src
 fi
 
 # ---- python
