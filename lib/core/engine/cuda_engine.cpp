@@ -33,8 +33,9 @@
 //   poll | callback picks either for any lane): chunk_done(fn) records an
 //   event from a small pool after the chunk's copies and queues {event, fn}
 //   for a thread the lane owns, which waits for the events in order (spinning
-//   on cuEventQuery for up to SHMCAST_CUDA_POLL_NS, default 2 ms, then sleeping
-//   in cuEventSynchronize) and runs each fn. A device-slot chunk takes a
+//   on cuEventQuery, yielding the CPU after 20 us, for up to
+//   SHMCAST_CUDA_POLL_NS, default 2 ms, then sleeping in cuEventSynchronize)
+//   and runs each fn; drain() returns once it has handled everything queued. A device-slot chunk takes a
 //   fraction of a millisecond, and its hand-over to the other process is the
 //   sync's critical path, so the wake-up of the driver's callback thread is
 //   taken out of it (docs/benchmarks.md has the figures). An event that fails
@@ -97,6 +98,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include <sched.h>
 #include <unistd.h>
 
 #include "engine/cuda_driver.hpp"
@@ -469,6 +471,7 @@ class Lane {
   // (spinning on cuEventQuery for up to poll_spin_ns(), then sleeping in
   // cuEventSynchronize) and runs each fn. A failed event drops its fn (the
   // chunk is never published or released; drain() reports the copy's error).
+  // drain() returns only once the thread has handled everything queued.
   struct Pending {
     CUevent ev;
     std::function<void()> fn;
@@ -484,40 +487,61 @@ class Lane {
         pfree_.pop_back();
       }
     }
-    if (ev == nullptr)
+    if (ev == nullptr) {
       SHMCAST_CK(d_.cuEventCreate(&ev, CU_EVENT_DISABLE_TIMING | CU_EVENT_BLOCKING_SYNC), "cuEventCreate", "");
+      try {
+        std::lock_guard<std::mutex> lock(pmu_);
+        pfree_.reserve(nevents_ + 1);  // so that giving an event back never allocates
+        ++nevents_;
+      } catch (...) {
+        (void)d_.cuEventDestroy(ev);
+        throw;
+      }
+    }
+    // From here on `ev` goes back to the pool on any failure.
+    auto give_back = [this, ev] {
+      std::lock_guard<std::mutex> lock(pmu_);
+      pfree_.push_back(ev);  // capacity reserved above
+    };
     CUresult e = n_ == 1 ? CUDA_SUCCESS : join_copies();
     if (e == CUDA_SUCCESS) e = d_.cuEventRecord(ev, n_ == 1 ? copy_[0] : cb_);
-    if (e == CUDA_SUCCESS && poller_ == nullptr) {
-      try {
+    if (e != CUDA_SUCCESS) {
+      give_back();
+      throw_cuda(e, "recording a chunk's completion event", kTodoAsync);
+    }
+    try {
+      if (poller_ == nullptr) {
         poller_pid_ = ::getpid();
         poller_ = std::make_unique<std::thread>([this] { poll_loop(); });
-      } catch (const std::system_error& x) {
-        std::lock_guard<std::mutex> lock(pmu_);
-        pfree_.push_back(ev);
-        throw Error(Errc::kCuda, std::string("starting the lane's completion thread failed: ") + x.what() +
-                                     "; raise the process's thread limit, or set SHMCAST_CUDA_COMPLETION=callback");
       }
-    }
-    {
       std::lock_guard<std::mutex> lock(pmu_);
-      if (e != CUDA_SUCCESS) {
-        pfree_.push_back(ev);
-      } else {
-        pq_.push_back(Pending{ev, std::move(fn)});
-      }
+      pq_.push_back(Pending{ev, std::move(fn)});
+    } catch (const std::system_error& x) {
+      give_back();
+      throw Error(Errc::kCuda, std::string("starting the lane's completion thread failed: ") + x.what() +
+                                   "; raise the process's thread limit, or set SHMCAST_CUDA_COMPLETION=callback");
+    } catch (...) {
+      give_back();
+      throw;
     }
-    if (e != CUDA_SUCCESS) throw_cuda(e, "recording a chunk's completion event", kTodoAsync);
     pcv_.notify_one();
   }
 
+  // Spins on the event (yielding the CPU after the first 20 us, so that a
+  // thread pinned to the same core still runs), then sleeps until it is done.
   CUresult poll_event(CUevent ev) {
-    const std::int64_t spin_end = mono_ns() + poll_spin_ns();
+    const std::int64_t start = mono_ns();
+    const std::int64_t yield_at = start + 20'000, spin_end = start + poll_spin_ns();
     for (;;) {
       const CUresult r = d_.cuEventQuery(ev);
       if (r != CUDA_ERROR_NOT_READY) return r;
-      if (mono_ns() >= spin_end) return d_.cuEventSynchronize(ev);
-      for (int i = 0; i < 16; ++i) cpu_relax();
+      const std::int64_t now = mono_ns();
+      if (now >= spin_end) return d_.cuEventSynchronize(ev);
+      if (now >= yield_at) {
+        (void)sched_yield();
+      } else {
+        for (int i = 0; i < 16; ++i) cpu_relax();
+      }
     }
   }
 
@@ -531,21 +555,27 @@ class Lane {
       pq_.pop_front();
       ++pbusy_;
       lock.unlock();
-      const CUresult r = poll_event(p.ev);
-      if (r == CUDA_SUCCESS) {
+      // A failed event (a copy failed: the context's error is sticky) drops
+      // its fn, as the driver skips host functions after an error; drain()
+      // reports the copy's own error.
+      if (poll_event(p.ev) == CUDA_SUCCESS) {
         try {
           p.fn();
         } catch (const std::exception& x) {
-          note_host_error(x.what());
+          try {
+            note_host_error(x.what());
+          } catch (...) {  // out of memory for the message
+          }
         } catch (...) {
-          note_host_error("unknown exception");
+          try {
+            note_host_error("unknown exception");
+          } catch (...) {
+          }
         }
-      } else {
-        note_host_error(("a chunk's copies failed (" + err_text(r) + "); the chunk was not handed over").c_str());
       }
       p.fn = nullptr;  // its captures go before the lane is idle
       lock.lock();
-      pfree_.push_back(p.ev);
+      pfree_.push_back(p.ev);  // capacity reserved: no allocation
       --pbusy_;
       if (pq_.empty() && pbusy_ == 0) pidle_.notify_all();
     }
@@ -553,39 +583,41 @@ class Lane {
     (void)d_.cuCtxPopCurrent(&popped);
   }
 
-  // Waits until the polling thread has handled every queued completion. The
-  // events are complete when drain() calls this, so the wait is short; the
-  // bound only keeps a wedged thread from hanging the caller.
+  // Waits until the polling thread has handled every queued completion, so
+  // that none runs after drain() returned (a late release would free a slot
+  // twice, or touch a caller's frame that is gone). No deadline: the events
+  // are complete when drain() calls this, and a completion only stores to
+  // atomics and wakes a futex, so the wait is as short as those.
   void poll_wait_idle() {
+    if (poller_pid_ != ::getpid()) return;  // a forked child: no thread, and CUDA is unusable here
     std::unique_lock<std::mutex> lock(pmu_);
-    if (!pidle_.wait_for(lock, std::chrono::seconds(60), [this] { return pq_.empty() && pbusy_ == 0; }))
-      throw Error(Errc::kCuda,
-                  "the lane's completion thread did not finish within 60 s of its copies; the process is likely "
-                  "wedged in a completion (restart it, or set SHMCAST_CUDA_COMPLETION=callback)");
+    pidle_.wait(lock, [this] { return pq_.empty() && pbusy_ == 0; });
   }
 
   // Stops the polling thread once it has handled what is queued (the
   // streams are synchronized first, so every event is complete), then frees
-  // the events. In a forked child the thread does not exist: forget it.
+  // the events. In a forked child the thread does not exist, and its lock
+  // and events are the parent's: forget them all.
   void poll_stop() noexcept {
+    if (poller_ != nullptr && poller_pid_ != ::getpid()) {
+      (void)poller_.release();
+      return;
+    }
     if (poller_ != nullptr) {
-      if (poller_pid_ != ::getpid()) {
-        (void)poller_.release();
-      } else {
-        {
-          std::lock_guard<std::mutex> lock(pmu_);
-          pstop_ = true;
-        }
-        pcv_.notify_all();
-        poller_->join();
-        poller_.reset();
+      {
+        std::lock_guard<std::mutex> lock(pmu_);
+        pstop_ = true;
       }
+      pcv_.notify_all();
+      poller_->join();
+      poller_.reset();
     }
     std::lock_guard<std::mutex> lock(pmu_);
     for (CUevent ev : pfree_) (void)d_.cuEventDestroy(ev);
     pfree_.clear();
     for (Pending& p : pq_) (void)d_.cuEventDestroy(p.ev);
     pq_.clear();
+    nevents_ = 0;
     pbusy_ = 0;
     pstop_ = false;
   }
@@ -689,7 +721,8 @@ class Lane {
   std::mutex pmu_;
   std::condition_variable pcv_, pidle_;
   std::deque<Pending> pq_;      // recorded, not yet handled, in order
-  std::vector<CUevent> pfree_;  // completed events, for reuse
+  std::vector<CUevent> pfree_;  // completed events, for reuse (capacity: nevents_)
+  std::size_t nevents_ = 0;     // events made
   std::size_t pbusy_ = 0;       // taken by the thread, not yet handled
   bool pstop_ = false;
 };
