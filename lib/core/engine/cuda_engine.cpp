@@ -35,12 +35,12 @@
 //   for a thread the lane owns, which waits for the events in order (spinning
 //   on cuEventQuery, yielding the CPU after 20 us, for up to
 //   SHMCAST_CUDA_POLL_NS, default 2 ms, then sleeping in cuEventSynchronize)
-//   and runs each fn; drain() returns once it has handled everything queued. A device-slot chunk takes a
-//   fraction of a millisecond, and its hand-over to the other process is the
-//   sync's critical path, so the wake-up of the driver's callback thread is
-//   taken out of it (docs/benchmarks.md has the figures). An event that fails
-//   drops its fn: the chunk is never published or released, and drain()
-//   throws the copy's error.
+//   and runs each fn; drain() returns once it has handled everything queued.
+//   A device-slot chunk takes a fraction of a millisecond, and its hand-over
+//   to the other process is the sync's critical path, so the wake-up of the
+//   driver's callback thread is taken out of it (docs/benchmarks.md has the
+//   figures). An event that fails drops its fn: the chunk is never published
+//   or released, and drain() throws the copy's error.
 // * SHMCAST_CUDA_D2H_STREAMS / SHMCAST_CUDA_H2D_STREAMS (1..4) give an engine
 //   several copy streams; pieces of 8 MiB or more are then split across them
 //   (several DMA engines at once) and smaller ones take turns. Host slots:
@@ -86,9 +86,9 @@
 #include <cerrno>
 #include <chrono>
 #include <condition_variable>
-#include <deque>
 #include <cstdlib>
 #include <cstring>
+#include <deque>
 #include <exception>
 #include <memory>
 #include <mutex>
@@ -172,18 +172,23 @@ bool poll_completion(bool device_slots) {
   return v < 0 ? device_slots : v == 1;
 }
 
+// A number from environment variable `name` (decimal, in [lo, hi], a
+// multiple of `multiple`), else `dflt`. docs/design.md, "Tuning", lists them.
+std::uint64_t env_number(const char* name, std::uint64_t dflt, std::uint64_t lo, std::uint64_t hi,
+                         std::uint64_t multiple = 1) {
+  const char* s = std::getenv(name);
+  if (s == nullptr || *s < '0' || *s > '9') return dflt;
+  char* end = nullptr;
+  errno = 0;
+  const unsigned long long n = std::strtoull(s, &end, 10);
+  const bool ok = errno == 0 && end != nullptr && *end == 0 && n >= lo && n <= hi && n % multiple == 0;
+  return ok ? static_cast<std::uint64_t>(n) : dflt;
+}
+
 // How long the polling thread spins on a chunk's event before it sleeps in
 // cuEventSynchronize, in ns (SHMCAST_CUDA_POLL_NS, 0..1e9, default 2 ms).
 std::int64_t poll_spin_ns() {
-  static const std::int64_t v = [] {
-    const char* s = std::getenv("SHMCAST_CUDA_POLL_NS");
-    if (s != nullptr && *s != 0) {
-      char* end = nullptr;
-      const long long x = std::strtoll(s, &end, 10);
-      if (end != nullptr && *end == 0 && x >= 0 && x <= 1'000'000'000) return static_cast<std::int64_t>(x);
-    }
-    return std::int64_t{2'000'000};
-  }();
+  static const auto v = static_cast<std::int64_t>(env_number("SHMCAST_CUDA_POLL_NS", 2'000'000, 0, 1'000'000'000));
   return v;
 }
 
@@ -340,27 +345,15 @@ class Lane {
   // when the kernels cannot run here (a build without nvcc). Every
   // completion point (when_done, before, drain) flushes first.
   static std::uint64_t batch_bytes() {
-    static const std::uint64_t v = [] {
-      const char* s = std::getenv("SHMCAST_CUDA_BATCH_BYTES");  // docs/design.md, "Tuning"
-      if (s == nullptr || *s == 0) return kBatchBytes;
-      char* end = nullptr;
-      const unsigned long long n = std::strtoull(s, &end, 10);
-      return end != nullptr && *end == 0 ? static_cast<std::uint64_t>(n) : kBatchBytes;
-    }();
+    static const std::uint64_t v = env_number("SHMCAST_CUDA_BATCH_BYTES", kBatchBytes, 0, ~std::uint64_t{0});
     return v;
   }
   // The most bytes one CUDA block of the batch kernel copies (a larger
   // piece is split): SHMCAST_CUDA_PIECE_BYTES, a multiple of 16 from 4 KiB
   // to 64 MiB, default delta::kCopyPieceMax (64 KiB).
   static std::uint64_t piece_bytes() {
-    static const std::uint64_t v = [] {
-      const char* s = std::getenv("SHMCAST_CUDA_PIECE_BYTES");  // docs/design.md, "Tuning"
-      if (s == nullptr || *s == 0) return delta::kCopyPieceMax;
-      char* end = nullptr;
-      const unsigned long long n = std::strtoull(s, &end, 10);
-      const bool ok = end != nullptr && *end == 0 && n % 16 == 0 && n >= (4u << 10) && n <= (64ull << 20);
-      return ok ? static_cast<std::uint64_t>(n) : delta::kCopyPieceMax;
-    }();
+    static const std::uint64_t v =
+        env_number("SHMCAST_CUDA_PIECE_BYTES", delta::kCopyPieceMax, 4u << 10, 64ull << 20, 16);
     return v;
   }
   // Whether the pieces of the current tensor may be batched: false when it
