@@ -101,10 +101,10 @@
 #include <sched.h>
 #include <unistd.h>
 
+#include "base/clock.hpp"  // cpu_relax(), mono_ns()
 #include "engine/cuda_driver.hpp"
 #include "engine/delta_cuda.hpp"
 #include "engine/engine.hpp"
-#include "shm/doorbell.hpp"  // cpu_relax(), mono_ns()
 
 namespace shmcast::detail {
 

@@ -10,7 +10,7 @@
 #include <cstdint>
 #include <ctime>
 
-#include "base/clock.hpp"  // mono_ns(), unix_ns(): callers of the doorbell use them too
+#include "base/clock.hpp"  // mono_ns(), unix_ns(), cpu_relax(): callers of the doorbell use them too
 #include "base/layout.hpp"
 
 namespace shmcast::detail {
@@ -33,15 +33,6 @@ void ring_keep_parity(Bell& bell) noexcept;
 // How long wait_until() spins before it sleeps, in ns (SHMCAST_SPIN_NS,
 // default 20 us). Spinning keeps the small-sync round trip short.
 std::int64_t spin_ns() noexcept;
-
-// A spin-wait hint to the CPU (x86 pause, AArch64 yield; nothing elsewhere).
-inline void cpu_relax() noexcept {
-#if defined(__x86_64__) || defined(__i386__)
-  __builtin_ia32_pause();
-#elif defined(__aarch64__) || defined(__arm__)
-  asm volatile("yield" ::: "memory");
-#endif
-}
 
 enum class WaitResult { kReady, kTimeout, kCheck };
 
