@@ -176,6 +176,10 @@ CUresult cuEventSynchronize(CUevent e) {
   (void)e;
   return CUDA_ERROR_NOT_SUPPORTED;
 }
+CUresult cuEventQuery(CUevent e) {
+  (void)e;
+  return CUDA_ERROR_NOT_SUPPORTED;
+}
 CUresult cuEventDestroy(CUevent e) {
   (void)e;
   return CUDA_ERROR_NOT_SUPPORTED;
