@@ -20,6 +20,7 @@
 #include <functional>
 #include <memory>
 
+#include "protocol/ring.hpp"    // detail::kLivenessPollNs: how often a waiting consumer looks at the ranks
 #include "protocol/rounds.hpp"  // detail::take_over_stale: the takeover test pauses inside it
 #include "shmcast/shmcast.hpp"
 #include "support.hpp"
@@ -761,6 +762,70 @@ TEST(ShardedRounds, RankRestartedInAnAgreedRoundFailsItNeverMixesLists) {
   EXPECT_NE(b->result(0, 2), 0) << "rank 0 completed round 2 on the dead process's list";
   EXPECT_NE(b->result(1, 2), 0) << "the new rank 1 wrote round 2 on the dead process's list";
   for (int c = 0; c < 2; ++c) EXPECT_EQ(b->verified[c][1].load() & bits({2}), 0u);
+  expect_recovered(b, 2, 2, 3, 7);
+}
+
+// The contract when a rank r > 0 dies in the middle of a sync while rank 0
+// lives (docs/protocol.md, "A rank dies in the middle of a sync"): the
+// consumers get Aborted for that sync, once rank 0 has aborted it, and keep
+// their handle for the next; never PeerDied, whenever they look and whether
+// or not a new process has taken the dead rank's place by then. Here rank 1
+// is killed while both consumers wait for its chunks of sync 2 and rank 0
+// is held before its go, for ten of the consumers' liveness polls (they
+// used to throw PeerDied at the first poll that found rank 1 dead, and
+// RankRestartedInAnAgreedRoundFailsItNeverMixesLists failed when a loaded
+// machine put a poll between the kill and the new process's attach). A new
+// rank 1 joins from step 3; the consumers, which never reopen, read 3..7.
+TEST(ShardedRounds, RankKilledMidSyncIsAbortedForConsumersThatKeepTheirHandle) {
+  Board* b = Board::make();
+  Script sc;
+  sc.name = unique_name("rkilled");
+  RegionGuard g{sc.name};
+  sc.named = true;
+  sc.in_process = [b](int r) {
+    if (r == 0)
+      on_point(TestPoint::kBeforeGo, 2, [b](const TestPointArgs&) {
+        b->flag[28].store(1);
+        wait_until_true([b] { return b->flag[29].load() == 1; });
+      });
+  };
+  Script first = sc;
+  first.last_step = [](int r) { return r == 0 ? 7 : 2; };
+  ConsumerHooks hooks;
+  hooks.took = [b](int c, std::uint64_t v) {
+    if (v == 2) b->flag[24 + c].store(1);
+  };
+  Procs ps;
+  ps.start_consumers(sc.name, b, 2, 1, 7, false, hooks);
+  ps.start_ranks(first, b);
+  ASSERT_TRUE(wait_until_true([b] { return b->flag[28].load() == 1 && b->flag[24].load() == 1 && b->flag[25].load() == 1; }))
+      << "rank 0 never announced sync 2, or a consumer never took it";
+  ps.ranks[1]->kill9();
+  EXPECT_EQ(ps.ranks[1]->wait(30s), 128 + SIGKILL);
+  // Not a synchronisation: the consumers may look at the dead rank now,
+  // and this gives them ten polls' time to (the old code threw at the first).
+  std::this_thread::sleep_for(std::chrono::nanoseconds(10 * detail::kLivenessPollNs));
+  b->flag[29].store(1);
+  ASSERT_TRUE(wait_until_true([b] { return b->rc[0][2].load() != 0; })) << "rank 0 never ended step 2";
+  EXPECT_NE(b->result(0, 2), 0) << "rank 0 completed sync 2 without rank 1's chunks";
+  Script again = sc;
+  again.first_step = 3;
+  again.last_step = [](int) { return 7; };
+  again.in_process = nullptr;
+  // The dead rank's step 2, for rank 0's in-step wait, once the new process
+  // has attached (rank 0 would begin round 3 without it).
+  again.before_begin = [b](int, int s) {
+    if (s == 3) b->rc[1][2].store(kSkipped);
+  };
+  Child rank1 = Child::spawn([&] { return run_rank(again, b, 1); });
+  EXPECT_EQ(ps.ranks[0]->wait(120s), 0);
+  EXPECT_EQ(rank1.wait(120s), 0);
+  for (auto& c : ps.consumers) EXPECT_EQ(c->wait(120s), 0) << "a consumer failed (20 + Errc) or read wrong bytes (12)";
+  for (int c = 0; c < 2; ++c) {
+    EXPECT_EQ(b->consumer_errors[c][static_cast<int>(Errc::kPeerDied)].load(), 0) << "consumer " << c;
+    EXPECT_EQ(b->consumer_errors[c][static_cast<int>(Errc::kAborted)].load(), 1) << "consumer " << c;
+    EXPECT_EQ(b->verified[c][1].load() & bits({2}), 0u) << "consumer " << c;
+  }
   expect_recovered(b, 2, 2, 3, 7);
 }
 

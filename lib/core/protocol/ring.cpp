@@ -591,6 +591,16 @@ ConsumerRing::AnyWait ConsumerRing::wait_any(std::uint64_t version, std::int64_t
            seat_state(v_->seat(static_cast<std::uint32_t>(seat_)).word.load(std::memory_order_acquire)) != kSeatActive;
   };
   Pick got;
+  // A rank r > 0 that owes a chunk and has died (docs/protocol.md, "A rank
+  // dies in the middle of a sync"): its sync cannot complete, but only rank
+  // 0 decides its fate, and the region lives on. So the consumer waits for
+  // rank 0 to abort it (Aborted above, the seat kept for the next sync),
+  // whether or not another process has taken the dead rank's place by
+  // then; only rank 0's death (check_producer) or the deadline end the wait
+  // otherwise. (Throwing PeerDied here made the outcome a race: a consumer
+  // that looked while the rank was dead got PeerDied, one that looked after
+  // a new process took its seat got Aborted.)
+  std::string dead_writer;
   for (;;) {
     const WaitResult r = wait_until(h.publish, ready, deadline_ns, kLivenessPollNs);
     check_seat();
@@ -598,19 +608,16 @@ ConsumerRing::AnyWait ConsumerRing::wait_any(std::uint64_t version, std::int64_t
     check_abandoned();
     try {
       check_producer(true);
-      // Every rank that still owes a chunk (list() was called last by
-      // check_abandoned: cands is current).
-      for (const Candidate& c : cands)
-        if (c.writer > 0 && rank_dead(*v_, static_cast<std::uint32_t>(c.writer)))
-          throw Error(Errc::kPeerDied, rank_who(*v_, static_cast<std::uint32_t>(c.writer)) +
-                                           " died in the middle of sync " + std::to_string(version) +
-                                           ": the sync is lost; wait for the trainer to restart and open the region "
-                                           "again");
     } catch (const Error&) {
       // Published, then the producer died, between the wait and the check.
       if (got = pick(); got.found && got.published) break;
       throw;
     }
+    // Every rank that still owes a chunk (list() was called last by
+    // check_abandoned: cands is current).
+    for (const Candidate& c : cands)
+      if (dead_writer.empty() && c.writer > 0 && rank_dead(*v_, static_cast<std::uint32_t>(c.writer)))
+        dead_writer = rank_who(*v_, static_cast<std::uint32_t>(c.writer));
     if (h.init_state.load(std::memory_order_acquire) == kInitClosed)
       throw Error(Errc::kClosed, "the producer closed the region in the middle of sync " + std::to_string(version));
     // ready() may hold without any of the above (hostile bytes): the
@@ -625,6 +632,10 @@ ConsumerRing::AnyWait ConsumerRing::wait_any(std::uint64_t version, std::int64_t
                                         ": this consumer's own copies of earlier chunks did not complete in time "
                                         "(a CUDA stream blocked behind other work?), so no further chunk could be "
                                         "read");
+      if (!dead_writer.empty())
+        throw Error(Errc::kTimeout, dead_writer + " died in the middle of sync " + std::to_string(version) +
+                                        " and producer rank 0 did not abort the sync in time (chunks " + which +
+                                        " never came): is rank 0 stuck outside the library?");
       throw Error(Errc::kTimeout, (n == 1 ? "chunk " : "chunks ") + which + " of sync " + std::to_string(version) +
                                       " did not arrive in time; the producer is alive but stalled");
     }
