@@ -38,6 +38,7 @@
 #   AARCH64-SUMMARY status=pass install_s=60 configure_build_s=120 test_s=90 tests=70 failed=0 excluded=1
 set -euo pipefail
 cd "$(dirname "$0")/.."
+. scripts/ccache-env
 dir=${AARCH64_BUILD_DIR:-build-aarch64}
 jobs=${CTEST_JOBS:-2}
 read -r -a extra <<<"${AARCH64_CTEST_ARGS:-}"

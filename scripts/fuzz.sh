@@ -25,6 +25,7 @@
 #   FUZZ-SUMMARY total status=pass seconds=60 runs=... targets=3 failed=0
 set -euo pipefail
 cd "$(dirname "$0")/.."
+. scripts/ccache-env
 build=${BUILD_DIR:-build-fuzz}
 total=${FUZZ_SECONDS:-60}
 timeout_s=${FUZZ_TIMEOUT:-10}
