@@ -1,34 +1,52 @@
 #!/usr/bin/env bash
-# Builds the whole project twice, each in its own build directory, and runs
-# the whole ctest suite in each:
-#   build-asan  -DSHMCAST_SANITIZE=address,undefined  (ASan + UBSan + LSan)
-#   build-tsan  -DSHMCAST_SANITIZE=thread             (TSan)
-# both with -DSHMCAST_WITH_CUDA=OFF -DSHMCAST_BUILD_PYTHON=OFF.
+# Builds shmcast twice, each in its own build directory, and runs the tests
+# each sanitizer can check:
+#   build-asan  -DSHMCAST_SANITIZE=address,undefined  (ASan + UBSan + LSan):
+#               every test (ctest -LE 'gpu|python'), but the install tests
+#   build-tsan  -DSHMCAST_SANITIZE=thread             (TSan): the tests
+#               whose threads share memory inside one process (below)
+# both with -DSHMCAST_WITH_CUDA=OFF -DSHMCAST_BUILD_PYTHON=OFF
+# -DSHMCAST_BUILD_BENCH=OFF, at -O1 -g1 (line tables: the reports name
+# files and lines; -O2 -g took twice the compile time for the same reports).
 #
 # Excluded ctest labels: gpu and python. The gpu tier needs a GPU and the
 # CUDA engine, which these builds leave out (a sanitized CUDA runtime is not
 # supported either); the python tier needs the extension module, which is
 # not built here: a sanitized module would have to be run by an interpreter
 # with the sanitizer runtime LD_PRELOADed, which is a different test.
-# Also excluded, by name: install.find_package. It builds an outside project
-# against the installed static library with plain flags, which cannot link
-# a sanitized libshmcast.a (undefined __asan_*/__tsan_* symbols); it checks
-# packaging, not behaviour, and runs in the plain build.
-# Everything else runs: unit, multiprocess, fault (the fault matrix and the
-# fuzz corpus replays), seccomp, tool.
+# Also excluded, by name: the two install tests. install.find_package
+# builds an outside project against the installed static library with plain
+# flags, which cannot link a sanitized libshmcast.a (undefined
+# __asan_*/__tsan_* symbols); install.shared_exports_public_api_only builds
+# the library again, unsanitized (Release, a tree of its own), exactly as
+# the plain build's run of it does. Both check packaging, not behaviour,
+# and run in the plain build.
 #
 # TSan and shared memory: TSan sees one process. Peers in other processes
 # (most multi-process tests) are invisible to it; it checks what happens
-# inside each process: the library's own state, and the in-process
-# producer/consumer threads of tests/fault/test_threads.cpp (with checksums,
-# and without: progressive fill). The CUDA engine, and so its callback
-# thread, is not built here and not checked. Suppressions, if any, live in
-# tests/fault/tsan.supp, each with its reason.
+# inside each process. So the TSan build runs the tests where threads of one
+# process share the library's state (SAN_TSAN_LABELS):
+#   unit     in-process producer, consumer, doorbell, ring and fd-channel
+#            tests, several with threads;
+#   threads  tests/fault/test_threads.cpp: the producer and three consumers
+#            as threads over one region (with checksums, and without:
+#            progressive fill);
+#   relay    shmcast-relay is one process of several threads (network,
+#            UCX's async thread, the status writer), in every relay test.
+# and builds only what those need (SAN_TSAN_TARGETS). The multiprocess,
+# fault (but threads), attack, seccomp, tool and fileio tiers run their
+# peers as processes of one thread each: they run under ASan here, twice
+# in the plain build (tiers, under load), and under TSan only with
+# SANITIZERS_FULL=1 (docs/reliability.md, "CI time", says why). The CUDA
+# engine, and so its completion thread, is not built here and not checked.
+# Suppressions, if any, live in tests/fault/tsan.supp, each with its reason.
 #
 # Environment:
-#   SANITIZERS     which builds to run (asan tsan)
-#   CTEST_JOBS     parallel ctest jobs (2)
-#   SAN_CTEST_ARGS extra ctest arguments (e.g. -L fault)
+#   SANITIZERS      which builds to run (asan tsan)
+#   SANITIZERS_FULL 1: the TSan build builds and runs every test, as ASan's
+#   SAN_TSAN_LABELS ctest label regex of the TSan run (^(unit|threads|relay)$)
+#   CTEST_JOBS      parallel ctest jobs (2)
+#   SAN_CTEST_ARGS  extra ctest arguments (e.g. -L fault)
 # Output: one line per build, e.g.
 #   SANITIZER-SUMMARY build=asan status=pass configure_build_s=95 test_s=140 tests=160 failed=0
 set -euo pipefail
@@ -42,6 +60,9 @@ export ASAN_OPTIONS=${ASAN_OPTIONS:-detect_leaks=1:abort_on_error=0:strict_strin
 export UBSAN_OPTIONS=${UBSAN_OPTIONS:-print_stacktrace=1:halt_on_error=1}
 export TSAN_OPTIONS=${TSAN_OPTIONS:-halt_on_error=1:second_deadlock_stack=1:suppressions=$root/tests/fault/tsan.supp}
 
+. scripts/ccache-env
+# -O1 -g1 for both trees (see the header); NDEBUG as in the plain build.
+flags=(-DCMAKE_C_FLAGS_RELWITHDEBINFO="-O1 -g1 -DNDEBUG" -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O1 -g1 -DNDEBUG")
 gen=()
 command -v ninja >/dev/null && gen=(-G Ninja)
 summaries=()
@@ -57,10 +78,21 @@ for name in "${which[@]}"; do
   [ -f "$dir/CMakeCache.txt" ] && g=()
   mkdir -p "$dir"
   t0=$(date +%s)
-  cmake -S . -B "$dir" "${g[@]}" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DSHMCAST_SANITIZE="$san" \
-    -DSHMCAST_WITH_CUDA=OFF -DSHMCAST_BUILD_PYTHON=OFF >"$dir/configure.log" 2>&1 ||
+  cmake -S . -B "$dir" "${g[@]}" -DCMAKE_BUILD_TYPE=RelWithDebInfo "${flags[@]}" -DSHMCAST_SANITIZE="$san" \
+    -DSHMCAST_WITH_CUDA=OFF -DSHMCAST_BUILD_PYTHON=OFF -DSHMCAST_BUILD_BENCH=OFF >"$dir/configure.log" 2>&1 ||
     { cat "$dir/configure.log"; exit 1; }
-  cmake --build "$dir" -j"$(nproc)"
+  select=(-LE 'gpu|python')
+  targets=()
+  if [ "$name" = tsan ] && [ "${SANITIZERS_FULL:-0}" != 1 ]; then
+    select=(-L "${SAN_TSAN_LABELS:-^(unit|threads|relay)\$}")
+    read -r -a targets <<<"${SAN_TSAN_TARGETS:-test_unit test_probe test_fault_threads}"
+    # The relay's tests, when the relay is built (UCX and OpenSSL found).
+    if [ -z "${SAN_TSAN_TARGETS:-}" ] && [ -d "$dir/tests/relay/CMakeFiles/test_relay.dir" ]; then
+      targets+=(test_relay_unit test_relay test_relay_attack test_relay_delta test_attack_relay_status)
+    fi
+    targets=(--target "${targets[@]}")
+  fi
+  cmake --build "$dir" -j"$(nproc)" "${targets[@]}"
   t1=$(date +%s)
   # Older TSan runtimes cannot map their shadow under a high-entropy ASLR
   # ("unexpected memory mapping"): run that build with ASLR off for its tests.
@@ -69,8 +101,8 @@ for name in "${which[@]}"; do
     run=(setarch "$(uname -m)" -R)
   fi
   set +e
-  (cd "$dir" && "${run[@]}" ctest -LE 'gpu|python' -E '^install\.find_package$' -j"$jobs" --output-on-failure --timeout 600 "${extra[@]}") \
-    | tee "$dir/ctest.log"
+  (cd "$dir" && "${run[@]}" ctest "${select[@]}" -E '^install\.' -j"$jobs" --output-on-failure --timeout 600 \
+    "${extra[@]}") | tee "$dir/ctest.log"
   rc=${PIPESTATUS[0]}
   set -e
   t2=$(date +%s)
