@@ -92,7 +92,7 @@ void Consumer::Impl::apply_blob(const PieceRef& p, const Selection& sel, void* d
   const Selection piece{sh.dim, sh.start, sh.length};
   const delta::SliceMap map = delta::slice_map(ti.shape, w, piece, sel);
   const std::uint64_t dst_bytes = sel.nbytes(ti);
-  const bool verify = opts.verify_checksums && delta::covers_piece(map);
+  const bool verify = opts.verify_checksums && delta::holds_piece(map);  // contiguous or strided
   delta::apply(blob, w, map, dst, dst_bytes, verify);
 }
 
@@ -201,7 +201,7 @@ void Consumer::Impl::read_delta_device(std::span<void* const> dsts, std::span<co
     items.reserve(applies.size());
     for (const Apply& a : applies)
       items.push_back({col.base + col.at[a.t][a.k], info.tensors[a.t].shards[a.k].wire_bytes, a.w, a.map, dsts[a.t],
-                       a.dst_bytes, opts.verify_checksums && delta::covers_piece(a.map)});
+                       a.dst_bytes, opts.verify_checksums && delta::holds_piece(a.map)});
     codec->apply_batch(items, stream);
     codec->finish(stream);
   } catch (...) {
