@@ -465,7 +465,11 @@ std::uint64_t checksum(const SliceMap& m, const void* dst, std::uint32_t w) {
       const std::uint64_t o = k / m.rows, r = k - o * m.rows;
       const u8* run = d + (m.dst0 + o * m.d_outer + r * m.d_row) * w;
       const std::uint64_t first = k * R, end = first + R;
-      for (std::uint64_t i = (first + 7) / 8; 8 * i < end; ++i) {
+      std::uint64_t i = (first + 7) / 8;
+      // The words inside the run, then the one that crosses into the next
+      // run or is the piece's last, short one.
+      for (const std::uint64_t whole = end / 8; i < whole; ++i) s += checksum_term(i, load64(run + (8 * i - first)));
+      for (; 8 * i < end; ++i) {
         const std::uint64_t q = 8 * i - first;
         const unsigned len = static_cast<unsigned>(std::min<std::uint64_t>(8, bytes - 8 * i));
         std::uint64_t x;
