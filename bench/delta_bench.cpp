@@ -20,6 +20,13 @@
 // encode and the destination after apply must equal the new tensor
 // (`verified: N/N`; a mismatch exits 1). On the GPU the first repetition's
 // blob is also compared with the host codec's, byte for byte.
+//
+// --shard-cols C (host): also a Shard(1) piece, as a row-parallel layer's
+// rank holds it: the tensor seen as [bytes / (C w), C] elements, the piece
+// its first C / 2 columns, applied to the whole tensor (strided rows):
+// apply unchecked (no check: what a strided piece got before) and apply
+// with the check read back through the map, in the same repetition
+// (`shard1_apply_gbs`, `shard1_apply_checked_gbs`, of the piece's bytes).
 #include <CLI/CLI.hpp>
 #include <algorithm>
 #include <chrono>
@@ -117,7 +124,16 @@ struct Options {
   int reps = 10;
   std::uint64_t seed = 1;
   bool json_out = false;
+  std::uint64_t shard_cols = 0;  // > 0: the Shard(1) figures
 };
+
+// Rows of `cols` elements of w bytes; the piece: columns [0, cols / 2), contiguous.
+Bytes first_columns(const Bytes& full, std::uint32_t w, std::uint64_t cols) {
+  const std::uint64_t row = cols * w, half = cols / 2 * w, rows = full.size() / row;
+  Bytes out(rows * half);
+  for (std::uint64_t r = 0; r < rows; ++r) std::memcpy(&out[r * half], &full[r * row], half);
+  return out;
+}
 
 int g_failures = 0;
 
@@ -169,6 +185,34 @@ json run_host(const Options& o) {
     if (verified != o.reps) ++g_failures;
     std::vector<double> t_pe;
     for (int r = 0; r < o.reps; ++r) t_pe.push_back(t_plan[r] + t_enc[r]);
+    // A Shard(1) piece into the whole tensor: unchecked, then checked.
+    std::vector<double> t_s1, t_s1c;
+    std::uint64_t s1_bytes = 0;
+    if (o.shard_cols >= 2) {
+      const std::uint64_t cols = o.shard_cols, rows = n / cols;
+      const std::vector<std::int64_t> shape = {static_cast<std::int64_t>(rows), static_cast<std::int64_t>(cols)};
+      const shmcast::Selection piece{1, 0, static_cast<std::int64_t>(cols / 2)};
+      const dl::SliceMap m = dl::slice_map(shape, o.width, piece, shmcast::Selection{});
+      const std::uint64_t tensor = rows * cols * o.width;
+      s1_bytes = m.n * o.width;
+      int ok = 0;
+      for (int r = 0; r < o.reps; ++r) {
+        make_next(base, next, o.width, f, o.seed * 7 + static_cast<std::uint64_t>(f * 1e6) * 13 + r);
+        Bytes pb = first_columns(base, o.width, cols);
+        const Bytes pn = first_columns(next, o.width, cols);
+        const dl::Plan p = dl::plan(pb.data(), pn.data(), o.width, m.n);
+        dl::encode(p, pb.data(), pn.data(), blob.data(), p.blob_bytes());
+        const std::span<const std::byte> b(reinterpret_cast<const std::byte*>(blob.data()), p.blob_bytes());
+        for (int checked = 0; checked < 2; ++checked) {
+          std::memcpy(dst.data(), base.data(), tensor);
+          const double t0 = now_s();
+          dl::apply(b, o.width, m, dst.data(), tensor, checked != 0);
+          (checked ? t_s1c : t_s1).push_back(now_s() - t0);
+          ok += first_columns(dst, o.width, cols) == pn ? 1 : 0;
+        }
+      }
+      if (ok != 2 * o.reps) ++g_failures;
+    }
     const Stat pr = stat_of(ratio);
     json j = {{"path", "host"},
               {"fraction", f},
@@ -185,6 +229,12 @@ json run_host(const Options& o) {
               {"memcpy_1t_gbs", to_json(rate(bytes, cp1))},
               {"memcpy_threads_gbs", to_json(rate(bytes, cpt))},
               {"verified", verified}};
+    if (!t_s1.empty()) {
+      j["shard1_cols"] = o.shard_cols;
+      j["shard1_piece_bytes"] = s1_bytes;
+      j["shard1_apply_gbs"] = to_json(rate(s1_bytes, t_s1));
+      j["shard1_apply_checked_gbs"] = to_json(rate(s1_bytes, t_s1c));
+    }
     out.push_back(j);
     if (o.json_out) continue;
     std::printf("  %5.1f %%  payload/raw %.4f [%.4f, %.4f]  verified %d/%d\n", f * 100, pr.median, pr.min, pr.max,
@@ -194,6 +244,10 @@ json run_host(const Options& o) {
     std::printf("    apply %s   verify %s\n", fmt(rate(bytes, t_apply)).c_str(), fmt(rate(bytes, t_verify)).c_str());
     std::printf("   memcpy %s (1 thread)   %s (%u threads)\n", fmt(rate(bytes, cp1)).c_str(),
                 fmt(rate(bytes, cpt)).c_str(), threads);
+    if (!t_s1.empty())
+      std::printf("  shard(1) piece (%llu cols, half): apply %s   apply+check %s\n",
+                  static_cast<unsigned long long>(o.shard_cols), fmt(rate(s1_bytes, t_s1)).c_str(),
+                  fmt(rate(s1_bytes, t_s1c)).c_str());
   }
   return out;
 }
@@ -342,6 +396,9 @@ int main(int argc, char** argv) {
   app.add_option("--reps", o.reps, "repetitions per figure (10)")->check(CLI::Range(1, 1000));
   app.add_option("--seed", o.seed, "random seed (1)");
   app.add_flag("--json", o.json_out, "one JSON document on stdout");
+  app.add_option("--shard-cols", o.shard_cols,
+                 "host: also apply a Shard(1) piece (the first half of C columns) to the whole tensor, "
+                 "unchecked and checked (0: off)");
   CLI11_PARSE(app, argc, argv);
   try {
     json all = json::array();

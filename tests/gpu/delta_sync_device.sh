@@ -3,7 +3,8 @@
 #   run: bash tests/gpu/delta_sync_device.sh      carry: [".deb"]
 # Builds the CUDA tree with the Python module, then runs, per STAGES
 # (default "tests bench python adamw"):
-#   tests   the delta sync tests (GPU, CPU) and the gpu tier
+#   tests   the delta sync tests (GPU; CPU: DeltaSync.*, ShardedDelta.*) and the gpu tier
+#           (test_delta_gpu, test_delta_sync_gpu: strided Shard(1) pieces checked on the GPU)
 #   bench   shmcast-delta-sync-bench (Qwen2.5-3B shapes, trainer and engine
 #           on one GPU: full against delta syncs, the break-even sweep, the
 #           ceilings) and shmcast-delta-bench --mode cuda (the codec alone)
@@ -34,7 +35,7 @@ export PYTHONPATH=$B/python${PYTHONPATH:+:$PYTHONPATH}
 if has tests; then
   log "tests: delta syncs (GPU, CPU), the gpu tier"
   timeout 300 $B/tests/gpu/test_delta_sync_gpu 2>&1 | tail -8
-  timeout 200 $B/tests/test_multiprocess --gtest_filter='DeltaSync.*' 2>&1 | tail -3
+  timeout 400 $B/tests/test_multiprocess --gtest_filter='DeltaSync.*:ShardedDelta.*' 2>&1 | tail -3
   (cd $B && timeout 400 ctest -L gpu --output-on-failure --timeout 240 -j4) >"$OUT/ctest-gpu.log" 2>&1
   grep -E "tests passed|tests failed|\*\*\*Failed|Not Run" "$OUT/ctest-gpu.log" | head -20
 fi

@@ -241,8 +241,13 @@ TEST(DeltaSyncGpu, WrongBaseAndOtherDestinationsOnTheDevice) {
 // base: its shards only, encoded on the GPU); a device consumer reads the
 // whole tensors: bit-exact at every version, every version after the first
 // a delta on both ranks.
-TEST(DeltaSyncGpu, ShardedRanksEncodeTheirShardsOnTheGpu) {
-  REQUIRE_DELTA_GPU();
+// Two ranks encode their shards on the GPU (cut along `dim`: 0, or 1 as
+// row-parallel layers are, their pieces then landing strided in a whole
+// tensor); a consumer applies them on its GPU. With `change_after`, the
+// consumer changes its destination of "n" in place after reading that
+// version: the next delta must fail (kCorrupt, the CUDA codec checks every
+// piece where it lands), the version after it is full and bit-exact.
+void sharded_on_gpu(int dim, std::uint64_t change_after) {
   const std::string name = unique_name("gpudeltash");
   RegionGuard guard{name};
   constexpr int kRanks = 2;
@@ -276,6 +281,21 @@ TEST(DeltaSyncGpu, ShardedRanksEncodeTheirShardsOnTheGpu) {
     const std::int64_t c = (rows + kRanks - 1) / kRanks, start = std::min(rows, c * r);
     return std::pair<std::int64_t, std::int64_t>{start, std::min(rows, start + c) - start};
   };
+  // Rank r's piece of tensor i's bytes `full`, contiguous.
+  auto piece_of = [&](std::size_t i, const std::vector<std::uint8_t>& full, int r) {
+    const std::size_t z = dtype_size(kT[i].dt);
+    const auto [start, len] = rows_of(dim == 0 ? kT[i].rows : kT[i].cols, r);
+    const std::size_t row = static_cast<std::size_t>(kT[i].cols) * z;
+    if (dim == 0)
+      return std::vector<std::uint8_t>(full.begin() + static_cast<std::ptrdiff_t>(start * row),
+                                       full.begin() + static_cast<std::ptrdiff_t>((start + len) * row));
+    std::vector<std::uint8_t> out;
+    for (std::int64_t y = 0; y < kT[i].rows; ++y) {
+      const auto a = full.begin() + static_cast<std::ptrdiff_t>(static_cast<std::size_t>(y) * row + start * z);
+      out.insert(out.end(), a, a + len * static_cast<std::ptrdiff_t>(z));
+    }
+    return out;
+  };
   auto rank = [&](int r) {
     ProducerOptions o = opts();
     o.rank = static_cast<std::uint32_t>(r);
@@ -290,27 +310,27 @@ TEST(DeltaSyncGpu, ShardedRanksEncodeTheirShardsOnTheGpu) {
     std::vector<DevBuf> dev;
     std::uint64_t mine = 0;
     for (const T& t : kT) {
-      const auto [start, len] = rows_of(t.rows, r);
+      const auto [start, len] = rows_of(dim == 0 ? t.rows : t.cols, r);
       TensorSpec sp{t.name, t.dt, {t.rows, t.cols}};
-      sp.shard_dim = 0;
+      sp.shard_dim = dim;
       sp.shard_start = start;
       sp.shard_length = len;
       specs.push_back(sp);
-      dev.emplace_back(static_cast<std::size_t>(len * t.cols) * dtype_size(t.dt));
-      mine += static_cast<std::uint64_t>(len * t.cols) * dtype_size(t.dt);
+      const std::uint64_t bytes = sp.local_nbytes();
+      dev.emplace_back(static_cast<std::size_t>(bytes));
+      mine += bytes;
     }
     for (std::uint64_t v = 1; v <= kLast; ++v) {
       const auto w = weights(v);
       for (std::size_t i = 0; i < 2; ++i) {
-        const std::size_t row = static_cast<std::size_t>(kT[i].cols) * dtype_size(kT[i].dt);
-        dev[i].upload(w[i].data() + static_cast<std::size_t>(rows_of(kT[i].rows, r).first) * row,
-                      specs[i].local_nbytes());
+        const std::vector<std::uint8_t> mine_i = piece_of(i, w[i], r);
+        dev[i].upload(mine_i.data(), mine_i.size());
       }
       ck(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
       if (p.begin_sync(specs, v) != v) return 81;
       for (std::size_t i = 0; i < 2; ++i) p.write_device(i, dev[i].p, s);
       p.end_sync();
-      if (p.last_sync().delta != (v > 1)) {
+      if (change_after == 0 && p.last_sync().delta != (v > 1)) {
         std::fprintf(stderr, "rank %d version %llu went %s\n", r, (unsigned long long)v,
                      p.last_sync().delta ? "delta" : "full");
         return 82;
@@ -331,10 +351,28 @@ TEST(DeltaSyncGpu, ShardedRanksEncodeTheirShardsOnTheGpu) {
       dst.emplace_back(static_cast<std::size_t>(t.rows * t.cols) * dtype_size(t.dt));
       ptrs.push_back(dst.back().p);
     }
-    for (std::uint64_t v = 1; v <= kLast; ++v) {
-      if (c.wait_sync(60s).version != v) return 91;
-      c.read_into_device(ptrs, nullptr);
+    bool failed = false;
+    std::uint64_t first_after = 0;
+    for (;;) {
+      const SyncInfo& s = c.wait_sync(60s);
+      const std::uint64_t v = s.version;
+      const bool delta = s.delta();
+      try {
+        c.read_into_device(ptrs, nullptr);
+      } catch (const Error& e) {
+        if (change_after == 0 || failed || v != change_after + 1 || e.code() != Errc::kCorrupt) {
+          std::fprintf(stderr, "version %llu: %s\n", (unsigned long long)v, e.what());
+          return 94;
+        }
+        failed = true;
+        continue;
+      }
       ck(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+      if (change_after != 0 && v == change_after + 1) {
+        std::fprintf(stderr, "version %llu (%s) was applied to a changed destination and reported good\n",
+                     (unsigned long long)v, delta ? "delta" : "full");
+        return 95;
+      }
       const auto w = weights(v);
       for (std::size_t i = 0; i < 2; ++i) {
         const long long d = first_diff(download(ptrs[i], w[i].size()), w[i]);
@@ -343,13 +381,37 @@ TEST(DeltaSyncGpu, ShardedRanksEncodeTheirShardsOnTheGpu) {
           return 92;
         }
       }
-      if (c.last_sync().delta != (v > 1)) return 93;
+      if (c.last_sync().delta != delta) return 93;
+      if (change_after == 0 && delta != (v > 1)) return 93;
+      if (failed && first_after == 0) {
+        first_after = v;
+        if (delta) return 96;  // the first version read after the failure is full: it asked for one
+      }
+      if (v == change_after) {
+        std::vector<std::uint8_t> junk(w[1].size());
+        for (std::size_t b = 0; b < junk.size(); ++b) junk[b] = static_cast<std::uint8_t>(w[1][b] ^ 0x40);
+        ck(cudaMemcpy(ptrs[1], junk.data(), junk.size(), cudaMemcpyHostToDevice), "cudaMemcpy");
+      }
+      if (v >= kLast) return change_after != 0 && !failed ? 97 : 0;
     }
-    return 0;
   });
   EXPECT_EQ(r0.wait(240s), 0);
   EXPECT_EQ(r1.wait(240s), 0);
   EXPECT_EQ(cons.wait(240s), 0);
+}
+
+TEST(DeltaSyncGpu, ShardedRanksEncodeTheirShardsOnTheGpu) {
+  REQUIRE_DELTA_GPU();
+  sharded_on_gpu(0, 0);
+}
+
+// Shard(1) pieces land strided in the consumer's whole tensors: applied
+// and checked there on the GPU; a destination changed after version 4
+// makes version 5 fail (kCorrupt) instead of returning wrong weights.
+TEST(DeltaSyncGpu, ShardOnePiecesAreCheckedWhereTheyLandOnTheGpu) {
+  REQUIRE_DELTA_GPU();
+  sharded_on_gpu(1, 0);
+  sharded_on_gpu(1, 4);
 }
 
 // A tensor changed on the GPU between the plan (the blobs' sizes, the

@@ -199,6 +199,7 @@ struct RankPlan {
   bool tolerate_failure = false;  // a failed sync is reported in its kinds, not fatal
   int wait_flag = -1;         // before version wait_at: waits until this flag is set
   int wait_at = 0;
+  std::uint32_t consumers = 3;  // rank 0 waits for this many before its first sync
 };
 
 int run_rank(const std::string& name, int r, int R, const RankPlan& plan, Kinds* k) {
@@ -215,7 +216,7 @@ int run_rank(const std::string& name, int r, int R, const RankPlan& plan, Kinds*
   }
   Producer p = Producer::create(name, o);
   if (plan.first > 1) k->flag[2].store(1);  // a restarted rank: attached
-  if (r == 0 && plan.first == 1) p.wait_for_consumers(3, 30s);
+  if (r == 0 && plan.first == 1) p.wait_for_consumers(plan.consumers, 30s);
   Weights w;
   for (int v = plan.first; v <= plan.versions; ++v) {
     if (plan.wait_flag >= 0 && v == plan.wait_at)
@@ -348,6 +349,64 @@ int run_consumer(const std::string& name, int id, const ConsumerPlan& plan, Kind
   }
 }
 
+// A consumer of whole tensors whose destination of `victim` (a tensor the
+// ranks cut along dim 1: each rank's piece lands in strided rows of it) is
+// changed in place after it read version `change_after`, as an engine that
+// transforms its weights after loading leaves it. The next read of a delta
+// must fail (kCorrupt: the pieces applied there are checked where they
+// land) and never return wrong weights; the read after that is a full sync
+// (the failure asked for one), and the deltas after it apply bit-exact.
+int run_changed_consumer(const std::string& name, int id, const std::string& victim, int change_after, int last,
+                         Kinds* k) {
+  Consumer c = Consumer::open(name, copts());
+  Weights w;
+  const std::vector<TDef> m = model();
+  std::vector<std::vector<std::uint8_t>> got(m.size());
+  std::vector<void*> dsts(m.size());
+  bool changed = false, failed = false;
+  for (;;) {
+    const SyncInfo s = c.wait_sync(60s * kSlowdown);
+    const auto v = static_cast<int>(s.version);
+    w.advance_to(s.version);
+    if (v == 1)
+      for (std::size_t j = 0; j < m.size(); ++j) {
+        got[j].assign(s.tensors[j].nbytes, 0xEE);
+        dsts[j] = got[j].data();
+      }
+    try {
+      c.read_into(dsts);
+    } catch (const Error& e) {
+      if (!changed || failed || !s.delta() || e.code() != Errc::kCorrupt) {
+        std::fprintf(stderr, "consumer %d read %d: %s\n", id, v, e.what());
+        return 20 + static_cast<int>(e.code());
+      }
+      failed = true;
+      k->consumer[id][v].store(3);
+      continue;
+    }
+    if (changed && !failed) {
+      std::fprintf(stderr, "consumer %d: version %d (%s) was applied to a changed destination and reported good\n",
+                   id, v, s.delta() ? "delta" : "full");
+      return 40;
+    }
+    for (std::size_t i = 0; i < m.size(); ++i) {
+      const auto j = static_cast<std::size_t>(s.find(m[i].name));
+      if (got[j] != w.data[i]) {
+        std::fprintf(stderr, "consumer %d version %d (%s) tensor %s differs\n", id, v, s.delta() ? "delta" : "full",
+                     m[i].name.c_str());
+        return 31;
+      }
+    }
+    k->consumer[id][v].store(s.delta() ? 2 : 1);
+    if (v == change_after) {
+      const auto j = static_cast<std::size_t>(s.find(victim));
+      for (std::uint8_t& b : got[j]) b ^= 0x40;  // every element: each rank's piece has some the delta leaves alone
+      changed = true;
+    }
+    if (v >= last) return 0;
+  }
+}
+
 struct Procs {
   std::string name;
   RegionGuard guard;
@@ -382,6 +441,39 @@ void bit_exact(int R) {
 TEST(ShardedDelta, TwoRanksWholeAndTpSlicesBitExact) { bit_exact(2); }
 TEST(ShardedDelta, ThreeRanksWholeAndTpSlicesBitExact) { bit_exact(3); }
 TEST(ShardedDelta, FourRanksWithEmptyShardsBitExact) { bit_exact(4); }
+
+// Shard(1) pieces (row-parallel layers: each rank holds columns of "norm",
+// f32 [300, 333]) read whole by a consumer whose destination of "norm" was
+// changed after it read version 5: version 6, a delta, fails (kCorrupt)
+// instead of returning wrong weights as a good delta (it did: only pieces
+// landing in one run of the destination were checked); version 7 is full
+// and the rest are deltas again, bit-exact. A consumer beside it that left
+// its destinations alone reads every version as a delta.
+TEST(ShardedDelta, ShardOnePiecesOntoAChangedDestinationFailNeverApplyBlind) {
+  const int R = 2;
+  Procs t("dshardcol");
+  RankPlan rp;
+  rp.versions = 12;
+  rp.consumers = 2;
+  for (int r = 0; r < R; ++r) t.rank(r, R, rp);
+  t.consumers.emplace_back(new Child(Child::spawn([&] { return run_changed_consumer(t.name, 0, "norm", 5, 12, t.k); })));
+  ConsumerPlan calm;
+  calm.last = 12;
+  t.consumer(1, calm);
+  for (auto& c : t.ranks) EXPECT_EQ(c->wait(240s), 0);
+  for (auto& c : t.consumers) EXPECT_EQ(c->wait(240s), 0);
+  EXPECT_EQ(t.k->rank[0][6].load(), 2) << "version 6 went out as a delta";
+  EXPECT_EQ(t.k->consumer[0][6].load(), 3) << "version 6 failed on the changed destination";
+  // The failure asked for a full sync: the next version the consumer reads
+  // (7, or 8 when the ranks had begun 7 already: a delta it lets go) is
+  // full, and deltas follow.
+  int next = 7;
+  while (next < 12 && t.k->consumer[0][next].load() == 0) ++next;
+  EXPECT_EQ(t.k->consumer[0][next].load(), 1) << "v " << next;
+  EXPECT_EQ(t.k->rank[0][next].load(), 1) << "v " << next;
+  for (int v = next + 1; v <= 12; ++v) EXPECT_EQ(t.k->consumer[0][v].load(), 2) << "v " << v;
+  for (int v = 2; v <= 12; ++v) EXPECT_EQ(t.k->consumer[1][v].load(), v == next ? 1 : 2) << "v " << v;
+}
 
 // The round kind mismatch: rank 1 sends a keyframe every 5th sync and falls
 // back to full whenever its blobs exceed 12 % of its shards (a fraction

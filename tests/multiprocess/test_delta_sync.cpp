@@ -349,6 +349,63 @@ TEST(DeltaSync, KeyframesOnScheduleAndWhenDeltasDoNotPay) {
   EXPECT_EQ(c2.last_sync().payload_bytes + skipped, q.last_sync().payload_bytes);
 }
 
+// The producer's report and keyframe schedule follow the manifest: a
+// tensor set whose tensors all go as their bytes (c128 only) has no blob
+// to send, so its syncs are full (the manifest names no base; consumers
+// read them as full). With delta_max_ratio 1.0 such a sync never falls back
+// either: the producer reported each one after the first as a delta and
+// counted it for keyframe_every. Here a mixed set (deltas, a keyframe every
+// third) and a c128-only set alternate, and on every sync the producer's
+// last_sync, the consumer's and the manifest agree.
+TEST(DeltaSync, ProducerAndConsumerReportsAgreeOnEverySync) {
+  RegionDir dir("delta");
+  const std::string name = unique_name("deltaagree");
+  RegionGuard guard{name};
+  ProducerOptions o = delta_opts();
+  o.delta_max_ratio = 1.0;
+  o.keyframe_every = 3;
+  Producer p = Producer::create(name, o);
+  Consumer c = Consumer::open(name, copts());
+  Model m(false);
+  Dsts d(m);
+  const std::vector<TensorSpec> rot = {{"rot.a", DType::kC128, {10}}, {"rot.b", DType::kC128, {4, 33}}};
+  std::vector<std::vector<std::uint8_t>> rd, rgot;
+  std::vector<const void*> rsrc;
+  std::vector<void*> rdst;
+  for (const TensorSpec& t : rot) {
+    rd.emplace_back(t.nbytes());
+    rgot.emplace_back(t.nbytes());
+    fill_pattern(rd.back().data(), rd.back().size(), 0xc128 + rd.size());
+  }
+  for (std::size_t i = 0; i < rot.size(); ++i) {
+    rsrc.push_back(rd[i].data());
+    rdst.push_back(rgot[i].data());
+  }
+  auto agree = [&](const char* set, std::uint64_t u) {
+    const SyncReport pr = p.last_sync(), cr = c.last_sync();
+    EXPECT_EQ(pr.version, cr.version) << set << " update " << u;
+    EXPECT_EQ(pr.delta, c.sync().delta()) << set << " update " << u << ": the producer's report vs the manifest";
+    EXPECT_EQ(cr.delta, c.sync().delta()) << set << " update " << u;
+    EXPECT_EQ(pr.logical_bytes, cr.logical_bytes) << set << " update " << u;
+    return pr.delta;
+  };
+  for (std::uint64_t u = 1; u <= 8; ++u) {
+    if (u > 1) m.step(u, 0.05);
+    send(p, m);
+    c.wait_sync(10s);
+    c.read_into(d.ptrs);
+    ASSERT_TRUE(d.equals(m)) << "update " << u;
+    EXPECT_EQ(agree("mixed", u), u % 3 != 1) << "update " << u << ": a keyframe every third sync of the set";
+    for (auto& t : rd)
+      for (std::size_t b = 0; b < t.size(); b += 7) t[b] = static_cast<std::uint8_t>(t[b] + u);
+    p.send(rot, rsrc);
+    c.wait_sync(10s);
+    c.read_into(rdst);
+    ASSERT_EQ(rgot, rd) << "update " << u;
+    EXPECT_FALSE(agree("c128", u)) << "update " << u << ": no blob, so a full sync";
+  }
+}
+
 // An aborted sync leaves the producer's base ahead of the consumers: the
 // next sync is full. Changed tensors (another shape) are full too.
 TEST(DeltaSync, AbortedSyncAndNewTensorsGoFull) {

@@ -718,7 +718,10 @@ void Producer::Impl::end_staged() {
     p.nbytes = wire_sizes[i];
     p.base_version = delta_encodes(specs[i].dtype) ? d.base_version : 0;
   }
-  d.full = false;
+  // A set whose tensors all go as their bytes (c128 only) has no blob: its
+  // manifest names no base (a full sync, as consumers read it), and so the
+  // report and the keyframe schedule (delta_done) say full too.
+  d.full = std::none_of(pieces.begin(), pieces.end(), [](const ManifestPiece& p) { return p.base_version != 0; });
   const std::uint64_t logical = payload_bytes;
   payload_bytes = wire;
   begin_ring(d.want, pieces);

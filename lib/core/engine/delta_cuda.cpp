@@ -378,8 +378,12 @@ void CudaCodec::apply(const void* blob, std::uint64_t blob_bytes, std::uint32_t 
   tensor_bytes(w, map.n);
   if (dst_bytes != want)
     bad_arg("the destination holds " + std::to_string(dst_bytes) + " bytes, the selection " + std::to_string(want));
-  if (verify && !covers_piece(map))
-    bad_arg("a result can be verified only where the whole piece lands in one run of the destination");
+  if (verify && !holds_piece(map))
+    bad_arg("a result can be verified only where the selection holds the whole piece");
+  if (verify && !covers_piece(map)) {  // strided: the batch's checksum reads the piece through its map
+    apply_batch({ApplyItem{blob, blob_bytes, w, map, dst, dst_bytes, true}}, stream);
+    return;
+  }
   require_aligned(blob, 8, "blob");
   require_aligned(dst, w, "dst");
   const std::uint64_t blocks = block_count(map.n);
@@ -402,8 +406,8 @@ void CudaCodec::apply_batch(const std::vector<ApplyItem>& items, void* stream) {
     if (it.dst_bytes != want)
       bad_arg("the destination holds " + std::to_string(it.dst_bytes) + " bytes, the selection " +
               std::to_string(want));
-    if (it.verify && !covers_piece(it.map))
-      bad_arg("a result can be verified only where the whole piece lands in one run of the destination");
+    if (it.verify && !holds_piece(it.map))
+      bad_arg("a result can be verified only where the selection holds the whole piece");
     require_aligned(it.blob, 8, "blob");
     require_aligned(it.dst, it.w, "dst");
     if (it.blob_bytes < head_bytes_for(block_count(it.map.n)))

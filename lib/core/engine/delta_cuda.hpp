@@ -89,7 +89,7 @@ class CudaCodec {
   // delta::apply does on the host (the same map, the same checks). A blob
   // that fails validation writes nothing, and finish() throws kCorrupt (one
   // too short for its header and table: apply throws it at once); with
-  // `verify` (covers_piece(map) only), so does a result whose checksum is
+  // `verify` (holds_piece(map) only), so does a result whose checksum is
   // not the blob's.
   void apply(const void* blob, std::uint64_t blob_bytes, std::uint32_t w, const SliceMap& map, void* dst,
              std::uint64_t dst_bytes, bool verify, void* stream);

@@ -446,6 +446,47 @@ std::uint64_t checksum(const void* data, std::uint64_t bytes) {
   return checksum_final(s, bytes);
 }
 
+std::uint64_t checksum(const SliceMap& m, const void* dst, std::uint32_t w) {
+  require_width(w);
+  if (!map_holds_piece(m)) bad_arg("a piece's checksum needs a selection that holds the whole piece");
+  const std::uint64_t bytes = checked_bytes(w, m.n);
+  const u8* d = static_cast<const u8*>(dst);
+  if (map_contiguous(m)) return checksum(m.n > 0 ? d + m.dst0 * w : nullptr, bytes);
+  // Run by run (outer, then rows): run k holds the piece's bytes [k R, (k +
+  // 1) R). Each word is summed by the run where it starts; one that crosses
+  // into the next run is gathered through the map.
+  const std::uint64_t R = m.width * w, runs = m.outer * m.rows;
+  const unsigned threads = threads_for(bytes);
+  std::vector<std::uint64_t> sums(threads, 0);
+  std::atomic<unsigned> slot{0};
+  parallel_ranges(runs, threads, [&](std::uint64_t k0, std::uint64_t k1) {
+    std::uint64_t s = 0;
+    for (std::uint64_t k = k0; k < k1; ++k) {
+      const std::uint64_t o = k / m.rows, r = k - o * m.rows;
+      const u8* run = d + (m.dst0 + o * m.d_outer + r * m.d_row) * w;
+      const std::uint64_t first = k * R, end = first + R;
+      std::uint64_t i = (first + 7) / 8;
+      // The words inside the run, then the one that crosses into the next
+      // run or is the piece's last, short one.
+      for (const std::uint64_t whole = end / 8; i < whole; ++i) s += checksum_term(i, load64(run + (8 * i - first)));
+      for (; 8 * i < end; ++i) {
+        const std::uint64_t q = 8 * i - first;
+        const unsigned len = static_cast<unsigned>(std::min<std::uint64_t>(8, bytes - 8 * i));
+        std::uint64_t x;
+        if (q + len <= R)
+          x = len == 8 ? load64(run + q) : load_partial(run + q, len);
+        else
+          x = mapped_word(m, d, w, i, len);
+        s += checksum_term(i, x);
+      }
+    }
+    sums[slot.fetch_add(1, std::memory_order_relaxed)] = s;
+  });
+  std::uint64_t s = 0;
+  for (std::uint64_t x : sums) s += x;
+  return checksum_final(s, bytes);
+}
+
 // ---------------------------------------------------------------- encode
 
 Plan plan(const void* base, const void* next, std::uint32_t w, std::uint64_t n) {
@@ -557,9 +598,9 @@ SliceMap whole_map(std::uint64_t n) {
   return m;
 }
 
-bool covers_piece(const SliceMap& m) {
-  return m.identity != 0 || m.n == 0 || (m.outer == 1 && m.rows == 1 && m.width == m.n && m.src0 == 0);
-}
+bool covers_piece(const SliceMap& m) { return map_contiguous(m); }
+
+bool holds_piece(const SliceMap& m) { return map_holds_piece(m); }
 
 SliceMap slice_map(std::span<const std::int64_t> shape, std::uint32_t w, const Selection& piece,
                    const Selection& sel) {
@@ -617,8 +658,8 @@ void apply(std::span<const std::byte> blob, std::uint32_t w, const SliceMap& m, 
   const std::uint64_t want = checked_bytes(w, m.dst_elems);
   if (dst_bytes != want)
     bad_arg("the destination holds " + std::to_string(dst_bytes) + " bytes, the selection " + std::to_string(want));
-  if (verify && !covers_piece(m))
-    bad_arg("a result can be verified only where the whole piece lands in one run of the destination");
+  if (verify && !holds_piece(m))
+    bad_arg("a result can be verified only where the selection holds the whole piece");
   std::vector<Entry> table;
   const Header h = validate_head(blob, w, m.n, &table);
   const u8* payload = reinterpret_cast<const u8*>(blob.data()) + head_bytes_for(h.blocks);
@@ -650,7 +691,7 @@ void apply(std::span<const std::byte> blob, std::uint32_t w, const SliceMap& m, 
   });
   if (moved.load()) corrupt("it changed while it was applied (the destination is partly written)");
   if (verify) {  // an empty piece too: its checksum is checksum_final(0, 0)
-    const std::uint64_t got = checksum(m.n > 0 ? d + m.dst0 * w : nullptr, m.n * w);
+    const std::uint64_t got = checksum(m, d, w);  // contiguous or strided, as the piece lands
     if (got != h.checksum)
       throw Error(Errc::kCorrupt, "delta result rejected: the checksum of the applied tensor is " +
                                       printf_u64("%016llx, the delta's %016llx", got, h.checksum) +

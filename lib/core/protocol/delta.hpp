@@ -55,6 +55,11 @@ bool piece_fits(DType dtype, std::uint64_t logical, std::uint64_t wire);
 
 // The content checksum of bytes [data, data + bytes) (delta_format.hpp).
 std::uint64_t checksum(const void* data, std::uint64_t bytes);
+// The content checksum of a piece read back from `dst` (elements of w
+// bytes) through `m`, which must hold the whole piece (holds_piece): the
+// piece's bytes in its own row-major order, wherever they land (one run,
+// or strided: a tensor sharded along a dim >= 1, read whole).
+std::uint64_t checksum(const SliceMap& m, const void* dst, std::uint32_t w);
 
 // ---- encode
 
@@ -97,13 +102,18 @@ SliceMap slice_map(std::span<const std::int64_t> shape, std::uint32_t w, const S
 // The identity map of n elements (a whole piece into a whole destination).
 SliceMap whole_map(std::uint64_t n);
 // Whether every element of the piece lands, in order, in one contiguous run
-// of the destination (then the result's checksum can be verified there).
+// of the destination.
 bool covers_piece(const SliceMap& m);
+// Whether every element of the piece lands in the destination, in one run
+// or strided (the selection holds the whole piece): then the result's
+// checksum can be verified there. A selection that holds only part of a
+// piece cannot check it: the blob's checksum covers the whole piece.
+bool holds_piece(const SliceMap& m);
 
 // Applies `blob` (elements of w bytes) to `dst` (dst_bytes = m.dst_elems *
 // w), which holds the base at the positions `m` selects: afterwards they
 // hold the new elements; positions outside the piece are not touched. With
-// `verify` (only when covers_piece(m)), the result's checksum is compared
+// `verify` (only when holds_piece(m)), the result's checksum is compared
 // with the header's: a mismatch (not the delta's base, or corrupted bytes)
 // is kCorrupt, with the destination already written. A blob that fails
 // validation is kCorrupt with `dst` untouched.

@@ -200,6 +200,53 @@ SHMCAST_HD bool map_element(const SliceMap& m, uint64_t e, uint64_t* d) {
   return true;
 }
 
+// Whether the piece lands in one contiguous run of the destination, at
+// dst0 (its content is then that run's bytes).
+SHMCAST_HD bool map_contiguous(const SliceMap& m) {
+  return m.identity != 0 || m.n == 0 || (m.outer == 1 && m.rows == 1 && m.width == m.n && m.src0 == 0);
+}
+
+// Whether every element of the piece lands in the destination (the
+// selection holds the whole piece, maybe strided: a tensor sharded along a
+// dim >= 1 read whole): then the piece's content, and so its checksum, can
+// be read back from the destination, run after run (mapped_word).
+SHMCAST_HD bool map_holds_piece(const SliceMap& m) {
+  if (m.identity != 0 || m.n == 0) return true;
+  if (m.src0 != 0 || m.s_row == 0 || m.s_outer == 0 || m.width != m.s_row) return false;
+  return m.s_outer % m.s_row == 0 && m.s_outer / m.s_row == m.rows && m.n % m.s_outer == 0 &&
+         m.n / m.s_outer == m.outer;
+}
+
+// The destination element of piece element e (< n) under a map that holds
+// the whole piece, and the elements from e to the end of its run.
+SHMCAST_HD uint64_t map_run(const SliceMap& m, uint64_t e, uint64_t* d) {
+  if (m.identity != 0) {
+    *d = e;
+    return m.n - e;
+  }
+  const uint64_t o = e / m.s_outer, t = e - o * m.s_outer, r = t / m.s_row, c = t - r * m.s_row;
+  *d = m.dst0 + o * m.d_outer + r * m.d_row + c;
+  return m.width - c;
+}
+
+// Checksum word i of the piece's content (its bytes [8i, 8i + k), k = 8, or
+// L % 8 for the last one), read from the destination `dst` (elements of w
+// bytes) through a map that holds the whole piece: one run's bytes, or
+// gathered element by element where the word crosses runs.
+SHMCAST_HD uint64_t mapped_word(const SliceMap& m, const unsigned char* dst, uint32_t w, uint64_t i, unsigned k) {
+  uint64_t x = 0;
+  for (unsigned q = 0; q < k;) {
+    uint64_t d = 0;
+    const uint64_t left = map_run(m, (8 * i + q) / w, &d);
+    const unsigned char* p = dst + d * w;
+    const unsigned take = left * w < k - q ? static_cast<unsigned>(left * w) : k - q;
+    if (take == 0) break;  // never, for a map that holds the piece
+    for (unsigned b = 0; b < take; ++b) x |= static_cast<uint64_t>(p[b]) << (8 * (q + b));
+    q += take;
+  }
+  return x;
+}
+
 // ---------------------------------------------------------------- kernels
 //
 // One argument block per kernel, passed by value (cuLaunchKernel's single
@@ -262,8 +309,9 @@ struct ResetArgs {  // scratch->op_err = op_sum = sum = 0, and status too when `
 // Scratch for the validation and checksum words, and the status bits go to
 // the codec's Scratch (`status`). A job's units: its delta blocks (at least
 // 1: unit 0 checks the header) for validate and apply, from unit0 on;
-// kSumUnitWords-word runs of its destination for the checksum (0 when it
-// is not verified), from sum_unit0 on. Both run over every job in order.
+// kSumUnitWords-word runs of its piece's content for the checksum (0 when
+// it is not verified; read back through its map, which holds the whole
+// piece), from sum_unit0 on. Both run over every job in order.
 struct ApplyJob {
   uint64_t blob, blob_bytes, n, blocks, dst, scratch;
   uint64_t unit0, sum_unit0, sum_units;
@@ -290,7 +338,7 @@ struct PlanBatchArgs {
 
 // Not the delta format, but the same kernels' module: a batch of small
 // device-to-device copies in one launch (the CUDA engine, device slots:
-// engine/cuda_engine.cpp). `pieces` (device memory) holds n {src, dst,
+// engine/cuda_copy.cpp). `pieces` (device memory) holds n {src, dst,
 // bytes}; one CUDA block per piece (grid-stride over them).
 struct CopyPiece {
   uint64_t src, dst, bytes;

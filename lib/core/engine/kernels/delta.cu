@@ -1,3 +1,4 @@
+// Over 800 lines on purpose: one PTX module (nvcc makes one .cu into one module, delta_kernels.cmake) whose kernels share the device helpers below.
 // The delta codec's CUDA kernels (docs/protocol.md, "Delta encoding").
 //
 // Compiled to PTX by nvcc at build time (lib/core/engine/kernels/delta_kernels.cmake),
@@ -720,23 +721,29 @@ extern "C" __global__ void __launch_bounds__(kThreads) shmcast_batch_apply(Batch
 }
 
 // Checksum unit k of a job: words [k * kSumUnitWords, +kSumUnitWords) of
-// its result (dst + dst0 elements, n elements), and the tail in unit 0.
+// its piece's content, and the tail in unit 0: where the piece lands in one
+// run, that run's bytes (dst + dst0 elements, n elements); else (strided:
+// sharded along a dim >= 1, read whole) read back through its map.
 extern "C" __global__ void __launch_bounds__(kThreads) shmcast_batch_checksum(BatchArgs a) {
   __shared__ ull sh[kWarps];
   for (ull u = blockIdx.x; u < a.units; u += gridDim.x) {
     const ApplyJob* j = job_at(a, u, true);
     const ull data = j->dst + j->map.dst0 * j->w, bytes = j->map.n * j->w;
     const unsigned char* p = reinterpret_cast<const unsigned char*>(data);
+    const unsigned char* dst = reinterpret_cast<const unsigned char*>(j->dst);
+    const bool run = map_contiguous(j->map);
     const ull words = bytes / 8, k = u - j->sum_unit0;
     const bool aligned = (data & 7) == 0;
     const ull w0 = k * kSumUnitWords, w1 = words < w0 + kSumUnitWords ? words : w0 + kSumUnitWords;
     ull s = 0;
     for (ull i = w0 + threadIdx.x; i < w1; i += kThreads) {
-      const ull x = aligned ? reinterpret_cast<const ull*>(p)[i] : load_partial(p + 8 * i, 8);
+      const ull x = !run ? mapped_word(j->map, dst, j->w, i, 8)
+                         : aligned ? reinterpret_cast<const ull*>(p)[i] : load_partial(p + 8 * i, 8);
       s += checksum_term(i, x);
     }
     const unsigned tail = static_cast<unsigned>(bytes % 8);
-    if (k == 0 && tail != 0 && threadIdx.x == 0) s += checksum_term(words, load_partial(p + 8 * words, tail));
+    if (k == 0 && tail != 0 && threadIdx.x == 0)
+      s += checksum_term(words, run ? load_partial(p + 8 * words, tail) : mapped_word(j->map, dst, j->w, words, tail));
     s = block_sum(s, sh);
     if (threadIdx.x == 0 && s != 0) atomicAdd(reinterpret_cast<ull*>(&scratch_of(j->scratch)->sum), s);
   }
