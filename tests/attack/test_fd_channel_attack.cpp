@@ -265,3 +265,77 @@ TEST(FdChannelAttack, FloodOfRefusedConnectionsIsBounded) {
   EXPECT_NE(events.find("served=1 refused=200"), std::string::npos) << events;
   EXPECT_LE(count_lines(events, "refused process"), 15) << events;
 }
+
+// A process of the producer's own uid opens 1,000 connections and never
+// reads (issue 41). Before, every message's fds stayed in flight, charged by
+// the kernel to the producer's user, until sendmsg failed with ETOOMANYREFS
+// (here at once: the server's open-file limit is 64) and every consumer was
+// told it was not trusted. Now the hoarder holds kFdUnreadPerProcess
+// messages, its other connections get refusals, and a consumer is served.
+TEST(FdChannelAttack, HoarderOfAThousandConnectionsLocksNobodyOut) {
+  NEED_ROOT_AND_SETPRIV();
+  Scene s;
+  Proc server = Proc::start(as_nobody(s.serve("p", 9, {"--nofile", "64"})), s.f("p.out"));
+  ASSERT_NE(wait_line(s.f("p.ready"), "ready "), "") << server.output();
+  Proc hoarder = Proc::start(as_nobody({kPeer, "hoard", "--dir", s.dir.path, "--name", s.name, "--conns", "1000",
+                                        "--ready", s.f("h.ready")}),
+                             s.f("h.out"));
+  ASSERT_NE(wait_line(s.f("h.ready"), "hoarding conns=1000"), "") << hoarder.output();
+  Proc consumer = Proc::start(as_nobody(s.fetch(9, {"--timeout-ms", "20000"})), s.f("c.out"));
+  EXPECT_EQ(consumer.wait(), 0) << consumer.output() << slurp(s.f("p.events"));
+  hoarder.signal(SIGTERM);
+  EXPECT_EQ(hoarder.wait(), 0) << hoarder.output();
+  server.signal(SIGTERM);
+  EXPECT_EQ(server.wait(), 0) << server.output();
+  const std::string events = slurp(s.f("p.events"));
+  EXPECT_NE(events.find("served=" + std::to_string(kFdUnreadPerProcess + 1) + " refused=" +
+                        std::to_string(1000 - kFdUnreadPerProcess)),
+            std::string::npos)
+      << events;
+  EXPECT_NE(events.find("messages unread by its process, the limit"), std::string::npos) << events;
+  EXPECT_LE(count_lines(events, "refused process"), 15) << events;
+}
+
+// Fds in flight that the server did not send (another process of its user
+// sent 200 to itself and never received them) push the user past the
+// server's open-file limit: the kernel refuses every sendmsg. The consumer
+// is told so (ETOOMANYREFS, what to do), not that it is untrusted.
+TEST(FdChannelAttack, KernelRefusalOfFdsInFlightIsNamed) {
+  NEED_ROOT_AND_SETPRIV();
+  Scene s;
+  Proc server = Proc::start(as_nobody(s.serve("p", 10, {"--nofile", "64"})), s.f("p.out"));
+  ASSERT_NE(wait_line(s.f("p.ready"), "ready "), "") << server.output();
+  Proc stuffer = Proc::start(as_nobody({kPeer, "inflight", "--dir", s.dir.path, "--name", s.name, "--count", "200",
+                                        "--ready", s.f("i.ready")}),
+                             s.f("i.out"));
+  ASSERT_NE(wait_line(s.f("i.ready"), "inflight count=200"), "") << stuffer.output();
+  Proc consumer = Proc::start(as_nobody(s.fetch(10, {"--timeout-ms", "1500"})), s.f("c.out"));
+  EXPECT_EQ(consumer.wait(), exit_for(Errc::kSystem)) << consumer.output();
+  EXPECT_NE(consumer.output().find("ETOOMANYREFS"), std::string::npos) << consumer.output();
+  EXPECT_EQ(consumer.output().find("trust"), std::string::npos) << consumer.output();
+  EXPECT_NE(slurp(s.f("p.events")).find("the kernel would not pass the fds (ETOOMANYREFS)"), std::string::npos)
+      << slurp(s.f("p.events"));
+  // Once those fds are received (their holder exits), consumers are served again.
+  stuffer.signal(SIGTERM);
+  EXPECT_EQ(stuffer.wait(), 0) << stuffer.output();
+  Proc again = Proc::start(as_nobody(s.fetch(10, {"--timeout-ms", "20000"})), s.f("c2.out"));
+  EXPECT_EQ(again.wait(), 0) << again.output();
+  server.signal(SIGTERM);
+  EXPECT_EQ(server.wait(), 0) << server.output();
+}
+
+// The producer is at its open-file limit (everything left taken after it
+// started serving): accept fails with EMFILE. Its spare descriptor lets it
+// take each connection and say so; the consumer is told the cause, not that
+// the producer is stuck (nor that it is untrusted).
+TEST(FdChannelAttack, ProducerAtItsOpenFileLimitIsNamed) {
+  NEED_ROOT_AND_SETPRIV();
+  Scene s;
+  Proc server = Proc::start(as_nobody(s.serve("p", 11, {"--nofile", "64", "--fill-fds", "1"})), s.f("p.out"));
+  ASSERT_NE(wait_line(s.f("p.ready"), "filled fds="), "") << server.output();
+  Proc consumer = Proc::start(as_nobody(s.fetch(11, {"--timeout-ms", "1500"})), s.f("c.out"));
+  EXPECT_EQ(consumer.wait(), exit_for(Errc::kSystem)) << consumer.output();
+  EXPECT_NE(consumer.output().find("at its open-file limit (EMFILE)"), std::string::npos) << consumer.output();
+  server.signal(SIGTERM);
+  EXPECT_EQ(server.wait(), 0) << server.output();
+}

@@ -155,6 +155,42 @@ TEST(FdMessage, DecodeRefusesEveryBadField) {
   }
 }
 
+TEST(FdMessage, RefusalRoundTripsAndIsCheckedLikeTheMessage) {
+  FdRefusalInfo r;
+  r.reason = FdRefusal::kUidLimit;
+  r.held = 32;
+  r.limit = 32;
+  r.top_pid = 4242;
+  r.top_uid = 1000;
+  r.top_held = 4;
+  const std::vector<std::byte> m = encode_fd_refusal(r);
+  ASSERT_EQ(m.size(), kFdMessageHeaderBytes);
+  FdRefusalInfo back;
+  ASSERT_EQ(decode_fd_refusal(m, &back), "");
+  EXPECT_EQ(back.reason, r.reason);
+  EXPECT_EQ(back.held, 32u);
+  EXPECT_EQ(back.limit, 32u);
+  EXPECT_EQ(back.top_pid, 4242);
+  EXPECT_EQ(back.top_uid, 1000u);
+  EXPECT_EQ(back.top_held, 4u);
+  FdSetInfo info;
+  EXPECT_NE(decode_fd_message(m, &info), "") << "a refusal is never taken for the message";
+  auto bent = [&](std::size_t at, std::byte v) {
+    std::vector<std::byte> b = m;
+    b[at] = v;
+    return decode_fd_refusal(b, &back);
+  };
+  EXPECT_NE(bent(0, std::byte{'X'}), "");
+  EXPECT_NE(bent(4, std::byte{2}), "");
+  EXPECT_NE(bent(8, std::byte{0}), "");  // reason 0
+  EXPECT_NE(bent(8, std::byte{6}), "");  // reason 6
+  EXPECT_NE(bent(32, std::byte{1}), "");
+  EXPECT_NE(bent(63, std::byte{1}), "");
+  std::vector<std::byte> longer = m;
+  longer.push_back(std::byte{0});
+  EXPECT_NE(decode_fd_refusal(longer, &back), "");
+}
+
 // ---------------------------------------------------------------- names and rules
 
 TEST(FdChannel, SocketNameIsNoRegionFileAndFitsAnAddress) {
@@ -510,7 +546,8 @@ TEST(FdChannel, ServerStopsPromptlyWithClientsQueued) {
   Memfds m(1, 4096, 6);
   std::vector<std::string> lines;
   FdServer s = FdServer::start(d.path, "stop", m.fds, host_info(1, 4096, 2), quiet(&lines));
-  // Clients that never read: each holds only its own connection.
+  // Clients that never read: this process holds kFdUnreadPerProcess
+  // messages, its other connections get refusals.
   std::vector<int> idle;
   for (int i = 0; i < 32; ++i) {
     const int c = ::socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
@@ -520,7 +557,18 @@ TEST(FdChannel, ServerStopsPromptlyWithClientsQueued) {
     ASSERT_EQ(::connect(c, reinterpret_cast<sockaddr*>(&a), sizeof a), 0);
     idle.push_back(c);
   }
-  EXPECT_EQ(fetch_fds(d.path, "stop", fetch_options(2)).fds.size(), 1u);
+  // So this process gets no more (its limit is reached), and is told why.
+  try {
+    fetch_fds(d.path, "stop", fetch_options(2, 300ms));
+    ADD_FAILURE() << "a process holding its limit of unread messages got one more";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), Errc::kTimeout) << e.what();
+    EXPECT_NE(std::string(e.what()).find("limit of slot messages sent and not yet read is reached (4 unread by "
+                                         "this process, the limit 4)"),
+              std::string::npos)
+        << e.what();
+  }
+  EXPECT_EQ(s.unread(), kFdUnreadPerProcess);
   s.stop();  // returns (the eventfd wakes the thread); a hang fails the test's timeout
   for (int c : idle) ::close(c);
 }

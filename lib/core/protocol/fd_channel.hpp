@@ -27,6 +27,7 @@
 #pragma once
 
 #include <array>
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
@@ -90,6 +91,46 @@ inline constexpr std::uint32_t kMaxChannelFds = 253;  // SCM_MAX_FD: the most on
 inline constexpr std::uint64_t kMaxChannelFdBytes = 1ull << 46;  // 64 TiB: one allocation
 inline constexpr std::size_t kMaxFdMessageBytes = kFdMessageHeaderBytes + 8 * kMaxChannelFds;
 
+// The refusal (docs/protocol.md 13.2): what a server sends, with no fds, to
+// a process it trusts but cannot serve now; the client waits and connects
+// again until its deadline, then names the cause. 64 bytes.
+inline constexpr std::uint32_t kFdRefusalMagic = 0x52464353;  // "SCFR" in file order
+enum class FdRefusal : std::uint32_t {
+  kProcessLimit = 1,  // this process holds kFdUnreadPerProcess messages it has not read
+  kUidLimit = 2,      // its uid's processes hold kFdUnreadPerUid
+  kTotalLimit = 3,    // all clients hold the server's total
+  kKernelInFlight = 4,  // sendmsg failed with ETOOMANYREFS: the producer's user has too many fds in flight
+  kServerFdLimit = 5,   // accept failed with EMFILE/ENFILE: the producer is at its open-file limit
+};
+struct FdRefusalInfo {
+  FdRefusal reason = FdRefusal::kTotalLimit;
+  std::uint32_t held = 0;   // unread messages counted against the limit that refused (the server's, for 4 and 5)
+  std::uint32_t limit = 0;  // that limit (0 for 4 and 5)
+  std::int32_t top_pid = 0;   // the client holding the most unread messages (0: none)
+  std::uint32_t top_uid = 0;
+  std::uint32_t top_held = 0;
+};
+std::vector<std::byte> encode_fd_refusal(const FdRefusalInfo& r);
+// Empty when `msg` is one well-formed refusal, filling *out; else what is wrong.
+std::string decode_fd_refusal(std::span<const std::byte> msg, FdRefusalInfo* out);
+
+// How many messages the server lets sit unread (sent, not yet received by
+// the client, so their fds are in flight and charged by the kernel to the
+// producer's user until then: past the producer's RLIMIT_NOFILE every
+// sendmsg of that user fails with ETOOMANYREFS). The server keeps its end of
+// each such connection (closing it would not return the fds: the message
+// waits in the client's receive queue, which only the client can empty) and
+// counts it until the client has read it or closed. Per process (SO_PEERCRED
+// uid and pid), per uid, and in total; the total is further held to
+// RLIMIT_NOFILE / (2 * (fds + 1)) at start (each unread message costs the
+// server one descriptor and its fds in flight), at least 1; the other two
+// never exceed the total. Beyond a limit a trusted client gets a refusal.
+inline constexpr std::uint32_t kFdUnreadPerProcess = 4;
+inline constexpr std::uint32_t kFdUnreadPerUid = 32;
+inline constexpr std::uint32_t kFdUnreadTotal = 64;
+// A message not read within this is the client's hoarding: logged, naming it.
+inline constexpr std::chrono::seconds kFdTakeDeadline{5};
+
 // The message for `info`. Throws kInvalidArgument for a descriptor no
 // consumer would accept (no fds, too many, a size of 0 or over the limit, an
 // unknown kind, nonce 0).
@@ -147,9 +188,11 @@ class FdServer {
   void stop();
 
   const std::string& path() const;
-  // Connections served (the message sent) and refused, so far.
+  // Connections served (the message sent) and refused (untrusted, or a
+  // refusal sent), so far; messages sent and not yet read, now.
   std::uint64_t served() const;
   std::uint64_t refused() const;
+  std::uint32_t unread() const;
 
   struct Impl;
 
@@ -192,12 +235,14 @@ struct FetchedFds {
 // a byte (SO_PEERCRED: trusted uid, and expect_pid), receives the message
 // and its fds, and checks them (decode_fd_message, kind, nonce, counts,
 // sizes). Waits while the socket is absent or refuses connections (a
-// producer starting or restarting) until the deadline. On any error every
+// producer starting or restarting), or while the server sends refusals (its
+// limits of unread messages, ETOOMANYREFS, EMFILE), until the deadline. On any error every
 // fd received is closed. Throws kPermission (an untrusted server, a link or
 // a non-socket at the name, a server that refused this process), kTimeout,
 // kPeerDied (the server vanished, or peer_gone said so), kCorrupt (a bad
-// message, another region's fds), kSystem (for instance this process's fd
-// limit).
+// message, another region's fds), kTimeout (refused for its limits until the
+// deadline), kSystem (this process's fd limit; the producer's, EMFILE; its
+// user's fds in flight, ETOOMANYREFS: each named).
 FetchedFds fetch_fds(const std::string& dir, std::string_view name, const FdFetchOptions& options);
 
 }  // namespace shmcast::detail
