@@ -14,6 +14,11 @@
 # real transformers model: bit-identical logits, colocated and, with two GPUs,
 # disaggregated) and the framework contract tests with the GPUs present:
 #   run: STAGES="build frameworks" bash python/device_run.sh   carry: [".deb"]
+# The extra stage "real" lists which of vllm, sglang, verl, roll the machine's
+# python3 has and, for those, runs python/tests/test_framework_api.py against
+# the installed package (SHMCAST_REAL_FRAMEWORKS=1: conftest puts the stand-ins
+# last, so an installed framework wins; pytest's header says which was used):
+#   run: STAGES="build real" bash python/device_run.sh          carry: [".deb"]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/out}
@@ -114,6 +119,19 @@ if has frameworks; then
     python/tests/test_tp_slicing.py >>"$OUT/frameworks.log" 2>&1
   echo "framework contract tests rc=$? (TP=2 'direct' cases need Consumer.receive_into(slices=...))"
   tail -6 "$OUT/frameworks.log"
+fi
+
+if has real; then
+  log "real frameworks: which are installed"
+  "$PY" -m pip list 2>/dev/null | grep -iE '^(vllm|sglang|verl|roll) ' | tee "$OUT/real.log"
+  if [ -s "$OUT/real.log" ]; then
+    SHMCAST_REAL_FRAMEWORKS=1 timeout 300 "$PY" -m pytest -v -ra -p no:cacheprovider \
+      python/tests/test_framework_api.py >>"$OUT/real.log" 2>&1
+    echo "test_framework_api against the installed frameworks rc=$?"
+    grep -E "^frameworks:|PASSED|FAILED|SKIPPED|ERROR" "$OUT/real.log" | head -40
+  else
+    echo "none of vllm, sglang, verl, roll is installed in $PY"
+  fi
 fi
 
 log done

@@ -17,6 +17,29 @@ through the shmcast region, and no tensor byte is pickled.
     # ... the framework ships `payload` as before; each worker:
     named = shmcast.roll.named_tensors_from_ticket(payload)
 
+Not a drop-in: ROLL's receivers unpack the payload as a pickled dict of
+tensors and fail on a ticket, so both ends are patched. The receiving end is
+one line, in ROLL's vLLM worker extension (roll/third_party/vllm/worker.py,
+WorkerBase.update_parameter_in_bucket):
+
+    def update_parameter_in_bucket(self, serialized_named_tensors, is_lora=False):
+        return shmcast.roll.update_parameter_in_bucket(self, serialized_named_tensors, is_lora)
+
+which receives this rank's bucket and loads it as ROLL does (and still
+accepts ROLL's own payloads). The sending end: the model-update code
+(roll/third_party/fsdp2/model_update.py, megatron/model_update.py) calls
+shmcast.roll.serialize_named_weights instead of ROLL's. ROLL's SGLang path
+(SGLang's update_weights_from_tensor with load_format='flattened_bucket')
+is not covered: use shmcast.sglang there.
+
+Checked against alibaba/ROLL @ 8eb27cc2dc34c4d1310b169d9b86d339004d811a
+(2026-08-19; checked 2026-12-06): roll/utils/send_recv_utils.py
+(serialize_named_weights(named_weights, infer_strategy),
+named_tensors_from_bucket(bucket, tensors_meta)), roll/third_party/vllm/
+worker.py (update_parameter_in_bucket(serialized_named_tensors,
+is_lora=False): serialized_named_tensors[self.rank], load_weights or
+tensor_lora_manager.add_weight).
+
 A bucket must fit in the region (slots x slot_bytes): the sender writes the
 whole bucket before the ticket exists, so nobody reads while it writes.
 """
@@ -43,6 +66,7 @@ __all__ = [
     "create_region",
     "close",
     "default_region",
+    "update_parameter_in_bucket",
 ]
 
 _lock = threading.Lock()
@@ -217,3 +241,55 @@ def close(region: Optional[str] = None) -> None:
             if obj is not None:
                 obj.close()
     _consumers.close(region)
+
+
+def _ticket_or_none(payload) -> Optional[ShmcastTicket]:
+    if isinstance(payload, ShmcastTicket):
+        return payload
+    if not isinstance(payload, (bytes, bytearray, memoryview)):
+        return None
+    try:
+        return load_ticket(payload)
+    except (pickle.UnpicklingError, _C.InvalidArgument, EOFError, ValueError):
+        return None
+
+
+def update_parameter_in_bucket(worker, serialized_named_tensors, is_lora: bool = False, *, timeout: float = 60.0):
+    """ROLL's vLLM worker's update_parameter_in_bucket, receiving through
+    shmcast: the worker's one-line patch calls this (module doc). Takes this
+    rank's payload (serialized_named_tensors[worker.rank]); a shmcast ticket
+    is received on the worker's device (worker.device, else the current CUDA
+    device) and handed, like ROLL's own path, to worker.load_weights(list of
+    (name, tensor)) or, with is_lora, to worker.tensor_lora_manager.add_weight.
+    Any other payload goes through ROLL's own code (roll.utils), unchanged."""
+    payload = serialized_named_tensors[getattr(worker, "rank", 0)]
+    ticket = _ticket_or_none(payload)
+    if ticket is None:
+        return _roll_own(worker, payload, is_lora)
+    named = named_tensors_from_ticket(ticket, device=getattr(worker, "device", None), timeout=timeout)
+    if is_lora:
+        for name, weight in named:
+            worker.tensor_lora_manager.add_weight(name, weight)
+        return None
+    worker.load_weights(named)
+    return None
+
+
+def _roll_own(worker, payload, is_lora):
+    """ROLL's receive path for its own payloads (a pickled dict of a bucket
+    tensor and its metadata)."""
+    try:
+        from roll.utils.cuda_ipc_utils import MultiprocessingSerializer
+        from roll.utils.send_recv_utils import monkey_patch_torch_reductions, named_tensors_from_bucket
+    except ImportError:
+        raise _C.InvalidArgument("shmcast.roll.update_parameter_in_bucket: the payload is not a shmcast ticket "
+                                 "(shmcast.roll.serialize_named_weights) and ROLL is not importable to read it") \
+            from None
+    monkey_patch_torch_reductions()
+    named = named_tensors_from_bucket(**MultiprocessingSerializer.deserialize(payload))
+    if is_lora:
+        for name, weight in named:
+            worker.tensor_lora_manager.add_weight(name, weight)
+        return None
+    worker.load_weights([(n, w) for n, w in named])
+    return None

@@ -10,7 +10,31 @@ with a custom weight loader, without patching SGLang.
     # of Engine.update_weights_from_tensor's signature, e.g. an HTTP wrapper)
     sender = shmcast.sglang.ShmcastSGLangSender(engine.update_weights_from_tensor, region="sgl-actor",
                                                 consumers=tp_size * dp_size)
+    #   an SGLang with weight-update sessions, driven through an object without them
+    #   (the HTTP routes /begin_weight_update and /end_weight_update): pass
+    #   begin_weight_update=..., end_weight_update=... callables
     sender.send(model.named_parameters())      # every step
+
+Weight-update sessions (sgl-project/sglang PR #28001): such an SGLang's
+scheduler asserts that a begin_weight_update session is open in
+update_weights_from_tensor (and in update_weights_from_distributed), and
+end_weight_update finalizes the loaded weights (quantized layers' post-
+processing). The sender opens one session around every update it makes:
+attach, each send() (all its buckets and the flush) and close()'s detach.
+It finds begin_weight_update / end_weight_update on the object whose
+update_weights_from_tensor it was given (feature detection), or takes them
+as arguments; an engine without them (the offline Engine of
+sgl-project/sglang @ 001067fffe33427bee0ed2f007fb7551a1d76b44, older
+servers) gets no session, as before.
+
+Checked against sgl-project/sglang (2026-12-06): Engine.update_weights_from_
+tensor(named_tensors, load_format=None, flush_cache=True) in
+python/sglang/srt/entrypoints/engine.py @ 001067fffe33427bee0ed2f007fb7551a1d76b44;
+the scheduler's SchedulerWeightUpdaterManager (begin_weight_update /
+end_weight_update / the session assert) and the HTTP client's
+begin_weight_update(selector="all") / end_weight_update() as stored in the
+public index (it gave no commit for those files); ModelRunner's custom
+loader hook dynamic_import(load_format)(model, named_tensors).
 
 Why this hook: SGLang serializes `named_tensors` once per TP rank and each
 rank's ModelRunner.update_weights_from_tensor calls
@@ -41,10 +65,11 @@ the plan covers the model.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
@@ -134,17 +159,33 @@ def load_weights(model, named_tensors) -> None:
     stats.update(version=res.version, path=res.mode, bytes_read=res.bytes_read, bytes_total=res.bytes_total)
 
 
-def _check(result) -> None:
+def _session_calls(update, begin, end, sessions: bool):
+    """(begin, end) session callables, or (None, None) for no sessions."""
+    if not sessions:
+        return None, None
+    owner = getattr(update, "__self__", None)
+    if begin is None:
+        begin = getattr(owner, "begin_weight_update", None)
+    if end is None:
+        end = getattr(owner, "end_weight_update", None)
+    if callable(begin) != callable(end):
+        raise ValueError("begin_weight_update and end_weight_update come together: give both or neither")
+    return (begin, end) if callable(begin) else (None, None)
+
+
+def _check(result, what: str = "update_weights_from_tensor") -> None:
     """update_weights_from_tensor returns (success, message) (Engine) or a
     dict with success / message (HTTP); a failure raises."""
     if isinstance(result, dict):
         ok, msg = result.get("success", True), result.get("message", "")
     elif isinstance(result, (tuple, list)) and result and isinstance(result[0], bool):
         ok, msg = result[0], (result[1] if len(result) > 1 else "")
+    elif isinstance(getattr(result, "success", None), bool):  # a *ReqOutput
+        ok, msg = result.success, getattr(result, "message", "")
     else:
         return
     if not ok:
-        raise RuntimeError(f"SGLang update_weights_from_tensor failed: {msg}")
+        raise RuntimeError(f"SGLang {what} failed: {msg}")
 
 
 class ShmcastSGLangSender:
@@ -155,12 +196,19 @@ class ShmcastSGLangSender:
         callable (named_tensors, load_format=, flush_cache=) -> result.
     consumers: SGLang ranks that receive (TP x DP x PP).
     bucket_bytes: bytes per sync (0: one sync per update).
-    load: 'loader' | 'direct' | 'auto' (module doc)."""
+    load: 'loader' | 'direct' | 'auto' (module doc).
+    begin_weight_update, end_weight_update: the engine's session calls
+        (default: those of the object update_weights_from_tensor is bound
+        to, when it has both; None there: no sessions). sessions=False
+        never opens one."""
 
     def __init__(self, update_weights_from_tensor: Callable, region: str, consumers: int, *,
                  slot_bytes: int = 256 << 20, slots: int = 4, bucket_bytes: int = 0, timeout: float = 300.0,
-                 load: str = "loader", mode: str = "copy", **producer_options):
+                 load: str = "loader", mode: str = "copy", begin_weight_update: Optional[Callable] = None,
+                 end_weight_update: Optional[Callable] = None, sessions: bool = True, **producer_options):
         self.update, self.region, self.consumers = update_weights_from_tensor, region, consumers
+        self._begin, self._end = _session_calls(update_weights_from_tensor, begin_weight_update,
+                                                end_weight_update, sessions)
         self.bucket_bytes, self.timeout, self.load, self.mode = bucket_bytes, timeout, load, mode
         opts = dict(slot_bytes=slot_bytes, slots=slots, max_consumers=max(8, consumers), consumer_timeout=timeout)
         opts.update(producer_options)
@@ -171,9 +219,34 @@ class ShmcastSGLangSender:
     def _call(self, tk, flush_cache=False):
         _check(self.update(tk, load_format=LOAD_FORMAT, flush_cache=flush_cache))
 
+    @property
+    def sessions(self) -> bool:
+        """Whether updates run inside begin/end_weight_update sessions."""
+        return self._begin is not None
+
+    @contextlib.contextmanager
+    def _session(self):
+        """begin_weight_update ... end_weight_update around one update; the
+        session is closed when the update fails too (its error is the one
+        raised)."""
+        if self._begin is None:
+            yield
+            return
+        _check(self._begin(), "begin_weight_update")
+        try:
+            yield
+        except BaseException:
+            try:
+                _check(self._end(), "end_weight_update")
+            except BaseException as e:  # noqa: BLE001  (the update's error is the one to raise)
+                logger.warning("shmcast: closing the failed SGLang weight-update session: %s", e)
+            raise
+        _check(self._end(), "end_weight_update")
+
     def attach(self) -> None:
         """Every rank opens its consumer (idempotent on attached ranks)."""
-        self._call(ticket("attach", self.region, token=self.token, timeout=self.timeout, mode=self.mode))
+        with self._session():
+            self._call(ticket("attach", self.region, token=self.token, timeout=self.timeout, mode=self.mode))
         self.producer.wait_for_consumers(self.consumers, self.timeout)
 
     def send(self, named, flush_cache: bool = True) -> int:
@@ -181,6 +254,10 @@ class ShmcastSGLangSender:
         rank. Returns the last sync's version."""
         if self.producer.consumers < self.consumers:
             self.attach()  # a restarted engine
+        with self._session():
+            return self._send(named, flush_cache)
+
+    def _send(self, named, flush_cache: bool) -> int:
         version = self.producer.last_version
         for bucket in buckets(named, self.bucket_bytes):
             names = [n for n, _ in bucket]
@@ -205,6 +282,7 @@ class ShmcastSGLangSender:
     def close(self) -> None:
         """Detaches every rank and removes the region."""
         try:
-            self._call(ticket("detach", self.region))
+            with self._session():
+                self._call(ticket("detach", self.region))
         finally:
             self.producer.close()

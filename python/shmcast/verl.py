@@ -4,12 +4,31 @@ writes the weights into a pinned POSIX shared-memory region, the rollout
 side's checkpoint-engine workers read them, on one node, with no NCCL group,
 no CUDA IPC handle and no pickled tensor.
 
-    # every process (trainer workers, rollout checkpoint-engine workers): verl
-    # imports the modules of $VERL_USE_EXTERNAL_MODULES when `verl` is imported
-    VERL_USE_EXTERNAL_MODULES=shmcast.verl
-    # the trainer config
+    # the trainer config: verl imports checkpoint_engine.custom_backend_module
+    # (CheckpointEngineManager and every CheckpointEngineWorker /
+    # engine worker, before they look the backend up), which registers it
     actor_rollout_ref.rollout.checkpoint_engine.backend=shmcast
+    actor_rollout_ref.rollout.checkpoint_engine.custom_backend_module=shmcast.verl
     +actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs.shmcast.region=verl-actor
+    # (older verl without custom_backend_module: VERL_USE_EXTERNAL_MODULES=shmcast.verl
+    # in every process, which `import verl` imports)
+
+Checked against verl-project/verl (formerly volcengine/verl) @
+1dda039b9c6311889a9c9a26040677e1254814f9 (2026-08-22; checked 2026-12-06):
+verl/checkpoint_engine/base.py (CheckpointEngine, CheckpointEngineRegistry,
+CheckpointEngineWorker, CheckpointEngineManager), verl/workers/engine_workers.py
+(send_weights(..., global_steps=...)), verl/workers/config/rollout.py
+(custom_backend_module). Still works with the older API of
+b178a3cd56f58b2d502255daba591e92833930a7 (no global_steps: it defaults to None).
+
+global_steps (verl PR #6507: the manager passes the trainer step to
+send_weights and receive_weights): it is not the syncs' version (an update
+is several syncs, and a region's versions only grow, across trainer
+restarts too); send_weights writes it into every bucket's control tensor and
+receive_weights(global_steps=g) refuses an update that was sent for another
+step (shmcast.Corrupt), so a rollout worker never loads a stale or foreign
+update under the step it was asked for. None on either side checks nothing.
+last_receive["global_steps"] is the step the last update carried.
 
 How verl drives it (CheckpointEngineManager.update_weights, per step):
 prepare() on every trainer and rollout worker (trainer rank 0 creates the
@@ -24,7 +43,7 @@ receive_weights() run concurrently; finalize() ends the step.
 send_weights writes one sync per bucket (update_weights_bucket_megabytes,
 the tensors cast to rollout_dtype, as the nccl engine does) plus a final
 control-only sync; each sync carries a small control tensor
-(bucket index, is_last). Trainer ranks other than 0 only iterate the
+(bucket index, is_last, global_steps or -1). Trainer ranks other than 0 only iterate the
 generator (the FSDP gathers are collectives). receive_weights yields each
 bucket's (name, tensor) pairs on the worker's device ('copy' mode: a buffer
 per bucket, freed once the server adapter has copied it out).
@@ -33,7 +52,10 @@ Placement on one node: colocated (trainer rank g and rollout worker g on GPU
 g) and disaggregated (other GPUs) use the same code; the consumer reads into
 its own device. verl's manager runs every backend except 'naive' as
 disaggregated: it does not put the rollout to sleep around the update, so
-in colocated placement both sides stay resident. The last hop, from the
+in colocated placement both sides stay resident (verl 1dda039b releases the
+rollout's KV cache before and restores it after the update, keeping its
+weights, release_kv_cache_replicas / resume_kv_cache_replicas; the weights
+are overwritten in place). The last hop, from the
 checkpoint-engine worker into the inference server, is verl's ServerAdapter
 (CUDA IPC into vLLM/SGLang), unchanged.
 
@@ -63,7 +85,8 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["ShmcastCheckpointEngine", "CONTROL"]
 
-# The last tensor of every sync: int64 [bucket index, is_last], named
+# The last tensor of every sync: int64 [bucket index, is_last, global_steps
+# (-1: none)], named
 # CONTROL + ".<bucket index>" (each bucket its own tensors, so that a delta
 # producer keeps each bucket's base apart and sends it as a delta).
 CONTROL = "__shmcast__.verl.bucket"
@@ -80,6 +103,15 @@ def _dtype(d: Union[str, torch.dtype, None]) -> Optional[torch.dtype]:
     if not isinstance(t, torch.dtype):
         raise ValueError(f"rollout_dtype {d!r} is not a torch dtype")
     return t
+
+
+def _step(global_steps) -> int:
+    if global_steps is None:
+        return -1
+    step = int(global_steps)
+    if step < 0:
+        raise ValueError(f"global_steps must be >= 0 or None, not {global_steps!r}")
+    return step
 
 
 @CheckpointEngineRegistry.register("shmcast")
@@ -164,7 +196,9 @@ class ShmcastCheckpointEngine(CheckpointEngine):
             self.producer = None
 
     # ---- data
-    async def send_weights(self, weights: Generator[tuple, None, None]):
+    async def send_weights(self, weights: Generator[tuple, None, None], global_steps: Optional[int] = None):
+        """Sends one update (every rank iterates `weights`; rank 0 writes).
+        global_steps: the trainer step, carried to the receivers (module doc)."""
         assert self.rank is not None and self.rank <= 0, "rollout workers do not send"
         if self.rank < 0:  # other trainer ranks: take part in the gathers only
             for _ in weights:
@@ -173,33 +207,45 @@ class ShmcastCheckpointEngine(CheckpointEngine):
         loop = asyncio.get_running_loop()
         prod = self.producer
         await loop.run_in_executor(None, prod.wait_for_consumers, self.world_size - 1, self.timeout)
+        step = _step(global_steps)
         index = 0
         for bucket in buckets(weights, self.bucket_size, self.rollout_dtype):
-            bucket.append((_control(index), torch.tensor([index, 0], dtype=torch.int64)))
+            bucket.append((_control(index), torch.tensor([index, 0, step], dtype=torch.int64)))
             await loop.run_in_executor(None, prod.send, bucket)
             index += 1
-        await loop.run_in_executor(None, prod.send, [(_control(index), torch.tensor([index, 1], dtype=torch.int64))])
+        await loop.run_in_executor(None, prod.send,
+                                   [(_control(index), torch.tensor([index, 1, step], dtype=torch.int64))])
 
-    async def receive_weights(self) -> AsyncGenerator[tuple, None]:
+    async def receive_weights(self, global_steps: Optional[int] = None) -> AsyncGenerator[tuple, None]:
+        """Yields the update's (name, tensor) pairs bucket by bucket.
+        global_steps: the step verl asks for; an update sent for another
+        step raises shmcast.Corrupt (module doc)."""
         assert self.rank is not None and self.rank > 0, "only rollout workers receive"
         cons = self._consumers.peek(self._region)
         if cons is None:
             raise _C.Closed(f"not attached to region '{self._region}': init_process_group first")
         loop = asyncio.get_running_loop()
         receive = functools.partial(cons.receive, self.timeout)
-        stats = self.last_receive = {"syncs": 0, "tensors": 0, "bytes": 0}
+        stats = self.last_receive = {"syncs": 0, "tensors": 0, "bytes": 0, "global_steps": None}
+        want = None if global_steps is None else _step(global_steps)
         expect = 0
         while True:
             try:
                 named = await loop.run_in_executor(None, receive)
                 name, ctl = named.pop()
-                if name != _control(expect) or int(ctl[0]) != expect:
+                if name != _control(expect) or ctl.numel() != 3 or int(ctl[0]) != expect:
                     raise _C.Corrupt(f"region '{cons.name}': expected bucket {expect} of this update, got {name} "
                                      f"{ctl.tolist() if name == _control(expect) else ''}")
+                sent = int(ctl[2])
+                if want is not None and sent >= 0 and sent != want:
+                    raise _C.Corrupt(f"region '{cons.name}': the update was sent for global step {sent}, "
+                                     f"not for step {want} that verl asked for: the trainer and this rollout "
+                                     "worker are out of step")
             except BaseException:
                 self._consumers.drop(self._region)  # never keep the trainer waiting for this worker
                 raise
             stats["syncs"] += 1
+            stats["global_steps"] = None if sent < 0 else sent
             stats["tensors"] += len(named)
             stats["bytes"] += cons.sync_info.payload_bytes
             for item in named:

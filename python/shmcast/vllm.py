@@ -14,6 +14,21 @@ vLLM mixes this class into its worker class, so `self` is the worker:
 adapter stays thin: it receives the sync and hands the (name, tensor) pairs
 in HF naming to the model's own load_weights(), which maps q/k/v and
 gate/up onto vLLM's fused parameters exactly as when loading a checkpoint.
+
+The 'loader' path does what vLLM's own nccl and ipc weight-transfer engines
+do around load_weights(): initialize_layerwise_reload(model) before,
+finalize_layerwise_reload(model, model_config) after (so layers whose
+process_weights_after_loading transformed their weights, quantized ones
+first of all, get checkpoint-format parameters to load into and are
+processed again), and the load itself inside disable_mtp_completeness_check().
+A vLLM without layerwise reload (older than the module) loads as it did.
+
+Checked against vllm-project/vllm (2026-12-06): the worker_extension_cls
+mixin and collective_rpc (unchanged), model_loader/reload/layerwise.py @
+01424e4b5c6768cacbb637fa08e7064a4301ec68, model_loader/mtp_validation.py @
+67837fe3f210997ba8f9d2ea4feb99bee6b302df, and the order of
+vllm/backends/distributed/weight_transfer/ipc_engine.py @
+055e47c28003156421365af985d676fc921cb075.
 """
 from __future__ import annotations
 
@@ -22,6 +37,7 @@ from typing import Optional
 import torch
 
 from ._load import ConsumerCache, cached_direct_loader, default_device, load_whole
+from ._vllm_compat import finalize_reload, initialize_reload, mtp_check_off
 
 __all__ = ["ShmcastWorkerExtension"]
 
@@ -72,9 +88,34 @@ class ShmcastWorkerExtension:
         if direct is not None:
             loaded = direct.load(cons, timeout=timeout)
         else:
-            loaded = load_whole(cons, model, timeout=timeout)
+            loaded = self._shmcast_load_whole(cons, model, timeout)
         self.__dict__["_shmcast_last_"] = loaded
         return loaded.version
+
+    def _shmcast_model_config(self):
+        for owner in (self, getattr(self, "model_runner", None), getattr(self, "vllm_config", None)):
+            mc = getattr(owner, "model_config", None)
+            if mc is not None:
+                return mc
+        return None
+
+    def _shmcast_load_whole(self, cons, model, timeout):
+        """load_weights() bracketed by vLLM's layerwise reload, as vLLM's
+        checkpoint-format engines load an update."""
+        reloading = initialize_reload(model)
+        try:
+            with mtp_check_off():
+                loaded = load_whole(cons, model, timeout=timeout)
+        except BaseException:
+            if reloading:  # leave the model loadable: finalize with what arrived, then raise
+                try:
+                    finalize_reload(model, self._shmcast_model_config())
+                except BaseException:  # noqa: BLE001  (the load error is the one to raise)
+                    pass
+            raise
+        if reloading:
+            finalize_reload(model, self._shmcast_model_config())
+        return loaded
 
     def _shmcast_direct(self, model):
         if self.shmcast_load == "loader":

@@ -1,6 +1,18 @@
 """A `shmcast` backend for vLLM's native weight transfer
-(vllm/distributed/weight_transfer: WeightTransferEngineFactory,
+(vllm/backends/distributed/weight_transfer, formerly vllm/distributed/
+weight_transfer: WeightTransferEngineFactory, WeightTransferTrainerFactory,
 WeightTransferConfig(backend=...), TrainerWeightTransferEngine).
+
+Checked against vllm-project/vllm (2026-12-06):
+  base.py    @ a8f1d79812aa51e1036eba41286879eb09bd1635 (vllm/backends/distributed/weight_transfer)
+  factory.py @ 055e47c28003156421365af985d676fc921cb075 (same directory)
+  ipc_engine.py @ 055e47c28003156421365af985d676fc921cb075 (the engines' load order)
+  model_loader/mtp_validation.py @ 67837fe3f210997ba8f9d2ea4feb99bee6b302df
+  model_loader/reload/layerwise.py @ 01424e4b5c6768cacbb637fa08e7064a4301ec68
+and, by feature detection, the previous trainer API (base.py @
+02f250b03f38822ccdb63f27a3005d10ca81f385: TrainerWeightTransferEngine[config,
+init info], __init__(config, *, ...), trainer_init(config, init_info, *, ...),
+factory trainer_init(backend, config, init_info, *, ...)).
 
     # inference side: nothing but the backend name (the package's
     # vllm.general_plugins entry point registers it in every vLLM process)
@@ -8,10 +20,9 @@ WeightTransferConfig(backend=...), TrainerWeightTransferEngine).
     # or: vllm serve ... --weight-transfer-config '{"backend": "shmcast"}'
 
     # trainer side (rank 0 sends; every rank calls both, like vLLM's nccl/ipc engines)
-    from vllm.distributed.weight_transfer.base import ModuleSource
-    from shmcast.vllm_transfer import ShmcastTrainerInitInfo, ShmcastTrainerWeightTransferEngine
-    engine = ShmcastTrainerWeightTransferEngine.trainer_init(
-        WeightTransferConfig(backend="shmcast"),
+    from vllm.distributed.weight_transfer import ModuleSource, WeightTransferTrainerFactory
+    from shmcast.vllm_transfer import ShmcastTrainerInitInfo   # backend = "shmcast" (a ClassVar)
+    engine = WeightTransferTrainerFactory.trainer_init(
         ShmcastTrainerInitInfo(rank=rank, region="actor-0", consumers=tp * dp),
         client=client, source=ModuleSource(model))     # client: vLLM's Ray/HTTP weight-sync client
     engine.send_weights()                                # every step
@@ -35,8 +46,9 @@ Loading (init_info `load`):
   Like vLLM's in-place engines, start/finish_weight_update do nothing.
 * 'loader': the whole sync is received and handed to model.load_weights()
   inside vLLM's layerwise reload (start/finish_weight_update call
-  initialize/finalize_layerwise_reload, as the nccl and ipc engines do):
-  any model vLLM can load, quantized ones included.
+  initialize/finalize_layerwise_reload, as the nccl and ipc engines do;
+  load_weights() runs inside disable_mtp_completeness_check(), as theirs
+  does): any model vLLM can load, quantized ones included.
 * 'auto' (default): 'direct' when the plan covers the model and vLLM has no
   quantization configured, else 'loader'.
 
@@ -70,26 +82,46 @@ its trainer_init announces the new region's token and the workers reattach.
 """
 from __future__ import annotations
 
+import inspect
 import logging
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
-from typing import Any, Iterator, Optional
+from typing import Any, ClassVar, Iterator, Optional
 
 import torch
 
 from ._load import ConsumerCache, DirectLoader, cached_direct_loader, load_whole, names_digest, region_token
 from ._send import buckets
 from ._torch import Producer
+from ._vllm_compat import finalize_reload, initialize_reload, mtp_check_off
 from .vllm_plugin import BACKEND, register  # noqa: F401  (register: the plugin entry point)
 
-from vllm.config.weight_transfer import WeightTransferConfig  # noqa: E402  (this module needs vLLM)
-from vllm.distributed.weight_transfer.base import (  # noqa: E402
-    TrainerInitInfo,
-    TrainerWeightTransferEngine,
-    WeightTransferEngine,
-    WeightTransferInitInfo,
-    WeightTransferUpdateInfo,
-)
+try:  # vLLM since the vllm/backends move (the old path is a shim there)
+    from vllm.backends.distributed.weight_transfer.base import (  # noqa: E402
+        TrainerInitInfo,
+        TrainerWeightTransferEngine,
+        WeightTransferEngine,
+        WeightTransferInitInfo,
+        WeightTransferUpdateInfo,
+    )
+except ImportError:  # older vLLM (this module needs vLLM)
+    from vllm.distributed.weight_transfer.base import (  # noqa: E402
+        TrainerInitInfo,
+        TrainerWeightTransferEngine,
+        WeightTransferEngine,
+        WeightTransferInitInfo,
+        WeightTransferUpdateInfo,
+    )
+
+try:
+    from vllm.foundation.config.weight_transfer import WeightTransferConfig  # noqa: E402
+except ImportError:
+    from vllm.config.weight_transfer import WeightTransferConfig  # noqa: E402
+
+# The previous trainer API generation took a WeightTransferConfig: its
+# TrainerWeightTransferEngine.__init__ has a `config` parameter (and two type
+# parameters); the current one does not.
+TRAINER_TAKES_CONFIG = "config" in inspect.signature(TrainerWeightTransferEngine.__init__).parameters
 
 logger = logging.getLogger(__name__)
 
@@ -143,8 +175,10 @@ class ShmcastWeightTransferUpdateInfo(WeightTransferUpdateInfo):
 class ShmcastTrainerInitInfo(TrainerInitInfo):
     """Trainer-side init info. `rank` (keyword-only, from TrainerInitInfo):
     rank 0 creates the region and sends; other ranks only iterate the source
-    (FSDP gathers are collectives)."""
+    (FSDP gathers are collectives). `backend` (a ClassVar, not a field) is
+    the WeightTransferTrainerFactory key vLLM dispatches on."""
 
+    backend: ClassVar[str] = BACKEND
     region: str = "vllm-weights"
     consumers: int = 1
     """Inference workers that receive (TP x PP x DP): every send waits for them."""
@@ -217,9 +251,7 @@ class ShmcastWeightTransferEngine(WeightTransferEngine[ShmcastWeightTransferInit
             self._consumers.drop(self._init.region)
             self._attach()
         if self._path == "loader":
-            from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
-
-            initialize_layerwise_reload(self.model)
+            initialize_reload(self.model, required=True)
 
     def receive_weights(self, update_info: ShmcastWeightTransferUpdateInfo) -> None:
         i = self._init
@@ -232,8 +264,9 @@ class ShmcastWeightTransferEngine(WeightTransferEngine[ShmcastWeightTransferInit
                 if len(names) != update_info.count or names_digest(names) != update_info.names_digest:
                     raise ValueError(f"sync {res.version} does not hold the {update_info.count} announced tensors")
             else:
-                res = load_whole(cons, self.model, timeout=i.timeout, version=update_info.version,
-                                 count=update_info.count, digest=update_info.names_digest)
+                with mtp_check_off():  # a round may carry part of the model, as vLLM's engines assume
+                    res = load_whole(cons, self.model, timeout=i.timeout, version=update_info.version,
+                                     count=update_info.count, digest=update_info.names_digest)
         except BaseException:
             self._consumers.drop(i.region)  # never keep the trainer waiting for this worker
             raise
@@ -241,9 +274,7 @@ class ShmcastWeightTransferEngine(WeightTransferEngine[ShmcastWeightTransferInit
 
     def finish_weight_update(self) -> None:
         if self._path == "loader":
-            from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
-
-            finalize_layerwise_reload(self.model, self.model_config)
+            finalize_reload(self.model, self.model_config, required=True)
         self._path = None
 
     def shutdown(self) -> None:
@@ -253,7 +284,7 @@ class ShmcastWeightTransferEngine(WeightTransferEngine[ShmcastWeightTransferInit
     def trainer_send_weights(iterator: Iterator[Any], trainer_args: Any) -> None:
         raise NotImplementedError(
             "the shmcast backend sends through its trainer engine: "
-            "ShmcastTrainerWeightTransferEngine.trainer_init(config, ShmcastTrainerInitInfo(...), client=..., "
+            "WeightTransferTrainerFactory.trainer_init(ShmcastTrainerInitInfo(...), client=..., "
             "source=...).send_weights()")
 
     # ---- reporting
@@ -269,31 +300,53 @@ class ShmcastWeightTransferEngine(WeightTransferEngine[ShmcastWeightTransferInit
         }
 
 
-class ShmcastTrainerWeightTransferEngine(TrainerWeightTransferEngine[WeightTransferConfig, ShmcastTrainerInitInfo]):
+_TrainerBase = (TrainerWeightTransferEngine[WeightTransferConfig, ShmcastTrainerInitInfo] if TRAINER_TAKES_CONFIG
+                else TrainerWeightTransferEngine[ShmcastTrainerInitInfo])
+
+
+class ShmcastTrainerWeightTransferEngine(_TrainerBase):
     """Trainer side, built on every trainer rank with trainer_init();
-    send_weights() once per sync round."""
+    send_weights() once per sync round. Signatures follow the installed
+    vLLM's TrainerWeightTransferEngine (TRAINER_TAKES_CONFIG)."""
 
     init_info_cls = ShmcastTrainerInitInfo
-    config_cls = WeightTransferConfig
 
-    def __init__(self, config, *, client, source, is_sender: bool = True) -> None:
-        super().__init__(config, client=client, source=source, is_sender=is_sender)
-        self.init_info: Optional[ShmcastTrainerInitInfo] = None
-        self.producer: Optional[Producer] = None
+    if TRAINER_TAKES_CONFIG:  # the previous generation: a config first
+        config_cls = WeightTransferConfig
 
-    @classmethod
-    def trainer_init(cls, config, init_info: ShmcastTrainerInitInfo, *, client, source):
-        engine = cls(config, client=client, source=source, is_sender=init_info.is_sender)
-        engine.init_info = init_info
-        if not engine.is_sender:
-            return engine
+        def __init__(self, config, *, client, source, is_sender: bool = True) -> None:
+            super().__init__(config, client=client, source=source, is_sender=is_sender)
+            self.init_info: Optional[ShmcastTrainerInitInfo] = None
+            self.producer: Optional[Producer] = None
+
+        @classmethod
+        def trainer_init(cls, config, init_info: ShmcastTrainerInitInfo, *, client, source):
+            return cls(config, client=client, source=source, is_sender=init_info.is_sender)._rendezvous(init_info)
+    else:
+        def __init__(self, *, client, source=None, is_sender: bool = True) -> None:
+            super().__init__(client=client, source=source, is_sender=is_sender)
+            self.init_info: Optional[ShmcastTrainerInitInfo] = None
+            self.producer: Optional[Producer] = None
+
+        @classmethod
+        def trainer_init(cls, init_info: ShmcastTrainerInitInfo, *, client, source=None):
+            if source is None:
+                raise ValueError("the shmcast trainer engine sends a full model every round: it needs a WeightSource")
+            return cls(client=client, source=source, is_sender=init_info.is_sender)._rendezvous(init_info)
+
+    def _rendezvous(self, init_info: ShmcastTrainerInitInfo):
+        """The sender creates the region and attaches the workers; other ranks
+        only keep the init info."""
+        self.init_info = init_info
+        if not self.is_sender:
+            return self
         i = init_info
         opts = dict(slot_bytes=i.slot_bytes, slots=i.slots, max_consumers=max(8, i.consumers),
                     consumer_timeout=i.timeout)
         opts.update(i.producer_options)
-        engine.producer = Producer(i.region, **opts)
-        engine._attach_workers()
-        return engine
+        self.producer = Producer(i.region, **opts)
+        self._attach_workers()
+        return self
 
     def worker_init_info(self) -> dict:
         i = self.init_info

@@ -8,13 +8,36 @@ import sys
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))  # roles, fake_vllm: importable here and in spawned children
-# The framework stand-ins (vllm, verl, sglang; standins/README.md) shadow any
-# installed package of the same name, here and in spawned children.
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "standins"))
+# The framework stand-ins (vllm, verl, sglang, roll; standins/README.md) shadow
+# any installed package of the same name, here and in spawned children (spawn
+# passes sys.path on). SHMCAST_REAL_FRAMEWORKS=1 puts them last instead: an
+# installed framework is used, the stand-ins only fill in for the absent ones
+# (the GPU script sets it where a framework is installed).
+STANDINS = os.path.join(os.path.dirname(__file__), "standins")
+REAL_FRAMEWORKS = os.environ.get("SHMCAST_REAL_FRAMEWORKS", "") not in ("", "0")
+if REAL_FRAMEWORKS:
+    sys.path.append(STANDINS)
+else:
+    sys.path.insert(0, STANDINS)
 
 import shmcast  # noqa: E402
 
 _counter = itertools.count()
+
+
+def framework_origin(name: str) -> str:
+    """'stand-in', 'real' or 'absent': where `import name` comes from."""
+    import importlib.util
+
+    spec = importlib.util.find_spec(name)
+    if spec is None:
+        return "absent"
+    where = spec.origin or (list(spec.submodule_search_locations or [""])[0])
+    return "stand-in" if os.path.abspath(where).startswith(os.path.abspath(STANDINS) + os.sep) else "real"
+
+
+def pytest_report_header(config):
+    return "frameworks: " + ", ".join(f"{n}={framework_origin(n)}" for n in ("vllm", "verl", "sglang", "roll"))
 
 
 def pytest_configure(config):

@@ -118,7 +118,6 @@ def role_trainer(q, commands, addresses, region, tied, load, bucket_bytes):
     import shmcast.vllm_plugin
     from framework_roles import FanOutClient, inbox_loop
     from shmcast.vllm_transfer import ShmcastTrainerInitInfo
-    from vllm.config import WeightTransferConfig
     from vllm.distributed.weight_transfer import ModuleSource, WeightTransferTrainerFactory
 
     shmcast.vllm_plugin.register()
@@ -128,7 +127,6 @@ def role_trainer(q, commands, addresses, region, tied, load, bucket_bytes):
     model = build(tied, seed=1, device=device)
     client = FanOutClient(addresses, timeout=240)
     engine = WeightTransferTrainerFactory.trainer_init(
-        "shmcast", WeightTransferConfig(backend="shmcast"),
         ShmcastTrainerInitInfo(rank=0, region=region, consumers=len(addresses), bucket_bytes=bucket_bytes,
                                slot_bytes=8 << 20, slots=4, load=load, timeout=120),
         client=client, source=ModuleSource(model))

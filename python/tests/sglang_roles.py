@@ -17,10 +17,18 @@ from framework_roles import RouteClient, inbox_loop, serve
 LOADER = "shmcast.sglang.load_weights"
 
 
-def role_tp_rank(q, address, rank, tp_size, cfg, device="cpu", custom_weight_loader=(LOADER,)):
+def role_tp_rank(q, address, rank, tp_size, cfg, device="cpu", custom_weight_loader=(LOADER,), sessions=True):
+    """A TP rank: the stand-in ModelRunner behind the stand-in scheduler's
+    weight updater (sessions=True: the session-era scheduler that asserts an
+    open begin_weight_update session; False: the one before)."""
     from sglang.srt.distributed import _set_tp
+    from sglang.srt.managers.io_struct import (
+        BeginWeightUpdateReqInput,
+        EndWeightUpdateReqInput,
+        UpdateWeightsFromTensorReqInput,
+    )
+    from sglang.srt.managers.scheduler_weight_updater import SchedulerWeightUpdaterManager
     from sglang.srt.model_executor.model_runner import ModelRunner
-    from sglang.srt.utils import MultiprocessingSerializer
     from vllm.model_executor.models.qwen2 import Qwen2Config, Qwen2ForCausalLM
 
     import shmcast.sglang
@@ -31,28 +39,35 @@ def role_tp_rank(q, address, rank, tp_size, cfg, device="cpu", custom_weight_loa
     for p in model.parameters():
         p.data.view(torch.uint8).fill_(0x33)
     runner = ModelRunner(model, rank, device, custom_weight_loader=list(custom_weight_loader))
-    flushes = [0]
+    sched = SchedulerWeightUpdaterManager(runner, rank, sessions=sessions)
+    log = []  # the scheduler calls in order, and whether a session was open at each
 
-    def update_weights_from_tensor(req):
-        """The scheduler: this rank's payload, the ModelRunner, the cache flush."""
-        named = MultiprocessingSerializer.deserialize(req["serialized_named_tensors"][rank])
-        success, message = runner.update_weights_from_tensor(named, req["load_format"])
-        if success and req["flush_cache"]:
-            flushes[0] += 1
-        return success, message
+    def call(name, cls):
+        def route(req):
+            log.append((name, sched._weight_update_in_progress))
+            return getattr(sched, name)(cls(**req))
+        return route
 
     def check(seed):
         return {"problems": fake_vllm.check_loaded(model, fake_vllm.hf_state_dict(seed, c), rank, tp_size),
-                "stats": dict(shmcast.sglang.stats), "flushes": flushes[0], "pid": os.getpid()}
+                "stats": dict(shmcast.sglang.stats), "flushes": sched.flushes, "pid": os.getpid(),
+                "log": list(log), "session_log": list(runner.session_log),
+                "open": sched._weight_update_in_progress}
 
     q.put({"ready": True})
-    serve(address, {"update_weights_from_tensor": update_weights_from_tensor, "check": check,
-                    "shutdown": lambda: "stop"})
+    serve(address, {"update_weights_from_tensor": call("update_weights_from_tensor", UpdateWeightsFromTensorReqInput),
+                    "begin_weight_update": call("begin_weight_update", BeginWeightUpdateReqInput),
+                    "end_weight_update": call("end_weight_update", EndWeightUpdateReqInput),
+                    "check": check, "shutdown": lambda: "stop"})
     return {"stopped": True}
 
 
-def role_trainer(q, commands, addresses, region, consumers, cfg, bucket_bytes=0, load="loader", timeout=60.0):
-    from sglang.srt.entrypoints.engine import Engine
+def role_trainer(q, commands, addresses, region, consumers, cfg, bucket_bytes=0, load="loader", timeout=60.0,
+                 sessions=True):
+    """The trainer: the stand-in Engine (sessions=False: the offline Engine @
+    001067ff, no begin_weight_update) or SessionEngine, and a
+    ShmcastSGLangSender given only engine.update_weights_from_tensor."""
+    from sglang.srt.entrypoints.engine import Engine, SessionEngine
     from vllm.model_executor.models.qwen2 import Qwen2Config
 
     from shmcast.sglang import ShmcastSGLangSender
@@ -61,14 +76,18 @@ def role_trainer(q, commands, addresses, region, consumers, cfg, bucket_bytes=0,
     pool = ThreadPoolExecutor(max_workers=len(addresses))
     calls = []
 
+    routes = {"UpdateWeightsFromTensorReqInput": "update_weights_from_tensor",
+              "BeginWeightUpdateReqInput": "begin_weight_update", "EndWeightUpdateReqInput": "end_weight_update"}
+
     def deliver(req):
-        calls.append(req.load_format)
+        route = routes[type(req).__name__]
+        if route == "update_weights_from_tensor":
+            calls.append(req.load_format)
         body = {"req": asdict(req)}
-        futures = [pool.submit(RouteClient(a, timeout * 2).call, "update_weights_from_tensor", body)
-                   for a in addresses]
+        futures = [pool.submit(RouteClient(a, timeout * 2).call, route, body) for a in addresses]
         return [tuple(f.result()) for f in futures]
 
-    engine = Engine(tp_size=len(addresses), deliver=deliver)
+    engine = (SessionEngine if sessions else Engine)(tp_size=len(addresses), deliver=deliver)
     state = {}
 
     def init():
@@ -86,9 +105,15 @@ def role_trainer(q, commands, addresses, region, consumers, cfg, bucket_bytes=0,
         state.pop("sender").close()
 
     def plain(load_format):
-        """An update_weights_from_tensor call with ordinary tensors (SGLang's own path)."""
-        return {"result": list(engine.update_weights_from_tensor(fake_vllm.hf_state_dict(1, c)[:1],
-                                                                 load_format=load_format))}
+        """An update_weights_from_tensor call with ordinary tensors (SGLang's own path, in a session)."""
+        if sessions:
+            engine.begin_weight_update()
+        try:
+            return {"result": list(engine.update_weights_from_tensor(fake_vllm.hf_state_dict(1, c)[:1],
+                                                                     load_format=load_format))}
+        finally:
+            if sessions:
+                engine.end_weight_update()
 
     q.put({"ready": True})
     inbox_loop(q, commands, {"init": init, "send": send, "close": close, "plain": plain}, timeout=timeout * 4)

@@ -150,3 +150,54 @@ def test_roll_in_process_with_fake_dtensors(region):
         del t3
     finally:
         roll.close(region)
+
+
+def test_roll_worker_receives_with_a_one_line_patch(region):
+    """ROLL's vLLM worker (stand-in of roll/third_party/vllm/worker.py @
+    8eb27cc2) with its update_parameter_in_bucket replaced by one line that
+    calls shmcast.roll.update_parameter_in_bucket: a ticket is received and
+    loaded as ROLL loads a bucket (weights and LoRA), ROLL's own payloads
+    still load, and the unpatched worker cannot read a ticket."""
+    from types import SimpleNamespace
+
+    from roll.third_party.vllm.worker import WorkerBase
+    from roll.utils.send_recv_utils import serialize_named_weights as roll_serialize
+
+    loaded = []
+
+    class Model:
+        def load_weights(self, weights):
+            loaded.append([(n, t.clone()) for n, t in weights])
+
+    class Patched(WorkerBase):
+        def update_parameter_in_bucket(self, serialized_named_tensors, is_lora=False):
+            return roll.update_parameter_in_bucket(self, serialized_named_tensors, is_lora)
+
+    def worker(cls):
+        w = cls()
+        w.rank, w.device, w.model_runner = 0, torch.device("cpu"), SimpleNamespace(model=Model())
+        w.custom_init_worker()
+        return w
+
+    g = torch.Generator().manual_seed(3)
+    bucket = [("a.weight", torch.randn(3, 4, generator=g)), ("b.bias", torch.arange(5, dtype=torch.int32))]
+    w = worker(Patched)
+    try:
+        roll.create_region(region, slot_bytes=1 << 20, slots=4)
+        roll.attach(region, device="cpu", timeout=5)
+        ticket = roll.serialize_named_weights(bucket, "vllm", region=region, consumers=1)
+        assert w.update_parameter_in_bucket([ticket]) is None
+        assert [n for n, _ in loaded[-1]] == ["a.weight", "b.bias"]
+        assert all(torch.equal(a, b) for (_, a), (_, b) in zip(loaded[-1], bucket))
+        # is_lora: into the LoRA manager, not load_weights
+        ticket = roll.serialize_named_weights(bucket, "vllm", region=region, consumers=1)
+        w.update_parameter_in_bucket([ticket], is_lora=True)
+        assert list(w.tensor_lora_manager.lora_params) == ["a.weight", "b.bias"] and len(loaded) == 1
+        # ROLL's own payload through the patched worker: ROLL's path
+        w.update_parameter_in_bucket([roll_serialize(bucket, "vllm")])
+        assert len(loaded) == 2 and all(torch.equal(a, b) for (_, a), (_, b) in zip(loaded[-1], bucket))
+        # why the receiving end is patched: ROLL's own code cannot read a ticket
+        with pytest.raises(TypeError):
+            worker(WorkerBase).update_parameter_in_bucket([ticket])
+    finally:
+        roll.close(region)

@@ -2,7 +2,14 @@
 through SGLang's own update_weights_from_tensor(named_tensors,
 load_format="shmcast.sglang.load_weights"), against the SGLang stand-in
 (standins/sglang: Engine.update_weights_from_tensor of sgl-project/sglang @
-001067f, the TP worker's payload validation and loader dispatch).
+001067f, the TP worker's payload validation and loader dispatch, the
+scheduler's weight-update sessions of PR #28001).
+
+With sessions (the default here: the newest SGLang), every update the sender
+makes (attach, each send with its flush, close's detach) runs inside one
+begin_weight_update / end_weight_update session, which the scheduler
+asserts; without them (sessions=False: the offline Engine @ 001067ff and the
+scheduler before sessions) none is opened.
 
 Real processes: SGLang TP ranks (a ModelRunner each, --custom-weight-loader
 set) and a trainer holding the Engine and a ShmcastSGLangSender. Several
@@ -27,9 +34,9 @@ BUCKET = 80_000
 class Sgl(Deployment):
     """SGLang TP-rank processes on fixed addresses plus one trainer process."""
 
-    def __init__(self, procs, tmp_path, region, tp, load):
+    def __init__(self, procs, tmp_path, region, tp, load, sessions=True):
         super().__init__(procs, [str(tmp_path / f"tp{i}.sock") for i in range(tp)])
-        self.region, self.tp, self.load = region, tp, load
+        self.region, self.tp, self.load, self.sessions = region, tp, load, sessions
 
     @property
     def ranks(self):
@@ -37,26 +44,45 @@ class Sgl(Deployment):
 
     def start_rank(self, i):
         self.servers[i] = self.procs.start("sglang_roles:tp_rank", address=self.addresses[i], rank=i,
-                                           tp_size=self.tp, cfg=CFG)
+                                           tp_size=self.tp, cfg=CFG, sessions=self.sessions)
         self.procs.ready(self.servers[i])
 
     def start_trainer(self):
         super().start_trainer("sglang_roles:trainer", region=self.region, consumers=self.tp, cfg=CFG,
-                              bucket_bytes=BUCKET, load=self.load)
+                              bucket_bytes=BUCKET, load=self.load, sessions=self.sessions)
 
-    def check(self, seed, path, flushes):
+    def check(self, seed, path, flushes, sessions=None):
         for i, a in enumerate(self.addresses):
             r = RouteClient(a).call("check", {"seed": seed})
             assert r["problems"] == [], (seed, i, r["problems"][:5])
             assert r["stats"]["path"] == path and r["flushes"] == flushes
+            if sessions is not None:
+                assert_sessions(r, sessions, self.sessions)
             if path == "direct" and self.tp > 1:
                 assert r["stats"]["bytes_read"] < 0.6 * r["stats"]["bytes_total"]
 
 
-@pytest.mark.parametrize("tp,load", [(1, "direct"), (2, "loader"), (2, "direct")],
-                         ids=["tp1-direct", "tp2-loader", "tp2-direct"])
-def test_contract(procs, tmp_path, region, tp, load):
-    s = Sgl(procs, tmp_path, region, tp, load)
+def assert_sessions(r, updates, sessions):
+    """Each update of the sender ran inside its own session (or, without
+    sessions, none was opened): `updates` lists the update_weights_from_tensor
+    calls per session on this rank, e.g. [1, 4] for attach, then a send of
+    three buckets and the flush."""
+    if not sessions:
+        assert r["session_log"] == [] and all(name == "update_weights_from_tensor" for name, _ in r["log"])
+        return
+    want = []
+    for n in updates:
+        want += [("begin_weight_update", False)] + [("update_weights_from_tensor", True)] * n
+        want += [("end_weight_update", True)]
+    assert r["log"] == want
+    assert r["session_log"] == ["begin", "end"] * len(updates) and r["open"] is False
+
+
+@pytest.mark.parametrize("tp,load,sessions", [(1, "direct", True), (2, "loader", True), (2, "direct", True),
+                                              (1, "loader", False)],
+                         ids=["tp1-direct", "tp2-loader", "tp2-direct", "tp1-loader-nosessions"])
+def test_contract(procs, tmp_path, region, tp, load, sessions):
+    s = Sgl(procs, tmp_path, region, tp, load, sessions)
     path = load
     try:
         for i in range(tp):
@@ -67,7 +93,7 @@ def test_contract(procs, tmp_path, region, tp, load):
         for seed in (40, 41):
             assert s.cmd("send", seed=seed)["calls"] == 3 + 1  # three buckets, then the cache flush
             flushes += 1
-            s.check(seed, path, flushes)
+            s.check(seed, path, flushes, sessions=[1] + [4] * flushes)
 
         # a TP rank restarts (a new engine process): the next send reattaches every rank
         procs.kill(s.ranks[tp - 1])
@@ -84,7 +110,11 @@ def test_contract(procs, tmp_path, region, tp, load):
         for a in s.addresses:
             assert RouteClient(a).call("check", {"seed": 43})["problems"] == []
 
-        s.cmd("close")
+        s.cmd("close")  # the detach ticket, in its own session
+        for i, a in enumerate(s.addresses):
+            # sessions per rank: a restarted rank saw the last round's attach onwards
+            first = [1, 4, 4] if i < tp - 1 else []
+            assert_sessions(RouteClient(a).call("check", {"seed": 43}), first + [1, 4, 1, 4, 1], sessions)
         assert not os.path.exists(shmcast.region_path(region))
     finally:
         s.stop()

@@ -1,11 +1,11 @@
 """verl checkpoint engine with the `shmcast` backend (shmcast.verl), against
 the verl stand-in (standins/verl: CheckpointEngineRegistry, CheckpointEngine
-and the CheckpointEngineManager's call order of volcengine/verl @ b178a3cd).
+and the CheckpointEngineManager's call order of verl-project/verl @ 1dda039b).
 
 Trainer ranks and rollout checkpoint-engine workers are real processes that
-build their engines as verl does (registry, is_master on trainer rank 0,
-bucket_size, engine_kwargs) after `import verl` loaded shmcast.verl through
-$VERL_USE_EXTERNAL_MODULES; the stand-in manager drives prepare /
+build their engines as verl does (custom_backend_module imported, registry,
+is_master on trainer rank 0, bucket_size, engine_kwargs); the stand-in
+manager, given update_weights(global_steps=step), drives prepare /
 build_topology / init_process_group / send_weights + receive_weights /
 finalize per step. Each rollout worker's inference model is checked bit for
 bit after every step, across a rollout-worker restart, a restart of every
@@ -63,8 +63,10 @@ class WorkerGroup:
         bodies = [{"method": m, "kwargs": {k: v[i] for k, v in kwargs.items()}} for i, m in enumerate(method)]
         return self._each("execute_checkpoint_engine", bodies)
 
-    def update_weights(self):
-        body = {} if self.seed is None else {"seed": self.seed}
+    def update_weights(self, global_steps=None):
+        body = {"global_steps": global_steps}
+        if self.seed is not None:
+            body["seed"] = self.seed
         return self._each("update_weights", [body] * self.world_size)
 
 
@@ -75,8 +77,14 @@ class Replica:
     async def abort_all_requests(self):
         self.calls.append("abort_all_requests")
 
-    async def resume_all_requests(self):
-        self.calls.append("resume_all_requests")
+    async def resume_generation(self):
+        self.calls.append("resume_generation")
+
+    async def release_kv_cache(self):
+        self.calls.append("release_kv_cache")
+
+    async def resume_kv_cache(self):
+        self.calls.append("resume_kv_cache")
 
     async def sleep(self):
         self.calls.append("sleep")
@@ -86,38 +94,39 @@ STEP = ["prepare", "init_process_group", "update_weights", "finalize"]
 
 
 @pytest.mark.parametrize("placement", ["colocated", "disaggregated"])
-def test_contract(procs, tmp_path, region, placement, monkeypatch):
-    # the driver too imports verl with $VERL_USE_EXTERNAL_MODULES set (the manager looks the backend up)
-    monkeypatch.setenv("VERL_USE_EXTERNAL_MODULES", "shmcast.verl")
-    import shmcast.verl  # noqa: F401  (what `import verl` does with that variable, in an already-imported verl)
+def test_contract(procs, tmp_path, region, placement):
+    # registered the current way: checkpoint_engine.custom_backend_module, which
+    # the manager and every worker import before looking the backend up
     from verl.checkpoint_engine import CheckpointEngineManager
+    from verl.workers.config import CheckpointEngineConfig
 
     n = 2
     tdev, rdev = devices(placement, n)
-    env = {"VERL_USE_EXTERNAL_MODULES": "shmcast.verl"}
     kwargs = {"region": region, "slot_bytes": 2 << 20, "slots": 4, "timeout": 60.0}
+    config = CheckpointEngineConfig(backend="shmcast", engine_kwargs={"shmcast": kwargs},
+                                    custom_backend_module="shmcast.verl")
+    common = dict(cfg=CFG, bucket_size=BUCKET, engine_kwargs=config.engine_kwargs["shmcast"],
+                  custom_backend_module=config.custom_backend_module)
     t_addr = [str(tmp_path / f"t{i}.sock") for i in range(n)]
     r_addr = [str(tmp_path / f"r{i}.sock") for i in range(n)]
     trainers, rollouts = [None] * n, [None] * n
 
     def start_trainer(i):
-        trainers[i] = procs.start("verl_roles:trainer_rank", address=t_addr[i], rank=i, cfg=CFG, bucket_size=BUCKET,
-                                  engine_kwargs=kwargs, device=tdev[i], env=env)
+        trainers[i] = procs.start("verl_roles:trainer_rank", address=t_addr[i], rank=i, device=tdev[i], **common)
         assert procs.ready(trainers[i])["engine"] == "ShmcastCheckpointEngine"
 
     def start_rollout(i):
-        rollouts[i] = procs.start("verl_roles:rollout_worker", address=r_addr[i], cfg=CFG, bucket_size=BUCKET,
-                                  engine_kwargs=kwargs, device=rdev[i], env=env)
+        rollouts[i] = procs.start("verl_roles:rollout_worker", address=r_addr[i], device=rdev[i], **common)
         assert procs.ready(rollouts[i])["engine"] == "ShmcastCheckpointEngine"
 
     trainer = WorkerGroup(t_addr)
     replicas = [Replica(WorkerGroup([a])) for a in r_addr]  # two replicas of one worker each
-    manager = CheckpointEngineManager("shmcast", trainer, replicas)
+    manager = CheckpointEngineManager(config, trainer, replicas)
 
     def step(seed):
         trainer.seed = seed
         manager.calls.clear()
-        manager.update_weights()
+        manager.update_weights(global_steps=seed)  # verl's trainer passes its step
         assert manager.calls == STEP
         for i, a in enumerate(r_addr):
             res = RouteClient(a).call("check", {"seed": seed})
@@ -131,10 +140,8 @@ def test_contract(procs, tmp_path, region, placement, monkeypatch):
             start_rollout(i)
         for seed in (30, 31):
             step(seed)
-        for r in replicas:
-            assert r.calls == ["abort_all_requests", "resume_all_requests"] * 2
-        manager.sleep_replicas()  # verl sleeps replicas around updates only for 'naive'
-        assert all("sleep" not in r.calls for r in replicas)
+        for r in replicas:  # the rollout keeps its weights: only its KV cache is released
+            assert r.calls == ["abort_all_requests", "release_kv_cache", "resume_kv_cache", "resume_generation"] * 2
 
         # a rollout worker restarts: it attaches at the next step's init_process_group
         procs.kill(rollouts[1])
@@ -171,3 +178,61 @@ def test_topology_and_arguments():
     assert e.rollout_dtype == torch.float16 and e.prepare() is None  # not the master: no region
     with pytest.raises(ValueError, match="rollout_dtype"):
         CheckpointEngineRegistry.new("shmcast", bucket_size=1, rollout_dtype="float17")
+
+
+def _pair(region):
+    """A trainer rank 0 and one rollout worker in this process, set up as the
+    manager does (prepare, build_topology, init_process_group)."""
+    from verl.checkpoint_engine import CheckpointEngineRegistry
+    from verl.utils.import_utils import import_external_libs
+
+    import_external_libs("shmcast.verl")  # checkpoint_engine.custom_backend_module
+    kw = dict(region=region, slot_bytes=1 << 20, slots=4, timeout=20.0, device="cpu", rollout_dtype=None)
+    sender = CheckpointEngineRegistry.new("shmcast", bucket_size=1 << 16, is_master=True, **kw)
+    receiver = CheckpointEngineRegistry.new("shmcast", bucket_size=1 << 16, **kw)
+    meta = [sender.prepare(), receiver.prepare()]
+    tk, rk = sender.build_topology(1, 1, meta)
+    sender.init_process_group(**{k: v[0] for k, v in tk.items()})
+    receiver.init_process_group(**{k: v[0] for k, v in rk.items()})
+    return sender, receiver
+
+
+def _update(sender, receiver, weights, send_steps, receive_steps):
+    """send_weights and receive_weights concurrently, as verl runs them."""
+    import asyncio
+
+    got = []
+
+    async def consume():
+        async for name, t in receiver.receive_weights(global_steps=receive_steps):
+            got.append((name, t.clone()))
+
+    async def both():
+        return await asyncio.gather(sender.send_weights(iter(weights), global_steps=send_steps), consume(),
+                                    return_exceptions=True)
+
+    return asyncio.run(asyncio.wait_for(both(), 60)), got
+
+
+def test_global_steps_travel_with_the_update(region):
+    """verl (PR #6507) passes global_steps to send_weights and
+    receive_weights: it reaches the receiver, which refuses an update that
+    was sent for another step."""
+    sender, receiver = _pair(region)
+    weights = [(f"w{i}", torch.full((4096,), float(i))) for i in range(6)]  # 96 KB: two buckets
+    try:
+        res, got = _update(sender, receiver, weights, 7, 7)
+        assert res == [None, None]
+        assert [n for n, _ in got] == [n for n, _ in weights]
+        assert all(torch.equal(a, b) for (_, a), (_, b) in zip(got, weights))
+        assert receiver.last_receive["global_steps"] == 7 and receiver.last_receive["syncs"] == 3
+        # an older verl passes no step: nothing to check, nothing carried
+        res, got = _update(sender, receiver, weights, None, None)
+        assert res == [None, None] and len(got) == len(weights)
+        assert receiver.last_receive["global_steps"] is None
+        # a receiver asked for step 9 refuses the update sent for step 8, and leaves (never blocks the trainer)
+        res, got = _update(sender, receiver, weights, 8, 9)
+        assert isinstance(res[1], shmcast.Corrupt) and "global step 8" in str(res[1]) and got == []
+    finally:
+        receiver.close()
+        sender.close()

@@ -7,7 +7,7 @@ The contract tests run the real call sequence in real processes: worker
 processes (stand-in vLLM Worker, backend found through the package's
 vllm.general_plugins entry point) serving the dev weight-sync routes, a
 trainer process building the engine with
-WeightTransferTrainerFactory.trainer_init('shmcast', ...) and calling
+WeightTransferTrainerFactory.trainer_init(ShmcastTrainerInitInfo(...), ...) and calling
 send_weights() as an RL loop does; then sleep/wake, a worker restart, a
 trainer restart (SIGKILL) and shutdown, with every parameter of every worker
 checked bit for bit after each update.
@@ -254,7 +254,6 @@ def test_trainer_closes_a_failed_round(region):
     its session); the trainer closes the round on the others and raises."""
     import shmcast.vllm_plugin
     from shmcast.vllm_transfer import ShmcastTrainerInitInfo
-    from vllm.config import WeightTransferConfig
     from vllm.distributed.weight_transfer import ModuleSource, WeightTransferTrainerFactory
 
     class Client:
@@ -275,7 +274,6 @@ def test_trainer_closes_a_failed_round(region):
 
     shmcast.vllm_plugin.register()
     eng = WeightTransferTrainerFactory.trainer_init(
-        "shmcast", WeightTransferConfig(backend="shmcast"),
         ShmcastTrainerInitInfo(rank=0, region=region, consumers=0, slot_bytes=2 << 20),
         client=Client(), source=ModuleSource(torch.nn.Linear(4, 4)))
     with pytest.raises(RuntimeError, match="receive failed"):
@@ -375,3 +373,75 @@ def test_direct_loader_refuses_a_delta_onto_changed_parameters(region, tp):
         assert prod.last_sync["kind"] == "full"
         d.load(cons, timeout=10)
         assert fake_vllm.check_loaded(model, hf, 0, tp) == [] and d.holds_last_load()
+
+
+# ------------------------------------------------------------- layerwise reload
+
+
+def test_the_toy_quantized_model_needs_the_reload():
+    """The stand-in model transforms its weights after loading: a plain
+    load_weights() of checkpoint tensors cannot go into it."""
+    import quant_model
+
+    m = quant_model.build(0)
+    assert quant_model.problems(m, quant_model.checkpoint(0)) == []
+    with pytest.raises(ValueError, match="into a parameter"):
+        m.load_weights(quant_model.checkpoint(1))
+
+
+def test_loader_path_reloads_a_model_that_processes_its_weights(region):
+    """'loader' as vLLM's nccl/ipc engines load: start_weight_update
+    initializes the layerwise reload (checkpoint-format parameters), the
+    update's load_weights() runs with the MTP completeness check off,
+    finish_weight_update processes the layers again, into the same storage."""
+    import quant_model
+    from shmcast._load import names_digest
+
+    model = quant_model.build(0)
+    kernel = {n: p.data_ptr() for n, p in model.named_parameters()}
+    eng = _engine(region, model=model, quantization="toy-int8")
+    with shmcast.Producer(region, slot_bytes=1 << 20, slots=4) as prod:
+        eng.init_transfer_engine(eng.parse_init_info({"region": region, "timeout": 10.0}))  # auto: 'loader'
+        for seed in (1, 2):
+            ckpt = quant_model.checkpoint(seed)
+            eng.start_weight_update()
+            prod.send(ckpt)
+            eng.update_weights({"version": prod.last_version, "count": len(ckpt),
+                                "names_digest": names_digest(n for n, _ in ckpt)})
+            eng.finish_weight_update()
+            assert quant_model.problems(model, ckpt) == [], seed
+        assert eng.last_update_stats()["path"] == "loader"
+        assert model.mtp_checks == [True, False, False]  # the first load (build) checked, the updates did not
+        assert model._standin_reload == ["initialize", "finalize"] * 2
+        assert {n: p.data_ptr() for n, p in model.named_parameters()} == kernel
+        eng.shutdown()
+
+
+def test_worker_extension_loader_reloads(region):
+    """shmcast.vllm.ShmcastWorkerExtension's 'loader' path brackets
+    load_weights() with the layerwise reload too."""
+    from types import SimpleNamespace
+
+    import quant_model
+    from shmcast.vllm import ShmcastWorkerExtension
+
+    class Worker(ShmcastWorkerExtension):  # vLLM's worker with the mixin
+        shmcast_load = "loader"
+        shmcast_mode = "copy"
+
+        def __init__(self, model):
+            self.device = torch.device("cpu")
+            self.model_runner = SimpleNamespace(model=model, model_config=SimpleNamespace(quantization="toy-int8"))
+
+    w = Worker(quant_model.build(0))
+    with shmcast.Producer(region, slot_bytes=1 << 20, slots=4) as prod:
+        w.init_shmcast(region, timeout=10)
+        for seed in (3, 4):
+            ckpt = quant_model.checkpoint(seed)
+            prod.send(ckpt)
+            assert w.update_weights_from_shmcast(region, timeout=10) == prod.last_version
+            assert quant_model.problems(w.model_runner.model, ckpt) == [], seed
+        assert w.shmcast_stats()["path"] == "loader"
+        assert w.model_runner.model.mtp_checks == [True, False, False]
+        assert w.model_runner.model._standin_reload == ["initialize", "finalize"] * 2
+        w.close_shmcast()

@@ -14,10 +14,15 @@ import fake_vllm
 from framework_roles import serve
 
 
-def _new_engine(backend, bucket_size, engine_kwargs, **extra):
-    import verl  # noqa: F401  (imports $VERL_USE_EXTERNAL_MODULES: shmcast.verl registers 'shmcast')
+def _new_engine(backend, bucket_size, engine_kwargs, custom_backend_module=None, **extra):
+    """What CheckpointEngineWorker.__init__ and the trainer's engine worker do
+    (verl @ 1dda039b): import checkpoint_engine.custom_backend_module, then
+    CheckpointEngineRegistry.new(backend, bucket_size=..., **engine_kwargs)."""
+    import verl  # noqa: F401  (also imports $VERL_USE_EXTERNAL_MODULES, the older way)
     from verl.checkpoint_engine import CheckpointEngineRegistry
+    from verl.utils.import_utils import import_external_libs
 
+    import_external_libs(custom_backend_module or None)
     return CheckpointEngineRegistry.new(backend, bucket_size=bucket_size, **extra, **engine_kwargs)
 
 
@@ -26,13 +31,14 @@ def _execute(engine, method, kwargs=None):
     return getattr(engine, method)(**(kwargs or {}))
 
 
-def role_trainer_rank(q, address, rank, cfg, bucket_size, engine_kwargs, backend="shmcast", device="cpu"):
+def role_trainer_rank(q, address, rank, cfg, bucket_size, engine_kwargs, backend="shmcast", device="cpu",
+                      custom_backend_module=None):
     """A trainer rank: engine = new(backend, is_master=(rank == 0), ...);
     update_weights() sends get_per_tensor_param() (fp32, as FSDP holds
     them; every rank iterates it, as FSDP's full_tensor() gathers require)."""
     from vllm.model_executor.models.qwen2 import Qwen2Config
 
-    engine = _new_engine(backend, bucket_size, engine_kwargs, is_master=(rank == 0))
+    engine = _new_engine(backend, bucket_size, engine_kwargs, custom_backend_module, is_master=(rank == 0))
     c = Qwen2Config(**cfg)
     gathered = [0]
 
@@ -41,8 +47,9 @@ def role_trainer_rank(q, address, rank, cfg, bucket_size, engine_kwargs, backend
             gathered[0] += 1
             yield n, t.float().to(device)
 
-    def update_weights(seed):
-        asyncio.run(engine.send_weights(per_tensor_param(seed)))
+    def update_weights(seed, global_steps=None):
+        # verl/workers/engine_workers.py: send_weights(per_tensor_param, global_steps=global_steps)
+        asyncio.run(engine.send_weights(per_tensor_param(seed), global_steps=global_steps))
         return {"gathered": gathered[0], "pid": os.getpid()}
 
     def shutdown():
@@ -55,7 +62,8 @@ def role_trainer_rank(q, address, rank, cfg, bucket_size, engine_kwargs, backend
     return {"stopped": True}
 
 
-def role_rollout_worker(q, address, cfg, bucket_size, engine_kwargs, backend="shmcast", device="cpu"):
+def role_rollout_worker(q, address, cfg, bucket_size, engine_kwargs, backend="shmcast", device="cpu",
+                        custom_backend_module=None):
     """A rollout checkpoint-engine worker (CheckpointEngineWorker: engine =
     new(backend, bucket_size=..., **engine_kwargs)); update_weights() hands
     receive_weights() to a server adapter that consumes it as verl's vLLM
@@ -65,7 +73,7 @@ def role_rollout_worker(q, address, cfg, bucket_size, engine_kwargs, backend="sh
     inference model (vLLM's load_weights, here the stand-in's)."""
     from vllm.model_executor.models.qwen2 import Qwen2Config, Qwen2ForCausalLM
 
-    engine = _new_engine(backend, bucket_size, engine_kwargs)
+    engine = _new_engine(backend, bucket_size, engine_kwargs, custom_backend_module)
     c = Qwen2Config(**cfg)
     model = Qwen2ForCausalLM(c, device)
     for p in model.parameters():
@@ -83,12 +91,13 @@ def role_rollout_worker(q, address, cfg, bucket_size, engine_kwargs, backend="sh
         async for name, weight in ensure_async_iterator(weights):
             model.load_weights([(name, weight.to(c.dtype))])
 
-    async def update():
-        weights = engine.receive_weights()
+    async def update(global_steps):
+        # CheckpointEngineWorker.update_weights(global_steps)
+        weights = engine.receive_weights(global_steps=global_steps)
         await server_adapter_update_weights(weights)
 
-    def update_weights():
-        asyncio.run(update())
+    def update_weights(global_steps=None):
+        asyncio.run(update(global_steps))
         return {"stats": dict(engine.last_receive)}
 
     def check(seed):

@@ -56,11 +56,10 @@ def role_server(q, address, rank, tp_size, cfg, device="cpu", plugin=None, backe
 
 def role_trainer(q, commands, addresses, region, consumers, cfg, bucket_bytes=0, load="auto", slot_bytes=2 << 20,
                  timeout=60.0):
-    """The trainer: WeightTransferTrainerFactory.trainer_init('shmcast', ...)
+    """The trainer: WeightTransferTrainerFactory.trainer_init(ShmcastTrainerInitInfo(...), ...)
     on command 'init', send_weights() of hf_state_dict(seed) on 'send'."""
     import shmcast.vllm_plugin
     from shmcast.vllm_transfer import ShmcastTrainerInitInfo
-    from vllm.config import WeightTransferConfig
     from vllm.distributed.weight_transfer import WeightSource, WeightTransferTrainerFactory
     from vllm.distributed.weight_transfer.base import ParamMeta
     from vllm.model_executor.models.qwen2 import Qwen2Config
@@ -83,7 +82,6 @@ def role_trainer(q, commands, addresses, region, consumers, cfg, bucket_bytes=0,
 
     def init():
         state["engine"] = WeightTransferTrainerFactory.trainer_init(
-            "shmcast", WeightTransferConfig(backend="shmcast"),
             ShmcastTrainerInitInfo(rank=0, region=region, consumers=consumers, bucket_bytes=bucket_bytes,
                                    slot_bytes=slot_bytes, slots=4, load=load, timeout=timeout),
             client=client, source=src)

@@ -10,10 +10,22 @@ flushed after a successful update when flush_cache is set.
 
 The stand-in's "tokenizer manager" is a callable that delivers the request to
 every TP rank (the test sends it to the rank processes over a socket) and
-returns their (success, message) pairs. Not SGLang's code."""
+returns their (success, message) pairs. This Engine has no session calls:
+the offline Engine @ 001067ff has no begin_weight_update.
+
+SessionEngine (not an SGLang class name) is a session-era server's weight
+API as a trainer reaches it through an engine client or the HTTP routes
+/begin_weight_update (body {"selector": "all"}) and /end_weight_update:
+begin_weight_update(selector="all") and end_weight_update(), each delivered
+to every TP rank's scheduler, plus update_weights_from_tensor as above.
+Not SGLang's code."""
 from typing import Callable, List, Optional
 
-from sglang.srt.managers.io_struct import UpdateWeightsFromTensorReqInput
+from sglang.srt.managers.io_struct import (
+    BeginWeightUpdateReqInput,
+    EndWeightUpdateReqInput,
+    UpdateWeightsFromTensorReqInput,
+)
 from sglang.srt.utils import MultiprocessingSerializer
 
 
@@ -32,3 +44,16 @@ class Engine:
         results = self._deliver(obj)
         ok = all(r[0] for r in results)
         return ok, "Success" if ok else "; ".join(r[1] for r in results if not r[0])
+
+
+class SessionEngine(Engine):
+    def begin_weight_update(self, selector: str = "all"):
+        return self._all(self._deliver(BeginWeightUpdateReqInput(selector=selector)))
+
+    def end_weight_update(self):
+        return self._all(self._deliver(EndWeightUpdateReqInput()))
+
+    @staticmethod
+    def _all(results):
+        ok = all(r[0] for r in results)
+        return {"success": ok, "message": "Success" if ok else "; ".join(r[1] for r in results if not r[0])}

@@ -13,8 +13,12 @@ validates the payload; the index gave no commit). Same order and rules:
    dynamic_import(load_format)(model, named_tensors); None:
    model.load_weights(named_tensors); then (True, "Success").
 
+Sessions (PR #28001): begin_weight_update() and end_weight_update(
+run_post_load) bracket a session's loads (restore packed weights, then
+quantization post-processing); the stand-in logs them in session_log.
+
 Left out: flattened buckets, LocalSerializedTensor's CUDA IPC, the weight
-cache checks. Not SGLang's code."""
+cache checks, what begin/end do to quantized layers. Not SGLang's code."""
 from dataclasses import dataclass
 from typing import List, Optional
 
@@ -61,6 +65,13 @@ class ModelRunner:
     def __init__(self, model, tp_rank: int, device, custom_weight_loader: Optional[List[str]] = None):
         self.model, self.tp_rank, self.device = model, tp_rank, torch.device(device)
         self.custom_weight_loaders = list(custom_weight_loader or [])
+        self.session_log: list = []
+
+    def begin_weight_update(self) -> None:
+        self.session_log.append("begin")
+
+    def end_weight_update(self, run_post_load: bool = False) -> None:
+        self.session_log.append("end")
 
     def update_weights_from_tensor(self, named_tensors, load_format: Optional[str] = None):
         error = _validate(named_tensors, load_format, self.custom_weight_loaders)
