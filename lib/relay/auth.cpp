@@ -71,6 +71,10 @@ std::uint32_t data_tag_base(std::string_view session) {
   return base & wire::kSerialMask;
 }
 
+wire::Mac data_proof(std::string_view session, std::uint64_t conn) {
+  return hmac(session, {bytes_of("shmcast-relay data connection"), {reinterpret_cast<const std::uint8_t*>(&conn), 8}});
+}
+
 wire::Mac message_mac(std::string_view session, std::string_view dir, std::span<const std::uint8_t> msg) {
   return hmac(session, {bytes_of(dir), msg});
 }

@@ -42,6 +42,12 @@ std::string session_key(std::string_view key, const Transcript& t);
 // the session key, so a peer without it cannot guess the tags of a sync.
 std::uint32_t data_tag_base(std::string_view session);
 
+// What a data connection proves (wire::kDataProofBytes): the holder of
+// this attachment's session key (fresh: both handshake nonces are in it)
+// opened it, for connection `conn`. The listener sends no chunk on a data
+// connection before it checked this.
+wire::Mac data_proof(std::string_view session, std::uint64_t conn);
+
 // The MAC of an authenticated control message (its bytes so far: header
 // with the sequence number, then body); `dir` is "down" or "up".
 wire::Mac message_mac(std::string_view session, std::string_view dir, std::span<const std::uint8_t> msg);

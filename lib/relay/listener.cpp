@@ -1,7 +1,7 @@
 // The relay's downstream side, on the network thread: the control channels'
 // listening socket, accepting connections (Admission: how many handshakes
-// may be pending), the key handshake, each downstream's UCX data listener
-// and data endpoint, and dropping downstreams.
+// may be pending), the key handshake, the UCX data listener and the proof
+// of the session key on each data connection, and dropping downstreams.
 #include "relay_impl.hpp"
 
 #include <sys/socket.h>
@@ -45,8 +45,8 @@ void Relay::Impl::send_down(Down& d, Writer& msg, bool authenticated) {
 // connections come and go fast, which any peer can make happen, and a
 // UCX listener bound messages to ids its peers wrote). The key handshake
 // and every control message travel on that connection; once the
-// downstream proved the key, this relay opens a UCX listener for that
-// connection's chunk bytes (on_up_message, accept_data_conns).
+// downstream proved the key, it opens its data connection to the relay's
+// data listener and proves the session key there (accept_data_conns).
 void Relay::Impl::start_listener() {
   if (o.listen.empty()) return;
   const Address a = parse_address(o.listen);
@@ -60,7 +60,37 @@ void Relay::Impl::start_listener() {
   if (a.host.find(':') != std::string::npos)
     listen_str = "[" + a.host + "]:" + std::to_string(ucx::sockaddr_port(bound));
   log("listening on " + listen_str + " for downstream relays");
+  start_data_listener(ss, len);
   status_dirty = true;
+}
+
+// The data listener: on the --listen address, any free port, for the
+// relay's life (relay_impl.hpp says why it is never closed earlier).
+void Relay::Impl::start_data_listener(const sockaddr_storage& at, socklen_t len) {
+  sockaddr_storage here = at;
+  if (here.ss_family == AF_INET) reinterpret_cast<sockaddr_in*>(&here)->sin_port = 0;
+  else if (here.ss_family == AF_INET6) reinterpret_cast<sockaddr_in6*>(&here)->sin6_port = 0;
+  data_larg = std::make_unique<ListenArg>(ListenArg{&sink});
+  ucp_listener_params_t lp{};
+  lp.field_mask = UCP_LISTENER_PARAM_FIELD_SOCK_ADDR | UCP_LISTENER_PARAM_FIELD_CONN_HANDLER;
+  lp.sockaddr.addr = reinterpret_cast<const sockaddr*>(&here);
+  lp.sockaddr.addrlen = len;
+  lp.conn_handler.cb = on_data_conn;
+  lp.conn_handler.arg = data_larg.get();
+  if (const ucs_status_t ls = ucp_listener_create(lw->get(), &lp, &data_listener); ls != UCS_OK) {
+    data_listener = nullptr;
+    throw Error(Errc::kSystem, "cannot open the data listener on " + ucx::sockaddr_str(here) + ": " +
+                                   ucx::status_str(ls));
+  }
+  ucp_listener_attr_t la{};
+  la.field_mask = UCP_LISTENER_ATTR_FIELD_SOCKADDR;
+  if (ucp_listener_query(data_listener, &la) != UCS_OK) {
+    ucp_listener_destroy(data_listener);  // just opened: no connection is under way on it yet
+    data_listener = nullptr;
+    throw Error(Errc::kSystem, "cannot query the data listener's port (UCX)");
+  }
+  data_port = ucx::sockaddr_port(la.sockaddr);
+  log("data connections on " + ucx::sockaddr_str(la.sockaddr) + " (each proves its session key)");
 }
 
 // The address of a peer, without the port.
@@ -165,7 +195,6 @@ void Relay::Impl::drop_down(Down& d, const std::string& why, bool force) {
     st.last_error = "downstream " + d.peer + ": " + why;
   }
   leave_pending(d);
-  close_data_listener(d);
   d.state = Down::kClosing;
   d.closing_ns = mono_ns();
   if (force || !d.sock.want_write()) d.sock.close();
@@ -275,33 +304,18 @@ void Relay::Impl::on_up_message(Down& d, const std::vector<std::uint8_t>& msg) {
       refuse(d, "wrong key (the downstream's SHMCAST_RELAY_KEY / --key-file differs from this relay's)");
       return;
     }
-    // The key is proven: a UCX listener for this connection's chunk
-    // bytes, on the address the downstream reached, any port. It takes
-    // one connection, from the downstream's address, and closes.
+    // The key is proven: the welcome names the data listener, on the
+    // address the downstream reached. Its data connection must prove the
+    // session key there before any chunk goes to it (accept_data_conns).
     sockaddr_storage here{};
     socklen_t hlen = sizeof here;
     if (::getsockname(d.sock.fd(), reinterpret_cast<sockaddr*>(&here), &hlen) != 0) {
       drop_down(d, std::string("getsockname: ") + std::strerror(errno));
       return;
     }
-    if (here.ss_family == AF_INET) reinterpret_cast<sockaddr_in*>(&here)->sin_port = 0;
-    else if (here.ss_family == AF_INET6) reinterpret_cast<sockaddr_in6*>(&here)->sin6_port = 0;
-    d.larg = std::make_unique<ListenArg>(ListenArg{&sink, d.id});
-    ucp_listener_params_t lp{};
-    lp.field_mask = UCP_LISTENER_PARAM_FIELD_SOCK_ADDR | UCP_LISTENER_PARAM_FIELD_CONN_HANDLER;
-    lp.sockaddr.addr = reinterpret_cast<const sockaddr*>(&here);
-    lp.sockaddr.addrlen = hlen;
-    lp.conn_handler.cb = on_data_conn;
-    lp.conn_handler.arg = d.larg.get();
-    if (const ucs_status_t ls = ucp_listener_create(lw->get(), &lp, &d.listener); ls != UCS_OK) {
-      d.listener = nullptr;
-      drop_down(d, "cannot open its data listener: " + ucx::status_str(ls));
-      return;
-    }
-    ucp_listener_attr_t la{};
-    la.field_mask = UCP_LISTENER_ATTR_FIELD_SOCKADDR;
-    std::string data_addr;
-    if (ucp_listener_query(d.listener, &la) == UCS_OK) data_addr = ucx::sockaddr_str(la.sockaddr);
+    if (here.ss_family == AF_INET) reinterpret_cast<sockaddr_in*>(&here)->sin_port = htons(data_port);
+    else if (here.ss_family == AF_INET6) reinterpret_cast<sockaddr_in6*>(&here)->sin6_port = htons(data_port);
+    const std::string data_addr = ucx::sockaddr_str(here);
     d.session = auth::session_key(o.key, d.tr);
     d.tag_base = auth::data_tag_base(d.session);
     Writer w(Type::kWelcome);
@@ -317,85 +331,152 @@ void Relay::Impl::on_up_message(Down& d, const std::vector<std::uint8_t>& msg) {
   }
 }
 
-// Closes a downstream's data listener; connection requests it filed that
-// are not taken yet are refused first. Its connection handler runs inside
-// the worker's progress: with progress held off, none is filed meanwhile.
-void Relay::Impl::close_data_listener(Down& d) {
-  if (!d.listener) return;
-  lw->locked([&] {
-    std::vector<ucp_conn_request_h> mine;
-    {
-      std::lock_guard<std::mutex> g(sink.mu);
-      for (auto it = sink.conns.begin(); it != sink.conns.end();) {
-        if (it->first == d.id) {
-          mine.push_back(it->second);
-          it = sink.conns.erase(it);
-        } else {
-          ++it;
-        }
-      }
-    }
-    for (ucp_conn_request_h r : mine) ucp_listener_reject(d.listener, r);
-    ucp_listener_destroy(d.listener);
-  });
-  d.listener = nullptr;
-}
-
-// Data connections: the first from a downstream's own address is its
-// data endpoint; then its listener closes and it joins the next sync.
+// Connection requests to the data listener. Each gets an endpoint, which
+// proves nothing yet: a stream receive for its proof (on_data_proof) and a
+// deadline (--handshake-timeout; --first-response-timeout when no
+// downstream from its address awaits a data connection, so its proof
+// cannot succeed), and no chunk goes to it. At most
+// --max-pending-per-source unproven ones per address and --max-pending in
+// all: a newcomer beyond a cap closes the oldest of its address (else the
+// oldest of all), so a keyless peer on the downstream's own address cannot
+// keep it out by connecting first and holding on.
+// None is rejected (ucp_listener_reject): UCX 1.13 arms the rejected
+// socket for writing while its async context is blocked, files the event
+// as missed, closes the socket once the rejection is out, and then hands
+// that stale event to the next connection accepted on the same descriptor
+// number, which dies of an assertion (tcp_sockcm_ep.c:416; a keyless peer
+// opening a few connections at once got there within a few hundred
+// rejections). Closing an endpoint only shuts the socket down for writing.
 void Relay::Impl::accept_data_conns() {
-  std::vector<std::pair<std::uint64_t, ucp_conn_request_h>> list;
+  std::vector<ucp_conn_request_h> list;
   {
     std::lock_guard<std::mutex> g(sink.mu);
     list.swap(sink.conns);
   }
-  for (std::size_t i = 0; i < list.size(); ++i) {
-    const auto [id, req] = list[i];
-    if (req == nullptr) continue;  // rejected below, with its listener's first
-    auto it = downs.find(id);
-    if (it == downs.end() || !it->second->listener) continue;  // its listener is gone, and the request with it
-    Down& d = *it->second;
+  const std::int64_t now = mono_ns();
+  for (ucp_conn_request_h req : list) {
     ucp_conn_request_attr_t attr{};
     attr.field_mask = UCP_CONN_REQUEST_ATTR_FIELD_CLIENT_ADDR;
     const bool known = ucp_conn_request_query(req, &attr) == UCS_OK;
-    if (d.state != Down::kJoining || d.ep != nullptr || !known || source_of(attr.client_address) != d.source) {
-      ucp_listener_reject(d.listener, req);
-      rlog.log("reject", "data connection for downstream " + std::to_string(d.id) + " from " +
-                             (known ? ucx::sockaddr_str(attr.client_address) : std::string("?")) +
-                             " refused (not from " + d.source + ", or not awaited)",
-               mono_ns());
-      continue;
+    const std::string peer = known ? ucx::sockaddr_str(attr.client_address) : std::string("?");
+    const std::string src = known ? source_of(attr.client_address) : std::string();
+    const bool awaited = known && std::any_of(downs.begin(), downs.end(), [&](const auto& kv) {
+                           return kv.second->state == Down::kJoining && kv.second->ep == nullptr &&
+                                  kv.second->source == src;
+                         });
+    // The caps: the oldest unproven connection of its address (or of all)
+    // makes room.
+    std::size_t from_src = 0, open = 0;
+    std::uint64_t oldest_src = 0, oldest = 0;
+    for (const auto& [id, dc] : data_conns) {
+      if (dc.closing) continue;
+      ++open;
+      if (oldest == 0) oldest = id;  // ids grow: the first is the oldest
+      if (dc.source == src && from_src++ == 0) oldest_src = id;
     }
-    d.arg = std::make_unique<EpArg>(EpArg{&sink, d.id, 0});
+    if (from_src >= o.max_pending_per_source)
+      close_data_conn(oldest_src, "evicted: a newer data connection from its address needs its place");
+    else if (open >= o.max_pending)
+      close_data_conn(oldest, "evicted: a newer data connection needs its place");
+    const std::uint64_t id = kDataConnBit | next_data_conn++;
+    DataConn dc;
+    dc.arg = std::make_unique<EpArg>(EpArg{&sink, id, 0});
+    dc.source = src;
+    dc.peer = peer;
+    dc.since_ns = now;
+    dc.deadline_ns = now + (awaited ? o.handshake_timeout : std::min(o.handshake_timeout, o.first_response_timeout)).count();
     ucp_ep_params_t ep{};
     ep.field_mask = UCP_EP_PARAM_FIELD_CONN_REQUEST | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
                     UCP_EP_PARAM_FIELD_ERR_HANDLER;
     ep.conn_request = req;
     ep.err_mode = UCP_ERR_HANDLING_MODE_PEER;
     ep.err_handler.cb = ep_error_cb;
-    ep.err_handler.arg = d.arg.get();
-    const ucs_status_t st = ucp_ep_create(lw->get(), &ep, &d.ep);
-    // Later requests for this connection in the same batch are refused
-    // before its listener goes (close_data_listener refuses only those
-    // still in the sink): each request is answered, none left dangling.
-    for (std::size_t k = i + 1; k < list.size(); ++k)
-      if (list[k].first == d.id && list[k].second != nullptr) {
-        ucp_listener_reject(d.listener, list[k].second);
-        list[k].second = nullptr;
-        rlog.log("reject", "data connection for downstream " + std::to_string(d.id) +
-                               " refused (it has its data connection)",
-                 mono_ns());
-      }
-    close_data_listener(d);
-    if (st != UCS_OK) {
-      d.ep = nullptr;
-      drop_down(d, "cannot accept its data connection: " + ucx::status_str(st));
+    ep.err_handler.arg = dc.arg.get();
+    if (const ucs_status_t st = ucp_ep_create(lw->get(), &ep, &dc.ep); st != UCS_OK) {
+      rlog.log("reject", "data connection from " + peer + " not accepted: " + ucx::status_str(st), now);
       continue;
     }
-    d.state = Down::kReady;
-    log("downstream " + std::to_string(d.id) + " (" + d.peer + ") authenticated; it joins at the next sync");
-    status_dirty = true;
+    DataConn& mine = data_conns.emplace(id, std::move(dc)).first->second;
+    // Its proof: the first wire::kDataProofBytes of its stream.
+    Op* op = new_op(Op::kProofRecv, lw->get());
+    op->conn = id;
+    op->msg.resize(wire::kDataProofBytes);
+    ucp_request_param_t p{};
+    p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
+    p.cb.recv_stream = op_stream_recv_cb;
+    p.user_data = op;
+    p.flags = UCP_STREAM_RECV_FLAG_WAITALL;
+    track(op, ucp_stream_recv_nbx(mine.ep, op->msg.data(), op->msg.size(), &op->length, &p));
   }
+  // Deadlines, for connections that never sent their proof.
+  for (auto& [id, dc] : data_conns)
+    if (!dc.closing && now > dc.deadline_ns)
+      close_data_conn(id, "no proof of the session key within " +
+                              std::to_string((dc.deadline_ns - dc.since_ns) / 1000000) + " ms");
+}
+
+// A data connection's proof arrived (or its receive ended): a connection
+// id and data_proof(session, id). It becomes that downstream's data
+// endpoint only when the downstream proved the key on its control
+// channel, awaits its data connection, and is at the connection's address.
+void Relay::Impl::on_data_proof(Op* op) {
+  auto it = data_conns.find(op->conn);
+  if (it == data_conns.end() || it->second.closing) return;
+  DataConn& dc = it->second;
+  if (op->status != UCS_OK || op->length != wire::kDataProofBytes) {
+    close_data_conn(op->conn, op->status != UCS_OK ? "ended before its proof (" + ucx::status_str(op->status) + ")"
+                                                   : "sent a short proof");
+    return;
+  }
+  std::uint64_t conn = 0;
+  wire::Mac got{};
+  std::memcpy(&conn, op->msg.data(), 8);
+  std::memcpy(got.data(), op->msg.data() + 8, wire::kMacBytes);
+  auto d_it = downs.find(conn);
+  if (d_it == downs.end() || d_it->second->state != Down::kJoining || d_it->second->ep != nullptr ||
+      d_it->second->source != dc.source || !auth::equal(got, auth::data_proof(d_it->second->session, conn))) {
+    close_data_conn(op->conn, "did not prove the session key of a downstream from its address that awaits it");
+    return;
+  }
+  Down& d = *d_it->second;
+  d.ep = dc.ep;
+  {
+    std::lock_guard<std::mutex> g(sink.mu);  // its error handler reads the id under this lock
+    dc.arg->conn = d.id;
+  }
+  d.arg = std::move(dc.arg);
+  data_conns.erase(it);
+  d.state = Down::kReady;
+  log("downstream " + std::to_string(d.id) + " (" + d.peer + ") authenticated, its data connection too; it joins "
+      "at the next sync");
+  status_dirty = true;
+}
+
+// Closes an unproven data connection; its records go once its endpoint is
+// closed (Op::kClose), its proof's receive is cancelled with it.
+void Relay::Impl::close_data_conn(std::uint64_t id, const std::string& why) {
+  auto it = data_conns.find(id);
+  if (it == data_conns.end() || it->second.closing) return;
+  it->second.closing = true;
+  ++unproven;
+  status_dirty = true;
+  rlog.log("drop", "data connection from " + it->second.peer + " closed: " + why, mono_ns());
+  close_ep(lw->get(), it->second.ep, true, id);
+}
+
+// At shutdown, with lw's progress stopped (no connection handler runs):
+// the requests not taken are rejected, then the listener goes, right
+// before lw itself.
+void Relay::Impl::stop_data_listener() {
+  if (!data_listener) return;
+  std::vector<ucp_conn_request_h> left;
+  {
+    std::lock_guard<std::mutex> g(sink.mu);
+    left.swap(sink.conns);
+  }
+  for (ucp_conn_request_h r : left) ucp_listener_reject(data_listener, r);
+  ucp_listener_destroy(data_listener);
+  data_listener = nullptr;
 }
 
 // No tagged message comes to the downstream connections' worker: anything

@@ -55,7 +55,7 @@ ucs_log_func_rc_t ucx_log_limiter(const char* file, unsigned line, const char*, 
 void on_data_conn(ucp_conn_request_h req, void* arg) {
   auto* a = static_cast<ListenArg*>(arg);
   std::lock_guard<std::mutex> g(a->sink->mu);
-  a->sink->conns.emplace_back(a->conn, req);
+  a->sink->conns.push_back(req);
 }
 
 void op_send_cb(void*, ucs_status_t st, void* user) {
@@ -73,6 +73,15 @@ void op_recv_cb(void*, ucs_status_t st, const ucp_tag_recv_info_t* info, void* u
     op->length = info->length;
     op->sender_tag = info->sender_tag;
   }
+  op->done.store(true, std::memory_order_release);
+  op->sink->completed.push_back(op);
+}
+
+void op_stream_recv_cb(void*, ucs_status_t st, std::size_t length, void* user) {
+  auto* op = static_cast<Op*>(user);
+  std::lock_guard<std::mutex> g(op->sink->mu);
+  op->status = st;
+  op->length = length;
   op->done.store(true, std::memory_order_release);
   op->sink->completed.push_back(op);
 }
@@ -222,7 +231,13 @@ void Relay::Impl::on_complete(Op* op) {
       else if (op->gen == up.gen && up.junk_busy > 0) --up.junk_busy;
       return;
     }
+    case Op::kProofRecv: on_data_proof(op); return;
+    case Op::kProofSend: return;  // a failure ends the endpoint too (ep_error_cb)
     case Op::kClose: {  // a downstream's data endpoint is closed: service_downs() ends it
+      if (op->conn & kDataConnBit) {  // an unproven data connection: its records go with it
+        data_conns.erase(op->conn);
+        return;
+      }
       if (op->conn != 0)
         if (auto it = downs.find(op->conn); it != downs.end()) {
           it->second->ep = nullptr;
@@ -274,6 +289,10 @@ void Relay::Impl::process_ep_failures() {
       if (f.gen == up.gen && up.state != Up::kIdle)
         fail_upstream(up.state == Up::kAuthed ? "connection lost (" + ucx::status_str(status) + ")"
                                               : "cannot connect (" + ucx::status_str(status) + ")");
+      continue;
+    }
+    if (conn & kDataConnBit) {
+      close_data_conn(conn, "connection lost (" + ucx::status_str(status) + ") before it proved the key");
       continue;
     }
     if (auto it = downs.find(conn); it != downs.end())

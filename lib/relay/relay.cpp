@@ -239,8 +239,9 @@ void Relay::Impl::shutdown() {
   // then close the channels and the data endpoints.
   for (auto& [id, d] : downs)
     if (d->state != Down::kClosing) drop_down(*d, "the relay is stopping", false);
+  for (auto& [id, dc] : data_conns) close_data_conn(id, "the relay is stopping");
   const std::int64_t deadline = mono_ns() + 3'000'000'000;
-  while (!downs.empty() && mono_ns() < deadline) {
+  while ((!downs.empty() || !data_conns.empty()) && mono_ns() < deadline) {
     unsigned n = lw ? lw->progress() : 0;
     process_completions();
     service_downs();
@@ -275,6 +276,7 @@ void Relay::Impl::shutdown() {
   // then free the ops. All before the writer closes this node's region:
   // a forwarding send may read from its slots until its worker is gone.
   if (lw) lw->stop_progress();
+  stop_data_listener();  // right before lw (relay_impl.hpp, data_listener)
   for (auto& [p, op] : ops)
     if (op->done && op->req) {
       ucp_request_free(op->req);

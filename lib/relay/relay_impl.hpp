@@ -78,24 +78,25 @@ struct Sink {
   std::mutex mu;
   std::vector<Op*> completed;
   std::vector<EpFailure> failures;
-  // Data connections to a downstream's listener: (connection id, request).
-  std::vector<std::pair<std::uint64_t, ucp_conn_request_h>> conns;
+  // Connection requests to the data listener, for the network thread.
+  std::vector<ucp_conn_request_h> conns;
   bool empty() {
     std::lock_guard<std::mutex> g(mu);
     return completed.empty() && failures.empty() && conns.empty();
   }
 };
-// A downstream's data listener's argument; outlives the listener.
+// The data listener's argument; outlives the listener.
 struct ListenArg {
   Sink* sink;
-  std::uint64_t conn;
 };
 // Its connection handler (net.cpp): files the request for the network thread.
 void on_data_conn(ucp_conn_request_h req, void* arg);
 
 // One UCX request and what the network thread needs to finish it.
 struct Op {
-  enum Kind : std::uint8_t { kDataSend, kDataRecv, kJunkRecv, kClose };
+  // kProofRecv: a data connection's proof (listener side, a stream
+  // receive); kProofSend: ours (downstream side, a stream send).
+  enum Kind : std::uint8_t { kDataSend, kDataRecv, kJunkRecv, kClose, kProofRecv, kProofSend };
   Kind kind = kDataSend;
   Sink* sink = nullptr;  // where the callback files it
   ucp_worker_h worker = nullptr;
@@ -120,6 +121,7 @@ struct Op {
 // An Op's completion callbacks (net.cpp): file it in its sink.
 void op_send_cb(void*, ucs_status_t st, void* user);
 void op_recv_cb(void*, ucs_status_t st, const ucp_tag_recv_info_t* info, void* user);
+void op_stream_recv_cb(void*, ucs_status_t st, std::size_t length, void* user);
 
 // Every endpoint's error handler argument; freed after the endpoint.
 struct EpArg {
@@ -178,16 +180,14 @@ struct Down {
   enum State { kHandshake, kJoining, kReady, kActive, kClosing };
   std::uint64_t id = 0;  // never reused (64 bits)
   CtrlSocket sock;       // its control channel: every message on it is this connection's
-  // Its data connection: a UCX listener of its own, opened once it proved
-  // the key and closed once it connected (the endpoint).
-  ucp_listener_h listener = nullptr;
-  std::unique_ptr<ListenArg> larg;
+  // Its data connection (to the relay's data listener), once it proved
+  // this connection's session key on it (Impl::DataConn until then).
   ucp_ep_h ep = nullptr;
   bool ep_closing = false;
   std::int64_t closing_ns = 0;
   std::unique_ptr<EpArg> arg;
   std::string peer;
-  std::string source;    // the peer's address without the port (its data connection comes from it)
+  std::string source;    // the peer's address without the port (its data connection must come from it)
   bool pending = false;  // counted by the listener's Admission (handshake not done)
   State state = kHandshake;
   auth::Transcript tr;
@@ -235,6 +235,31 @@ struct Relay::Impl {
   std::unique_ptr<ucx::Worker> lw;  // the downstream connections' worker (their data endpoints)
   int listen_fd = -1;               // the control channels' listening socket
   std::string listen_str;
+  // The data listener (on lw): one for the relay's life, destroyed only
+  // in shutdown() right before lw. UCX 1.13's TCP connection manager keeps
+  // a pointer to its listener in every connection it accepted and has not
+  // handed on yet (a peer that connected and sent nothing holds one as
+  // long as it likes); destroying the listener then crashed the relay in
+  // UCX's async thread once that peer wrote (issue 41, item 4).
+  ucp_listener_h data_listener = nullptr;
+  std::unique_ptr<ListenArg> data_larg;
+  std::uint16_t data_port = 0;
+  // Data connections that have not proven a session key yet (listener.cpp,
+  // accept_data_conns): ids with kDataConnBit set, never a Down's. Each has
+  // a stream receive for its proof; no chunk goes to it. One that proves
+  // the key of a joining downstream from its address becomes that
+  // downstream's data endpoint; the others are closed (a wrong proof, none
+  // before the deadline, evicted by a newer one from the same address).
+  struct DataConn {
+    ucp_ep_h ep = nullptr;
+    std::unique_ptr<EpArg> arg;  // freed after the endpoint (Op::kClose)
+    std::string source, peer;
+    std::int64_t since_ns = 0, deadline_ns = 0;
+    bool closing = false;
+  };
+  static constexpr std::uint64_t kDataConnBit = 1ull << 63;
+  std::map<std::uint64_t, DataConn> data_conns;
+  std::uint64_t next_data_conn = 1;
   Sink sink;                   // what callbacks filed (any thread)
   std::vector<Op*> completed;  // taken from the sink, being processed (network thread)
   std::unordered_map<Op*, std::unique_ptr<Op>> ops;
@@ -509,8 +534,11 @@ struct Relay::Impl {
   void refuse(Down& d, const std::string& why);
   void service_downs();
   void on_up_message(Down& d, const std::vector<std::uint8_t>& msg);
-  void close_data_listener(Down& d);
+  void start_data_listener(const sockaddr_storage& at, socklen_t len);
   void accept_data_conns();
+  void on_data_proof(Op* op);
+  void close_data_conn(std::uint64_t id, const std::string& why);
+  void stop_data_listener();
   void drain_lw_junk();
 
   // ---- fanout.cpp: the outgoing sync (network thread)

@@ -33,7 +33,7 @@ Context::Context(const std::string& net_devices) {
   }
   ucp_params_t p{};
   p.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_NAME | UCP_PARAM_FIELD_MT_WORKERS_SHARED;
-  p.features = UCP_FEATURE_TAG | UCP_FEATURE_WAKEUP;
+  p.features = UCP_FEATURE_TAG | UCP_FEATURE_STREAM | UCP_FEATURE_WAKEUP;  // stream: the data connection's proof
   p.mt_workers_shared = 1;  // workers progressed by threads of their own
   p.name = "shmcast-relay";
   const ucs_status_t st = ucp_init(&p, config, &h_);

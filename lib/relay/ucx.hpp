@@ -27,7 +27,7 @@ std::string status_str(ucs_status_t st);
 
 class Context {
  public:
-  // Tag matching and wake-up; UCX_* environment variables
+  // Tag matching, streams (a data connection's proof) and wake-up; UCX_* environment variables
   // apply. `net_devices` not empty: UCX's NET_DEVICES, unless the
   // environment sets UCX_NET_DEVICES.
   explicit Context(const std::string& net_devices = "");

@@ -248,8 +248,8 @@ std::string Relay::Impl::chunk_room_problem(std::uint64_t chunk_bytes) const {
   return wire::chunk_problem(chunk_bytes, room);
 }
 
-// Connects the data endpoint to `addr` (HOST:PORT); false when it failed
-// the upstream connection.
+// Connects the data endpoint to `addr` (HOST:PORT) and sends its proof of
+// the session key on it; false when it failed the upstream connection.
 bool Relay::Impl::connect_data(const std::string& addr) {
   sockaddr_storage ss{};
   socklen_t len = 0;
@@ -274,6 +274,16 @@ bool Relay::Impl::connect_data(const std::string& addr) {
     fail_upstream("cannot open the data connection to " + addr + ": " + ucx::status_str(s));
     return false;
   }
+  // Its first bytes prove the session key (wire::kDataProofBytes): the
+  // upstream sends no chunk on it before it checked them.
+  Op* op = new_op(Op::kProofSend, up.w->get());
+  op->gen = up.gen;
+  const wire::Mac proof = auth::data_proof(up.session, up.tr.conn);
+  op->msg.resize(wire::kDataProofBytes);
+  std::memcpy(op->msg.data(), &up.tr.conn, 8);
+  std::memcpy(op->msg.data() + 8, proof.data(), proof.size());
+  ucp_request_param_t p = send_param(op);
+  track(op, ucp_stream_send_nbx(up.ep, op->msg.data(), op->msg.size(), &p));
   return true;
 }
 

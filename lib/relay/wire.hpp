@@ -20,7 +20,10 @@ namespace shmcast::relay::wire {
 // a UCX connection to a listener the upstream opens for that connection.
 // 4: delta syncs (a sync message's base version and delta pieces) and the
 // downstream's full-sync request (kWantFull).
-inline constexpr std::uint32_t kProto = 4;
+// 5: one long-lived data listener per relay; each data connection proves
+// the session key (auth::data_proof, a UCP stream message) before a chunk
+// is sent on it.
+inline constexpr std::uint32_t kProto = 5;
 inline constexpr std::uint32_t kMagic = 0x594c5253;  // "SRLY"
 
 // Chunk bytes are tagged messages (received straight into their buffers).
@@ -80,6 +83,10 @@ inline constexpr std::size_t kMacBytes = 32;
 using Nonce = std::array<std::uint8_t, kNonceBytes>;
 using Mac = std::array<std::uint8_t, kMacBytes>;
 inline constexpr std::uint32_t kFlagChecksums = 1;
+// What a downstream sends first on its data connection (a UCP stream
+// message): the connection id (64 bits, the challenge's) and
+// auth::data_proof over it.
+inline constexpr std::size_t kDataProofBytes = 8 + kMacBytes;
 
 // Malformed input from a peer.
 struct ProtocolError : std::runtime_error {

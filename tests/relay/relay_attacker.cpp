@@ -29,7 +29,7 @@
 //     "opened N", "raw M", "flooding", then "crashed C" (groups started
 //     again), "rejected R" (UCX connections the relay refused or closed),
 //     "reopened K", "done".
-//   relay_attacker fake-upstream --listen 127.0.0.1:PORT [--proto 2|3|4] --report FILE
+//   relay_attacker fake-upstream --listen 127.0.0.1:PORT [--proto 2|3|4|5] --report FILE
 //     Listens where a relay's upstream would (port 0: any), reports
 //     "listening PORT", and answers every connection with "refused" (in
 //     protocol 3 on a TCP socket, the default, or 2 on a UCX listener), then
@@ -869,7 +869,7 @@ int main(int argc, char** argv) {
   if (argc < 2) die("usage: relay_attacker forge|flood|fake-upstream|bad-response [options]");
   const std::string mode = argv[1];
   std::string to, listen;
-  int seconds = 5, conns = 0, raw = 0, proto = 4, sustain = 0, bad_bytes = 0;
+  int seconds = 5, conns = 0, raw = 0, proto = 5, sustain = 0, bad_bytes = 0;
   for (int i = 2; i + 1 < argc; i += 2) {
     const std::string k = argv[i], v = argv[i + 1];
     if (k == "--to") to = v;
