@@ -42,7 +42,8 @@ Exit codes:
   0    stopped by SIGINT or SIGTERM
   1    failure (see the message)
   2    usage error (also: no key, a key shorter than 16 bytes, a key file
-       someone else owns or may write, or others may read)
+       someone else owns or may write, or others may read, a key file that
+       is a FIFO or a link someone else may have planted)
   3    with --exit-on-refusal: the upstream refused this relay (a wrong key,
        another region or version), or did not prove the key
   4    this node's region is held by another live producer)";

@@ -43,7 +43,10 @@ SHMCAST_API Address parse_address(std::string_view host_port);
 // than 16 bytes, and Error(kPermission) when someone else controls the file:
 // it is owned by a uid other than this process's effective uid or root, or
 // the group or others may write it, or others may read it (use 0600, or
-// 0440 with a group).
+// 0440 with a group), or it is a symbolic link that someone else may have
+// planted (owned by another uid, or in a directory others may write without
+// the sticky bit). Opened O_NOFOLLOW | O_NONBLOCK: anything but a regular
+// file (a FIFO) is refused at once (kInvalidArgument).
 SHMCAST_API std::string load_key(const std::string& key_file);
 
 struct RelayOptions {
