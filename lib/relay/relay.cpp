@@ -48,6 +48,7 @@ Relay::Impl::Impl(RelayOptions opts)
     throw Error(Errc::kInvalidArgument, "first_response_timeout must be positive");
   status_path = o.status_path.empty() ? default_status_path(o.region) : o.status_path;
   if (status_path == "-") status_path.clear();
+  first_status();
   wake_fd = ::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
   if (wake_fd < 0) throw Error(Errc::kSystem, std::string("eventfd: ") + std::strerror(errno), errno);
 }

@@ -583,6 +583,7 @@ struct Relay::Impl {
   void note_error(const std::string& e);
   static std::string printable(const std::string& s, std::size_t max = 300);
   void write_status(bool force);
+  void first_status();  // at construction: throws kPermission when the status name is another user's
 };
 
 }  // namespace shmcast::relay

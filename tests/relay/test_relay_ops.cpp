@@ -105,3 +105,62 @@ TEST(RelayOps, KeyFileLinksAndFifosAreRefused) {
   EXPECT_EQ(other.wait(30s), 2) << other.output();
   EXPECT_NE(other.output().find("is a symbolic link owned by uid 65534"), std::string::npos) << other.output();
 }
+
+// Item 8 of issue 41. The default status file lies in the region directory,
+// /dev/shm, where anyone may create files and the sticky bit keeps a user
+// from replacing another's. uid 65534 creates shmcast-relay.R.json first;
+// a relay of another user (uid 65533) then cannot write its status. Before
+// the fix it ran on without one (every write failed; shmcast-inspect called
+// the file untrusted). Now it refuses to start (exit 2), naming the file's
+// owner and --status; with --status in a directory of its own it runs.
+TEST(RelayOps, StatusNameAnotherUidTookIsRefusedAtStart) {
+  if (::geteuid() != 0 || !have_setpriv()) GTEST_SKIP() << "needs root and setpriv (two other uids)";
+  Cluster c(1, "squat");
+  const std::string shm = c.file("shm");  // the region directory: as /dev/shm, sticky and open to all
+  ASSERT_EQ(::mkdir(shm.c_str(), 0777), 0);
+  ASSERT_EQ(::chmod(shm.c_str(), 01777), 0);
+  ASSERT_EQ(::chmod(c.file("").c_str(), 0755), 0);
+  const std::string status = shm + "/shmcast-relay." + c.region() + ".json";
+  ASSERT_EQ(run_as({"setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "touch", status},
+                   c.file("setpriv.log")),
+            0)
+      << slurp(c.file("setpriv.log"));
+  struct stat st {};
+  ASSERT_EQ(::lstat(status.c_str(), &st), 0);
+  ASSERT_EQ(st.st_uid, 65534u);
+  const std::map<std::string, std::string> env = {{"SHMCAST_DIR", shm}};
+  auto relay_as_65533 = [&](const std::string& tag, std::vector<std::string> extra) -> Proc& {
+    std::vector<std::string> argv = {"setpriv", "--reuid=65533", "--regid=65533", "--clear-groups",
+                                     kRelay,    c.region(),     "--listen",      "127.0.0.1:0"};
+    argv.insert(argv.end(), extra.begin(), extra.end());
+    return c.start(tag, argv, 0, kKey, env);
+  };
+  Proc& squatted = relay_as_65533("relay-squatted", {});
+  EXPECT_EQ(squatted.wait(30s), 2) << squatted.output();
+  const std::string out = squatted.output();
+  EXPECT_NE(out.find("status file " + status + " belongs to uid 65534"), std::string::npos) << out;
+  EXPECT_NE(out.find("--status"), std::string::npos) << out;
+  // The way out: a status path of its own.
+  const std::string own = c.file("own");
+  ASSERT_EQ(::mkdir(own.c_str(), 0755), 0);
+  ASSERT_EQ(::chown(own.c_str(), 65533, 65533), 0);
+  Proc& moved = relay_as_65533("relay-moved", {"--status", own + "/relay.json"});
+  // Running: its status names the port it listens on (written once run()
+  // has begun; the first write, at construction, comes before the tool
+  // handles SIGTERM).
+  const auto end = std::chrono::steady_clock::now() + 60s;
+  bool listening = false;
+  while (!listening && moved.running() && std::chrono::steady_clock::now() < end) {
+    try {
+      listening = !json::parse(slurp(own + "/relay.json")).value("listen", std::string()).empty();
+    } catch (const std::exception&) {
+    }
+    if (!listening) std::this_thread::sleep_for(5ms);
+  }
+  EXPECT_TRUE(listening) << moved.output();
+  EXPECT_TRUE(moved.running()) << moved.output();
+  struct stat ms {};
+  ASSERT_EQ(::lstat((own + "/relay.json").c_str(), &ms), 0);
+  EXPECT_EQ(ms.st_uid, 65533u);
+  EXPECT_EQ(moved.term(), 0) << moved.output();
+}

@@ -12,6 +12,7 @@
 #include <CLI/CLI.hpp>
 #include <cstdio>
 #include <cstdlib>
+#include <optional>
 #include <string>
 
 #include "shmcast/relay.hpp"
@@ -43,7 +44,8 @@ Exit codes:
   1    failure (see the message)
   2    usage error (also: no key, a key shorter than 16 bytes, a key file
        someone else owns or may write, or others may read, a key file that
-       is a FIFO or a link someone else may have planted)
+       is a FIFO or a link someone else may have planted, a status file
+       another user created first)
   3    with --exit-on-refusal: the upstream refused this relay (a wrong key,
        another region or version), or did not prove the key
   4    this node's region is held by another live producer)";
@@ -177,15 +179,23 @@ int main(int argc, char** argv) {
       std::fprintf(stderr, "shmcast-relay %s: %s\n", region.c_str(), e.what());
       return 2;
     }
-    shmcast::relay::Relay relay(std::move(o));
-    g_relay = &relay;
+    // What the constructor refuses is the setup's (the options, a status
+    // file another user holds): exit 2, as for a key file.
+    std::optional<shmcast::relay::Relay> relay;
+    try {
+      relay.emplace(std::move(o));
+    } catch (const shmcast::Error& e) {
+      std::fprintf(stderr, "shmcast-relay %s: %s\n", region.c_str(), e.what());
+      return e.code() == shmcast::Errc::kSystem ? 1 : 2;
+    }
+    g_relay = &*relay;
     struct sigaction sa {};
     sa.sa_handler = on_signal;
     sigemptyset(&sa.sa_mask);
     sigaction(SIGINT, &sa, nullptr);
     sigaction(SIGTERM, &sa, nullptr);
     signal(SIGPIPE, SIG_IGN);
-    relay.run();
+    relay->run();
     g_relay = nullptr;
   } catch (const CLI::ValidationError& e) {
     std::fprintf(stderr, "shmcast-relay: %s\n", e.what());
