@@ -264,6 +264,7 @@ struct Relay::Impl {
   struct FanFrag {
     int pending = 0;                  // sends of it in flight
     std::int64_t first_done_ns = 0;   // when the first downstream took it
+    int buf = -1;                     // where it is sent from: a buffer or slot (Buffer), -1 a source slot
   };
   std::uint64_t fan_seq = 0;
   std::map<std::uint64_t, FanFrag> fan;
@@ -481,6 +482,7 @@ struct Relay::Impl {
   void wait_events();
   bool has_cmds();
   void check_timers();
+  void check_lag(std::int64_t now);
   void shutdown();
 
   // ---- net.cpp: UCX requests and completions, workers (network thread)

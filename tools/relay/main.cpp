@@ -101,8 +101,9 @@ int main(int argc, char** argv) {
                  "Seconds a connection to the listener may take to answer the challenge (default 2)")
       ->check(CLI::Range(0.1, 3600.0));
   app.add_option("--max-lag", max_lag,
-                 "Seconds a downstream may lag behind the other downstream relays (not taking a fragment they took) "
-                 "before it is dropped from the sync (default 0.3)")
+                 "Seconds a downstream may take no fragment while it holds the source back (a slot or receive "
+                 "buffer the others are done with waits for it) before it is dropped from the sync; one that is "
+                 "only slower than the others keeps its own pace (default 0.3)")
       ->check(CLI::Range(0.01, 3600.0));
   app.add_option("--max-pending", max_pending,
                  "Connections that have not proven the key yet, at most; more are refused at once (default 64)")
