@@ -51,7 +51,9 @@ int Relay::Impl::forward_frag(std::uint32_t c, std::uint32_t j, const std::byte*
     if (d->pending_data++ == 0) d->progress_ns = mono_ns();
     ++d->frags_sent;
     d->pend.insert(ord);
-    ++fan[ord].pending;
+    FanFrag& ff = fan[ord];
+    ++ff.pending;
+    ff.buf = buf;
     ucp_request_param_t prm = send_param(op, memh);
     add_ref(buf);
     track(op, ucp_tag_send_nbx(d->ep, p, len, wire::data_tag(d->serial, out.plan->frag_tag(c, j)), &prm));

@@ -48,6 +48,7 @@ Relay::Impl::Impl(RelayOptions opts)
     throw Error(Errc::kInvalidArgument, "first_response_timeout must be positive");
   status_path = o.status_path.empty() ? default_status_path(o.region) : o.status_path;
   if (status_path == "-") status_path.clear();
+  first_status();
   wake_fd = ::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
   if (wake_fd < 0) throw Error(Errc::kSystem, std::string("eventfd: ") + std::strerror(errno), errno);
 }
@@ -197,18 +198,8 @@ void Relay::Impl::check_timers() {
     if (d->state == Down::kJoining && now > d->deadline_ns) drop_down(*d, "no data connection in time");
     if (d->state == Down::kActive && d->pending_data > 0 && now - d->progress_ns > o.peer_timeout.count())
       drop_down(*d, "took no chunk for " + std::to_string(o.peer_timeout.count() / 1000000) + " ms (stalled)");
-    // Isolation: a downstream that has not taken a fragment which another
-    // downstream took more than max_lag ago holds the others back (the
-    // fragment's buffer, or the source's slot, waits for it). It is
-    // dropped from the sync, reconnects and takes the next one.
-    if ((d->state == Down::kActive || d->state == Down::kReady) && !d->pend.empty())
-      if (auto f = fan.find(*d->pend.begin());
-          f != fan.end() && f->second.first_done_ns != 0 && now - f->second.first_done_ns > o.max_lag.count())
-        drop_down(*d, "fell behind the other downstream relays by more than " +
-                          std::to_string(o.max_lag.count() / 1000000) +
-                          " ms (it has not taken a fragment they took " +
-                          std::to_string((now - f->second.first_done_ns) / 1000000) + " ms ago)");
   }
+  check_lag(now);
   rlog.flush(now);
   if (!source) {
     // An upstream that sends nothing mid-sync (a stalled or broken relay;
@@ -220,6 +211,45 @@ void Relay::Impl::check_timers() {
     if (up.state == Up::kIdle && now >= up.retry_at_ns && !stopping) connect_upstream();
     if ((up.state == Up::kConnecting || up.state == Up::kAwaitWelcome) && now > up.deadline_ns)
       fail_upstream("no handshake from the upstream in time");
+  }
+}
+
+// Isolation (--max-lag): a downstream is dropped from the sync when it
+// holds the source back, that is when it holds a fragment that another
+// downstream has taken, in a place the relay needs back, and has taken no
+// fragment itself for max_lag. The places: a source relay's slots (the
+// source region's ring, K = 2 by default: its producer reuses each one as
+// soon as every downstream has it), this node's slots (direct receive), and
+// the receive buffers once none is free for the incoming sync. A downstream
+// that is only slower than its siblings takes fragments all the while: it
+// keeps its pace and is never dropped (the source then waits for it, so its
+// siblings go at its pace while its pipeline is full). One that stops or
+// crawls is dropped, reconnects and takes the next sync. Measuring lag
+// against the fastest sibling (before issue 41) dropped a relay that was
+// merely slower than its sibling on every sync.
+void Relay::Impl::check_lag(std::int64_t now) {
+  bool bufs_short = false, bufs_checked = false;
+  for (auto& [id, d] : downs) {
+    if ((d->state != Down::kActive && d->state != Down::kReady) || d->pend.empty()) continue;
+    if (now - d->progress_ns <= o.max_lag.count()) continue;
+    if (!bufs_checked) {
+      bufs_short = !source && in.plan && !in.discard && in.posted < in.limit && free_buf() < 0;
+      bufs_checked = true;
+    }
+    for (const std::uint64_t ord : d->pend) {
+      const auto f = fan.find(ord);
+      if (f == fan.end() || f->second.first_done_ns == 0) continue;  // nobody else has it either
+      const int b = f->second.buf;
+      if (!source && b < kSlotBase && !bufs_short) continue;  // a receive buffer, and others are free
+      const char* what = source ? "a slot of the source region" : b >= kSlotBase ? "a slot of this node's region"
+                                                                                  : "a receive buffer (none is free)";
+      drop_down(*d, "held the source back: it has taken no fragment for " +
+                        std::to_string((now - d->progress_ns) / 1000000) + " ms (--max-lag " +
+                        std::to_string(o.max_lag.count() / 1000000) + " ms) while it holds " + what +
+                        " that the other downstream relays took " +
+                        std::to_string((now - f->second.first_done_ns) / 1000000) + " ms ago");
+      break;
+    }
   }
 }
 

@@ -289,6 +289,7 @@ struct Relay::Impl {
   struct FanFrag {
     int pending = 0;                  // sends of it in flight
     std::int64_t first_done_ns = 0;   // when the first downstream took it
+    int buf = -1;                     // where it is sent from: a buffer or slot (Buffer), -1 a source slot
   };
   std::uint64_t fan_seq = 0;
   std::map<std::uint64_t, FanFrag> fan;
@@ -506,6 +507,7 @@ struct Relay::Impl {
   void wait_events();
   bool has_cmds();
   void check_timers();
+  void check_lag(std::int64_t now);
   void shutdown();
 
   // ---- net.cpp: UCX requests and completions, workers (network thread)
@@ -611,6 +613,7 @@ struct Relay::Impl {
   void note_error(const std::string& e);
   static std::string printable(const std::string& s, std::size_t max = 300);
   void write_status(bool force);
+  void first_status();  // at construction: throws kPermission when the status name is another user's
 };
 
 }  // namespace shmcast::relay

@@ -4,12 +4,15 @@
 // thread.
 #include "relay_impl.hpp"
 
+#include <sys/stat.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <cstdio>
 #include <ctime>
 #include <nlohmann/json.hpp>
 
+#include "owner.hpp"
 #include "shmcast/files.hpp"
 
 namespace shmcast::relay {
@@ -168,6 +171,28 @@ void Relay::Impl::write_status(bool force) {
     if (!status_failed) log(std::string("cannot write the status file (will retry): ") + e.what());
     status_failed = true;
   }
+}
+
+// The first write, at start. A name in a shared directory (the default,
+// <region dir>, is /dev/shm: sticky, anyone may create files there) that
+// another user created first cannot be replaced by this one (rename over
+// another user's file in a sticky directory is refused): every later write
+// would fail. Said now, naming the owner and the way out, instead of a
+// relay that runs without its status (and that shmcast-inspect calls
+// untrusted). Other failures (a full disk) are logged and retried as before.
+void Relay::Impl::first_status() {
+  if (status_path.empty()) return;
+  write_status(true);
+  if (!status_failed) return;
+  struct stat st {};
+  if (::lstat(status_path.c_str(), &st) != 0 || st.st_uid == ::geteuid()) return;
+  const std::string owner = owner_text(st.st_uid);
+  throw Error(Errc::kPermission,
+              "status file " + status_path + " belongs to " + owner + ", not to this user (uid " +
+                  std::to_string(::geteuid()) + "), and this relay cannot replace it: another user took the name "
+                  "first. Give the status file a path of your own with --status FILE (RelayOptions::status_path; "
+                  "- for none), or have that user (or root) remove " + status_path,
+              EPERM);
 }
 
 }  // namespace shmcast::relay

@@ -1,15 +1,16 @@
 // The trainer and the inference workers around shmcast-relay in the relay
 // tests: one process per role, on one "node" (its SHMCAST_DIR).
 //
-//   relay_peer produce NAME --syncs N [--tensors T] [--slot-bytes B] [--seed S]
+//   relay_peer produce NAME --syncs N [--tensors T | --bytes N] [--slot-bytes B] [--seed S]
 //                           [--consumers C] [--go PREFIX] [--pause-sync V --resume FILE] [--abort-sync V]
 //                           [--empty-sync V] --report FILE
-//   relay_peer consume NAME --syncs N [--tensors T] [--slot-bytes B] [--seed S] [--stall] [--empty-sync V]
+//   relay_peer consume NAME --syncs N [--tensors T | --bytes N] [--slot-bytes B] [--seed S] [--stall] [--empty-sync V]
 //                           --report FILE
 //
 // Sync v carries random_manifest(seed + v, slot_bytes, T) (multi-slot and
 // empty tensors included); tensor i holds fill_pattern(seed_of(v, i)).
 // --empty-sync V: sync V has the same names but every tensor is empty.
+// --bytes N: every sync is one tensor of N bytes (u8) instead.
 // produce: creates the region, reports "ready", waits for C consumers, then
 // for each sync v waits for the file PREFIX.v when --go is given, sends it
 // and reports "sent v". With --pause-sync V, sync V stops after half its
@@ -41,7 +42,7 @@ struct Args {
   std::string role, name, report, go, resume;
   int syncs = 3, tensors = 12, pause_sync = 0, abort_sync = 0, empty_sync = 0;
   std::uint32_t consumers = 1;
-  std::uint64_t slot_bytes = 2 << 20, seed = 7;
+  std::uint64_t slot_bytes = 2 << 20, seed = 7, bytes = 0;
   bool stall = false;
 };
 
@@ -62,6 +63,7 @@ bool wait_file(const std::string& path, std::chrono::seconds timeout) {
 }
 
 std::vector<TensorSpec> manifest(const Args& a, std::uint64_t v) {
+  if (a.bytes > 0) return {TensorSpec{"w", DType::kU8, {static_cast<std::int64_t>(a.bytes)}}};
   std::vector<TensorSpec> specs = random_manifest(a.seed + v, a.slot_bytes, a.tensors);
   if (static_cast<int>(v) == a.empty_sync)
     for (TensorSpec& t : specs) t.shape = {0};
@@ -182,6 +184,7 @@ int main(int argc, char** argv) {
     if (k == "--syncs") a.syncs = std::stoi(v);
     else if (k == "--tensors") a.tensors = std::stoi(v);
     else if (k == "--slot-bytes") a.slot_bytes = std::stoull(v);
+    else if (k == "--bytes") a.bytes = std::stoull(v);
     else if (k == "--seed") a.seed = std::stoull(v);
     else if (k == "--consumers") a.consumers = static_cast<std::uint32_t>(std::stoul(v));
     else if (k == "--go") a.go = v;

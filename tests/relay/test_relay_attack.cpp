@@ -520,9 +520,10 @@ TEST(RelayAttack, KeyFilesOthersControlAreRefused) {
 // stopped (SIGSTOP) for good, T stopped 4 s and resumed 0.3 s over and over.
 // The trainer sends a sync every 150 ms for about 9 s. Before the fix S held
 // every other downstream for the whole --peer-timeout (60 s here), and T was
-// never dropped: H got nothing. Now a downstream that has not taken a
-// fragment which another took more than --max-lag ago is dropped from the
-// sync: H gets every sync in time, T reconnects and takes later ones, and S,
+// never dropped: H got nothing. Now a downstream that holds the source
+// back (a slot H is done with waits for it) and has taken no fragment for
+// --max-lag is dropped from the sync (issue 41 item 6: not for merely
+// lagging behind H; tests/relay/test_relay_ops.cpp): H gets every sync in time, T reconnects and takes later ones, and S,
 // resumed, gets the next sync. --max-lag is 1 s here (0.3 s by default,
 // docs/benchmarks.md measures that one): a healthy relay starved by a loaded
 // machine for 0.3 s would be dropped too.
@@ -572,8 +573,9 @@ TEST(RelayAttack, SlowDownstreamsAreDroppedAndTheOthersKeepGoing) {
   EXPECT_EQ(hrc, 0) << slurp(c.file("worker1.txt"));
   RecordProperty("healthy_seconds", std::to_string(took));
   const std::string log0 = slurp(c.file("relay0.log"));
-  EXPECT_NE(log0.find("fell behind the other downstream relays by more than 1000 ms"), std::string::npos)
+  EXPECT_NE(log0.find("held the source back: it has taken no fragment for"), std::string::npos)
       << log0.substr(0, 4000);
+  EXPECT_NE(log0.find("(--max-lag 1000 ms)"), std::string::npos) << log0.substr(0, 4000);
   // Both slow ones were dropped and reconnected; each, running again, takes
   // the next sync.
   for (int i : {2, 3})

@@ -12,6 +12,7 @@
 #include <CLI/CLI.hpp>
 #include <cstdio>
 #include <cstdlib>
+#include <optional>
 #include <string>
 
 #include "shmcast/relay.hpp"
@@ -42,7 +43,9 @@ Exit codes:
   0    stopped by SIGINT or SIGTERM
   1    failure (see the message)
   2    usage error (also: no key, a key shorter than 16 bytes, a key file
-       someone else owns or may write, or others may read)
+       someone else owns or may write, or others may read, a key file that
+       is a FIFO or a link someone else may have planted, a status file
+       another user created first)
   3    with --exit-on-refusal: the upstream refused this relay (a wrong key,
        another region or version), or did not prove the key
   4    this node's region is held by another live producer)";
@@ -98,8 +101,9 @@ int main(int argc, char** argv) {
                  "Seconds a connection to the listener may take to answer the challenge (default 2)")
       ->check(CLI::Range(0.1, 3600.0));
   app.add_option("--max-lag", max_lag,
-                 "Seconds a downstream may lag behind the other downstream relays (not taking a fragment they took) "
-                 "before it is dropped from the sync (default 0.3)")
+                 "Seconds a downstream may take no fragment while it holds the source back (a slot or receive "
+                 "buffer the others are done with waits for it) before it is dropped from the sync; one that is "
+                 "only slower than the others keeps its own pace (default 0.3)")
       ->check(CLI::Range(0.01, 3600.0));
   app.add_option("--max-pending", max_pending,
                  "Connections that have not proven the key yet, at most; more are refused at once (default 64)")
@@ -176,15 +180,23 @@ int main(int argc, char** argv) {
       std::fprintf(stderr, "shmcast-relay %s: %s\n", region.c_str(), e.what());
       return 2;
     }
-    shmcast::relay::Relay relay(std::move(o));
-    g_relay = &relay;
+    // What the constructor refuses is the setup's (the options, a status
+    // file another user holds): exit 2, as for a key file.
+    std::optional<shmcast::relay::Relay> relay;
+    try {
+      relay.emplace(std::move(o));
+    } catch (const shmcast::Error& e) {
+      std::fprintf(stderr, "shmcast-relay %s: %s\n", region.c_str(), e.what());
+      return e.code() == shmcast::Errc::kSystem ? 1 : 2;
+    }
+    g_relay = &*relay;
     struct sigaction sa {};
     sa.sa_handler = on_signal;
     sigemptyset(&sa.sa_mask);
     sigaction(SIGINT, &sa, nullptr);
     sigaction(SIGTERM, &sa, nullptr);
     signal(SIGPIPE, SIG_IGN);
-    relay.run();
+    relay->run();
     g_relay = nullptr;
   } catch (const CLI::ValidationError& e) {
     std::fprintf(stderr, "shmcast-relay: %s\n", e.what());

@@ -43,7 +43,10 @@ SHMCAST_API Address parse_address(std::string_view host_port);
 // than 16 bytes, and Error(kPermission) when someone else controls the file:
 // it is owned by a uid other than this process's effective uid or root, or
 // the group or others may write it, or others may read it (use 0600, or
-// 0440 with a group).
+// 0440 with a group), or it is a symbolic link that someone else may have
+// planted (owned by another uid, or in a directory others may write without
+// the sticky bit). Opened O_NOFOLLOW | O_NONBLOCK: anything but a regular
+// file (a FIFO) is refused at once (kInvalidArgument).
 SHMCAST_API std::string load_key(const std::string& key_file);
 
 struct RelayOptions {
@@ -99,11 +102,15 @@ struct RelayOptions {
   // descriptors, and cannot keep keyed peers on other addresses out.
   std::uint32_t max_pending = 64;
   std::uint32_t max_pending_per_source = 8;
-  // A downstream relay that has not taken a fragment which another
-  // downstream took more than max_lag ago is dropped from the sync (it
-  // reconnects and takes the next one), so that it cannot hold the others
-  // back: they wait for it at most this long. A lone downstream is judged
-  // by peer_timeout only.
+  // A downstream relay that holds the source back is dropped from the sync
+  // (it reconnects and takes the next one): it has taken no fragment for
+  // max_lag while it holds one that another downstream took, in a slot the
+  // source needs back (a source relay's slots of the source region, this
+  // node's slots with direct_receive) or in a receive buffer when none is
+  // free. The others wait for a stopped one at most this long. One that is
+  // only slower than its siblings keeps taking fragments and stays: it
+  // receives at its own pace (the others keep theirs as long as it keeps up
+  // with the syncs). A lone downstream is judged by peer_timeout only.
   Duration max_lag = std::chrono::milliseconds(300);
   // What the upstream's refusal does. A refusal (a wrong key, another
   // region or protocol, an upstream that does not prove the key) is never
