@@ -86,9 +86,12 @@ for name in "${which[@]}"; do
   if [ "$name" = tsan ] && [ "${SANITIZERS_FULL:-0}" != 1 ]; then
     select=(-L "${SAN_TSAN_LABELS:-^(unit|threads|relay)\$}")
     read -r -a targets <<<"${SAN_TSAN_TARGETS:-test_unit test_probe test_fault_threads}"
-    # The relay's tests, when the relay is built (UCX and OpenSSL found).
-    if [ -z "${SAN_TSAN_TARGETS:-}" ] && [ -d "$dir/tests/relay/CMakeFiles/test_relay.dir" ]; then
-      targets+=(test_relay_unit test_relay test_relay_attack test_relay_delta test_attack_relay_status)
+    # The relay's tests (every test_* of tests/relay, and the relay status
+    # attack), when the relay is built (UCX and OpenSSL found).
+    if [ -z "${SAN_TSAN_TARGETS:-}" ]; then
+      for d in "$dir"/tests/relay/CMakeFiles/test_*.dir "$dir"/tests/attack/CMakeFiles/test_attack_relay_status.dir; do
+        [ -d "$d" ] && targets+=("$(basename "$d" .dir)")
+      done
     fi
     targets=(--target "${targets[@]}")
   fi
