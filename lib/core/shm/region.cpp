@@ -10,6 +10,9 @@
 #include <pwd.h>
 
 #include <algorithm>
+#include <atomic>
+#include <mutex>
+#include <pthread.h>
 #include <boost/interprocess/mapped_region.hpp>
 #include <cerrno>
 #include <cstdio>
@@ -146,7 +149,26 @@ MappedFile& MappedFile::operator=(MappedFile&& o) noexcept {
 }
 MappedFile::~MappedFile() { unmap(); }
 
-bool MappedFile::inherited() const { return fd_ >= 0 && pid_ != ::getpid(); }
+namespace {
+
+// This process's pid, without a getpid() system call each time (inherited()
+// is asked on every write of a tensor: 100,000 tensors, 100,000 calls). A
+// fork() child refreshes it in its atfork handler, registered before the
+// first value is stored.
+std::atomic<pid_t> g_self_pid{0};
+void refresh_self_pid() { g_self_pid.store(::getpid(), std::memory_order_relaxed); }
+pid_t self_pid() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    ::pthread_atfork(nullptr, nullptr, refresh_self_pid);
+    refresh_self_pid();
+  });
+  return g_self_pid.load(std::memory_order_relaxed);
+}
+
+}  // namespace
+
+bool MappedFile::inherited() const { return fd_ >= 0 && pid_ != self_pid(); }
 
 std::uint64_t MappedFile::size_now() const {
   struct stat st {};
