@@ -15,6 +15,9 @@
 #include <string>
 #include <vector>
 
+#include <fcntl.h>
+
+#include "base/layout.hpp"
 #include "shmcast/shmcast.hpp"
 #include "support.hpp"
 
@@ -196,6 +199,40 @@ TEST(ManyTensors, TooSmallManifestBytesSaysHowManyFit) {
   // The region is unchanged: a sync that fits goes out as version 1.
   ManySync small(100, 1);
   EXPECT_EQ(p.send(small.specs, small.ptrs), 1u);
+}
+
+// A hostile producer announces a manifest of 64 MiB over the unallocated
+// reserve: the consumer copies it with pread (zeros, no fault), refuses it
+// (Corrupt: the hash does not match) and allocates none of it. Through the
+// mapping the copy would have allocated every page it read (and a full
+// tmpfs would have been a SIGBUS).
+TEST(ManyTensors, ManifestAnnouncedOverHolesIsRefusedWithoutAllocatingThem) {
+  const std::string name = unique_name("holes");
+  RegionGuard g{name};
+  Producer p = Producer::create(name, many_opts());
+  ConsumerOptions co;
+  co.pin = Pin::kNo;
+  co.open_timeout = 10s * kSlowdown;
+  Consumer c = Consumer::open(name, co);
+  ManySync m(10, 1);
+  ASSERT_EQ(p.send(m.specs, m.ptrs), 1u);
+  const std::string path = region_dir() + "/shmcast." + name;
+  const int fd = ::open(path.c_str(), O_RDWR | O_CLOEXEC);
+  ASSERT_GE(fd, 0);
+  const std::uint64_t used = 64ull << 20;
+  ASSERT_EQ(::pwrite(fd, &used, 8, offsetof(detail::Header, sync) + offsetof(detail::SyncRecord, manifest_used)), 8);
+  struct stat before {}, after {};
+  ASSERT_EQ(::fstat(fd, &before), 0);
+  try {
+    c.wait_sync(10s * kSlowdown);
+    FAIL() << "a manifest of zeros was accepted";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), Errc::kCorrupt) << e.what();
+  }
+  ASSERT_EQ(::fstat(fd, &after), 0);
+  ::close(fd);
+  EXPECT_LT(static_cast<std::uint64_t>(after.st_blocks - before.st_blocks) * 512, 1ull << 20)
+      << "the consumer allocated the holes it read";
 }
 
 }  // namespace
