@@ -12,6 +12,8 @@
 #include <unistd.h>
 
 #include <cstring>
+#include <functional>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -233,6 +235,103 @@ TEST(ManyTensors, ManifestAnnouncedOverHolesIsRefusedWithoutAllocatingThem) {
   ::close(fd);
   EXPECT_LT(static_cast<std::uint64_t>(after.st_blocks - before.st_blocks) * 512, 1ull << 20)
       << "the consumer allocated the holes it read";
+}
+
+// Expert parallelism (issue 43, Wanted 4): rank r of R owns experts
+// [r*E/R, (r+1)*E/R) of every layer as whole tensors; an attention matrix is
+// TP-sliced along dim 0 across the ranks; a norm is replicated (rank 0
+// sends it). One sync carries all of it; a worker reads every tensor (sync
+// 1), then a subset by name (sync 2: one expert's matrices and the TP
+// tensor, nullptr for the rest), every byte checked by name.
+namespace ep {
+constexpr int R = 4, E = 16, L = 2;
+std::vector<std::uint8_t> full_bytes(const std::string& name, std::uint64_t n, std::uint64_t version) {
+  std::vector<std::uint8_t> b(n);
+  fill_pattern(b.data(), n, seed_of(version, std::hash<std::string>{}(name) % 100000));
+  return b;
+}
+std::string expert(int l, int e, int m) {
+  return "model.layers." + std::to_string(l) + ".mlp.experts." + std::to_string(e) + ".w" + std::to_string(m);
+}
+// Rank r's specs and bytes for `version`.
+void rank_sync(int r, std::uint64_t version, std::vector<TensorSpec>* specs, std::vector<std::vector<std::uint8_t>>* data) {
+  for (int l = 0; l < L; ++l)
+    for (int e = r * E / R; e < (r + 1) * E / R; ++e)
+      for (int m = 0; m < 3; ++m) {
+        specs->push_back({expert(l, e, m), DType::kBF16, {8, 4}});
+        data->push_back(full_bytes(specs->back().name, 64, version));
+      }
+  // attn: f32 {8, 4}, rows [2r, 2r + 2) on rank r.
+  TensorSpec t{"model.attn.q", DType::kF32, {8, 4}};
+  t.shard_dim = 0;
+  t.shard_start = 2 * r;
+  t.shard_length = 2;
+  specs->push_back(t);
+  const auto all = full_bytes(t.name, 128, version);
+  data->emplace_back(all.begin() + 32 * r, all.begin() + 32 * (r + 1));
+  if (r == 0) {
+    specs->push_back({"model.norm", DType::kF32, {4}});
+    data->push_back(full_bytes("model.norm", 16, version));
+  }
+}
+}  // namespace ep
+
+TEST(ManyTensors, ExpertParallelRanksMixedWithTpAndReplicatedInOneSync) {
+  using namespace ep;
+  const std::string name = unique_name("ep");
+  RegionGuard g{name};
+  ProducerOptions o = many_opts();
+  o.world_size = R;
+  o.slots = 2 * R;
+  auto run_rank = [&](int r) {
+    ProducerOptions ro = o;
+    ro.rank = static_cast<std::uint32_t>(r);
+    Producer p = Producer::create(name, ro);
+    if (r == 0) p.wait_for_consumers(1, 30s * kSlowdown);
+    for (std::uint64_t v = 1; v <= 2; ++v) {
+      std::vector<TensorSpec> specs;
+      std::vector<std::vector<std::uint8_t>> data;
+      rank_sync(r, v, &specs, &data);
+      std::vector<const void*> ptrs;
+      for (auto& d : data) ptrs.push_back(d.data());
+      if (p.send(specs, ptrs) != v) return 5;
+    }
+    p.wait_drained(30s * kSlowdown);
+    return 0;
+  };
+  Child cons = Child::spawn([&] {
+    ConsumerOptions co;
+    co.pin = Pin::kNo;
+    co.open_timeout = 30s * kSlowdown;
+    Consumer c = Consumer::open(name, co);
+    for (std::uint64_t v = 1; v <= 2; ++v) {
+      const SyncInfo& s = c.wait_sync(60s * kSlowdown);
+      if (s.tensors.size() != std::size_t{L} * E * 3 + 2) return 2;
+      std::vector<std::vector<std::uint8_t>> got(s.tensors.size());
+      std::vector<void*> dsts(s.tensors.size(), nullptr);
+      for (std::size_t i = 0; i < s.tensors.size(); ++i) {
+        const std::string& n = s.tensors[i].name;
+        // Sync 2: a subset by name (expert 5 of every layer, and the TP tensor).
+        if (v == 2 && n.find(".experts.5.") == std::string::npos && n != "model.attn.q") continue;
+        got[i].assign(s.tensors[i].nbytes, 0xA5);
+        dsts[i] = got[i].data();
+      }
+      c.read_into(dsts);
+      int read = 0;
+      for (std::size_t i = 0; i < s.tensors.size(); ++i) {
+        if (dsts[i] == nullptr) continue;
+        ++read;
+        if (got[i] != full_bytes(s.tensors[i].name, s.tensors[i].nbytes, v)) return 3;
+      }
+      if (read != (v == 1 ? L * E * 3 + 2 : L * 3 + 1)) return 4;
+    }
+    return 0;
+  });
+  std::vector<std::unique_ptr<Child>> ranks;
+  for (int r = 1; r < R; ++r) ranks.push_back(std::make_unique<Child>(Child::spawn([&, r] { return run_rank(r); })));
+  EXPECT_EQ(run_rank(0), 0);
+  for (auto& c : ranks) EXPECT_EQ(c->wait(120s), 0);
+  EXPECT_EQ(cons.wait(120s), 0);
 }
 
 }  // namespace
