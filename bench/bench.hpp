@@ -36,7 +36,7 @@ namespace bench {
 
 inline constexpr int kMaxSyncs = 128;
 inline constexpr int kMaxConsumers = 16;
-inline constexpr int kMaxTensors = 8192;
+inline constexpr int kMaxTensors = static_cast<int>(shmcast::limits::kMaxTensors);  // a MoE manifest: 18,867 tensors
 inline constexpr int kMaxRoundTrips = 100000;
 
 enum class Mode : std::int32_t { kHost = 0, kCuda = 1 };
@@ -143,6 +143,9 @@ int corrupt_sync();
 
 // Manifests for the CUDA mode.
 std::vector<shmcast::TensorSpec> manifest_by_name(const std::string& name);
+// Qwen3-30B-A3B's tensors (manifests.cpp), the first `layers` of its 48
+// layers; `dense`: the same bytes with each layer's experts in 3 tensors.
+std::vector<shmcast::TensorSpec> qwen3_30b_a3b(bool dense, int layers);
 
 // min / median / max of repeated measurements.
 struct Stat {

@@ -8,11 +8,54 @@
 
 namespace bench {
 
+// Qwen3-30B-A3B, bf16, from its published config.json: 48 layers, hidden
+// 2048, 32 query heads and 4 KV heads of 128, 128 experts of
+// moe_intermediate 768 (gate/up 768 x 2048, down 2048 x 768), a router of
+// 128 x 2048, vocabulary 151,936, untied lm_head: 18,867 tensors with the
+// first `layers` layers (48: 61,064,245,248 bytes). `dense`: the same
+// bytes, each layer's experts as three stacked tensors (128 * 768 x 2048,
+// ..., 2048 x 128 * 768): 579 tensors at 48 layers.
+std::vector<shmcast::TensorSpec> qwen3_30b_a3b(bool dense, int layers) {
+  using shmcast::DType;
+  std::vector<shmcast::TensorSpec> v;
+  const std::int64_t H = 2048, E = 128, I = 768, Q = 32 * 128, KV = 4 * 128, V = 151936;
+  auto add = [&](std::string n, std::vector<std::int64_t> shape) { v.push_back({std::move(n), DType::kBF16, std::move(shape)}); };
+  add("model.embed_tokens.weight", {V, H});
+  for (int l = 0; l < layers; ++l) {
+    const std::string p = "model.layers." + std::to_string(l) + ".";
+    add(p + "self_attn.q_proj.weight", {Q, H});
+    add(p + "self_attn.k_proj.weight", {KV, H});
+    add(p + "self_attn.v_proj.weight", {KV, H});
+    add(p + "self_attn.o_proj.weight", {H, Q});
+    add(p + "self_attn.q_norm.weight", {128});
+    add(p + "self_attn.k_norm.weight", {128});
+    add(p + "mlp.gate.weight", {E, H});
+    if (dense) {
+      add(p + "mlp.experts.gate_proj.weight", {E * I, H});
+      add(p + "mlp.experts.up_proj.weight", {E * I, H});
+      add(p + "mlp.experts.down_proj.weight", {H, E * I});
+    } else {
+      for (int e = 0; e < E; ++e) {
+        const std::string x = p + "mlp.experts." + std::to_string(e) + ".";
+        add(x + "gate_proj.weight", {I, H});
+        add(x + "up_proj.weight", {I, H});
+        add(x + "down_proj.weight", {H, I});
+      }
+    }
+    add(p + "input_layernorm.weight", {H});
+    add(p + "post_attention_layernorm.weight", {H});
+  }
+  add("model.norm.weight", {H});
+  add("lm_head.weight", {V, H});
+  return v;
+}
+
 std::vector<shmcast::TensorSpec> manifest_by_name(const std::string& name) {
   using shmcast::DType;
   std::vector<shmcast::TensorSpec> v;
+  if (name == "qwen3-30b-a3b" || name == "qwen3-30b-a3b-dense") return qwen3_30b_a3b(name == "qwen3-30b-a3b-dense", 48);
   if (name != "qwen2.5-3b")
-    throw std::invalid_argument("unknown manifest '" + name + "' (known: qwen2.5-3b)");
+    throw std::invalid_argument("unknown manifest '" + name + "' (known: qwen2.5-3b, qwen3-30b-a3b, qwen3-30b-a3b-dense)");
   // Qwen2.5-3B, bf16, tied embeddings: 434 tensors, 6,171,877,376 bytes.
   const std::int64_t H = 2048, I = 11008, KV = 256, V = 151936;
   auto add = [&](std::string n, std::vector<std::int64_t> shape) { v.push_back({std::move(n), DType::kBF16, std::move(shape)}); };

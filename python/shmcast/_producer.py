@@ -93,7 +93,8 @@ class Producer(_Closing):
     """Creates region `name` and sends syncs of named tensors into it.
 
     Options are ProducerOptions (shmcast.hpp): slot_bytes (rounded up to
-    2 MiB), slots (>= 2), max_consumers, manifest_bytes, group_access,
+    2 MiB), slots (>= 2), max_consumers, manifest_bytes (None: room for
+    the largest sync, reserved sparsely at no cost), group_access,
     replace_stale, unlink_on_close, checksums, stall_policy ('fail' |
     'evict'), consumer_timeout (seconds), pin ('auto' | True | False).
 
@@ -154,7 +155,7 @@ class Producer(_Closing):
         slot_bytes: int = 256 << 20,
         slots: int = 2,
         max_consumers: int = 8,
-        manifest_bytes: int = 1 << 20,
+        manifest_bytes: Optional[int] = None,
         group_access: bool = False,
         replace_stale: bool = True,
         unlink_on_close: bool = True,

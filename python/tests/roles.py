@@ -515,3 +515,37 @@ def role_store_reader(q, region, seed_of_version, hold=False, timeout=30.0):
             q.put({"ready": True, **res})
             time.sleep(3600)
         return res
+
+
+def many_tensors(count: int, version: int) -> dict:
+    """`count` u8 tensors of 1..16 bytes named like an MoE checkpoint's
+    experts, views of one buffer filled from (count, version)."""
+    sizes = [1 + j % 16 for j in range(count)]
+    g = torch.Generator().manual_seed(count * 1000 + version)
+    flat = torch.randint(0, 256, (sum(sizes),), dtype=torch.uint8, generator=g)
+    names = [f"model.layers.{j // 384}.mlp.experts.{j // 3 % 128}.w{j % 3}.weight" for j in range(count)]
+    return dict(zip(names, torch.split(flat, sizes)))
+
+
+def role_many_consumer(q, region, count, timeout=60.0):
+    """Receives two syncs of many_tensors(count, v): the first with
+    receive_into(), the second with receive(); checks every byte."""
+    problems = []
+    with shmcast.Consumer(region, pin=False, open_timeout=timeout) as c:
+        q.put({"ready": True})
+        want = many_tensors(count, 1)
+        flat = torch.full((sum(t.numel() for t in want.values()),), 0xA5, dtype=torch.uint8)
+        dst = dict(zip(want, torch.split(flat, [t.numel() for t in want.values()])))
+        if c.receive_into(dst, timeout=timeout) != 1:
+            problems.append("receive_into: not version 1")
+        if not torch.equal(flat, torch.cat(list(want.values()))):
+            problems.append("receive_into: bytes differ")
+        got = c.receive(timeout=timeout)
+        want = many_tensors(count, 2)
+        names = [n for n, _ in got] if isinstance(got, list) else list(got)
+        tensors = [t for _, t in got] if isinstance(got, list) else list(got.values())
+        if names != list(want):
+            problems.append("receive: names differ")
+        elif not torch.equal(torch.cat(tensors), torch.cat(list(want.values()))):
+            problems.append("receive: bytes differ")
+    return {"problems": problems}

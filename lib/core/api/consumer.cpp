@@ -49,7 +49,7 @@ void Consumer::Impl::close_quietly() noexcept {
   slot_mem.release();
   if (ring) ring->leave();
   ring.reset();
-  if (pin.pinned) cuda_unpin(view.file().data(), view.file().size());
+  if (pin.pinned) cuda_unpin(view.file().data() + view.geo().data_offset, view.file().size() - view.geo().data_offset);
   pin.pinned = false;
   view.file().unmap();
 }
@@ -224,7 +224,11 @@ Consumer Consumer::open(std::string_view name, const ConsumerOptions& o) {
     impl->read_only_views = true;
   }
   if (o.pin != Pin::kNo && !impl->view.geo().device_slots) {  // device slots: no slot bytes in the file
-    impl->pin = cuda_pin(file.data(), file.size(), read_only_from);
+    // The slot data only: pinning the sparse manifest areas (docs/protocol.md
+    // §2.1) would allocate them. read_only_from is then relative to it.
+    const std::uint64_t data_at = impl->view.geo().data_offset;
+    impl->pin = cuda_pin(file.data() + data_at, file.size() - data_at,
+                         read_only_from > data_at ? read_only_from - data_at : 0);
     if (impl->pin.pinned && read_only_from < file.size() && !impl->pin.read_only) impl->read_only_views = false;
     if (!impl->pin.pinned && o.pin == Pin::kYes)
       throw Error(Errc::kCudaUnavailable, "cannot pin region '" + impl->name + "': " + impl->pin.why);
@@ -263,7 +267,11 @@ void next_sync(Consumer::Impl& m, std::int64_t deadline) {
       if (!m.ring->hold(rec, deadline)) continue;
     }
     bytes.resize(rec.manifest_used);
-    std::memcpy(bytes.data(), m.view.manifest_of(rec.first_seq), bytes.size());
+    // pread, not the mapping (docs/protocol.md §2.1): bytes the producer
+    // announced but never allocated read as zeros (and fail the hash)
+    // instead of faulting.
+    if (!m.view.copy_out(m.view.manifest_of(rec.first_seq), bytes.size(), bytes.data()))
+      throw corrupt("the region file ends inside the manifest (truncated)");
     // The manifest is covered by the record's seqlock: a producer that
     // aborted this sync and began the next may have rewritten it while we
     // copied. Then the copy is not corrupt, just stale: look again. (A held

@@ -214,7 +214,7 @@ Producer::Impl* attach_rank(Producer::Impl* m, std::string_view name, const Prod
   // drops (rounds::rejoin). reply_round stays: rank 0 only ever raises it,
   // and it is no higher than `round` (a later round rank 0 fails meanwhile
   // is answered to this seat too).
-  m->round = rounds::rejoin(m->words(), o.rank, m->view.rank_list(o.rank), m->view.geo().manifest_bytes,
+  m->round = rounds::rejoin(m->words(), o.rank, m->view.rank_list(o.rank), m->view.room(m->view.rank_list(o.rank), 4096),
                             "producer rank " + std::to_string(o.rank) +
                                 " was restarted in the middle of a sync round (its new process did not post its list)");
   // A round the seat dropped that rank 0 has not ended: its reason is in the
@@ -307,7 +307,10 @@ Producer Producer::create(std::string_view name, const ProducerOptions& o) {
     MappedFile file;
     for (int attempt = 0;; ++attempt) {
       try {
-        file = MappedFile::create(dir, name, g.total_bytes, o.group_access, kProducerLockByte);
+        // The manifest areas and rank lists stay holes until written (room()).
+        const SparseRanges sparse = sparse_ranges(g);
+        file = MappedFile::create(dir, name, g.total_bytes, o.group_access, kProducerLockByte,
+                                  std::span(sparse.range, sparse.count));
         break;
       } catch (const Error& e) {
         if (e.code() != Errc::kExists || attempt >= 2) throw;
@@ -351,9 +354,10 @@ Producer Producer::create(std::string_view name, const ProducerOptions& o) {
   impl->ring.emplace(&impl->view, ProducerRingOptions{o.stall_policy, o.consumer_timeout.count(), o.rank, o.world_size,
                                                       impl->view.geo().store});
   impl->create_s = static_cast<double>(mono_ns() - t0) * 1e-9;
-  // Device slots: the file holds no slot bytes, nothing to pin.
+  // Device slots: the file holds no slot bytes, nothing to pin. Only the
+  // slot data is pinned: pinning the sparse manifest areas would allocate them.
   if (o.pin != Pin::kNo && !dev_slots) {
-    impl->pin = cuda_pin(impl->view.file().data(), impl->view.file().size());
+    impl->pin = cuda_pin(impl->pinned_base(), impl->view.file().size() - impl->view.geo().data_offset);
     if (!impl->pin.pinned && o.pin == Pin::kYes)
       throw Error(Errc::kCudaUnavailable, "cannot pin region '" + impl->name + "': " + impl->pin.why);
   }
@@ -388,7 +392,7 @@ void Producer::Impl::close_quietly() noexcept {
     // drained with the engine), else it would keep the allocation alive
     // until this Producer object is destroyed.
     slot_mem.release();
-    if (pin.pinned) cuda_unpin(view.file().data(), view.file().size());
+    if (pin.pinned) cuda_unpin(pinned_base(), view.file().size() - view.geo().data_offset);
     pin.pinned = false;
     leave_rank();
     view.file().unmap();
@@ -405,7 +409,7 @@ void Producer::Impl::close_quietly() noexcept {
   // (it goes back to the GPU once every consumer has unmapped it).
   slot_server.stop();
   slot_mem.release();
-  if (pin.pinned) cuda_unpin(view.file().data(), view.file().size());  // unregister before unmap
+  if (pin.pinned) cuda_unpin(pinned_base(), view.file().size() - view.geo().data_offset);  // unregister before unmap
   pin.pinned = false;
   unlock_byte(view.fd(), kProducerLockByte);
   view.file().unmap();

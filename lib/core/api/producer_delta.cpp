@@ -563,14 +563,14 @@ void Producer::Impl::end_staged_sharded() {
     payload_bytes = wire;
     const std::uint64_t one_rank[1] = {stream_bytes};
     used = encode_manifest(specs, pieces, one_rank, round, payload_bytes, view.rank_list(rank),
-                           view.geo().manifest_bytes);
+                           view.room(view.rank_list(rank), manifest_size(specs, pieces.size(), 1)));
     d.posted = encodable ? DeltaState::Posted::kDelta : DeltaState::Posted::kNeutral;
     d.full = false;
   } else {
     wire_sizes.clear();
     stream_bytes = pack(specs, S, &offsets, &payload_bytes);
     used = encode_manifest(specs, offsets, round, stream_bytes, payload_bytes, view.rank_list(rank),
-                           view.geo().manifest_bytes);
+                           view.room(view.rank_list(rank), manifest_size(specs)));
     d.posted = encodable ? DeltaState::Posted::kFull : DeltaState::Posted::kNeutral;
     d.full = true;
   }

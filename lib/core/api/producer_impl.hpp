@@ -75,6 +75,8 @@ struct __attribute__((visibility("hidden"))) Producer::Impl {
   std::optional<detail::ProducerRing> ring;
   std::unique_ptr<detail::ProducerEngine> engine;
   detail::PinInfo pin;
+  // What `pin` registers: the slot data, from data_offset to the end.
+  void* pinned_base() const { return view.file().data() + view.geo().data_offset; }
   double create_s = 0;
   bool checksums = false;
   // Device slots (SlotMemory::kDevice): the slots' GPU memory, and the

@@ -92,7 +92,7 @@ void Producer::Impl::drop_round(std::uint64_t n, Errc code, const std::string& w
     fail_round(n, code, why);
     return;
   }
-  const std::uint64_t len = std::min<std::uint64_t>(why.size(), view.geo().manifest_bytes);
+  const std::uint64_t len = std::min<std::uint64_t>(why.size(), view.room(view.rank_list(rank), why.size()));
   std::memcpy(view.rank_list(rank), why.data(), len);
   rounds::drop(view.rank_seat(rank), n, code, len);
   dropped = n;
@@ -174,7 +174,9 @@ std::vector<SyncInfo> Producer::Impl::gather(std::uint64_t n, std::uint64_t used
           break;
         case rounds::Seen::kDropped: {
           const std::uint64_t len = std::min<std::uint64_t>(rs.posted_bytes.load(std::memory_order_relaxed), 1024);
-          std::string why(reinterpret_cast<const char*>(view.rank_list(k)), len);
+          std::string why(len, '\0');
+          if (!view.copy_out(view.rank_list(k), len, why.data())) why.clear();
+          why.resize(std::strlen(why.c_str()));
           if (why.empty()) why = who + " could not begin " + round_n;
           fail(errc_of(static_cast<std::uint32_t>(l.code), Errc::kAborted), why, "");
           break;
@@ -239,7 +241,9 @@ std::vector<SyncInfo> Producer::Impl::gather(std::uint64_t n, std::uint64_t used
       why = "posted a list of bad size";
     } else {
       bytes.resize(used);
-      std::memcpy(bytes.data(), view.rank_list(k), used);
+      // pread, not the mapping: a list a rank announced but never allocated
+      // reads as zeros (and fails its hash) instead of faulting.
+      if (!view.copy_out(view.rank_list(k), used, bytes.data())) std::fill(bytes.begin(), bytes.end(), std::byte{0});
       ManifestHeader mh;
       std::memcpy(&mh, bytes.data(), sizeof mh);
       // The copy is the rank's list of round n only if the post is still
@@ -358,9 +362,7 @@ std::uint64_t Producer::Impl::lead_round(std::uint64_t n, std::uint64_t used) {
   std::string why = merge_posts(posts, &tensors, &pieces, &rank_bytes, &payload);
   std::vector<std::byte> manifest;
   const std::uint64_t size = manifest_size(tensors, pieces.size(), world);
-  if (why.empty() && size > view.geo().manifest_bytes)
-    why = "the sync's manifest needs " + human_bytes(size) + " but the region holds " +
-          human_bytes(view.geo().manifest_bytes) + ": create rank 0 with a larger manifest_bytes";
+  if (why.empty()) why = manifest_room_problem(tensors, view.geo().manifest_bytes, pieces.size(), world, "rank 0");
   std::uint64_t total = 0;
   for (std::uint64_t b : rank_bytes) total += b;
   SyncInfo check;
@@ -387,7 +389,7 @@ std::uint64_t Producer::Impl::lead_round(std::uint64_t n, std::uint64_t used) {
   version = n;
   first_seq = next_seq;
   ring->begin_announce();
-  std::memcpy(view.manifest(), manifest.data(), size);
+  std::memcpy(view.manifest(), manifest.data(), std::min(size, view.room(view.manifest(), size)));
   RecordSnapshot rec{};
   rec.version = version;
   rec.first_seq = first_seq;

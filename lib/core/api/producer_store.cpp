@@ -39,7 +39,7 @@ std::uint64_t Producer::Impl::begin_store(std::uint64_t want) {
     // bank, then marks it being refilled; only then is its manifest rewritten.
     writer.claim_first();
     const std::uint64_t used = encode_manifest(specs, offsets, v, stream_bytes, payload_bytes, view.manifest_of(seq),
-                                               view.geo().manifest_bytes);
+                                               view.room(view.manifest_of(seq), manifest_size(specs)));
     store_rec = RecordSnapshot{};
     store_rec.version = v;
     store_rec.first_seq = seq;

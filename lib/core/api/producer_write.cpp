@@ -72,11 +72,8 @@ std::uint64_t Producer::Impl::begin_sync(std::span<const TensorSpec> tensors, st
                                               "every rank with rank/world_size, or send the whole tensor");
     }
     const std::uint64_t need = manifest_size(tensors);
-    if (need > view.geo().manifest_bytes)
-      throw Error(Errc::kInvalidArgument, "the manifest of " + std::to_string(tensors.size()) + " tensors needs " +
-                                              human_bytes(need) + " but the region holds " +
-                                              human_bytes(view.geo().manifest_bytes) +
-                                              ": create the producer with a larger manifest_bytes");
+    if (std::string why = manifest_room_problem(tensors, view.geo().manifest_bytes); !why.empty())
+      throw Error(Errc::kInvalidArgument, why);
     if (std::uint64_t total; !detail::payload_bytes(tensors, &total))
       throw Error(Errc::kInvalidArgument, "one sync may carry at most 64 TiB");
     specs.assign(tensors.begin(), tensors.end());
@@ -86,7 +83,7 @@ std::uint64_t Producer::Impl::begin_sync(std::span<const TensorSpec> tensors, st
     if (world > 1) {
       // This rank's list of pieces, in the one-rank manifest format.
       used = encode_manifest(specs, offsets, n, stream_bytes, payload_bytes, view.rank_list(rank),
-                             view.geo().manifest_bytes);
+                             view.room(view.rank_list(rank), need));
       if (used == 0)
         throw Error(Errc::kInvalidArgument, "this rank's list of pieces does not fit in manifest_bytes");
     }
@@ -116,11 +113,11 @@ std::uint64_t Producer::Impl::begin_ring(std::uint64_t want, std::span<const Man
   writer = ChunkWriter(&*ring, &view, version, next_seq, stream_bytes, checksums);
   ring->begin_announce();  // consumers copying the old manifest will see it change
   const std::uint64_t one_rank[1] = {stream_bytes};
+  const std::uint64_t room =
+      view.room(view.manifest(), pieces.empty() ? manifest_size(specs) : manifest_size(specs, pieces.size(), 1));
   const std::uint64_t used =
-      pieces.empty() ? encode_manifest(specs, offsets, version, stream_bytes, payload_bytes, view.manifest(),
-                                       view.geo().manifest_bytes)
-                     : encode_manifest(specs, pieces, one_rank, version, payload_bytes, view.manifest(),
-                                       view.geo().manifest_bytes);
+      pieces.empty() ? encode_manifest(specs, offsets, version, stream_bytes, payload_bytes, view.manifest(), room)
+                     : encode_manifest(specs, pieces, one_rank, version, payload_bytes, view.manifest(), room);
   RecordSnapshot rec{};
   rec.version = version;
   rec.first_seq = next_seq;

@@ -48,6 +48,13 @@ std::string compute_geometry(std::uint32_t max_consumers, std::uint32_t slots, s
   return {};
 }
 
+SparseRanges sparse_ranges(const Geometry& g) {
+  SparseRanges r;
+  r.range[r.count++] = {g.manifest_offset, g.ranks_offset};
+  if (g.world_size > 1) r.range[r.count++] = {g.rank_lists_offset, g.rank_lists_offset + std::uint64_t{g.world_size} * g.manifest_bytes};
+  return r;
+}
+
 HeaderFixed make_fixed_header(const Geometry& g, std::uint64_t features) {
   HeaderFixed h{};
   h.magic = kMagic;

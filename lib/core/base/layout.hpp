@@ -11,6 +11,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <utility>
 
 #include "shmcast/shmcast.hpp"
 
@@ -387,6 +388,16 @@ struct Geometry {
 };
 
 constexpr std::uint64_t align_up(std::uint64_t v, std::uint64_t a) { return (v + a - 1) / a * a; }
+
+// The ranges [from, to) of a region with geometry `g` that stay holes in
+// the file until their writer allocates the part it writes: the manifest
+// area(s) and the rank lists (docs/protocol.md §2, "Sparse areas"). The
+// producer reserves room for the largest manifest there at no cost.
+struct SparseRanges {
+  std::pair<std::uint64_t, std::uint64_t> range[2];
+  std::size_t count = 0;
+};
+SparseRanges sparse_ranges(const Geometry& g);
 
 // Computes the geometry; returns an empty string or the reason it is invalid.
 // `store`: a store-mode region (kFeatureStore).

@@ -1,6 +1,7 @@
 #include "protocol/manifest.hpp"
 
 #include "base/checks.hpp"
+#include "base/text.hpp"
 #include "protocol/delta.hpp"
 
 #include <cstring>
@@ -106,6 +107,26 @@ std::uint64_t manifest_size(std::span<const TensorSpec> specs, std::uint64_t pie
   if (pieces == ~0ull) pieces = specs.size();
   return sizeof(ManifestHeader) + specs.size() * sizeof(ManifestEntry) + pieces * sizeof(ManifestPiece) +
          std::uint64_t{world_size} * 8 + names;
+}
+
+std::string manifest_room_problem(std::span<const TensorSpec> specs, std::uint64_t capacity, std::uint64_t pieces,
+                                  std::uint32_t world_size, const char* who) {
+  const std::uint64_t need = manifest_size(specs, pieces, world_size);
+  if (need <= capacity) return {};
+  const std::uint64_t fixed = sizeof(ManifestHeader) + std::uint64_t{world_size} * 8;
+  const std::uint64_t n = specs.empty() ? 1 : specs.size();
+  // The mean bytes of one tensor (its entry, pieces and name), rounded up.
+  const std::uint64_t each = (need - fixed + n - 1) / n;
+  const std::uint64_t fit = capacity > fixed ? (capacity - fixed) / each : 0;
+  std::string s = "the manifest of " + std::to_string(specs.size()) + " tensors needs " + human_bytes(need) +
+                  " but the region's manifest area holds " + human_bytes(capacity) + ", room for " +
+                  std::to_string(fit) + " tensors like these (" + std::to_string(each) + " bytes each): ";
+  if (capacity < kMaxManifestBytes)
+    s += std::string("create ") + who + " with a larger manifest_bytes (the default, " + human_bytes(kMaxManifestBytes) +
+         ", costs nothing until used)";
+  else
+    s += "send at most " + std::to_string(fit) + " tensors per sync, or shorter names";
+  return s;
 }
 
 std::uint64_t encode_manifest(std::span<const TensorSpec> tensors, std::span<const ManifestPiece> pieces,

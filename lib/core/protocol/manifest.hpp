@@ -27,6 +27,14 @@ std::uint64_t pack(std::span<const TensorSpec> specs, std::uint64_t slot_bytes, 
 std::uint64_t manifest_size(std::span<const TensorSpec> specs, std::uint64_t pieces = ~0ull,
                             std::uint32_t world_size = 1);
 
+// Empty when the manifest of `specs` (`pieces` pieces, ~0: one per spec;
+// `world_size` ranks) fits `capacity` bytes; else why not, with the number
+// of such tensors (of the same mean name length and pieces) that would fit,
+// and what to do. `who`: "the producer" or "rank 0" (who to create anew).
+std::string manifest_room_problem(std::span<const TensorSpec> specs, std::uint64_t capacity,
+                                  std::uint64_t pieces = ~0ull, std::uint32_t world_size = 1,
+                                  const char* who = "the producer");
+
 // Encodes a one-rank manifest (each spec is one piece of rank 0, whole or a
 // shard, at `offsets`) into `out` (`capacity` bytes). Returns the bytes used,
 // 0 when it does not fit.

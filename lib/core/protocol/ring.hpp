@@ -8,6 +8,7 @@
 // docs/protocol.md describes the same rules for people.
 #pragma once
 
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <functional>
@@ -64,6 +65,17 @@ class RegionView {
     return file_.data() + geo_.rank_lists_offset + std::uint64_t{r} * geo_.manifest_bytes;
   }
   std::uint32_t slot_of(std::uint64_t seq) const { return static_cast<std::uint32_t>((seq - 1) % geo_.slot_count); }
+  // The sparse areas (layout.hpp, sparse_ranges) are holes until written.
+  // room(): before writing `need` bytes to the area at `area` (a manifest
+  // area or a rank list), allocates its first min(need, manifest_bytes)
+  // bytes, page-rounded, unless this process did already; returns the bytes
+  // that may be written there (the capacity to encode into). Throws
+  // kRegionFull when the filesystem is full: never a SIGBUS.
+  std::uint64_t room(std::byte* area, std::uint64_t need);
+  // Copies `len` bytes at `area` (inside the region) into `dst` with pread
+  // (MappedFile::read_at): bytes a peer announces but never allocated read
+  // as zeros instead of faulting. False when the file was cut short.
+  bool copy_out(const std::byte* area, std::uint64_t len, void* dst) const;
 
   const Geometry& geo() const { return geo_; }
   MappedFile& file() { return file_; }
@@ -75,7 +87,28 @@ class RegionView {
   MappedFile file_;
   Geometry geo_{};
   std::byte* device_slots_ = nullptr;
+  std::vector<std::pair<std::uint64_t, std::uint64_t>> allocated_;  // area offset, bytes this process allocated
 };
+
+inline std::uint64_t RegionView::room(std::byte* area, std::uint64_t need) {
+  const std::uint64_t off = static_cast<std::uint64_t>(area - file_.data());
+  const std::uint64_t want = std::min(align_up(std::min(need, geo_.manifest_bytes), 4096), geo_.manifest_bytes);
+  for (auto& [at, bytes] : allocated_) {
+    if (at != off) continue;
+    if (bytes < want) {
+      file_.allocate(off, want);
+      bytes = want;
+    }
+    return std::min(need, bytes);
+  }
+  file_.allocate(off, want);
+  allocated_.emplace_back(off, want);
+  return std::min(need, want);
+}
+
+inline bool RegionView::copy_out(const std::byte* area, std::uint64_t len, void* dst) const {
+  return file_.read_at(static_cast<std::uint64_t>(area - file_.data()), dst, len) == 0;
+}
 
 // A private copy of a mapped region's immutable header (take it after
 // init_state read kInitReady, with acquire).

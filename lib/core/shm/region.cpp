@@ -9,6 +9,10 @@
 #include <grp.h>
 #include <pwd.h>
 
+#include <algorithm>
+#include <atomic>
+#include <mutex>
+#include <pthread.h>
 #include <boost/interprocess/mapped_region.hpp>
 #include <cerrno>
 #include <cstdio>
@@ -145,7 +149,26 @@ MappedFile& MappedFile::operator=(MappedFile&& o) noexcept {
 }
 MappedFile::~MappedFile() { unmap(); }
 
-bool MappedFile::inherited() const { return fd_ >= 0 && pid_ != ::getpid(); }
+namespace {
+
+// This process's pid, without a getpid() system call each time (inherited()
+// is asked on every write of a tensor: 100,000 tensors, 100,000 calls). A
+// fork() child refreshes it in its atfork handler, registered before the
+// first value is stored.
+std::atomic<pid_t> g_self_pid{0};
+void refresh_self_pid() { g_self_pid.store(::getpid(), std::memory_order_relaxed); }
+pid_t self_pid() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    ::pthread_atfork(nullptr, nullptr, refresh_self_pid);
+    refresh_self_pid();
+  });
+  return g_self_pid.load(std::memory_order_relaxed);
+}
+
+}  // namespace
+
+bool MappedFile::inherited() const { return fd_ >= 0 && pid_ != self_pid(); }
 
 std::uint64_t MappedFile::size_now() const {
   struct stat st {};
@@ -223,15 +246,27 @@ void MappedFile::map(bool writable) {
 }
 
 MappedFile MappedFile::create(const std::string& dir, std::string_view name, std::uint64_t bytes,
-                              bool group_access, std::int64_t lock_byte) {
+                              bool group_access, std::int64_t lock_byte,
+                              std::span<const std::pair<std::uint64_t, std::uint64_t>> sparse) {
   MappedFile mf;
   mf.path_ = region_file(dir, name);
   mf.pid_ = ::getpid();
   const mode_t mode = group_access ? 0660 : 0600;
 
+  // The ranges allocated now: [0, bytes) less the sparse ones.
+  std::vector<std::pair<std::uint64_t, std::uint64_t>> dense;
+  std::uint64_t at = 0, need = 0;
+  for (const auto& [from, to] : sparse) {
+    if (from < at || to < from || to > bytes) throw Error(Errc::kInvalidArgument, "bad sparse range of a region");
+    if (from > at) dense.emplace_back(at, from);
+    at = to;
+  }
+  if (at < bytes) dense.emplace_back(at, bytes);
+  for (const auto& [from, to] : dense) need += to - from;
+
   const std::int64_t avail = free_bytes(dir);
   if (avail == -ENOENT) throw Error(Errc::kNotFound, "region directory " + dir + " does not exist", ENOENT);
-  if (avail >= 0 && static_cast<std::uint64_t>(avail) < bytes) throw_full(dir, avail, bytes);
+  if (avail >= 0 && static_cast<std::uint64_t>(avail) < need) throw_full(dir, avail, need);
 
   // The one open of the path: everything below works on this descriptor.
   int fd;
@@ -266,15 +301,40 @@ MappedFile MappedFile::create(const std::string& dir, std::string_view name, std
       throw Error(Errc::kExists, "another producer replaced region " + mf.path_ + " as it was created", EEXIST);
   }
 
-  // Allocate every page now: a full tmpfs fails here with ENOSPC instead of
-  // killing a process with SIGBUS at its first touch of an unbacked page.
-  int rc;
-  do {
-    rc = ::posix_fallocate(fd, 0, static_cast<off_t>(bytes));
-  } while (rc == EINTR);
-  if (rc != 0) {
-    if (rc == ENOSPC || rc == ENOMEM || rc == EFBIG) fail([&] { throw_full(dir, free_bytes(dir), bytes); });
-    fail([&] { throw_errno(rc, "posix_fallocate of region " + mf.path_); });
+  // Allocate every page now (but the sparse ranges', which their writer
+  // allocates before it writes them): a full tmpfs fails here with ENOSPC
+  // instead of killing a process with SIGBUS at its first touch of an
+  // unbacked page. The file keeps size 0 until every range is allocated
+  // (FALLOC_FL_KEEP_SIZE, then one ftruncate), so an opener sees it empty
+  // (being created) or whole, never in between. A filesystem without
+  // KEEP_SIZE gets the whole file allocated (no sparse areas there).
+  auto alloc = [&](int mode, std::uint64_t from, std::uint64_t len) {
+    int rc;
+    do {
+      rc = mode == 0 ? ::posix_fallocate(fd, static_cast<off_t>(from), static_cast<off_t>(len))
+                     : (::fallocate(fd, mode, static_cast<off_t>(from), static_cast<off_t>(len)) == 0 ? 0 : errno);
+    } while (rc == EINTR);
+    return rc;
+  };
+  auto fail_alloc = [&](int rc, std::uint64_t want) {
+    if (rc == ENOSPC || rc == ENOMEM || rc == EFBIG) fail([&] { throw_full(dir, free_bytes(dir), want); });
+    fail([&] { throw_errno(rc, "fallocate of region " + mf.path_); });
+  };
+  bool whole = false;
+  for (const auto& [from, to] : dense) {
+    if (to == from) continue;
+    const int rc = alloc(FALLOC_FL_KEEP_SIZE, from, to - from);
+    if (rc == EOPNOTSUPP) {
+      whole = true;
+      break;
+    }
+    if (rc != 0) fail_alloc(rc, need);
+  }
+  if (whole) {
+    if (const int rc = alloc(0, 0, bytes); rc != 0) fail_alloc(rc, bytes);
+  } else if (::ftruncate(fd, static_cast<off_t>(bytes)) != 0) {
+    const int e = errno;
+    fail([&] { throw_errno(e, "ftruncate of region " + mf.path_); });
   }
   mf.size_ = bytes;
   try {
@@ -286,6 +346,37 @@ MappedFile MappedFile::create(const std::string& dir, std::string_view name, std
   // Large pages where tmpfs allows them (shmem_enabled=advise); harmless else.
   ::madvise(mf.base_, bytes, MADV_HUGEPAGE);
   return mf;
+}
+
+void MappedFile::allocate(std::uint64_t offset, std::uint64_t len) const {
+  if (len == 0) return;
+  if (offset > size_ || len > size_ - offset)
+    throw Error(Errc::kInvalidArgument, "allocation outside region " + path_);
+  int rc;
+  do {
+    rc = ::posix_fallocate(fd_, static_cast<off_t>(offset), static_cast<off_t>(len));
+  } while (rc == EINTR);
+  if (rc == 0) return;
+  const std::string dir = path_.substr(0, path_.rfind('/'));
+  if (rc == ENOSPC || rc == ENOMEM || rc == EFBIG) throw_full(dir, free_bytes(dir), len);
+  throw_errno(rc, "posix_fallocate of region " + path_);
+}
+
+int MappedFile::read_at(std::uint64_t offset, void* dst, std::uint64_t len) const {
+  auto* out = static_cast<char*>(dst);
+  while (len > 0) {
+    const ssize_t n = ::pread(fd_, out, static_cast<std::size_t>(std::min<std::uint64_t>(len, 1ull << 30)),
+                              static_cast<off_t>(offset));
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      return -errno;
+    }
+    if (n == 0) return -EIO;  // the file ends before the range does
+    out += n;
+    offset += static_cast<std::uint64_t>(n);
+    len -= static_cast<std::uint64_t>(n);
+  }
+  return 0;
 }
 
 MappedFile MappedFile::open_unmapped(const std::string& dir, std::string_view name, bool writable) {

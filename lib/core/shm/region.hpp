@@ -1,7 +1,11 @@
 // shm/ (layer 1): the named region. A file in the region directory ($SHMCAST_DIR or
-// /dev/shm), created O_EXCL with mode 0600 (0660 on request), fully
-// allocated with posix_fallocate before it is mapped, so that a full tmpfs
-// is an error at create time and never a SIGBUS later.
+// /dev/shm), created O_EXCL with mode 0600 (0660 on request), allocated with
+// posix_fallocate before it is mapped, so that a full tmpfs is an error at
+// create time and never a SIGBUS later. Ranges the creator names sparse (the
+// manifest areas: room for the largest manifest, most of it never used) stay
+// holes until the writer allocates the part it is about to write
+// (allocate()); readers of such a range copy it with read_at() (pread), which
+// reads a hole as zeros and never faults.
 //
 // The path is opened once: every open uses O_NOFOLLOW|O_CLOEXEC|O_NONBLOCK
 // (a symlink is refused, a FIFO never blocks), and everything after it
@@ -29,8 +33,10 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <span>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 namespace shmcast::detail {
@@ -63,8 +69,11 @@ class MappedFile {
   // With `lock_byte` >= 0 the OFD write lock on that byte is taken right
   // after the file exists, before it is allocated: a second creator racing
   // for the name then sees a live owner, never an abandoned file.
+  // `sparse`: [offset, end) ranges (page-aligned, ascending, inside
+  // `bytes`) left unallocated; the free-space check counts only the rest.
   static MappedFile create(const std::string& dir, std::string_view name, std::uint64_t bytes, bool group_access,
-                           std::int64_t lock_byte = -1);
+                           std::int64_t lock_byte = -1,
+                           std::span<const std::pair<std::uint64_t, std::uint64_t>> sparse = {});
   // Opens an existing region file, read-write when `writable`, and maps the
   // whole file; a file of size 0 (being created) is returned unmapped with
   // size() 0. Refuses symlinks and non-regular files. Does not judge the
@@ -100,6 +109,14 @@ class MappedFile {
   // Maps bytes [from, size()) read-only (mprotect PROT_READ), or read-write
   // again with `writable`. `from` is rounded up to a page. 0 or -errno.
   int protect_from(std::uint64_t from, bool writable);
+  // Allocates bytes [offset, offset + len) of the file (posix_fallocate;
+  // already allocated pages stay as they are) before a write to a sparse
+  // range. Throws kRegionFull when the filesystem has no room for them.
+  void allocate(std::uint64_t offset, std::uint64_t len) const;
+  // Copies bytes [offset, offset + len) of the file into `dst` with pread:
+  // a hole reads as zeros, a file cut short is an error, and nothing faults
+  // (no SIGBUS whatever the writer allocated). 0, or -errno (-EIO: short).
+  int read_at(std::uint64_t offset, void* dst, std::uint64_t len) const;
 
   void unmap();
 

@@ -314,7 +314,12 @@ struct ProducerOptions {
   std::uint64_t slot_bytes = 256ull << 20;    // S, rounded up to 2 MiB
   std::uint32_t slots = 2;                    // K >= 2: double buffering
   std::uint32_t max_consumers = 8;            // N, 1..64, fixed at create
-  std::uint64_t manifest_bytes = 1ull << 20;  // room for one sync's manifest
+  // Room for one sync's manifest (and, sharded, each rank's list). The
+  // default, the most a region takes, fits every sync of up to
+  // limits::kMaxTensors tensors with names of up to ~880 bytes: the area is
+  // reserved sparsely, so a small model uses (and allocates) only the
+  // pages its manifest fills. A smaller value only caps the manifest.
+  std::uint64_t manifest_bytes = limits::kMaxManifestBytes;
   bool group_access = false;     // create mode 0660 instead of 0600
   bool replace_stale = true;     // replace a same-named region whose producer is dead
   bool unlink_on_close = true;   // remove the name when the producer closes

@@ -38,8 +38,10 @@ class PyProducer : Owned {
     o.slot_bytes = int_arg<std::uint64_t>(slot_bytes, "slot_bytes", 1, limits::kMaxSlotBytes);
     o.slots = int_arg<std::uint32_t>(slots, "slots", 2, limits::kMaxSlots);
     o.max_consumers = int_arg<std::uint32_t>(max_consumers, "max_consumers", 1, limits::kMaxConsumers);
-    o.manifest_bytes =
-        int_arg<std::uint64_t>(manifest_bytes, "manifest_bytes", limits::kMinManifestBytes, limits::kMaxManifestBytes);
+    // None: the library's default (room for limits::kMaxTensors, reserved sparsely).
+    if (!manifest_bytes.is_none())
+      o.manifest_bytes =
+          int_arg<std::uint64_t>(manifest_bytes, "manifest_bytes", limits::kMinManifestBytes, limits::kMaxManifestBytes);
     o.group_access = group_access;
     o.replace_stale = replace_stale;
     o.unlink_on_close = unlink_on_close;
@@ -289,7 +291,7 @@ void bind_producer(py::module_& m) {
                     py::handle, py::handle, py::handle, py::handle, py::handle, py::handle, py::handle,
                     py::handle, bool, py::handle, py::handle, py::handle, py::handle>(),
            py::arg("name"), py::kw_only(), py::arg("slot_bytes") = 256ull << 20, py::arg("slots") = 2,
-           py::arg("max_consumers") = 8, py::arg("manifest_bytes") = 1ull << 20, py::arg("group_access") = false,
+           py::arg("max_consumers") = 8, py::arg("manifest_bytes") = py::none(), py::arg("group_access") = false,
            py::arg("replace_stale") = true, py::arg("unlink_on_close") = true, py::arg("checksums") = false,
            py::arg("stall_policy") = "fail", py::arg("consumer_timeout") = 60.0, py::arg("pin") = "auto",
            py::arg("engine") = "auto", py::arg("rank") = 0, py::arg("world_size") = 1, py::arg("rank_timeout") = 120.0,

@@ -49,6 +49,7 @@ ProducerOptions small_opts() {
   o.max_consumers = 4;
   o.pin = Pin::kNo;
   o.consumer_timeout = 20s;
+  o.manifest_bytes = 1 << 20;  // the tests copy whole region files (the default reserves 1 GiB of holes)
   return o;
 }
 
