@@ -85,7 +85,14 @@ class Consumer(_Closing):
     receive_into() keeps the temporaries of its non-contiguous destinations
     the same way. A delta sync that cannot apply (other destinations, names
     or slices than the read of its base) raises shmcast.NeedsFullSync after
-    asking the producer for a full sync: call again for it.
+    asking the producer for a full sync: call again for it. With
+    verify_checksums=True (the default) every piece a delta is applied to is
+    checked (shmcast.Corrupt when the result is not what the producer
+    sent); a `slices` entry that holds only part of a producer rank's piece
+    (a TP slice of a tensor the producer sends whole) cannot be checked, so
+    such a delta is refused the same way (NeedsFullSync, nothing written, a
+    full sync requested). verify_checksums=False applies it unchecked, at
+    your own risk.
 
     Device slots (Producer(slot_memory='device'); `slot_memory` is
     'device'): the slots are GPU memory of the producer's GPU, mapped here
@@ -115,6 +122,7 @@ class Consumer(_Closing):
         if mode not in ("copy", "staging"):
             raise ValueError("mode must be 'copy' or 'staging'")
         self.mode = mode
+        self.verify_checksums = bool(verify_checksums)
         self._lock = threading.RLock()
         self._pending = None  # SyncInfo from wait_sync() not yet read
         self._view = None  # the StoreView hold() handed out, while held
@@ -146,7 +154,9 @@ class Consumer(_Closing):
         names: only these tensors (an iterable of names; absent ones are
         skipped). slices: name -> (dim, start, length): that tensor arrives
         as the slice [start, start + length) along dim (a tensor-parallel
-        worker's part); only the selected bytes are copied.
+        worker's part); only the selected bytes are copied. On a delta
+        region, a slice that holds only part of a producer rank's piece
+        takes deltas only with verify_checksums=False (see the class doc).
 
         CUDA: the copies are ordered before later work on
         torch.cuda.current_stream(device). See the class doc for `mode`."""
@@ -345,7 +355,9 @@ class Consumer(_Closing):
         """Step 2 of receive_into(): copies the sync wait_sync() returned into
         `tensors`. slices: name -> (dim, start, length); that destination
         then has the shape of the slice [start, start + length) along dim of
-        the sync's tensor, and only those bytes are copied."""
+        the sync's tensor, and only those bytes are copied. A delta sync
+        whose pieces a slice holds only in part raises NeedsFullSync before
+        anything is written, unless verify_checksums=False (class doc)."""
         c = self._live()
         with self._lock:
             info = self._take_pending()

@@ -22,7 +22,12 @@ DirectLoader applies deltas to the parameters in place, and only while they
 still hold what its last load left there (holds_last_load(): a sample of
 their bits); weights discarded or rewritten since (vLLM's level-2 sleep, a
 reload into the same memory) turn a delta sync into shmcast.NeedsFullSync,
-after asking the producer for a full sync, instead of a wrong result.
+after asking the producer for a full sync, instead of a wrong result. A TP
+rank's slices hold only part of what a one-rank producer sends (whole
+tensors), where a delta cannot be checked: with verify_checksums (the
+default) DirectLoader asks for a full sync after each load, so its syncs
+are full (a sharded producer's delta whose pieces it holds only in part is
+refused by the consumer: NeedsFullSync, and the next sync is full).
 """
 from __future__ import annotations
 
@@ -293,6 +298,12 @@ class DirectLoader:
         for z in self.zero:
             z.zero_()  # vocab padding rows, as vLLM's weight_loader leaves them
         self._sample = self._sampled() if cons.delta else None
+        if cons.delta and self.slices and info.world_size == 1 and getattr(cons, "verify_checksums", True):
+            # One producer rank sends every tensor whole: a TP slice holds
+            # part of it, where a delta cannot be checked (the consumer would
+            # refuse it, NeedsFullSync). Ask for the next sync full instead
+            # of losing it (verify_checksums=False takes deltas unchecked).
+            cons.request_full_sync()
         if version is not None and v != version:
             raise _C.InvalidArgument(f"region '{cons.name}' is at sync {v}, past the expected {version}: this receiver "
                                      "missed a sync")

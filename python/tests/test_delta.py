@@ -349,8 +349,10 @@ def test_receive_into_failure_forgets_dropped_temporaries(region, monkeypatch):
     # allocator does, for the same size), the next delta of that bucket is
     # applied to memory that does not hold its base. With a TP-style slice
     # (part of a piece) no blob checksum can catch it: wrong weights,
-    # reported as a good delta. The reuse is simulated here by handing back
-    # the dropped temporary itself, filled with other bytes.
+    # reported as a good delta. (With checks on such a delta is refused
+    # anyway: this consumer takes them unchecked, verify_checksums=False.)
+    # The reuse is simulated here by handing back the dropped temporary
+    # itself, filled with other bytes.
     from shmcast import _consumer as consumer_mod
     torch.manual_seed(7)
     a1 = torch.randn(64, 64)
@@ -359,7 +361,7 @@ def test_receive_into_failure_forgets_dropped_temporaries(region, monkeypatch):
     b = torch.randn(32, 32)
     sl = {"a": (1, 0, 32)}  # a column slice, as a TP rank reads
     with shmcast.Producer(region, slot_bytes=roles.SLOT, slots=8, max_consumers=4, delta=True) as prod, \
-            shmcast.Consumer(region) as cons:
+            shmcast.Consumer(region, verify_checksums=False) as cons:
         dst_a = torch.zeros(32, 64).t()  # (64, 32), non-contiguous: a kept temporary
         dst_b = torch.zeros(32, 32).t()
         assert prod.send([("a", a1)]) == 1
@@ -392,3 +394,40 @@ def test_receive_into_failure_forgets_dropped_temporaries(region, monkeypatch):
             v = None  # the right outcome: that memory no longer holds version 1
         wrong = v == 3 and not torch.equal(dst_a, a2[:, :32])
         assert not wrong, f"a delta was applied to memory that does not hold its base (dropped: {dropped})"
+
+
+def test_a_tp_slice_refuses_an_unverifiable_delta_and_reads_the_full_sync(region):
+    """A TP-style slice of a tensor the producer sends whole holds part of
+    its piece, and the blob's checksum covers the whole piece: with checks on
+    (the default) the delta is refused (NeedsFullSync naming the tensor and
+    verify_checksums) before anything of the sync is written (it was applied
+    unchecked), and the full sync the refusal asked for comes next,
+    bit-exact. verify_checksums=False applies it unchecked, bit-exact here."""
+    torch.manual_seed(11)
+    a1, b1 = torch.randn(64, 64), torch.randn(16)
+    a2, b2 = a1.clone(), b1.clone()
+    a2[3, 5] += 1.0
+    b2[0] += 1.0  # read whole: its piece is held, and written first if anything were
+    sl = {"a": (1, 0, 32)}
+    with shmcast.Producer(region, slot_bytes=roles.SLOT, slots=8, max_consumers=4, delta=True) as prod, \
+            shmcast.Consumer(region) as cons, shmcast.Consumer(region, verify_checksums=False) as loose:
+        dst = {"b": torch.zeros(16), "a": torch.zeros(64, 32)}
+        ldst = {"b": torch.zeros(16), "a": torch.zeros(64, 32)}
+        assert prod.send([("b", b1), ("a", a1)]) == 1
+        assert cons.receive_into(dst, timeout=10, slices=sl) == 1
+        assert loose.receive_into(ldst, timeout=10, slices=sl) == 1
+        assert prod.send([("b", b2), ("a", a2)]) == 2
+        assert prod.last_sync["kind"] == "delta"
+        with pytest.raises(shmcast.NeedsFullSync, match=r"'a'.*holds only part.*verify_checksums"):
+            cons.receive_into(dst, timeout=10, slices=sl)
+        assert torch.equal(dst["a"], a1[:, :32]) and torch.equal(dst["b"], b1), "the refused delta wrote"
+        assert loose.receive_into(ldst, timeout=10, slices=sl) == 2 and loose.last_sync["kind"] == "delta"
+        assert torch.equal(ldst["a"], a2[:, :32]) and torch.equal(ldst["b"], b2)
+        a3 = a2.clone()
+        a3[7, 40] -= 1.0
+        assert prod.send([("b", b2), ("a", a3)]) == 3
+        assert prod.last_sync["kind"] == "full"  # the refusal asked for it
+        assert cons.receive_into(dst, timeout=10, slices=sl) == 3 and cons.last_sync["kind"] == "full"
+        assert torch.equal(dst["a"], a3[:, :32]) and torch.equal(dst["b"], b2)
+        assert loose.receive_into(ldst, timeout=10, slices=sl) == 3
+        assert torch.equal(ldst["a"], a3[:, :32]) and torch.equal(ldst["b"], b2)

@@ -345,8 +345,11 @@ def test_delta_rounds_and_a_level2_sleep(region, load):
 @pytest.mark.parametrize("tp", [1, 2])
 def test_direct_loader_refuses_a_delta_onto_changed_parameters(region, tp):
     """Without a start hook (the worker extension, SGLang): a delta sync for
-    parameters that changed since the last load raises NeedsFullSync (TP
-    slices have no checksum to catch it), and the next sync is full."""
+    parameters that changed since the last load raises NeedsFullSync, and
+    the next sync is full. TP = 2: the rank's slices hold part of each
+    tensor the producer sends whole, where a delta cannot be checked (the
+    consumer would refuse it): the loader asks for a full sync after each
+    load, so every sync is full and loads, changed parameters too."""
     from shmcast._load import DirectLoader
 
     with fake_vllm.tp_rank(0, tp):
@@ -359,20 +362,46 @@ def test_direct_loader_refuses_a_delta_onto_changed_parameters(region, tp):
             prod.send(hf)
             d.load(cons, timeout=10)
             assert fake_vllm.check_loaded(model, hf, 0, tp) == []
-            assert cons.last_sync["kind"] == ("full" if k == 0 else "delta") and d.holds_last_load()
+            assert cons.last_sync["kind"] == ("full" if k == 0 or tp > 1 else "delta") and d.holds_last_load()
             hf = _changed(hf, k)
         for p in model.parameters():
             p.data.view(torch.uint8).fill_(0xFF)
         assert d.holds_last_load() is False
         prod.send(hf)
-        assert prod.last_sync["kind"] == "delta"
-        with pytest.raises(shmcast.NeedsFullSync):
+        if tp == 1:
+            assert prod.last_sync["kind"] == "delta"
+            with pytest.raises(shmcast.NeedsFullSync):
+                d.load(cons, timeout=10)
+        else:
+            assert prod.last_sync["kind"] == "full"
             d.load(cons, timeout=10)
+            assert fake_vllm.check_loaded(model, hf, 0, tp) == [] and d.holds_last_load()
         hf = _changed(hf, 7)
         prod.send(hf)
         assert prod.last_sync["kind"] == "full"
         d.load(cons, timeout=10)
         assert fake_vllm.check_loaded(model, hf, 0, tp) == [] and d.holds_last_load()
+
+
+def test_direct_loader_tp_slices_take_deltas_unchecked_only_when_asked(region):
+    """verify_checksums=False: a TP = 2 rank's slices take the deltas of a
+    one-rank producer unchecked (the loader asks for no full sync), and the
+    weights are right while the parameters hold the last load."""
+    from shmcast._load import DirectLoader
+
+    tp = 2
+    with fake_vllm.tp_rank(0, tp):
+        model = fake_vllm.FakeQwen2ForCausalLM()
+    d = DirectLoader(model, 0, tp)
+    with shmcast.Producer(region, slot_bytes=2 << 20, slots=8, delta=True) as prod, \
+            shmcast.Consumer(region, verify_checksums=False) as cons:
+        hf = fake_vllm.hf_state_dict(50)
+        for k in range(3):
+            prod.send(hf)
+            d.load(cons, timeout=10)
+            assert fake_vllm.check_loaded(model, hf, 0, tp) == []
+            assert cons.last_sync["kind"] == ("full" if k == 0 else "delta")
+            hf = _changed(hf, k)
 
 
 # ------------------------------------------------------------- layerwise reload

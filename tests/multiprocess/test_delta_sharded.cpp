@@ -2,7 +2,9 @@
 // producers"): R producer rank processes each keep the base of their own
 // shards and encode their changes; the ranks agree each round's kind
 // (full, or every rank a delta against one base); consumers apply each
-// rank's blobs to whole tensors or TP slices, bit-exact every version.
+// rank's blobs to whole tensors or TP slices, bit-exact every version (a TP
+// slice across a rank's piece takes deltas only with checks off; with them
+// on, such a delta is refused and a full sync read instead).
 // Faults: a rank whose own keyframe or fallback makes the round full (the
 // kind mismatch), a consumer that skips versions or asks for a full sync,
 // a rank killed mid-delta (an error, never wrong data), a rank restarted
@@ -168,8 +170,9 @@ ProducerOptions rank_opts(int r, int R) {
   return o;
 }
 
-ConsumerOptions copts() {
+ConsumerOptions copts(bool verify = true) {
   ConsumerOptions o;
+  o.verify_checksums = verify;
   o.pin = Pin::kNo;
   o.open_timeout = 30s;
   o.chunk_timeout = 30s * kSlowdown;
@@ -258,16 +261,29 @@ struct ConsumerPlan {
   std::vector<int> skip;
   int ask_full_after = 0;
   bool expect_error = false;  // a rank dies: some read fails (never wrong data)
+  // Checks off: a TP slice across a rank's piece takes deltas unchecked
+  // (with checks on, such a delta is refused: run_slice_consumer).
+  bool verify = true;
 };
 
 ConsumerPlan plan_part(int part) {
   ConsumerPlan p;
   p.part = part;
+  p.verify = part < 0;
   return p;
 }
 
+// The TP slice of part `part` (as run_consumer reads it) of tensor `t`, or
+// the whole tensor (dim -1) for a 1-d one.
+Selection part_selection(const TDef& t, int part) {
+  if (part < 0 || t.shape.size() < 2) return Selection{};
+  const int dim = part == 0 ? (t.shard_dim == 0 ? 1 : 0) : std::max(t.shard_dim, 0);
+  auto [start, len] = chunk_range(t.shape[static_cast<std::size_t>(dim)], 2, part);
+  return Selection{dim, start, len};
+}
+
 int run_consumer(const std::string& name, int id, const ConsumerPlan& plan, Kinds* k) {
-  Consumer c = Consumer::open(name, copts());
+  Consumer c = Consumer::open(name, copts(plan.verify));
   Weights w;
   const std::vector<TDef> m = model();
   bool missed = false;  // the last version was not read into the destinations
@@ -302,12 +318,7 @@ int run_consumer(const std::string& name, int id, const ConsumerPlan& plan, Kind
       for (std::size_t i = 0; i < m.size(); ++i) {
         const TDef& t = m[i];
         const auto j = static_cast<std::size_t>(s.find(t.name));
-        Selection sel;
-        if (plan.part >= 0 && t.shape.size() > 1) {
-          const int dim = plan.part == 0 ? (t.shard_dim == 0 ? 1 : 0) : std::max(t.shard_dim, 0);
-          auto [start, len] = chunk_range(t.shape[static_cast<std::size_t>(dim)], 2, plan.part);
-          sel = Selection{dim, start, len};
-        }
+        const Selection sel = part_selection(t, plan.part);
         sels[j] = sel;
         got[j].assign(sel.nbytes(s.tensors[j]), 0xEE);
         dsts[j] = got[j].data();
@@ -407,6 +418,75 @@ int run_changed_consumer(const std::string& name, int id, const std::string& vic
   }
 }
 
+// A TP-slice reader with checks on (the default): its selection (part 0:
+// across every rank's piece) holds only part of the pieces, which the blobs'
+// checksums cannot check, so every delta it is handed is refused
+// (kNeedsFullSync naming a tensor and verify_checksums) before a byte of
+// its destinations is written; the sync after a refusal is full, and every
+// full sync is bit-exact. Reads until version `last`.
+int run_slice_consumer(const std::string& name, int id, int part, int last, Kinds* k) {
+  Consumer c = Consumer::open(name, copts());
+  Weights w;
+  const std::vector<TDef> m = model();
+  std::vector<std::vector<std::uint8_t>> got;
+  std::vector<void*> dsts;
+  std::vector<Selection> sels;
+  bool refused = false;
+  for (;;) {
+    const SyncInfo s = c.wait_sync(60s * kSlowdown);
+    const auto v = static_cast<int>(s.version);
+    w.advance_to(s.version);
+    if (v >= last) return 0;
+    if (refused && s.delta()) {
+      std::fprintf(stderr, "consumer %d: version %d after a refusal is a delta\n", id, v);
+      return 41;
+    }
+    if (got.empty()) {
+      got.resize(m.size());
+      dsts.resize(m.size());
+      sels.resize(m.size());
+      for (std::size_t i = 0; i < m.size(); ++i) {
+        const auto j = static_cast<std::size_t>(s.find(m[i].name));
+        sels[j] = part_selection(m[i], part);
+        got[j].assign(sels[j].nbytes(s.tensors[j]), 0xEE);
+        dsts[j] = got[j].data();
+      }
+    }
+    const std::vector<std::vector<std::uint8_t>> before = got;
+    try {
+      c.read_into(dsts, sels);
+    } catch (const Error& e) {
+      const std::string what = e.what();
+      if (!s.delta() || e.code() != Errc::kNeedsFullSync || what.find("verify_checksums") == std::string::npos ||
+          what.find("holds only part of rank") == std::string::npos) {
+        std::fprintf(stderr, "consumer %d read %d: %s\n", id, v, e.what());
+        return 20 + static_cast<int>(e.code());
+      }
+      if (got != before) {
+        std::fprintf(stderr, "consumer %d: the refused delta %d wrote into the destinations\n", id, v);
+        return 42;
+      }
+      refused = true;
+      k->consumer[id][v].store(3);
+      continue;
+    }
+    if (s.delta()) {
+      std::fprintf(stderr, "consumer %d: delta %d was applied to a slice across pieces, unchecked\n", id, v);
+      return 40;
+    }
+    for (std::size_t i = 0; i < m.size(); ++i) {
+      const TDef& t = m[i];
+      const auto j = static_cast<std::size_t>(s.find(t.name));
+      if (got[j] != slice(w.data[i], t.shape, dtype_size(t.dt), sels[j].dim, sels[j].start, sels[j].length)) {
+        std::fprintf(stderr, "consumer %d version %d tensor %s differs\n", id, v, t.name.c_str());
+        return 31;
+      }
+    }
+    refused = false;
+    k->consumer[id][v].store(1);
+  }
+}
+
 struct Procs {
   std::string name;
   RegionGuard guard;
@@ -475,6 +555,42 @@ TEST(ShardedDelta, ShardOnePiecesOntoAChangedDestinationFailNeverApplyBlind) {
   for (int v = 2; v <= 12; ++v) EXPECT_EQ(t.k->consumer[1][v].load(), v == next ? 1 : 2) << "v " << v;
 }
 
+// A TP-slice reader (each tensor's slice across both ranks' pieces, as a TP
+// worker of another layout reads them) with checks on: the blobs' checksums
+// cover whole pieces, so it cannot check a delta applied to part of one. It
+// refuses each delta (kNeedsFullSync, nothing written: it applied them
+// unchecked), and the full sync its refusal asked for comes next,
+// bit-exact. A whole-tensor reader beside it reads every version, deltas
+// bit-exact between the full ones.
+TEST(ShardedDelta, TpSliceAcrossPiecesRefusesDeltasThenReadsAFullSyncBitExact) {
+  const int R = 2;
+  Procs t("dshardtp");
+  RankPlan rp;
+  rp.versions = 13;
+  rp.consumers = 2;
+  for (int r = 0; r < R; ++r) t.rank(r, R, rp);
+  t.consumers.emplace_back(new Child(Child::spawn([&] { return run_slice_consumer(t.name, 0, 0, 13, t.k); })));
+  ConsumerPlan whole;
+  whole.last = 13;
+  t.consumer(1, whole);
+  for (auto& c : t.ranks) EXPECT_EQ(c->wait(240s), 0);
+  for (auto& c : t.consumers) EXPECT_EQ(c->wait(240s), 0);
+  int refused = 0, full_after_refusal = 0;
+  for (int v = 2; v < 13; ++v) {
+    refused += t.k->consumer[0][v].load() == 3;
+    if (t.k->consumer[0][v].load() == 1)
+      for (int u = v - 1; u >= 2 && t.k->consumer[0][u].load() != 1; --u)
+        if (t.k->consumer[0][u].load() == 3) {
+          ++full_after_refusal;
+          break;
+        }
+  }
+  EXPECT_GE(refused, 2);
+  EXPECT_GE(full_after_refusal, 2);
+  EXPECT_EQ(t.k->consumer[0][1].load(), 1);
+  for (int v = 1; v <= 13; ++v) EXPECT_EQ(t.k->consumer[1][v].load(), t.k->rank[0][v].load()) << "v " << v;
+}
+
 // The round kind mismatch: rank 1 sends a keyframe every 5th sync and falls
 // back to full whenever its blobs exceed 12 % of its shards (a fraction
 // rank 0 does not see), while rank 0 and rank 2 would send deltas. Each such
@@ -514,7 +630,7 @@ TEST(ShardedDelta, SkippingOrAskingConsumerGetsAFullSync) {
   Procs t("dshardskip");
   for (int r = 0; r < R; ++r) t.rank(r, R, RankPlan{});
   t.consumer(0, ConsumerPlan{-1, 32, {6, 7, 19}, 25});
-  t.consumer(1, ConsumerPlan{0, 32, {12}, 0});
+  t.consumer(1, ConsumerPlan{0, 32, {12}, 0, false, false});  // TP slices across pieces: unchecked
   t.consumer(2, plan_part(-1));
   for (auto& c : t.ranks) EXPECT_EQ(c->wait(240s), 0);
   for (auto& c : t.consumers) EXPECT_EQ(c->wait(240s), 0);
@@ -552,6 +668,7 @@ TEST(ShardedDelta, RankKilledMidDeltaThenRestarted) {
   cp.expect_error = true;
   t.consumer(0, cp);
   cp.part = 0;
+  cp.verify = false;  // TP slices across pieces: deltas unchecked
   t.consumer(1, cp);
   cp.part = 1;
   t.consumer(2, cp);

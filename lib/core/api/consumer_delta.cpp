@@ -82,6 +82,31 @@ void Consumer::Impl::forget(const std::vector<std::pair<std::uintptr_t, std::uin
   applied.erase(std::remove_if(applied.begin(), applied.end(), overlaps), applied.end());
 }
 
+std::string Consumer::Impl::unverifiable_piece(std::span<void* const> dsts, std::span<const Selection> sels) const {
+  if (dsts.size() != info.tensors.size() || (!sels.empty() && sels.size() != info.tensors.size())) return {};
+  const Selection whole{};
+  for (std::size_t t = 0; t < info.tensors.size(); ++t) {
+    if (dsts[t] == nullptr) continue;
+    const TensorInfo& ti = info.tensors[t];
+    const Selection& sel = sels.empty() ? whole : sels[t];
+    if (sel.dim < 0 || !selection_problem(ti, sel).empty()) continue;  // whole tensors hold every piece
+    const std::uint32_t w = delta::elem_width(ti.dtype);
+    for (const ShardInfo& sh : ti.shards) {
+      if (sh.base_version == 0) continue;  // sent as its bytes: nothing to apply
+      const delta::SliceMap map = delta::slice_map(ti.shape, w, Selection{sh.dim, sh.start, sh.length}, sel);
+      if (map.outer == 0 || delta::holds_piece(map)) continue;  // none of it selected, or all of it
+      const std::string piece =
+          sh.dim < 0 ? "the whole tensor"
+                     : "rows [" + std::to_string(sh.start) + ", " + std::to_string(sh.start + sh.length) +
+                           ") along dim " + std::to_string(sh.dim);
+      return "the selection of '" + ti.name + "' (rows [" + std::to_string(sel.start) + ", " +
+             std::to_string(sel.start + sel.length) + ") along dim " + std::to_string(sel.dim) +
+             ") holds only part of rank " + std::to_string(sh.rank) + "'s piece (" + piece + ")";
+    }
+  }
+  return {};
+}
+
 // Applies a delta piece's blob to `dst` (the tensor's host destination,
 // laid out as `sel`). (read_into_device() collects the blobs instead:
 // read_delta_device.)

@@ -259,6 +259,21 @@ struct __attribute__((visibility("hidden"))) Consumer::Impl {
                       "read of that version filled (other buffers, selections or device): a full sync was "
                       "requested; call wait_sync() again and read that one");
     }
+    // A delta piece the selection holds only part of cannot be checked (its
+    // blob's checksum covers the whole piece): refused before a byte is
+    // written, unless checks are off (protocol.md §12.1).
+    if (info.delta() && opts.verify_checksums) {
+      if (std::string why = unverifiable_piece(dsts, sels); !why.empty()) {
+        request_full(info.version);
+        release_rest();  // the destinations still hold the base: their record stays
+        throw Error(Errc::kNeedsFullSync,
+                    "sync " + std::to_string(info.version) + " of '" + name + "' is a delta, and " + why +
+                        ": the blob's checksum covers the whole piece, so the result could not be verified and "
+                        "nothing was written. A full sync was requested; call wait_sync() again and read that one. "
+                        "To take deltas, read whole pieces (a selection that holds every piece it touches), or "
+                        "open the consumer with verify_checksums = false to apply them unchecked, at your own risk");
+      }
+    }
     const std::uint64_t v = info.version;
     const bool was_delta = info.delta();
     forget(ranges);
@@ -272,6 +287,13 @@ struct __attribute__((visibility("hidden"))) Consumer::Impl {
     if (applied.size() > limits::kMaxDeltaGroups) applied.erase(applied.begin());
     set_report(dsts, sels, was_delta);
   }
+  // Of a delta sync read into `dsts` laid out as `sels`: which delta piece
+  // the selection holds only part of (it selects some of its elements, not
+  // all), said as "the selection of 'T' holds only part of rank r's piece
+  // ...", or empty when every piece it touches is held whole (each can then
+  // be checked where it lands) or the arguments are wrong (the read reports
+  // them).
+  std::string unverifiable_piece(std::span<void* const> dsts, std::span<const Selection> sels) const;
   // The report of a completed read: of a delta sync, the payload is every
   // blob read whole plus what the read copied of the pieces sent as their
   // bytes (a c128 tensor's, or its part in the selection).

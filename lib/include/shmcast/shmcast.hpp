@@ -64,8 +64,8 @@ enum class Errc : int {
   kSystem,               // unexpected OS error (errno attached)
   kUnsupported,          // this setup cannot do it (e.g. device slots on a GPU the consumer cannot
                          // reach); the message names the reason and the alternative
-  kNeedsFullSync,        // a delta sync whose base these destinations do not hold (other buffers, a
-                         // version this consumer did not apply): a full sync was requested; wait for it
+  kNeedsFullSync,        // a delta sync these destinations cannot take (not its base; with verify_checksums,
+                         // a piece a selection holds only in part): a full sync was requested; wait for it
 };
 
 SHMCAST_API const char* errc_name(Errc code) noexcept;
@@ -383,7 +383,7 @@ struct ConsumerOptions {
   // keeps adding bytes does not time out.
   Duration chunk_timeout = std::chrono::seconds(60);
   Pin pin = Pin::kAuto;
-  bool verify_checksums = true;  // when the producer writes them
+  bool verify_checksums = true;  // slot checksums (when written), every delta piece applied (partial ones refused)
   // Whose regions to trust. A region owned by another uid, or writable by
   // others, is refused with kPermission: its owner could change the tensors
   // under you. By default only regions of this process's effective uid,
