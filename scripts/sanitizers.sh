@@ -30,12 +30,14 @@
 #            tests, several with threads;
 #   threads  tests/fault/test_threads.cpp: the producer and three consumers
 #            as threads over one region (with checksums, and without:
-#            progressive fill);
+#            progressive fill); and the multiprocess and tool tests that
+#            run two threads of one process over the library
+#            (shmcast_label_tests in tests/CMakeLists.txt);
 #   relay    shmcast-relay is one process of several threads (network,
 #            UCX's async thread, the status writer), in every relay test.
 # and builds only what those need (SAN_TSAN_TARGETS). The multiprocess,
 # fault (but threads), attack, seccomp, tool and fileio tiers run their
-# peers as processes of one thread each: they run under ASan here, twice
+# peers as processes of one thread each (but those labelled threads): they run under ASan here, twice
 # in the plain build (tiers, under load), and under TSan only with
 # SANITIZERS_FULL=1 (docs/reliability.md, "CI time", says why). The CUDA
 # engine, and so its completion thread, is not built here and not checked.
@@ -85,7 +87,7 @@ for name in "${which[@]}"; do
   targets=()
   if [ "$name" = tsan ] && [ "${SANITIZERS_FULL:-0}" != 1 ]; then
     select=(-L "${SAN_TSAN_LABELS:-^(unit|threads|relay)\$}")
-    read -r -a targets <<<"${SAN_TSAN_TARGETS:-test_unit test_probe test_fault_threads}"
+    read -r -a targets <<<"${SAN_TSAN_TARGETS:-test_unit test_probe test_fault_threads test_multiprocess test_tool}"
     # The relay's tests (every test_* of tests/relay, and the relay status
     # attack), when the relay is built (UCX and OpenSSL found).
     if [ -z "${SAN_TSAN_TARGETS:-}" ]; then
