@@ -39,12 +39,18 @@
 #include "engine/cuda_vmm.hpp"
 #include "engine/delta_cuda.hpp"
 #include "engine/engine.hpp"
+#include "protocol/delta.hpp"
 #include "protocol/fd_channel.hpp"
 #include "protocol/ring.hpp"
 #include "protocol/rounds.hpp"
 #include "shmcast/shmcast.hpp"
 
 namespace shmcast {
+
+// Tensors whose elements are words of 1, 2, 4 or 8 bytes are sent as
+// deltas; others (c128: 16-byte elements, whose slices a word map cannot
+// address) as their bytes (producer_delta.cpp, producer_delta_ranks.cpp).
+inline bool delta_encodes(DType dtype) { return detail::delta::elem_width(dtype) == dtype_size(dtype); }
 
 namespace detail {
 // Delta syncs: the same tensor set (names, dtypes, shapes, shards, in order).

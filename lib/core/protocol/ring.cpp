@@ -1,4 +1,4 @@
-// The ring protocol (layer 4): the header snapshot, the chunk writer and the
+// Over 800 lines on purpose (below): the ring protocol (layer 4): the header snapshot, the chunk writer and the
 // chunk reader over one region (ring.hpp, docs/protocol.md). One protocol, one
 // file past 800 lines: the writer and the reader are the two halves of the
 // same seqlock and slot-release orderings, and are read side by side.
