@@ -100,8 +100,12 @@ def test_device_slot_properties(region):
         assert prod.slot_device == torch.cuda.current_device() == 0
         assert prod.slot_device_bytes >= prod.slots * prod.slot_bytes
         assert prod.raw.engine == "cuda"
-        # The slots are GPU memory, not bytes of the region file.
-        assert prod.region_bytes < prod.slots * prod.slot_bytes
+        device_region = prod.region_bytes
+    # The slots are GPU memory, not bytes of the region file: the file is
+    # smaller by all of them than a host-slot region's of the same options
+    # (both also hold the sparse manifest reserve, docs/protocol.md §2.1).
+    with shmcast.Producer(region, slot_bytes=roles.SLOT, slots=4, max_consumers=8) as host:
+        assert device_region + host.slots * host.slot_bytes <= host.region_bytes
     with _device_producer(region, slot_device=0) as prod:
         assert prod.slot_device == 0
 

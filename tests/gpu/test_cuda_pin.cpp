@@ -83,6 +83,17 @@ std::uint64_t manifest_offset(const std::string& path) {
   return ok ? h.manifest_offset : 0;
 }
 
+// Where the pinned range starts: the slot data (docs/protocol.md §2.1; the
+// manifest areas before it are sparse, and pinning them would allocate them).
+std::uint64_t data_offset(const std::string& path) {
+  detail::HeaderFixed h{};
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return 0;
+  const bool ok = ::pread(fd, &h, sizeof h, 0) == static_cast<ssize_t>(sizeof h);
+  ::close(fd);
+  return ok ? h.data_offset : 0;
+}
+
 ProducerOptions store_opts(Pin pin) {
   ProducerOptions o;
   o.mode = RegionMode::kStore;
@@ -140,22 +151,26 @@ TEST(CudaPin, ConsumerPinsTheStoreBanksReadOnlyWhereTheDriverCan) {
   const std::uint64_t size = file_size(path);
   const std::uint64_t page = static_cast<std::uint64_t>(::sysconf(_SC_PAGESIZE));
   const std::uint64_t ro = (manifest_offset(path) + page - 1) / page * page;
+  const std::uint64_t from = data_offset(path);
   ASSERT_GT(ro, 0u);
+  ASSERT_GT(size, from);
+  // Pinned: [from, size); plain below ro, read-only from ro.
+  const std::uint64_t want_plain = ro > from ? ro - from : 0, want_ro = size - (ro > from ? ro : from);
   EXPECT_EQ(with_fake_driver(1, [&] {
               Consumer c = Consumer::open(st.name, pinned_copts());
               if (!c.pinned()) return 10;
               if (!c.views_read_only()) return 11;
               const std::vector<Reg> regs = registrations();
-              // [0, ro) as before, [ro, size) with the read-only flag; nothing else.
+              // [from, ro) as before, [ro, size) with the read-only flag; nothing else.
               std::uint64_t plain = 0, read_only = 0;
               for (const Reg& r : regs) (r.flags & kReadOnlyFlag ? read_only : plain) += r.bytes;
-              if (regs.empty() || plain != ro || read_only != size - ro) {
+              if (regs.empty() || plain != want_plain || read_only != want_ro) {
                 std::fprintf(stderr, "%zu registrations: %llu plain, %llu read-only (want %llu, %llu)\n", regs.size(),
-                             (unsigned long long)plain, (unsigned long long)read_only, (unsigned long long)ro,
-                             (unsigned long long)(size - ro));
+                             (unsigned long long)plain, (unsigned long long)read_only,
+                             (unsigned long long)want_plain, (unsigned long long)want_ro);
                 return 12;
               }
-              if (regs.back().base + regs.back().bytes - regs.front().base != size) return 13;
+              if (regs.back().base + regs.back().bytes - regs.front().base != size - from) return 13;
               return read_bit_exact(c) != 0 ? 14 : 0;
             }),
             0);
@@ -189,7 +204,7 @@ TEST(CudaPin, ConsumerPinsTheStoreBanksReadOnlyWhereTheDriverCan) {
 
 TEST(CudaPin, WithoutReadOnlyRegistrationTheBanksArePinnedWritable) {
   Stored st;
-  const std::uint64_t size = file_size(region_path(st.name));
+  const std::uint64_t size = file_size(region_path(st.name)) - data_offset(region_path(st.name));  // pinned bytes
   EXPECT_EQ(with_fake_driver(0, [&] {
               Consumer c = Consumer::open(st.name, pinned_copts());
               if (!c.pinned()) return 10;  // pinned as before, not given up
@@ -222,7 +237,8 @@ TEST(CudaPin, WithoutReadOnlyRegistrationTheBanksArePinnedWritable) {
   EXPECT_EQ(perms_at(c.views()[0]).substr(0, 2), "r-");
 }
 
-TEST(CudaPin, ProducerPinsItsWholeRegionAsBefore) {
+// The producer pins all its slot data (not the sparse manifest areas before it).
+TEST(CudaPin, ProducerPinsItsWholeSlotDataAsBefore) {
   const std::string name = unique_name("pin-prod");
   RegionGuard g{name};
   EXPECT_EQ(with_fake_driver(1, [&] {
@@ -233,7 +249,7 @@ TEST(CudaPin, ProducerPinsItsWholeRegionAsBefore) {
                 if (r.flags & kReadOnlyFlag) return 11;
                 total += r.bytes;
               }
-              if (total != p.region_bytes()) return 12;
+              if (total != p.region_bytes() - data_offset(region_path(name))) return 12;
               p.close();
               return registrations().empty() ? 0 : 13;
             }),
