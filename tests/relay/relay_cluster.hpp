@@ -47,6 +47,21 @@ inline bool has_line(const std::string& path, const std::string& line) {
 }
 
 // Nodes 0..n-1 of one test: node 0 has the trainer and the source relay.
+// The environment that LD_PRELOADs `lib` (a shim built without the
+// sanitizers: flip_send, gate_connect, slow_recv) into a relay, plus
+// `more`. Under ASan the shim comes first in the library list, and ASan's
+// runtime checks that it does; it still intercepts what it must (the shim
+// calls on into it).
+inline std::map<std::string, std::string> preload_env(const std::string& lib,
+                                                      std::map<std::string, std::string> more = {}) {
+  more["LD_PRELOAD"] = lib;
+#if defined(__SANITIZE_ADDRESS__)
+  const char* asan = std::getenv("ASAN_OPTIONS");
+  more["ASAN_OPTIONS"] = std::string(asan ? asan : "") + (asan && *asan ? ":" : "") + "verify_asan_link_order=0";
+#endif
+  return more;
+}
+
 class Cluster {
  public:
   explicit Cluster(int nodes, const std::string& tag) {

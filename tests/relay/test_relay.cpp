@@ -253,14 +253,7 @@ TEST(RelayFaults, MiddleRelayKilledMidSyncThenRestarted) {
 static void bit_flipped_on_the_wire(int sender) {
   Cluster c(4, "flip" + std::to_string(sender));
   const std::string arm = c.file("flip");
-  std::map<std::string, std::string> e = {{"LD_PRELOAD", RELAY_FLIP_SEND_LIB}, {"SHMCAST_TEST_FLIP_FILE", arm}};
-#if defined(__SANITIZE_ADDRESS__)
-  // The shim comes first in the library list; ASan's runtime checks that
-  // it does. It still intercepts what it must (the shim calls on into it).
-  const char* asan = std::getenv("ASAN_OPTIONS");
-  e["ASAN_OPTIONS"] = std::string(asan ? asan : "") + (asan && *asan ? ":" : "") + "verify_asan_link_order=0";
-#endif
-  c.relay_env(sender, e);
+  c.relay_env(sender, preload_env(RELAY_FLIP_SEND_LIB, {{"SHMCAST_TEST_FLIP_FILE", arm}}));
   Chain ch(c, 4, 3, {}, 2);
   ASSERT_FALSE(::testing::Test::HasFailure());
   ch.go(1);

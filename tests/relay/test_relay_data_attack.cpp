@@ -133,7 +133,7 @@ TEST(RelayDataAttack, KeylessPeerOfAnotherUidReceivesNoChunk) {
   Proc& watcher = c.start("watcher", args, 1);
   ASSERT_TRUE(c.wait_line(rep, "watching"));
   const std::string gate = c.file("gate");
-  c.relay_env(1, {{"LD_PRELOAD", RELAY_GATE_CONNECT_LIB}, {"SHMCAST_TEST_DATA_GATE", gate}});
+  c.relay_env(1, preload_env(RELAY_GATE_CONNECT_LIB, {{"SHMCAST_TEST_DATA_GATE", gate}}));
   Proc& down = c.relay(1, src.port, false);
   // The downstream proved the key and waits at the gate; the keyless peer's
   // connections to the data listener are up first.

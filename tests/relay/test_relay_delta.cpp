@@ -255,12 +255,7 @@ std::string verdict(const std::string& path, int v) {
 TEST(RelayDelta, CorruptedDeltaBlobIsRejectedAndFollowedByAFullSync) {
   Cluster c(2, "deltaflip");
   const std::string arm = c.file("flip");
-  std::map<std::string, std::string> e = {{"LD_PRELOAD", RELAY_FLIP_SEND_LIB}, {"SHMCAST_TEST_FLIP_FILE", arm}};
-#if defined(__SANITIZE_ADDRESS__)
-  const char* asan = std::getenv("ASAN_OPTIONS");
-  e["ASAN_OPTIONS"] = std::string(asan ? asan : "") + (asan && *asan ? ":" : "") + "verify_asan_link_order=0";
-#endif
-  c.relay_env(0, e);
+  c.relay_env(0, preload_env(RELAY_FLIP_SEND_LIB, {{"SHMCAST_TEST_FLIP_FILE", arm}}));
   auto peer = [&](const std::string& tag, int node, std::vector<std::string> args) -> Proc& {
     args.insert(args.begin(), kDeltaPeer);
     return c.start(tag, args, node);

@@ -80,8 +80,8 @@ TEST(RelayOps, SlowButSteadyDownstreamKeepsItsSyncs) {
   const double alone = phase(0);
   ASSERT_GT(alone, 0);
 
-  c.relay_env(2, {{"LD_PRELOAD", kSlowRecv}, {"SHMCAST_TEST_RECV_BPS", std::to_string(2u << 20)},
-                  {"UCX_TCP_RCVBUF", "65536"}});
+  c.relay_env(2, preload_env(kSlowRecv, {{"SHMCAST_TEST_RECV_BPS", std::to_string(2u << 20)},
+                                         {"UCX_TCP_RCVBUF", "65536"}}));
   Proc& slow = c.relay(2, port, false);
   ASSERT_FALSE(c.wait_status(2, [](const json& j) { return upstream_connected(j); }).is_null()) << slow.output();
   c.peer("worker2", 2,
