@@ -101,10 +101,13 @@ TEST(RelayOps, SlowButSteadyDownstreamKeepsItsSyncs) {
   EXPECT_EQ(log0.find("fell behind"), std::string::npos) << log0;
   const json s2 = c.wait_status(2, [](const json& j) { return upstream_connected(j); });
   EXPECT_EQ(s2["upstream"].value("connects", 0), 1) << s2.dump();
-  // F's rate beside T: at least 0.9x its rate alone.
+  // F's rate beside T, recorded (0.975-1.000x on an idle machine, issue 41;
+  // a figure, not a test's: under scripts/under-load.sh's stress-ng it
+  // measured 0.82x). The test holds F to half its rate alone, which a
+  // sibling that stalled the source for --max-lag per sync would not keep.
   RecordProperty("fast_alone_seconds", std::to_string(alone));
   RecordProperty("fast_beside_slow_seconds", std::to_string(beside));
-  EXPECT_GE(alone / beside, 0.9) << "F took " << beside << " s for " << kPhase << " syncs beside T, " << alone
+  EXPECT_GE(alone / beside, 0.5) << "F took " << beside << " s for " << kPhase << " syncs beside T, " << alone
                                  << " s alone";
   std::printf("F: %d syncs in %.2f s alone, %.2f s beside T (rate %.3fx)\n", kPhase, alone, beside, alone / beside);
 }
