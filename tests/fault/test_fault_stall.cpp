@@ -17,6 +17,20 @@ namespace {
 
 // Receives until it has verified an epoch-2 sync. kAborted: go on with the
 // same consumer. kEvicted / kCorrupt (only when `evictable`): open again.
+// Waits for `c` like Child::wait, sending it SIGCONT every 20 ms.
+int wait_continuing(Child& c, std::chrono::milliseconds timeout) {
+  const auto end = std::chrono::steady_clock::now() + timeout * kSlowdown;
+  while (std::chrono::steady_clock::now() < end) {
+    ::kill(c.pid, SIGCONT);
+    if (::waitpid(c.pid, &c.status, WNOHANG) == c.pid) {
+      c.waited = true;
+      return c.decode();
+    }
+    std::this_thread::sleep_for(20ms);
+  }
+  return c.wait(0ms);  // kills it and reports the hang
+}
+
 int stall_consumer(const std::string& name, Board* b, int idx, bool use_visit, bool evictable, int stop_piece) {
   int reopens = 0, pieces = 0;
   for (;;) {
@@ -33,7 +47,9 @@ int stall_consumer(const std::string& name, Board* b, int idx, bool use_visit, b
             std::vector<std::vector<std::uint8_t>> got;
             for (const auto& t : info.tensors) got.emplace_back(t.nbytes, 0xEE);
             c.visit([&](const Piece& p) {
-              if (pieces++ == stop_piece) {
+              // Only while the test has not yet resumed everyone (go): a
+              // stop after that would never be continued.
+              if (pieces++ == stop_piece && b->go.load() == 0) {
                 b->in_visit[idx].store(1);
                 ::raise(SIGSTOP);
               }
@@ -53,7 +69,10 @@ int stall_consumer(const std::string& name, Board* b, int idx, bool use_visit, b
             return kMismatchExit;
           }
           b->verified[idx].fetch_add(1);
-          if (epoch == 2) return 0;
+          if (epoch == 2) {
+            b->done[idx].store(1);
+            return 0;
+          }
         } catch (const Error& e) {
           if (e.code() != Errc::kAborted) throw;
           b->errors_seen[static_cast<int>(e.code())].fetch_add(1);
@@ -118,17 +137,23 @@ void run_stall_matrix(StallPolicy policy, const char* fault_name) {
       if (!done) return 32;
       if (!wait_for([&] { return b->go.load() == 1; }, 60s)) return 31;
       p.wait_for_consumers(2, 20s);
-      // Recovery: the next sync reaches everyone. Retry when a slow (not
-      // stopped) consumer trips the short consumer_timeout under load.
-      for (int attempt = 0;; ++attempt) {
+      // Recovery: epoch-2 syncs until both consumers have verified one. Under
+      // load a slow (not stopped) consumer can trip the short
+      // consumer_timeout (kFail: the sync is aborted; kEvict: it is evicted
+      // and opens the region again), so one sync may not reach both: the
+      // producer sends another until both are done, within a deadline.
+      const auto recovery_end = std::chrono::steady_clock::now() + 60s * kSlowdown;
+      while (!(b->done[0].load() && b->done[1].load())) {
+        if (std::chrono::steady_clock::now() > recovery_end) return code(Errc::kTimeout);
         EpochSync s(2, p.last_version() + 1, ts);
         try {
           p.send(s.specs, s.ptrs);
-          break;
         } catch (const Error& e) {
-          if (e.code() != Errc::kTimeout || attempt >= 5) return errc_exit(e);
+          if (e.code() != Errc::kTimeout) return errc_exit(e);
           b->producer_state.fetch_add(10);
+          continue;
         }
+        wait_for([&] { return b->done[0].load() && b->done[1].load(); }, 500ms);
       }
       p.wait_drained(20s);
       return 0;
@@ -149,11 +174,14 @@ void run_stall_matrix(StallPolicy policy, const char* fault_name) {
     for (int i = 0; i < b->producer_syncs.load(); ++i) m.note("producer", "send:Timeout");
     if (st == 2) ++evictions;
     if (st != (evict ? 2 : 1)) ++m.unexpected;
-    ::kill(victim.pid, SIGCONT);
     b->go.store(1);
+    ::kill(victim.pid, SIGCONT);
+    // The victim checks `go` before it stops itself, but may have checked it
+    // just before the store: SIGCONT goes on until it ends, so that a stop
+    // that lands after the first SIGCONT is continued too.
+    m.child("victim", wait_continuing(victim, 90s), {0});
     m.child("producer", prod.wait(90s), {0});
     m.child("survivor", survivor.wait(90s), {0});
-    m.child("victim", victim.wait(90s), {0});
     if (b->producer_state.load() >= 10) m.note("producer", "recovery_retried");
     for (int e = 1; e < 64; ++e)
       for (int i = 0; i < b->errors_seen[e].load(); ++i) m.note("consumer", std::string("saw:") + errc_name(static_cast<Errc>(e)));
