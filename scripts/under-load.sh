@@ -20,9 +20,7 @@
 #   LOAD_CPU         stress-ng CPU workers (2 x cores, at least 4)
 #   LOAD_NICE        niceness of the tests (10)
 #   LOAD_LABELS      ctest label regex (multiprocess|fault|relay|attack)
-#   LOAD_CTEST_JOBS  parallel ctest jobs (4: the tests are niced below the
-#                    hogs, so each gets about the same small share of the
-#                    CPU whether 2 or 4 run; more jobs only take from the hogs)
+#   LOAD_CTEST_JOBS  parallel ctest jobs (2)
 #   LOAD_FAULT_TRIALS_PERCENT  share of each fault matrix's trials (25; the
 #                    tiers stage runs them all): SHMCAST_FAULT_TRIALS_PERCENT
 #   LOAD_TIMEOUT_S   per-test ctest timeout (600)
@@ -32,7 +30,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 build=${BUILD_DIR:-build}
 labels=${LOAD_LABELS:-multiprocess|fault|relay|attack}
-jobs=${LOAD_CTEST_JOBS:-4}
+jobs=${LOAD_CTEST_JOBS:-2}
 export SHMCAST_FAULT_TRIALS_PERCENT=${LOAD_FAULT_TRIALS_PERCENT:-25}
 cores=$(nproc)
 cpu=${LOAD_CPU:-$((2 * cores < 4 ? 4 : 2 * cores))}
