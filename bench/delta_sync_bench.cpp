@@ -5,6 +5,8 @@
 //
 //   shmcast-delta-sync-bench                                   # 10 reps, 2 % changed, sweep 0.5-50 %
 //   shmcast-delta-sync-bench --reps 10 --fraction 0.02 --sweep 0.005,0.02,0.1,0.2,0.3,0.5 --json out.json
+//   shmcast-delta-sync-bench --phases full,delta --manifests qwen3-30b-a3b:8,qwen3-30b-a3b-dense:8
+//                            # a MoE model's first 8 layers against the same bytes in dense tensors
 //
 // Phases, each with its own region and its own pair of processes:
 //   full     ProducerOptions::delta off: every sync moves every byte
@@ -65,6 +67,7 @@ struct Phase {
   bool delta = false;
   double ratio = 0.5;  // delta_max_ratio
   double fraction = 0.02;
+  std::string manifest = "qwen2.5-3b";  // bench::manifest_by_name
 };
 
 struct Args {
@@ -81,7 +84,7 @@ std::uint64_t key_of(int rep) { return 0x5eedull * 1000003ull + static_cast<std:
 int producer(const Phase& ph, const Args& a, const std::string& region, int ready_fd) {
   json out;
   try {
-    const auto specs = bench::manifest_by_name("qwen2.5-3b");
+    const auto specs = bench::manifest_by_name(ph.manifest);
     ck(cudaSetDevice(0), "cudaSetDevice");
     std::vector<void*> src(specs.size());
     cudaStream_t s = nullptr;
@@ -138,7 +141,7 @@ int producer(const Phase& ph, const Args& a, const std::string& region, int read
 int consumer(const Phase& ph, const Args& a, const std::string& region, int ready_fd) {
   json out;
   try {
-    const auto specs = bench::manifest_by_name("qwen2.5-3b");
+    const auto specs = bench::manifest_by_name(ph.manifest);
     ck(cudaSetDevice(0), "cudaSetDevice");
     cudaStream_t s = nullptr;
     ck(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "cudaStreamCreate");
@@ -220,7 +223,8 @@ json run_phase(const Phase& ph, const Args& a, int index) {
   ::waitpid(cons, &st, 0);
   shmcast::unlink_region(region);
   const json p = load(a.dir + "/producer.json"), c = load(a.dir + "/consumer.json");
-  json r{{"label", ph.label}, {"delta", ph.delta}, {"delta_max_ratio", ph.ratio}, {"fraction", ph.fraction}};
+  json r{{"label", ph.label}, {"delta", ph.delta}, {"delta_max_ratio", ph.ratio}, {"fraction", ph.fraction},
+         {"manifest", ph.manifest}};
   if (p.contains("error") || c.contains("error")) {
     r["error"] = p.value("error", "") + " " + c.value("error", "");
     return r;
@@ -256,16 +260,26 @@ json run_phase(const Phase& ph, const Args& a, int index) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  CLI::App app{"shmcast-delta-sync-bench: full and delta syncs of Qwen2.5-3B shapes, trainer and engine on one GPU"};
+  CLI::App app{"shmcast-delta-sync-bench: full and delta syncs of a model's tensors (Qwen2.5-3B by default), trainer "
+               "and engine on one GPU"};
   Args a;
   double fraction = 0.02;
   std::vector<double> sweep = {0.005, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5};
   std::string json_path;
   int ceiling_reps = 10;
+  std::vector<std::string> manifests = {"qwen2.5-3b"};
+  std::vector<std::string> phase_names = {"full", "delta", "sweep", "auto"};
   app.add_option("--reps", a.reps, "timed syncs per phase (after one warm-up)")->check(CLI::Range(1, 1000));
   app.add_option("--fraction", fraction, "changed elements per sync in the full and delta phases");
   app.add_option("--sweep", sweep, "fractions of the sweep and auto phases")->delimiter(',');
   app.add_option("--slot-bytes", a.slot_bytes, "slot size");
+  app.add_option("--manifests", manifests,
+                 "tensor sets, each phase runs once per set in this order (qwen2.5-3b, qwen3-30b-a3b[:layers], "
+                 "qwen3-30b-a3b-dense[:layers]); with two, the first's sync time over the second's per phase")
+      ->delimiter(',');
+  app.add_option("--phases", phase_names, "phases to run: full, delta, sweep, auto")
+      ->delimiter(',')
+      ->check(CLI::IsMember({"full", "delta", "sweep", "auto"}));
   app.add_option("--json", json_path, "also write the results as JSON here");
   app.add_option("--ceiling-reps", ceiling_reps, "repetitions of each ceiling");
   CLI11_PARSE(app, argc, argv);
@@ -278,8 +292,23 @@ int main(int argc, char** argv) {
   out["reps"] = a.reps;
   out["slot_bytes"] = a.slot_bytes;
   out["slots"] = a.slots;
-  std::printf("shmcast-delta-sync-bench: Qwen2.5-3B shapes (bf16, 434 tensors, 6.17 GB), trainer and engine on GPU 0, "
-              "%d timed syncs per phase\n", a.reps);
+  std::printf("shmcast-delta-sync-bench: trainer and engine on GPU 0, %d timed syncs per phase\n", a.reps);
+  json mjson = json::array();
+  for (const std::string& m : manifests) {
+    std::vector<shmcast::TensorSpec> specs;
+    try {
+      specs = bench::manifest_by_name(m);
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "shmcast-delta-sync-bench: %s\n", e.what());
+      return 2;
+    }
+    std::uint64_t bytes = 0;
+    for (const auto& t : specs) bytes += t.nbytes();
+    std::printf("manifest %s: %zu tensors, %llu bytes (bf16)\n", m.c_str(), specs.size(),
+                static_cast<unsigned long long>(bytes));
+    mjson.push_back({{"name", m}, {"tensors", specs.size()}, {"bytes", bytes}});
+  }
+  out["manifests"] = mjson;
   const json ceil = ceilings(1ull << 30, ceiling_reps);
   out["d2d_gbps"] = ceil.value("d2d_gbps", json{{"error", ceil.value("error", "")}});
   out["host_both_gbps"] = ceil.value("host_both_gbps", json{{"error", ceil.value("error", "")}});
@@ -290,14 +319,19 @@ int main(int argc, char** argv) {
   const double dflt = shmcast::ProducerOptions{}.delta_max_ratio;
   out["default_delta_max_ratio"] = dflt;
   std::vector<Phase> phases;
-  phases.push_back({"full", false, dflt, fraction});
-  phases.push_back({"delta", true, dflt, fraction});
-  for (double f : sweep) phases.push_back({"sweep", true, 1.0, f});
-  for (double f : sweep) phases.push_back({"auto", true, dflt, f});
+  for (const std::string& n : phase_names)
+    for (const std::string& m : manifests) {
+      if (n == "full") phases.push_back({"full", false, dflt, fraction, m});
+      if (n == "delta") phases.push_back({"delta", true, dflt, fraction, m});
+      if (n == "sweep")
+        for (double f : sweep) phases.push_back({"sweep", true, 1.0, f, m});
+      if (n == "auto")
+        for (double f : sweep) phases.push_back({"auto", true, dflt, f, m});
+    }
   json results = json::array();
   int failures = 0;
-  std::printf("%-6s %8s %22s %22s %20s %7s %10s\n", "phase", "changed", "sync ms med (min..max)",
-              "trainer ms", "payload/logical", "deltas", "verified");
+  std::printf("%-6s %8s %22s %22s %20s %7s %10s  %s\n", "phase", "changed", "sync ms med (min..max)",
+              "trainer ms", "payload/logical", "deltas", "verified", "manifest");
   for (std::size_t i = 0; i < phases.size(); ++i) {
     json r = run_phase(phases[i], a, static_cast<int>(i));
     if (r.contains("error")) {
@@ -305,10 +339,11 @@ int main(int argc, char** argv) {
                   r["error"].get<std::string>().c_str());
       ++failures;
     } else {
-      std::printf("%-6s %7.1f%% %22s %22s %20s %3d/%-3d %4d/%-4d\n", phases[i].label.c_str(), 100 * phases[i].fraction,
-                  fmt_stat(r["sync_s"], 1e3, "%.1f").c_str(), fmt_stat(r["producer_s"], 1e3, "%.1f").c_str(),
-                  fmt_stat(r["payload_ratio"], 1, "%.3f").c_str(), r["delta_syncs"].get<int>(),
-                  r["timed_syncs"].get<int>(), r["verified"].get<int>(), r["verified_of"].get<int>());
+      std::printf("%-6s %7.1f%% %22s %22s %20s %3d/%-3d %4d/%-4d  %s\n", phases[i].label.c_str(),
+                  100 * phases[i].fraction, fmt_stat(r["sync_s"], 1e3, "%.1f").c_str(),
+                  fmt_stat(r["producer_s"], 1e3, "%.1f").c_str(), fmt_stat(r["payload_ratio"], 1, "%.3f").c_str(),
+                  r["delta_syncs"].get<int>(), r["timed_syncs"].get<int>(), r["verified"].get<int>(),
+                  r["verified_of"].get<int>(), phases[i].manifest.c_str());
       if (r["verified"].get<int>() != r["verified_of"].get<int>()) ++failures;
       if (phases[i].label == "delta" || phases[i].label == "full")
         std::printf("       sync announced (the engine's wait_sync returned) after the trainer's begin_sync, ms: %s\n",
@@ -322,16 +357,27 @@ int main(int argc, char** argv) {
   }
   out["phases"] = results;
   // Delta over full sync time at --fraction, in this run.
-  double full_ms = 0, delta_ms = 0;
-  for (const json& r : results) {
-    if (!r.contains("sync_s") || !r["sync_s"].contains("median")) continue;
-    if (r["label"] == "full") full_ms = r["sync_s"]["median"].get<double>();
-    if (r["label"] == "delta") delta_ms = r["sync_s"]["median"].get<double>();
-  }
+  auto med = [&](const char* label, const std::string& m) {
+    for (const json& r : results)
+      if (r["label"] == label && r["manifest"] == m && r.contains("sync_s") && r["sync_s"].contains("median"))
+        return r["sync_s"]["median"].get<double>();
+    return 0.0;
+  };
+  const double full_ms = med("full", manifests.front()), delta_ms = med("delta", manifests.front());
   if (full_ms > 0 && delta_ms > 0) {
     out["delta_over_full"] = delta_ms / full_ms;
     std::printf("delta / full sync time at %.1f %% changed (medians): %.3f\n", 100 * fraction, delta_ms / full_ms);
   }
+  // The first manifest's throughput over the second's (same bytes: the
+  // second's sync time over the first's), per phase.
+  if (manifests.size() >= 2)
+    for (const char* label : {"full", "delta"}) {
+      const double x = med(label, manifests[0]), y = med(label, manifests[1]);
+      if (x <= 0 || y <= 0) continue;
+      out[std::string(label) + "_first_over_second_manifest"] = y / x;
+      std::printf("%s at %.1f %%: %s over %s, GB/s (medians): %.3f\n", label, 100 * fraction, manifests[0].c_str(),
+                  manifests[1].c_str(), y / x);
+    }
   if (!json_path.empty()) std::ofstream(json_path) << out.dump(2);
   return failures == 0 ? 0 : 1;
 }

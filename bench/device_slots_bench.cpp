@@ -1,5 +1,6 @@
 // shmcast-device-slots-bench: full syncs of Qwen2.5-3B shapes (bf16, 434
-// tensors, 6.17 GB) from a trainer process to one or two engine processes on
+// tensors, 6.17 GB; --manifests names others, e.g. qwen3-30b-a3b:8,qwen3-30b-a3b-dense:8
+// for a MoE model's first 8 layers against the same bytes in dense tensors) from a trainer process to one or two engine processes on
 // the same GPU, through host slots (pinned region file: D2H then H2D) against
 // device slots (ProducerOptions::slot_memory = SlotMemory::kDevice: the slots
 // are GPU memory of the producer's GPU, shared over the region's fd channel;
@@ -68,6 +69,7 @@ struct Phase {
   std::string label;
   bool device = false;  // device slots
   int engines = 1;
+  std::string manifest = "qwen2.5-3b";  // bench::manifest_by_name
 };
 
 struct Args {
@@ -99,7 +101,7 @@ bool read_n(int fd, int n) {
 int producer(const Phase& ph, int index, const Args& a, const std::string& region, int ready_fd) {
   json out;
   try {
-    const auto specs = bench::manifest_by_name("qwen2.5-3b");
+    const auto specs = bench::manifest_by_name(ph.manifest);
     ck(cudaSetDevice(0), "cudaSetDevice");
     cudaStream_t s = nullptr;
     ck(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "cudaStreamCreate");
@@ -174,7 +176,7 @@ int consumer(const Phase& ph, int index, int e, const Args& a, const std::string
   json out;
   const std::string who = "engine " + std::to_string(e) + ": ";
   try {
-    const auto specs = bench::manifest_by_name("qwen2.5-3b");
+    const auto specs = bench::manifest_by_name(ph.manifest);
     ck(cudaSetDevice(0), "cudaSetDevice");
     cudaStream_t s = nullptr;
     ck(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "cudaStreamCreate");
@@ -246,7 +248,8 @@ void remove_role_files(const Args& a) {
 
 json run_phase(const Phase& ph, const Args& a, int index) {
   const std::string region = "device-slots-bench-" + std::to_string(::getpid()) + "-" + std::to_string(index);
-  json r{{"label", ph.label}, {"slot_memory", ph.device ? "device" : "host"}, {"engines", ph.engines}};
+  json r{{"label", ph.label}, {"slot_memory", ph.device ? "device" : "host"}, {"engines", ph.engines},
+         {"manifest", ph.manifest}};
   remove_role_files(a);
   int pipefd[2];
   if (::pipe(pipefd) != 0) {
@@ -349,18 +352,23 @@ double median_of(const json& r, const char* key) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  CLI::App app{"shmcast-device-slots-bench: Qwen2.5-3B syncs through host slots and device slots, trainer and "
+  CLI::App app{"shmcast-device-slots-bench: syncs of a model's tensors (Qwen2.5-3B by default) through host slots and device slots, trainer and "
                "engines on one GPU"};
   Args a;
   std::uint64_t slot_mib = 256;
   int fanout_engines = 2;
   std::vector<std::string> phase_names = {"host", "device", "fanout", "fanout-host"};
+  std::vector<std::string> manifests = {"qwen2.5-3b"};
   std::string json_path;
   int ceiling_reps = 10;
   app.add_option("--reps", a.reps, "timed syncs per phase (after one warm-up)")->check(CLI::Range(1, 1000));
   app.add_option("--phases", phase_names, "phases to run, in this order: host, device, fanout, fanout-host")
       ->delimiter(',')
       ->check(CLI::IsMember({"host", "device", "fanout", "fanout-host"}));
+  app.add_option("--manifests", manifests,
+                 "tensor sets, each phase runs once per set in this order (qwen2.5-3b, qwen3-30b-a3b[:layers], "
+                 "qwen3-30b-a3b-dense[:layers]); with two, the first's GB/s over the second's per phase")
+      ->delimiter(',');
   app.add_option("--slot-mib", slot_mib, "slot size S in MiB")->check(CLI::Range(2, 1 << 20));
   app.add_option("--slots", a.slots, "slot count K")->check(CLI::Range(2, 64));
   app.add_option("--fanout-engines", fanout_engines, "engine processes of the fanout phases")
@@ -381,10 +389,27 @@ int main(int argc, char** argv) {
   out["reps"] = a.reps;
   out["slot_bytes"] = a.slot_bytes;
   out["slots"] = a.slots;
-  out["manifest"] = "qwen2.5-3b";
-  std::printf("shmcast-device-slots-bench: Qwen2.5-3B shapes (bf16, 434 tensors, 6.17 GB), trainer and engines on "
-              "GPU 0, %u x %llu MiB slots, %d timed syncs per phase\n",
+  out["manifests"] = manifests;
+  std::printf("shmcast-device-slots-bench: trainer and engines on GPU 0, %u x %llu MiB slots, %d timed syncs per "
+              "phase\n",
               a.slots, static_cast<unsigned long long>(slot_mib), a.reps);
+  json mjson = json::array();
+  for (const std::string& m : manifests) {
+    std::vector<shmcast::TensorSpec> specs;
+    try {
+      specs = bench::manifest_by_name(m);
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "shmcast-device-slots-bench: %s\n", e.what());
+      ::rmdir(a.dir.c_str());
+      return 2;
+    }
+    std::uint64_t bytes = 0;
+    for (const auto& t : specs) bytes += t.nbytes();
+    std::printf("manifest %s: %zu tensors, %llu bytes (bf16)\n", m.c_str(), specs.size(),
+                static_cast<unsigned long long>(bytes));
+    mjson.push_back({{"name", m}, {"tensors", specs.size()}, {"bytes", bytes}});
+  }
+  out["manifest_sizes"] = mjson;
   const json ceil = bench::gpu::ceilings(1ull << 30, ceiling_reps);
   if (ceil.contains("error")) {
     std::fprintf(stderr, "shmcast-device-slots-bench: measuring the ceilings failed (needs a GPU): %s\n",
@@ -401,16 +426,17 @@ int main(int argc, char** argv) {
               fmt_stat(out["host_both_gbps"], 1, "%.1f").c_str());
 
   std::vector<Phase> phases;
-  for (const std::string& n : phase_names) {
-    if (n == "host") phases.push_back({n, false, 1});
-    if (n == "device") phases.push_back({n, true, 1});
-    if (n == "fanout") phases.push_back({n, true, fanout_engines});
-    if (n == "fanout-host") phases.push_back({n, false, fanout_engines});
-  }
+  for (const std::string& n : phase_names)
+    for (const std::string& m : manifests) {
+      if (n == "host") phases.push_back({n, false, 1, m});
+      if (n == "device") phases.push_back({n, true, 1, m});
+      if (n == "fanout") phases.push_back({n, true, fanout_engines, m});
+      if (n == "fanout-host") phases.push_back({n, false, fanout_engines, m});
+    }
   json results = json::array();
   int failures = 0;
-  std::printf("%-11s %-6s %7s %24s %24s %22s %9s\n", "phase", "slots", "engines", "sync ms med (min..max)",
-              "GB/s med (min..max)", "trainer ms", "verified");
+  std::printf("%-11s %-6s %7s %24s %24s %22s %9s  %s\n", "phase", "slots", "engines", "sync ms med (min..max)",
+              "GB/s med (min..max)", "trainer ms", "verified", "manifest");
   for (std::size_t i = 0; i < phases.size(); ++i) {
     const Phase& ph = phases[i];
     json r = run_phase(ph, a, static_cast<int>(i));
@@ -419,10 +445,10 @@ int main(int argc, char** argv) {
                   r["error"].get<std::string>().c_str());
       ++failures;
     } else {
-      std::printf("%-11s %-6s %7d %24s %24s %22s %4d/%-4d\n", ph.label.c_str(), ph.device ? "device" : "host",
+      std::printf("%-11s %-6s %7d %24s %24s %22s %4d/%-4d  %s\n", ph.label.c_str(), ph.device ? "device" : "host",
                   ph.engines, fmt_stat(r["sync_s"], 1e3, "%.1f").c_str(), fmt_stat(r["gbps"], 1, "%.1f").c_str(),
                   fmt_stat(r["producer_s"], 1e3, "%.1f").c_str(), r["verified"].get<int>(),
-                  r["verified_of"].get<int>());
+                  r["verified_of"].get<int>(), ph.manifest.c_str());
       if (r["verified"].get<int>() != r["verified_of"].get<int>()) {
         std::printf("            MISMATCH: %d of %d received syncs had wrong bytes\n",
                     r["verified_of"].get<int>() - r["verified"].get<int>(), r["verified_of"].get<int>());
@@ -440,11 +466,12 @@ int main(int argc, char** argv) {
   out["phases"] = results;
   // Ratios between this run's phases (medians).
   json ratios;
-  auto med = [&](const std::string& label) {
+  auto med_of = [&](const std::string& label, const std::string& m) {
     for (const json& r : results)
-      if (r["label"] == label) return median_of(r, "gbps");
+      if (r["label"] == label && r["manifest"] == m) return median_of(r, "gbps");
     return 0.0;
   };
+  auto med = [&](const std::string& label) { return med_of(label, manifests.front()); };
   const double d2d = median_of(out, "d2d_gbps");
   auto ratio = [&](const char* key, double num, double den, const char* what) {
     if (num <= 0 || den <= 0) return;
@@ -456,6 +483,17 @@ int main(int argc, char** argv) {
         "device / host slots, GB/s (medians), fanout");
   ratio("device_over_d2d", med("device"), d2d, "device slots, 1 engine / the D2D copy ceiling (medians)");
   ratio("fanout_over_device", med("fanout"), med("device"), "fanout / 1 engine, device slots, GB/s (medians)");
+  if (manifests.size() >= 2) {
+    json per;
+    for (const std::string& n : phase_names) {
+      const double x = med_of(n, manifests[0]), y = med_of(n, manifests[1]);
+      if (x <= 0 || y <= 0) continue;
+      per[n] = x / y;
+      std::printf("%s: %s over %s, GB/s (medians): %.3f\n", n.c_str(), manifests[0].c_str(), manifests[1].c_str(),
+                  x / y);
+    }
+    ratios["first_over_second_manifest"] = per;
+  }
   out["ratios"] = ratios;
   if (!json_path.empty()) std::ofstream(json_path) << out.dump(2);
   remove_role_files(a);

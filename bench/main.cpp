@@ -934,7 +934,9 @@ int main(int argc, char** argv) {
                  "host: idle gap before each idle round trip, microseconds (default 2000; the doorbell spins 20)")
       ->check(CLI::Range(50, 1000000));
   app.add_option("--seed", cfg.seed, "seed of the random bytes (default: a fresh one per configuration)");
-  app.add_option("--manifest", manifest, "cuda: tensor set (qwen2.5-3b, qwen3-30b-a3b, qwen3-30b-a3b-dense)");
+  app.add_option("--manifest", manifest,
+                 "cuda: tensor set (qwen2.5-3b, qwen3-30b-a3b[:layers], qwen3-30b-a3b-dense[:layers]: the first N of "
+                 "48 layers)");
   app.add_flag("--staging", cfg.staging, "cuda: consumer reads into the library's staging buffer");
   app.add_option("--producer-device", cfg.producer_device, "cuda: producer GPU (default 0)");
   app.add_option("--consumer-device", cfg.consumer_device, "cuda: consumer GPU (default 0: same GPU)");

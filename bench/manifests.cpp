@@ -53,9 +53,28 @@ std::vector<shmcast::TensorSpec> qwen3_30b_a3b(bool dense, int layers) {
 std::vector<shmcast::TensorSpec> manifest_by_name(const std::string& name) {
   using shmcast::DType;
   std::vector<shmcast::TensorSpec> v;
-  if (name == "qwen3-30b-a3b" || name == "qwen3-30b-a3b-dense") return qwen3_30b_a3b(name == "qwen3-30b-a3b-dense", 48);
+  // "qwen3-30b-a3b:N" (or "-dense:N"): the first N of the 48 layers, for a
+  // GPU that cannot hold the whole model plus the consumer's copy.
+  const std::size_t colon = name.find(':');
+  const std::string base = name.substr(0, colon);
+  if (base == "qwen3-30b-a3b" || base == "qwen3-30b-a3b-dense") {
+    int layers = 48;
+    if (colon != std::string::npos) {
+      const std::string n = name.substr(colon + 1);
+      std::size_t used = 0;
+      try {
+        layers = std::stoi(n, &used);
+      } catch (const std::exception&) {
+        used = 0;
+      }
+      if (n.empty() || used != n.size() || layers < 1 || layers > 48)
+        throw std::invalid_argument("manifest '" + name + "': the layer count after ':' must be 1..48");
+    }
+    return qwen3_30b_a3b(base == "qwen3-30b-a3b-dense", layers);
+  }
   if (name != "qwen2.5-3b")
-    throw std::invalid_argument("unknown manifest '" + name + "' (known: qwen2.5-3b, qwen3-30b-a3b, qwen3-30b-a3b-dense)");
+    throw std::invalid_argument("unknown manifest '" + name +
+                                "' (known: qwen2.5-3b, qwen3-30b-a3b[:layers], qwen3-30b-a3b-dense[:layers])");
   // Qwen2.5-3B, bf16, tied embeddings: 434 tensors, 6,171,877,376 bytes.
   const std::int64_t H = 2048, I = 11008, KV = 256, V = 151936;
   auto add = [&](std::string n, std::vector<std::int64_t> shape) { v.push_back({std::move(n), DType::kBF16, std::move(shape)}); };

@@ -5,6 +5,7 @@ the 434-tensor Qwen2.5-3B manifest, and the sync rate through the Python API.
     PYTHONPATH=build/python python3 python/bench_python.py                 # cuda if available, else cpu
     PYTHONPATH=build/python python3 python/bench_python.py --device cpu --scale 0.25
     PYTHONPATH=build/python python3 python/bench_python.py --device cuda --mode staging --json
+    PYTHONPATH=build/python python3 python/bench_python.py --manifest qwen3-30b-a3b:8     # then -dense:8
 
 Two processes (spawned): a producer holding the manifest's tensors on the
 device and calling Producer.send(), and a consumer calling
@@ -41,6 +42,10 @@ The manifest: embedding 151936 x 2048; 36 layers of q_proj 2048x2048 + bias,
 k_proj / v_proj 256x2048 + bias, o_proj 2048x2048, gate_proj / up_proj
 11008x2048, down_proj 2048x11008, two 2048 norms; final norm; bf16. --scale
 shrinks the matrix dimensions (tensor count stays 434) for small machines.
+--manifest qwen3-30b-a3b[:N] takes Qwen3-30B-A3B's shapes instead (the first
+N of its 48 layers: 128 experts of 768 x 2048 per layer, 3 matrices each),
+and qwen3-30b-a3b-dense[:N] the same bytes with each layer's experts in
+three tensors, to compare a MoE model against a dense one of its size.
 """
 from __future__ import annotations
 
@@ -70,6 +75,33 @@ def qwen25_3b_manifest(scale: float = 1.0):
     out = qwen2_shapes(**cfg)
     assert len(out) == 434
     return out
+
+
+def bench_manifest(name: str = "qwen2.5-3b", scale: float = 1.0):
+    """[(name, shape)] of --manifest: qwen2.5-3b, or qwen3-30b-a3b[:layers] /
+    qwen3-30b-a3b-dense[:layers] (shmcast.manifests.by_name, the shapes of
+    shmcast-bench --manifest). --scale shrinks the matrix dimensions (hidden,
+    expert and head sizes, vocabulary; the tensor count stays)."""
+    if name == "qwen2.5-3b":
+        return qwen25_3b_manifest(scale)
+    from shmcast.manifests import QWEN3_30B_A3B, by_name, qwen3_moe_shapes
+
+    out = by_name(name)  # checks the name and the layer count
+    if scale == 1.0:
+        return out
+    base, _, n = name.partition(":")
+
+    def s(v):
+        return max(8, int(round(v * scale / 8)) * 8)
+
+    cfg = dict(QWEN3_30B_A3B)
+    for k in ("hidden", "moe_intermediate", "head_dim", "vocab"):
+        cfg[k] = s(cfg[k])
+    if n:
+        cfg["layers"] = int(n)
+    scaled = qwen3_moe_shapes(**cfg, dense=base.endswith("-dense"))
+    assert len(scaled) == len(out)
+    return scaled
 
 
 def _now() -> int:
@@ -262,7 +294,7 @@ def producer_main(args, conn):
 
     dev = args["device"]
     tensors = []
-    for name, shape in qwen25_3b_manifest(args["scale"]):
+    for name, shape in bench_manifest(args["manifest"], args["scale"]):
         tensors.append((name, torch.empty(shape, dtype=torch.bfloat16, device=dev)))
     payload = sum(t.numel() * t.element_size() for _, t in tensors)
     content = Content(args["seed"], dev)
@@ -308,7 +340,7 @@ def consumer_main(args, conn):
     cons._c = timed
     content = Content(args["seed"], dev)
     conn.send({"ready": True, "pinned": cons.pinned})
-    manifest = qwen25_3b_manifest(args["scale"])
+    manifest = bench_manifest(args["manifest"], args["scale"])
     names = [n for n, _ in manifest]
     while True:
         msg = conn.recv()
@@ -377,7 +409,8 @@ def run(args) -> dict:
         "device": args["device"],
         "mode": args["mode"],
         "scale": args["scale"],
-        "tensors": 434,
+        "manifest": args["manifest"],
+        "tensors": len(bench_manifest(args["manifest"], args["scale"])),
         "payload_bytes": payload,
         "slot_bytes": info["slot_bytes"],
         "slots": args["slots"],
@@ -418,6 +451,9 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda if available)")
     ap.add_argument("--mode", default="copy", choices=["copy", "staging"], help="Consumer receive mode")
+    ap.add_argument("--manifest", default="qwen2.5-3b",
+                    help="tensor set: qwen2.5-3b (default), qwen3-30b-a3b[:layers] or qwen3-30b-a3b-dense[:layers] "
+                         "(the first N of 48 layers; -dense: the same bytes, each layer's experts in 3 tensors)")
     ap.add_argument("--scale", type=float, default=None,
                     help="matrix dimension scale (default 1.0 on cuda, 0.25 on cpu)")
     ap.add_argument("--slot-bytes", default="256M")
@@ -438,7 +474,8 @@ def main(argv=None):
     sb = a.slot_bytes.upper().rstrip("B").rstrip("I")
     slot = int(float(sb[:-1]) * units[sb[-1]]) if sb[-1] in units else int(sb)
     seed = a.seed if a.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
-    args = dict(device=dev, mode=a.mode, scale=scale, slot_bytes=slot, slots=a.slots, iters=a.iters,
+    bench_manifest(a.manifest, scale)  # a bad name or layer count fails here, before any process starts
+    args = dict(device=dev, manifest=a.manifest, mode=a.mode, scale=scale, slot_bytes=slot, slots=a.slots, iters=a.iters,
                 warmup=a.warmup, ceiling_reps=a.ceiling_reps, seed=seed, region=f"bench-py-{os.getpid()}")
     try:
         r = run(args)
@@ -457,7 +494,8 @@ def main(argv=None):
         def mm(k):
             return f"{r[k]:9.3f} ms (min {r[k + '_min']:.3f}, max {r[k + '_max']:.3f})"
 
-        print(f"shmcast Python bench: Qwen2.5-3B manifest x{scale} ({r['payload_bytes'] / 1e9:.3f} GB, 434 tensors), "
+        print(f"shmcast Python bench: {a.manifest} manifest x{scale} ({r['payload_bytes'] / 1e9:.3f} GB, "
+              f"{r['tensors']} tensors), "
               f"{dev}, receive mode '{a.mode}', {a.slots} x {r['slot_bytes'] >> 20} MiB slots, "
               f"{a.iters} timed syncs after {a.warmup} warm-up, fresh random bytes each "
               f"(pinned: producer {r['pinned'][0]}, consumer {r['pinned'][1]})")
