@@ -93,11 +93,26 @@ def region():
         pass
 
 
-class Procs:
-    """Spawned test processes (roles.run) and their result queues."""
+def mp_context(method=None):
+    """The start method of the test processes: forkserver, whose server
+    imports torch, shmcast and roles once, so that each process is a fork of
+    it (a spawned process imports torch anew: about 1.5 s of CPU each, most of
+    the python tier's time). A child holds the server's imported modules and
+    nothing of the pytest process, and never a CUDA context (the server
+    touches no GPU).
+    SHMCAST_TEST_MP_START=spawn restores spawn."""
+    method = method or os.environ.get("SHMCAST_TEST_MP_START", "forkserver")
+    ctx = mp.get_context(method)
+    if method == "forkserver":
+        ctx.set_forkserver_preload(["torch", "shmcast", "roles"])
+    return ctx
 
-    def __init__(self):
-        self.ctx = mp.get_context("spawn")
+
+class Procs:
+    """Test processes (roles.run) and their result queues."""
+
+    def __init__(self, method=None):
+        self.ctx = mp_context(method)
         self.procs = []
 
     def start(self, role, inbox=None, **kwargs):
@@ -165,7 +180,10 @@ def deadline(request):
 
 
 @pytest.fixture
-def procs():
-    pr = Procs()
+def procs(request):
+    # CUDA tests keep spawn, the start method their GPU runs were checked
+    # with: a fork of the server is fine for CUDA while the server never
+    # initialised it, but that was not run on a GPU when forkserver came in.
+    pr = Procs("spawn" if request.node.get_closest_marker("cuda") else None)
     yield pr
     pr.cleanup()

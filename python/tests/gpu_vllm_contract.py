@@ -217,7 +217,7 @@ def main():
         cases = [("colocated", "cuda:0")] + ([("disaggregated", "cuda:1")] if gpus > 1 else [])
     results = {"torch": torch.__version__, "transformers": transformers.__version__, "gpus": gpus,
                "device": torch.cuda.get_device_name(0) if gpus else "cpu", "cases": []}
-    procs = Procs()
+    procs = Procs("spawn")  # a GPU script: the start method its GPU runs were checked with
     with tempfile.TemporaryDirectory() as tmp:
         for placement, dev in cases:
             for load in ("direct", "loader"):
