@@ -4,7 +4,8 @@
 // (bit 2 clear) or off by one; then the manifest bytes.
 //
 // Contract: a manifest the decoder accepts describes a consistent packing
-// (checked below, field by field) and survives an encode/decode round trip.
+// (checked below, field by field), its names take no more bytes than the
+// manifest, and it survives an encode/decode round trip.
 #include <vector>
 
 #include "fuzz_support.hpp"
@@ -32,11 +33,14 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
 
   // Accepted: every tensor is well-formed and the packing is consistent.
   if (info.version != version || info.stream_bytes != stream) finding("decoded sync fields disagree");
-  std::uint64_t end_prev = 0, payload = 0;
+  std::uint64_t end_prev = 0, payload = 0, name_bytes = 0;
   std::vector<shmcast::TensorSpec> specs;
   std::vector<std::uint64_t> offsets;
   for (const shmcast::TensorInfo& t : info.tensors) {
     if (t.name.empty() || t.name.size() > shmcast::kMaxNameBytes) finding("bad name length accepted");
+    // Names lie end to end: together no longer than the manifest.
+    name_bytes += t.name.size();
+    if (name_bytes > bytes.size()) finding("decoded names take more bytes than the manifest");
     if (t.shape.size() > static_cast<std::size_t>(shmcast::kMaxDims)) finding("too many dims accepted");
     std::uint64_t n = shmcast::dtype_size(t.dtype);
     if (n == 0) finding("unknown dtype accepted");

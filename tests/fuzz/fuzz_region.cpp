@@ -2,7 +2,8 @@
 // region is built and a consumer attaches; then the bytes a producer (or a
 // misbehaving peer) writes are replaced by the input: lifecycle and sync
 // record, publication counters, the consumer's own seat, the slot
-// descriptors and the manifest (fuzz_support.hpp: RegionInput; its flags let
+// descriptors and the first bytes of the sparse manifest area (the rest a
+// hole that reads as zeros; fuzz_support.hpp: RegionInput; its flags let
 // the fuzzer keep some of them consistent, to reach the read paths). Then
 // wait_sync(0) and read_into / visit run with every timeout 0.
 //
@@ -44,6 +45,22 @@ std::uint64_t zero_sum(std::uint64_t bytes) {
   return XXH3_64bits(zeros.data(), bytes);
 }
 
+// XXH3 of the first `used` bytes of the manifest area as a reader sees
+// them: the `written` input bytes, then zeros (the hole; capped at the area).
+std::uint64_t manifest_hash(const std::uint8_t* m, std::size_t written, std::uint64_t used) {
+  if (used > kRegionManifestBytes) used = kRegionManifestBytes;
+  static XXH3_state_t* st = XXH3_createState();
+  XXH3_64bits_reset(st);
+  const std::size_t head = used < written ? static_cast<std::size_t>(used) : written;
+  XXH3_64bits_update(st, m, head);
+  for (std::uint64_t left = used - head; left > 0;) {
+    const std::size_t n = static_cast<std::size_t>(left < zeros.size() ? left : zeros.size());
+    XXH3_64bits_update(st, zeros.data(), n);
+    left -= n;
+  }
+  return XXH3_64bits_digest(st);
+}
+
 }  // namespace
 
 extern "C" int LLVMFuzzerInitialize(int*, char***) {
@@ -54,10 +71,11 @@ extern "C" int LLVMFuzzerInitialize(int*, char***) {
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
   RegionInput in{};
   if (size) std::memcpy(&in, data, size < sizeof in ? size : sizeof in);
-  std::uint8_t manifest[kRegionManifestBytes] = {};
+  std::uint8_t manifest[kRegionManifestInput] = {};
+  std::size_t written = 0;  // manifest bytes written; the rest of the area is a hole
   if (size > sizeof in) {
-    const std::size_t m = size - sizeof in < sizeof manifest ? size - sizeof in : sizeof manifest;
-    std::memcpy(manifest, data + sizeof in, m);
+    written = size - sizeof in < sizeof manifest ? size - sizeof in : sizeof manifest;
+    std::memcpy(manifest, data + sizeof in, written);
   }
   const d::Geometry g = region_geometry();
   RegionFile& f = RegionFile::get();
@@ -87,7 +105,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   const std::uint64_t chunks = load<std::uint64_t>(hdr + kRec + 24);
   const std::uint64_t stream = load<std::uint64_t>(hdr + kRec + 32);
   const std::uint64_t used = load<std::uint64_t>(hdr + kRec + 40);
-  if (in.flags & kFixHash) store<std::uint64_t>(hdr + kRec + 48, XXH3_64bits(manifest, used < sizeof manifest ? used : sizeof manifest));
+  if (in.flags & kFixHash) store<std::uint64_t>(hdr + kRec + 48, manifest_hash(manifest, written, used));
   if ((in.flags2 & kFix2Published) && chunks > 0) store<std::uint64_t>(hdr + kPublished, first_seq + chunks - 1);
   f.write(H, hdr, sizeof in.header);
 
@@ -122,7 +140,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
       store<std::uint64_t>(dsc + 24, zero_sum(load<std::uint64_t>(dsc + 16)));
     }
   f.write(g.slots_offset, slots, sizeof slots);
-  f.write(g.manifest_offset, manifest, sizeof manifest);
+  f.write(g.manifest_offset, manifest, written);
 
   // ---- the consumer reads whatever that says
   try {

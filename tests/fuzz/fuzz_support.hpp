@@ -149,7 +149,7 @@ inline constexpr std::uint64_t kMaxSparseBytes = 2ull << 30;
 
 // ---------------------------------------------------------------- region target
 //
-// A valid region (N = 2 seats, K = 2 slots of 2 MiB, 4 KiB manifest) that a
+// A valid region (N = 2 seats, K = 2 slots of 2 MiB, a 1 MiB sparse manifest area) that a
 // consumer opens; then the bytes a producer or another consumer could write
 // are replaced by the input:
 struct RegionInput {
@@ -160,7 +160,7 @@ struct RegionInput {
   std::uint8_t seat[192];    // the consumer's seat, bytes [0, 192)
   std::uint8_t slots[2 * 64];
   std::uint8_t patch[128];   // Header bytes [192, 320), written after wait_sync (kFixPatch)
-  // then: the manifest area (up to 4096 bytes)
+  // then: the first bytes of the manifest area (up to kRegionManifestInput)
 };
 static_assert(sizeof(RegionInput) == 712);
 
@@ -182,7 +182,12 @@ enum : std::uint8_t {
 };
 
 inline constexpr std::uint32_t kRegionSeats = 2, kRegionSlots = 2;
-inline constexpr std::uint64_t kRegionSlotBytes = 2ull << 20, kRegionManifestBytes = 4096;
+inline constexpr std::uint64_t kRegionSlotBytes = 2ull << 20;
+// The manifest area is a sparse reservation, as a producer's (docs/protocol.md
+// §2.1): the harness writes only the input's manifest bytes (at most
+// kRegionManifestInput); the rest of the area stays a hole that reads as
+// zeros, so a record may announce a manifest that runs past what was written.
+inline constexpr std::uint64_t kRegionManifestBytes = 1ull << 20, kRegionManifestInput = 4096;
 
 inline d::Geometry region_geometry() {
   d::Geometry g{};

@@ -9,6 +9,7 @@
 
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <random>
 #include <vector>
 
@@ -173,6 +174,25 @@ void manifest_corpus() {
   manifest_seed("random_slot_boundaries", 0, random_specs(3, 2 << 20, 12));
   // Near-miss: a valid manifest checked against the wrong version/stream.
   manifest_seed("expect_mismatch", 4, {{"w", DType::kF32, {2, 3}}});
+  // Near-misses of the names rules (names end to end in entry order, the
+  // blob ends the manifest) and the name length limit.
+  auto miss = [](const std::string& name, const std::vector<TensorSpec>& specs,
+                 const std::function<void(std::vector<std::uint8_t>&)>& edit) {
+    auto m = encoded(specs, kManifestSlotSizes[0], 7);
+    edit(m);
+    m.insert(m.begin(), 0);
+    emit("manifest", name, m.data(), m.size());
+  };
+  const std::vector<TensorSpec> two = {{"abcd", DType::kU8, {1}}, {"bcde", DType::kU8, {1}}};
+  auto entry_at = [](std::size_t i) { return sizeof(d::ManifestHeader) + i * sizeof(d::ManifestEntry); };
+  miss("miss_names_overlap", two, [&](auto& m) { put<std::uint32_t>(m, entry_at(1) + offsetof(d::ManifestEntry, name_offset), 1); });
+  miss("miss_names_gap", two, [&](auto& m) { put<std::uint32_t>(m, entry_at(1) + offsetof(d::ManifestEntry, name_bytes), 3); });
+  miss("miss_bytes_after_names", two, [](auto& m) { m.push_back(0); });
+  miss("miss_name_1025", {{std::string(1024, 'n'), DType::kU8, {1}}},
+       [&](auto& m) { put<std::uint32_t>(m, entry_at(0) + offsetof(d::ManifestEntry, name_bytes), 1025); m.push_back('n'); });
+  // Counts at the limit and one past it, over a manifest too short for them.
+  miss("miss_tensor_count_max", two, [](auto& m) { put<std::uint32_t>(m, offsetof(d::ManifestHeader, tensor_count), shmcast::limits::kMaxTensors); });
+  miss("miss_piece_count_wraps", two, [](auto& m) { put<std::uint32_t>(m, offsetof(d::ManifestHeader, piece_count), ~0u); });
 }
 
 // ---------------------------------------------------------------- region
@@ -250,7 +270,26 @@ void region_corpus() {
     std::memcpy(r.in.slots + offsetof(d::SlotDesc, filled), &filled, 8);
     emit_region(filled == 2000 ? "progressive_fill" : "progressive_fill_past_chunk", r);
   }
-  emit("region", "empty", "", 0);
+  // The sparse manifest area (docs/protocol.md §2.1): the record announces
+  // more bytes than were written; the rest reads as zeros (a hole), hashed
+  // as such (kFixHash). 8 KiB past the manifest: bytes after the names.
+  r = region_sync(small, false, false);
+  std::uint64_t used = r.manifest.size() + 8192;
+  std::memcpy(r.in.header + (offsetof(d::Header, sync) - 128) + 40, &used, 8);
+  emit_region("sparse_used_past_written", r);
+  // Only a header was written, claiming as many entries as fit the area
+  // and a names blob to its end: the entries are zeros.
+  r = region_sync(small, false, false);
+  used = kRegionManifestBytes;
+  std::memcpy(r.in.header + (offsetof(d::Header, sync) - 128) + 40, &used, 8);
+  d::ManifestHeader mh;
+  std::memcpy(&mh, r.manifest.data(), sizeof mh);
+  mh.tensor_count = mh.piece_count = 4096;
+  mh.names_offset = sizeof mh + 8 + 4096ull * (sizeof(d::ManifestEntry) + sizeof(d::ManifestPiece));
+  mh.names_bytes = used - mh.names_offset;
+  r.manifest.assign(sizeof mh, 0);
+  std::memcpy(r.manifest.data(), &mh, sizeof mh);
+  emit_region("sparse_header_only", r);
 }
 
 // ---------------------------------------------------------------- safetensors

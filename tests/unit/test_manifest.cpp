@@ -1,6 +1,7 @@
 // Manifest: packing rules and a decoder that treats its input as hostile.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstring>
 #include <random>
 
@@ -287,6 +288,79 @@ TEST(Manifest, CountAndStreamAreBounded) {
   const std::string why = decode_manifest(huge, 9, h.stream_bytes, S, &info);
   EXPECT_NE(why.find("more than"), std::string::npos) << why;
   EXPECT_NE(validate_spec({"t", DType::kU8, {static_cast<std::int64_t>(kMaxStreamBytes + 1)}}), "");
+}
+
+// Names lie end to end in entry order and end the manifest: names laid
+// over each other (more decoded name bytes than the blob holds), a blob
+// with bytes no name uses, and bytes after the blob are refused.
+TEST(Manifest, NamesLieEndToEndAndEndTheManifest) {
+  const std::vector<TensorSpec> specs = {{"abcd", DType::kU8, {1}}, {"bcde", DType::kU8, {1}}};
+  Encoded e = encode(specs);
+  SyncInfo info;
+  ASSERT_EQ(decode_manifest(e.bytes, 9, e.stream, S, &info), "");
+  ManifestHeader h;
+  std::memcpy(&h, e.bytes.data(), sizeof h);
+  auto entry = [&](std::vector<std::byte>& b, std::size_t i) {
+    return reinterpret_cast<ManifestEntry*>(b.data() + sizeof h + i * sizeof(ManifestEntry));
+  };
+  // Tensor 1's name "bcde" at offset 1 of "abcdbcde", overlapping tensor 0's.
+  std::vector<std::byte> over = e.bytes;
+  entry(over, 1)->name_offset = 1;
+  std::string why = decode_manifest(over, 9, e.stream, S, &info);
+  EXPECT_NE(why.find("tensor 1: name does not follow"), std::string::npos) << why;
+  // A name one byte shorter: the blob's last byte is used by none.
+  std::vector<std::byte> gap = e.bytes;
+  entry(gap, 1)->name_bytes = 3;
+  why = decode_manifest(gap, 9, e.stream, S, &info);
+  EXPECT_NE(why.find("no name uses"), std::string::npos) << why;
+  // One byte past the names blob.
+  std::vector<std::byte> tail = e.bytes;
+  tail.push_back(std::byte{0});
+  why = decode_manifest(tail, 9, e.stream, S, &info);
+  EXPECT_NE(why.find("after the names blob"), std::string::npos) << why;
+}
+
+// The consumer's check before it copies a manifest whole: the header and
+// the entries, read a window at a time; a size announced past what was
+// written (zeros) is refused after one window.
+TEST(Manifest, PrefixCheckReadsOneWindowOfAManifestThatIsNotThere) {
+  std::vector<TensorSpec> specs;
+  for (int i = 0; i < 5000; ++i) specs.push_back({"t" + std::to_string(i), DType::kU8, {1}});
+  Encoded e = encode(specs);
+  std::uint64_t most = 0;
+  auto reader = [&](const std::vector<std::byte>& b) {
+    return [&b, &most](std::uint64_t off, std::size_t n, void* dst) {
+      most = std::max<std::uint64_t>(most, n);
+      if (off > b.size() || n > b.size() - off) return false;
+      std::memcpy(dst, b.data() + off, n);
+      return true;
+    };
+  };
+  EXPECT_EQ(manifest_prefix_problem(reader(e.bytes), e.bytes.size(), 9, e.stream), "");
+  EXPECT_EQ(most, 4096 * sizeof(ManifestEntry));
+  // The header of a manifest of kMaxTensors entries, the rest zeros (holes).
+  ManifestHeader h;
+  std::memcpy(&h, e.bytes.data(), sizeof h);
+  h.tensor_count = h.piece_count = kMaxTensors;
+  h.names_offset = sizeof h + 8 + std::uint64_t{kMaxTensors} * (sizeof(ManifestEntry) + sizeof(ManifestPiece));
+  const std::uint64_t used = kMaxManifestBytes;
+  h.names_bytes = used - h.names_offset;
+  std::vector<std::byte> head(sizeof h);
+  std::memcpy(head.data(), &h, sizeof h);
+  std::uint64_t reads = 0;
+  const std::string why = manifest_prefix_problem(
+      [&](std::uint64_t off, std::size_t n, void* dst) {
+        ++reads;
+        std::memset(dst, 0, n);
+        if (off < head.size()) std::memcpy(dst, head.data() + off, std::min<std::uint64_t>(n, head.size() - off));
+        return true;
+      },
+      used, 9, e.stream);
+  EXPECT_NE(why.find("tensor 0: bad name length"), std::string::npos) << why;
+  EXPECT_EQ(reads, 2u);
+  // A file that ends inside the entries.
+  std::vector<std::byte> cut(e.bytes.begin(), e.bytes.begin() + 1000);
+  EXPECT_NE(manifest_prefix_problem(reader(cut), e.bytes.size(), 9, e.stream).find("truncated"), std::string::npos);
 }
 
 // Delta pieces (§6, ManifestPiece::base_version): the piece's stream bytes

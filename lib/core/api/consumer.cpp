@@ -12,6 +12,7 @@
 #include <cstring>
 #include <iterator>
 #include <memory>
+#include <new>
 #include <thread>
 
 #include "api/consumer_impl.hpp"
@@ -239,6 +240,25 @@ Consumer Consumer::open(std::string_view name, const ConsumerOptions& o) {
 
 namespace {
 
+// XXH3-64 of `len` bytes at `area`, read with pread 1 MiB at a time (bytes
+// past the end of the file: hashed as zeros, as a short copy fails anyway).
+std::uint64_t hash_of_area(const RegionView& view, const std::byte* area, std::uint64_t len) {
+  struct State {
+    XXH3_state_t* s = XXH3_createState();
+    ~State() { XXH3_freeState(s); }
+  } st;
+  if (st.s == nullptr) throw std::bad_alloc();
+  XXH3_64bits_reset(st.s);
+  std::vector<std::byte> buf(std::min<std::uint64_t>(len, 1u << 20));
+  for (std::uint64_t at = 0; at < len;) {
+    const std::size_t n = static_cast<std::size_t>(std::min<std::uint64_t>(buf.size(), len - at));
+    if (!view.copy_out(area + at, n, buf.data())) std::fill(buf.begin(), buf.end(), std::byte{0});
+    XXH3_64bits_update(st.s, buf.data(), n);
+    at += n;
+  }
+  return XXH3_64bits_digest(st.s);
+}
+
 // The next sync this consumer takes part in, its manifest copied and
 // checked: m.info, state kManifest.
 void next_sync(Consumer::Impl& m, std::int64_t deadline) {
@@ -247,6 +267,10 @@ void next_sync(Consumer::Impl& m, std::int64_t deadline) {
   auto corrupt = [&](const std::string& why) {
     m.ring->set_error(Errc::kCorrupt, why);
     return Error(Errc::kCorrupt, "sync " + std::to_string(rec.version) + " of '" + m.name + "': " + why);
+  };
+  auto kept_rewriting = [] {
+    return Error(Errc::kTimeout, "the producer kept rewriting the manifest (syncs begun and aborted) until the "
+                                 "timeout: no sync could be read");
   };
   std::vector<std::byte> bytes;
   for (;;) {
@@ -266,20 +290,37 @@ void next_sync(Consumer::Impl& m, std::int64_t deadline) {
       // record to move on, then look again.
       if (!m.ring->hold(rec, deadline)) continue;
     }
-    bytes.resize(rec.manifest_used);
     // pread, not the mapping (docs/protocol.md §2.1): bytes the producer
     // announced but never allocated read as zeros (and fail the hash)
-    // instead of faulting.
-    if (!m.view.copy_out(m.view.manifest_of(rec.first_seq), bytes.size(), bytes.data()))
+    // instead of faulting. The header and entries are checked a window at
+    // a time first: a size announced into the area's holes, or entries
+    // that are not valid, cost no copy of up to kMaxManifestBytes.
+    const std::byte* area = m.view.manifest_of(rec.first_seq);
+    const std::string early = manifest_prefix_problem(
+        [&](std::uint64_t off, std::size_t n, void* dst) { return m.view.copy_out(area + off, n, dst); },
+        rec.manifest_used, rec.version, rec.stream_bytes);
+    if (!early.empty() && (g.store || m.ring->record_unchanged(rec))) {
+      m.ring->unhold();
+      m.ring->check_seat();
+      // Bytes that are not the producer's (their hash disagrees) are named
+      // as such; the hash is taken 1 MiB at a time, nothing allocated for all.
+      throw corrupt(hash_of_area(m.view, area, rec.manifest_used) != rec.manifest_hash
+                        ? std::string("manifest bytes do not match their hash")
+                        : early);
+    }
+    if (!early.empty()) {  // rewritten under us: look again
+      if (mono_ns() >= deadline) throw kept_rewriting();
+      continue;
+    }
+    bytes.resize(rec.manifest_used);
+    if (!m.view.copy_out(area, bytes.size(), bytes.data()))
       throw corrupt("the region file ends inside the manifest (truncated)");
     // The manifest is covered by the record's seqlock: a producer that
     // aborted this sync and began the next may have rewritten it while we
     // copied. Then the copy is not corrupt, just stale: look again. (A held
     // store bank's manifest does not change.)
     if (!g.store && !m.ring->record_unchanged(rec)) {
-      if (mono_ns() >= deadline)
-        throw Error(Errc::kTimeout, "the producer kept rewriting the manifest (syncs begun and aborted) until the "
-                                    "timeout: no sync could be read");
+      if (mono_ns() >= deadline) throw kept_rewriting();
       continue;
     }
     if (XXH3_64bits(bytes.data(), bytes.size()) != rec.manifest_hash) {

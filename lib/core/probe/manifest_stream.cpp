@@ -173,7 +173,7 @@ std::string stream_manifest(int fd, std::uint64_t moff, const RecordSnapshot& re
   kept.reserve(keep);
   wants.reserve(keep);
   std::vector<ManifestEntry> win(std::min<std::uint64_t>(kWindow, h.tensor_count));
-  std::uint64_t end_prev = 0, payload = 0, logical = 0, pieces_logical = 0, base_version = 0;
+  std::uint64_t end_prev = 0, payload = 0, logical = 0, pieces_logical = 0, base_version = 0, names_next = 0;
   // Only when some entries are not kept.
   std::optional<EntryBlocks> blocks;
   if (keep < h.tensor_count) blocks.emplace(fd, moff + sizeof h, h.tensor_count);
@@ -186,7 +186,7 @@ std::string stream_manifest(int fd, std::uint64_t moff, const RecordSnapshot& re
     if (blocks) blocks->saw(first, win.data(), w);
     for (std::size_t k = 0; k < w && why.empty(); ++k) {
       const ManifestEntry& e = win[k];
-      std::string bad = entry_name_problem(e, h.names_bytes);
+      std::string bad = entry_name_problem(e, h.names_bytes, &names_next);
       if (bad.empty()) bad = entry_shape_problem(e, &logical);
       if (!bad.empty()) {
         why = "tensor " + std::to_string(first + k) + ": " + bad;
@@ -205,6 +205,7 @@ std::string stream_manifest(int fd, std::uint64_t moff, const RecordSnapshot& re
     *shrank = true;
     return "the file shrank while it was read";
   }
+  if (why.empty()) why = names_end_problem(names_next, h.names_bytes);
   if (why.empty()) why = rank_bytes_problem(rank_bytes, h.stream_bytes);
   if (why.empty() && (store ? rec.chunks != 1 || h.stream_bytes > slot_bytes
                             : rec.chunks != sync_chunks(rank_bytes, slot_bytes)))

@@ -5,6 +5,7 @@
 #include "protocol/delta.hpp"
 
 #include <cstring>
+#include <functional>
 #include <string_view>
 #include <algorithm>
 #include <unordered_map>
@@ -212,13 +213,49 @@ std::string manifest_header_problem(const ManifestHeader& h, std::uint64_t used,
   if (names_at > used) return "rank table and pieces run past the manifest";
   if (h.names_offset != names_at) return "names blob is not where the pieces end";
   if (h.names_bytes > used - names_at) return "names blob runs past the manifest";
+  // The names blob ends the manifest: a size announced past it would have a
+  // reader copy bytes no field describes.
+  if (h.names_bytes != used - names_at) return "bytes after the names blob";
   return {};
 }
 
-std::string entry_name_problem(const ManifestEntry& e, std::uint64_t names_bytes) {
+std::string entry_name_problem(const ManifestEntry& e, std::uint64_t names_bytes, std::uint64_t* names_next) {
   if (e.name_bytes == 0 || e.name_bytes > kMaxNameBytes) return "bad name length";
   if (std::uint64_t{e.name_offset} + e.name_bytes > names_bytes) return "name runs past the names blob";
+  // Names lie end to end in entry order, so the decoded names take no more
+  // bytes than the blob (names laid over each other would turn 1 MiB of
+  // blob into 1 GiB of distinct names).
+  if (e.name_offset != *names_next) return "name does not follow the one before it";
+  *names_next += e.name_bytes;
   return {};
+}
+
+std::string names_end_problem(std::uint64_t names_next, std::uint64_t names_bytes) {
+  return names_next == names_bytes ? std::string() : "names blob holds bytes no name uses";
+}
+
+std::string manifest_prefix_problem(const std::function<bool(std::uint64_t, std::size_t, void*)>& read,
+                                    std::uint64_t used, std::uint64_t expect_version,
+                                    std::uint64_t expect_stream_bytes) {
+  if (used < sizeof(ManifestHeader)) return "manifest shorter than its header";
+  ManifestHeader h;
+  if (!read(0, sizeof h, &h)) return "the region file ends inside the manifest (truncated)";
+  if (std::string why = manifest_header_problem(h, used, expect_version, expect_stream_bytes); !why.empty())
+    return why;
+  constexpr std::uint32_t kWindow = 4096;  // entries per read: 384 KiB
+  std::vector<ManifestEntry> win(std::min(kWindow, h.tensor_count));
+  std::uint64_t logical = 0, names_next = 0;
+  for (std::uint32_t first = 0; first < h.tensor_count; first += kWindow) {
+    const std::uint32_t n = std::min(kWindow, h.tensor_count - first);
+    if (!read(sizeof h + std::uint64_t{first} * sizeof(ManifestEntry), n * sizeof(ManifestEntry), win.data()))
+      return "the region file ends inside the manifest (truncated)";
+    for (std::uint32_t k = 0; k < n; ++k) {
+      std::string why = entry_name_problem(win[k], h.names_bytes, &names_next);
+      if (why.empty()) why = entry_shape_problem(win[k], &logical);
+      if (!why.empty()) return at(first + k, why);
+    }
+  }
+  return names_end_problem(names_next, h.names_bytes);
 }
 
 std::string entry_shape_problem(const ManifestEntry& e, std::uint64_t* logical) {
@@ -271,11 +308,11 @@ std::string decode_manifest(std::span<const std::byte> bytes, std::uint64_t expe
   std::unordered_set<std::string_view> seen;
   if (check_names) seen.reserve(h.tensor_count);
   std::vector<std::uint64_t> first_offset(h.tensor_count);
-  std::uint64_t logical = 0;
+  std::uint64_t logical = 0, names_next = 0;
   for (std::uint32_t i = 0; i < h.tensor_count; ++i) {
     ManifestEntry e;
     std::memcpy(&e, bytes.data() + sizeof h + std::uint64_t{i} * sizeof e, sizeof e);
-    if (std::string why = entry_name_problem(e, h.names_bytes); !why.empty()) return at(i, why);
+    if (std::string why = entry_name_problem(e, h.names_bytes, &names_next); !why.empty()) return at(i, why);
     const std::string_view name(names + e.name_offset, e.name_bytes);
     if (check_names) {
       if (std::string why = name_problem(name); !why.empty()) return at(i, why);
@@ -287,6 +324,7 @@ std::string decode_manifest(std::span<const std::byte> bytes, std::uint64_t expe
     if (check_names) t.name.assign(name);
     info.tensors.push_back(std::move(t));
   }
+  if (std::string why = names_end_problem(names_next, h.names_bytes); !why.empty()) return why;
   // Pieces: sorted by (rank, offset), aligned, inside their rank's
   // sub-stream, no overlap, no straddling when they fit in a slot.
   std::uint64_t payload = 0, wire = 0, end_prev = 0;

@@ -6,6 +6,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <span>
 #include <string>
 #include <vector>
@@ -83,9 +84,24 @@ std::string decode_manifest(std::span<const std::byte> bytes, std::uint64_t expe
 // and piece counts, and where the rank table, pieces and names blob lie.
 std::string manifest_header_problem(const ManifestHeader& h, std::uint64_t used, std::uint64_t expect_version,
                                     std::uint64_t expect_stream_bytes);
-// An entry's name: its length, and that it lies inside a names blob of
-// `names_bytes` bytes (name_problem checks the name's bytes).
-std::string entry_name_problem(const ManifestEntry& e, std::uint64_t names_bytes);
+// An entry's name: its length, that it lies inside a names blob of
+// `names_bytes` bytes and starts where the previous entry's name ended
+// (*names_next, 0 before the first entry; advanced past this name). Names
+// lie end to end in entry order, so decoded names take no more memory than
+// the blob. (name_problem checks the name's bytes.)
+std::string entry_name_problem(const ManifestEntry& e, std::uint64_t names_bytes, std::uint64_t* names_next);
+// After the last entry: the names fill the blob (*names_next == names_bytes).
+std::string names_end_problem(std::uint64_t names_next, std::uint64_t names_bytes);
+// Before a reader copies a manifest of `used` bytes whole (the consumer:
+// up to kMaxManifestBytes): its header, and its entries read a window of
+// 4096 at a time through `read` (offset in the manifest, bytes,
+// destination; false when the file ends first), by the rules above. A
+// manifest whose announced size is not backed by valid entries (a hostile
+// size into the sparse area's holes) is refused at the cost of one window
+// of memory, not `used` bytes.
+std::string manifest_prefix_problem(const std::function<bool(std::uint64_t, std::size_t, void*)>& read,
+                                    std::uint64_t used, std::uint64_t expect_version,
+                                    std::uint64_t expect_stream_bytes);
 // An entry's dtype, shape and byte size; adds its size to *logical, the sum
 // of the entries so far, which must stay within the stream limit.
 std::string entry_shape_problem(const ManifestEntry& e, std::uint64_t* logical);
