@@ -20,6 +20,8 @@
 #   LOAD_CPU         stress-ng CPU workers (2 x cores, at least 4)
 #   LOAD_NICE        niceness of the tests (10)
 #   LOAD_LABELS      ctest label regex (multiprocess|fault|relay|attack)
+#   LOAD_EXCLUDE     ctest label regex left out (bulk: CPU volume, not
+#                    timing, such as the 1M-tensor sync; the tiers run it)
 #   LOAD_CTEST_JOBS  parallel ctest jobs (2)
 #   LOAD_FAULT_TRIALS_PERCENT  share of each fault matrix's trials (25; the
 #                    tiers stage runs them all): SHMCAST_FAULT_TRIALS_PERCENT
@@ -56,7 +58,7 @@ kill -0 "$load_pid" 2>/dev/null || { echo "under-load.sh: stress-ng did not star
 
 t0=$(date +%s)
 set +e
-(cd "$build" && nice -n "$nice_n" ctest -L "$labels" -j"$jobs" --output-on-failure --timeout "${LOAD_TIMEOUT_S:-600}") | tee "$build/ctest-under-load.log"
+(cd "$build" && nice -n "$nice_n" ctest -L "$labels" -LE "${LOAD_EXCLUDE:-bulk}" -j"$jobs" --output-on-failure --timeout "${LOAD_TIMEOUT_S:-600}") | tee "$build/ctest-under-load.log"
 rc=${PIPESTATUS[0]}
 set -e
 t1=$(date +%s)
