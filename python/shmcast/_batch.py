@@ -7,7 +7,10 @@ each tensor and words the errors; so these functions only ever accept what
 that path accepts."""
 from __future__ import annotations
 
+import contextlib
+import gc
 import operator
+import threading
 from typing import Optional
 
 import torch
@@ -44,3 +47,32 @@ def plain_device(ts: list) -> Optional[int]:
 def data_ptrs(ts: list) -> list:
     """Each tensor's data_ptr()."""
     return list(map(_Tensor.data_ptr, ts))
+
+
+_gc_lock = threading.Lock()
+_gc_pauses = 0  # gc_paused() blocks running now, in any thread
+_gc_was_enabled = False
+
+
+@contextlib.contextmanager
+def gc_paused():
+    """Python's cyclic GC paused for the block: a pass over a sync's tensors
+    makes an object per tensor (a torch.Size, a tensor view), and each 700
+    new objects would start a collection that walks every tracked object of
+    the process (a model's tensors): most of the cost of a sync of 100,000
+    tensors. Nested and concurrent blocks share one pause; the GC is
+    enabled again after the last one only when it was enabled before the
+    first. Around Python work only, never around a wait or a copy."""
+    global _gc_pauses, _gc_was_enabled
+    with _gc_lock:
+        if _gc_pauses == 0:
+            _gc_was_enabled = gc.isenabled()
+            gc.disable()
+        _gc_pauses += 1
+    try:
+        yield
+    finally:
+        with _gc_lock:
+            _gc_pauses -= 1
+            if _gc_pauses == 0 and _gc_was_enabled:
+                gc.enable()

@@ -14,7 +14,7 @@ from typing import Optional, Union
 import torch
 
 from . import _shmcast as _C
-from ._batch import data_ptrs, dtype_of, plain_device, shape_of
+from ._batch import data_ptrs, dtype_of, gc_paused, plain_device, shape_of
 from ._dtypes import _FROM_NAME, torch_dtype
 from ._memory import (_DATA_ALIGN, _TENSOR_ALIGN, _alloc, _Closing, _copy_back, _CudaArray, _parse_device,
                       _round_up, _TensorAt, _unwritable, _views)
@@ -382,20 +382,21 @@ class Consumer(_Closing):
         another (_read_into() then checks each destination and says what
         is wrong)."""
         tensors = info.tensors
-        names = list(map(_NAME, tensors))
-        if not names or (strict and len(dsts) != len(names)) or not all(map(dsts.__contains__, names)):
-            return None
-        ds = list(map(dsts.__getitem__, names))
-        dev = plain_device(ds)
-        if dev is None:
-            return None
-        if list(map(dtype_of, ds)) != list(map(_FROM_NAME.get, map(_DTYPE, tensors))):
-            return None
-        if list(map(shape_of, ds)) != list(map(_SHAPE, tensors)):
-            return None
-        ptrs = data_ptrs(ds)
-        if not all(map(_NBYTES, tensors)):  # empty tensors: nothing to read (None, as _read_into passes)
-            ptrs = [p if t[3] else None for p, t in zip(ptrs, tensors)]
+        with gc_paused():
+            names = list(map(_NAME, tensors))
+            if not names or (strict and len(dsts) != len(names)) or not all(map(dsts.__contains__, names)):
+                return None
+            ds = list(map(dsts.__getitem__, names))
+            dev = plain_device(ds)
+            if dev is None:
+                return None
+            if list(map(dtype_of, ds)) != list(map(_FROM_NAME.get, map(_DTYPE, tensors))):
+                return None
+            if list(map(shape_of, ds)) != list(map(_SHAPE, tensors)):
+                return None
+            ptrs = data_ptrs(ds)
+            if not all(map(_NBYTES, tensors)):  # empty tensors: nothing to read (None, as _read_into passes)
+                ptrs = [p if t[3] else None for p, t in zip(ptrs, tensors)]
         # As _read_into leaves them: no temporary is needed, and a delta
         # region's kept temporaries stay as they are.
         keep = self._delta or info.delta

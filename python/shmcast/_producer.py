@@ -14,7 +14,7 @@ from typing import Optional, Union
 import torch
 
 from . import _shmcast as _C
-from ._batch import data_ptrs, dtype_of, plain_device, shape_of
+from ._batch import data_ptrs, dtype_of, gc_paused, plain_device, shape_of
 from ._dtypes import _TO_NAME
 from ._memory import _Closing, _row_pitch
 
@@ -278,14 +278,15 @@ class Producer(_Closing):
         carries, all on the CPU, or all on one GPU with a CUDA engine.
         Returns the version, or None before anything is sent when the case
         is another (_send() then takes each tensor in turn)."""
-        dev = plain_device(ts)
-        if dev is None or (dev >= 0 and not self._engine_cuda):
-            return None
-        dts = list(map(_TO_NAME.get, map(dtype_of, ts)))
-        if None in dts:
-            return None
-        specs = list(zip(names, dts, map(shape_of, ts)))
-        srcs = data_ptrs(ts)
+        with gc_paused():
+            dev = plain_device(ts)
+            if dev is None or (dev >= 0 and not self._engine_cuda):
+                return None
+            dts = list(map(_TO_NAME.get, map(dtype_of, ts)))
+            if None in dts:
+                return None
+            specs = list(zip(names, dts, map(shape_of, ts)))
+            srcs = data_ptrs(ts)
         if dev < 0:
             return c.send_batch(specs, srcs, False, None, None, want)
         cuda_dev = torch.device("cuda", dev)

@@ -225,3 +225,45 @@ def test_batched_paths_on_one_gpu(region, monkeypatch):
             bad = [k for k in src if not _same(src[k].cpu(), dst[k].cpu())]
             assert bad == []
     assert sent == [True, True] and got == [True, False]
+
+
+def test_gc_is_paused_for_the_passes_and_left_as_it_was(region, monkeypatch):
+    """The passes over a sync's tensors run with Python's cyclic GC paused
+    (shmcast._batch.gc_paused); afterwards it is enabled or disabled as the
+    caller had it, also after a refusal or an error."""
+    import gc
+    from shmcast import _batch
+
+    during = []
+    real = _batch.plain_device
+
+    def spy(ts):
+        during.append(gc.isenabled())
+        return real(ts)
+
+    monkeypatch.setattr(_consumer, "plain_device", spy)
+    monkeypatch.setattr(_producer, "plain_device", spy)
+    was = gc.isenabled()
+    try:
+        with shmcast.Producer(region, slot_bytes=SLOT, slots=4) as prod, shmcast.Consumer(region) as cons:
+            src = _tensors(9, 40)
+            for enabled in (True, False):
+                gc.enable() if enabled else gc.disable()
+                prod.send(src)
+                cons.receive_into(_zeros_like(src), timeout=5)
+                assert gc.isenabled() == enabled
+                prod.send(src)
+                assert len(cons.receive(timeout=5)) == len(src)
+                assert gc.isenabled() == enabled
+                prod.send(src)
+                with pytest.raises(shmcast.Mismatch):
+                    cons.receive_into(_swap(_zeros_like(src), "layer.0.w", torch.zeros(4)), timeout=5)
+                assert gc.isenabled() == enabled
+                with _batch.gc_paused():  # nested in a caller's pause
+                    prod.send(src)
+                    cons.receive_into(_zeros_like(src), timeout=5)
+                    assert not gc.isenabled()
+                assert gc.isenabled() == enabled
+    finally:
+        gc.enable() if was else gc.disable()
+    assert during and not any(during)
