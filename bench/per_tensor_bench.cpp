@@ -6,9 +6,13 @@
 //   consumer: wait_sync -> read_into
 // Prints min/median/max of each side and case, and the per-tensor cost:
 // (median many - median dense) / (tensors - dense), per side. Every byte the
-// consumer reads is checked after its timer stops.
+// consumer reads is checked after its timer stops. The consumer's timer
+// starts before the producer begins, so its figure holds the producer's
+// time too; --consumer-after starts it once end_sync has returned (the
+// sync must fit in the slots): the consumer's own cost.
 //
-//   shmcast-per-tensor-bench [--tensors 100000] [--tensor-bytes 4096] [--dense 16] [--reps 10] [--json FILE]
+//   shmcast-per-tensor-bench [--tensors 100000] [--tensor-bytes 4096] [--dense 16] [--reps 10]
+//                            [--consumer-after] [--json FILE]
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
@@ -69,12 +73,15 @@ int main(int argc, char** argv) {
   std::uint64_t tensor_bytes = 4096;
   int reps = 10;
   std::string json_path;
+  bool consumer_after = false;
   CLI::App app{"shmcast-per-tensor-bench: per-tensor cost of a sync, many tensors vs the same bytes in a few"};
   app.add_option("--tensors", tensors, "tensors of the many case (default 100000)");
   app.add_option("--tensor-bytes", tensor_bytes, "bytes of each (default 4096)");
   app.add_option("--dense", dense, "tensors of the dense case, same bytes (default 16)");
   app.add_option("--reps", reps, "syncs of each case (default 10)");
   app.add_option("--json", json_path, "write the results here too");
+  app.add_flag("--consumer-after", consumer_after,
+               "start the consumer's timer once the producer's end_sync returned (the sync must fit in the slots)");
   CLI11_PARSE(app, argc, argv);
   if (tensors <= dense || dense == 0 || reps < 1 || tensor_bytes == 0) {
     std::fprintf(stderr, "need --tensors > --dense > 0, --reps >= 1, --tensor-bytes > 0\n");
@@ -90,6 +97,7 @@ int main(int argc, char** argv) {
   po.engine = shmcast::CopyEngine::kHost;
   shmcast::Producer p = shmcast::Producer::create(region, po);
   std::atomic<int> turn{0};  // sync k may start when turn == 2k (consumer ready), done when 2k+1
+  std::atomic<int> sent{0};  // syncs whose end_sync returned
   std::vector<double> cons_s[2];
   std::atomic<int> bad{0};
   std::thread consumer([&] {
@@ -100,6 +108,8 @@ int main(int argc, char** argv) {
       const int which = k % 2;
       std::memset(dst.data(), 0, dst.size());
       turn.store(2 * k + 1, std::memory_order_release);
+      if (consumer_after)
+        while (sent.load(std::memory_order_acquire) != k + 1) std::this_thread::yield();
       const std::int64_t t0 = now_ns();
       c.wait_sync(120s);
       c.read_into(cases[which].dst);
@@ -121,6 +131,7 @@ int main(int argc, char** argv) {
     for (std::size_t i = 0; i < c.specs.size(); ++i) p.write(i, c.src[i]);
     p.end_sync();
     prod_s[which].push_back(static_cast<double>(now_ns() - t0) * 1e-9);
+    sent.store(k + 1, std::memory_order_release);
     while (turn.load(std::memory_order_acquire) != 2 * k + 2) std::this_thread::yield();
   }
   consumer.join();
@@ -131,6 +142,7 @@ int main(int argc, char** argv) {
   out["tensor_bytes"] = tensor_bytes;
   out["dense"] = dense;
   out["reps"] = reps;
+  out["consumer_after"] = consumer_after;
   out["bad_syncs"] = bad.load();
   std::printf("%u x %llu B vs %u tensors of the same %.1f MB, %d reps each, alternating (s: min / median / max)\n",
               tensors, static_cast<unsigned long long>(tensor_bytes), dense, static_cast<double>(bytes) * 1e-6, reps);

@@ -3,10 +3,13 @@ of 4 KiB against the same bytes in 16, alternating in one run, CPU tensors,
 host slots. Producer: send(); consumer (another process): receive_into()
 or receive(). Prints min/median/max per case and side and the per-tensor
 cost, (median many - median dense) / (tensors - dense). Every byte is
-checked after the timer stops.
+checked after the timer stops. The consumer's timer starts before the
+producer's send(), so its figure holds send()'s time too;
+--consumer-after starts it once send() has returned (the sync must fit in
+the slots): the consumer's own cost.
 
     PYTHONPATH=build/python python3 bench/per_tensor_bench.py [--tensors 100000] [--tensor-bytes 4096]
-        [--dense 16] [--reps 10] [--receive into|new] [--json]
+        [--dense 16] [--reps 10] [--receive into|new] [--consumer-after] [--json]
 """
 import argparse
 import json
@@ -37,6 +40,8 @@ def consumer(region, args, conn):
             which = k % 2
             dst.zero_()
             conn.send("ready")
+            if args.consumer_after:
+                assert conn.recv() == "sent"
             t0 = time.perf_counter()
             if args.receive == "into":
                 c.receive_into(cases[which], timeout=120)
@@ -62,6 +67,8 @@ def main():
     ap.add_argument("--dense", type=int, default=16)
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--receive", choices=["into", "new"], default="into")
+    ap.add_argument("--consumer-after", action="store_true",
+                    help="start the consumer's timer once send() returned (the sync must fit in the slots)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     region = f"per-tensor-py-{os.getpid()}"
@@ -83,12 +90,14 @@ def main():
             t0 = time.perf_counter()
             p.send(cases[which])
             times[which].append(time.perf_counter() - t0)
+            if args.consumer_after:
+                a.send("sent")
             a.send(src)
             assert a.recv() == "done"
         ctimes, bad = a.recv()
         proc.join(60)
     out = {"tensors": args.tensors, "tensor_bytes": args.tensor_bytes, "dense": args.dense, "reps": args.reps,
-           "receive": args.receive, "bad_syncs": bad}
+           "receive": args.receive, "consumer_after": args.consumer_after, "bad_syncs": bad}
     for side, t in (("producer send()", times), (f"consumer receive{'_into' if args.receive == 'into' else ''}()", ctimes)):
         d, m = stat(t[0]), stat(t[1])
         per = (m[1] - d[1]) / (args.tensors - args.dense) * 1e6

@@ -12,6 +12,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from . import _shmcast as _C
+from ._batch import gc_paused
 from ._dtypes import _ELEM_SIZE, _FROM_NAME, torch_dtype
 
 # The library's alignments (shmcast::limits, docs/protocol.md): each tensor
@@ -124,6 +125,11 @@ def _alloc(shape, dtype: torch.dtype, device: torch.device, what: str) -> torch.
 
 def _views(buf: torch.Tensor, tensors) -> list:
     """(name, tensor) views into `buf` (uint8, the sync's stream layout)."""
+    with gc_paused():  # a tensor object per tensor of the sync
+        return _make_views(buf, tensors)
+
+
+def _make_views(buf: torch.Tensor, tensors) -> list:
     out = []
     typed: dict = {}
     for name, dt, shape, nbytes, off in tensors:

@@ -14,6 +14,7 @@ from typing import Optional, Union
 import torch
 
 from . import _shmcast as _C
+from ._batch import data_ptrs, dtype_of, gc_paused, plain_device, shape_of
 from ._dtypes import _TO_NAME
 from ._memory import _Closing, _row_pitch
 
@@ -271,9 +272,38 @@ class Producer(_Closing):
                     pass
             raise
 
+    def _send_batched(self, c, names: list, ts: list, want: int) -> Optional[int]:
+        """_send() for the common case, with a few C-level passes over the
+        tensors: every one a plain contiguous tensor of a dtype shmcast
+        carries, all on the CPU, or all on one GPU with a CUDA engine.
+        Returns the version, or None before anything is sent when the case
+        is another (_send() then takes each tensor in turn)."""
+        with gc_paused():
+            dev = plain_device(ts)
+            if dev is None or (dev >= 0 and not self._engine_cuda):
+                return None
+            dts = list(map(_TO_NAME.get, map(dtype_of, ts)))
+            if None in dts:
+                return None
+            specs = list(zip(names, dts, map(shape_of, ts)))
+            srcs = data_ptrs(ts)
+        if dev < 0:
+            return c.send_batch(specs, srcs, False, None, None, want)
+        cuda_dev = torch.device("cuda", dev)
+        with torch.cuda.device(cuda_dev):
+            return c.send_batch(specs, srcs, True, None, self._stream_of(cuda_dev), want)
+
     def _send(self, c, named_tensors, version) -> int:
         want = 0 if version is None else _C.check_int(version, "version", 1, (1 << 63) - 1)
-        items = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
+        if isinstance(named_tensors, Mapping):
+            names, ts = list(named_tensors.keys()), list(named_tensors.values())
+            items = zip(names, ts)
+        else:
+            items = list(named_tensors)
+            names, ts = [n for n, _ in items], [t for _, t in items]
+        sent = self._send_batched(c, names, ts, want)
+        if sent is not None:
+            return sent
         specs, srcs, devs, lays, keep = [], [], [], [], []
         slow = []  # indices that need a per-tensor step (staging copy, gather)
         cuda_dev = None

@@ -102,15 +102,26 @@ void Consumer::Impl::read_planned(ConsumerEngine& e, std::span<void* const> dsts
     throw Error(Errc::kInvalidArgument, "got " + std::to_string(sels.size()) + " selections for a sync of " +
                                             std::to_string(info.tensors.size()) + " tensors (or none)");
   const Selection whole{};
-  std::vector<std::vector<std::vector<Block>>> plan(info.tensors.size());
-  for (std::size_t t = 0; t < info.tensors.size(); ++t) {
-    if (dsts[t] == nullptr) continue;
+  // One flat plan, no allocation per tensor (a sync may have 100,000):
+  // piece k of tensor t is piece first[t] + k, its blocks are
+  // blocks[ends[piece], ends[piece + 1]).
+  const std::size_t tensors = info.tensors.size();
+  std::vector<std::size_t> first(tensors + 1, 0);
+  for (std::size_t t = 0; t < tensors; ++t) first[t + 1] = first[t] + info.tensors[t].shards.size();
+  std::vector<std::size_t> ends(first[tensors] + 1, 0);
+  std::vector<Block> blocks;
+  blocks.reserve(first[tensors]);
+  for (std::size_t t = 0; t < tensors; ++t) {
     const TensorInfo& ti = info.tensors[t];
-    const Selection& sel = sels.empty() ? whole : sels[t];
-    if (std::string why = selection_problem(ti, sel); !why.empty())
-      throw Error(Errc::kInvalidArgument, "selection of '" + ti.name + "': " + why);
-    plan[t].resize(ti.shards.size());
-    for (std::size_t k = 0; k < ti.shards.size(); ++k) plan_piece(ti, ti.shards[k], sel, &plan[t][k]);
+    if (dsts[t] != nullptr) {
+      const Selection& sel = sels.empty() ? whole : sels[t];
+      if (std::string why = selection_problem(ti, sel); !why.empty())
+        throw Error(Errc::kInvalidArgument, "selection of '" + ti.name + "': " + why);
+    }
+    for (std::size_t k = 0; k < ti.shards.size(); ++k) {
+      if (dsts[t] != nullptr) plan_piece(ti, ti.shards[k], sels.empty() ? whole : sels[t], &blocks);
+      ends[first[t] + k + 1] = blocks.size();
+    }
   }
   std::vector<std::size_t> cursor(info.world_size, 0);
   // Per rank: a delta piece's blob gathered across chunks, and its bytes
@@ -157,8 +168,9 @@ void Consumer::Impl::read_planned(ConsumerEngine& e, std::span<void* const> dsts
                  }
                  const Buffer buf{dst, device, {}};
                  const std::byte* base = src - off;  // the piece's first byte (maybe in an earlier slot)
-                 for (const Block& b : plan[p.tensor][p.shard])
-                   clip(b, off, off + n, [&](const Op& op) {
+                 const std::size_t piece = first[p.tensor] + p.shard;
+                 for (std::size_t i = ends[piece]; i < ends[piece + 1]; ++i)
+                   clip(blocks[i], off, off + n, [&](const Op& op) {
                      if (op.rows == 1)
                        e.copy(buf, op.dst, base + op.src, op.width);
                      else

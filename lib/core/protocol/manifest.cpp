@@ -332,10 +332,11 @@ std::string decode_manifest(std::span<const std::byte> bytes, std::uint64_t expe
   for (std::uint32_t k = 0; k < h.piece_count; ++k) {
     ManifestPiece p;
     std::memcpy(&p, bytes.data() + pieces_at + std::uint64_t{k} * sizeof p, sizeof p);
-    const std::string where = "piece " + std::to_string(k);
+    // Named only in an error (made per piece, it cost a sync of many tensors).
+    const auto where = [k] { return "piece " + std::to_string(k); };
     if (std::string why = piece_problem(p, h.tensor_count, info.rank_bytes, slot_bytes, &rank_prev, &end_prev);
         !why.empty())
-      return where + ": " + why;
+      return where() + ": " + why;
     TensorInfo& t = info.tensors[p.tensor];
     ShardInfo sh;
     sh.rank = p.rank;
@@ -346,16 +347,16 @@ std::string decode_manifest(std::span<const std::byte> bytes, std::uint64_t expe
     // follows from its tensor and range. Every delta piece of a sync names
     // the same, earlier, version.
     if (std::string why = piece_base_problem(p, h.sync_version, &info.base_version); !why.empty())
-      return where + ": " + why;
+      return where() + ": " + why;
     if (std::string why = piece_size_problem(p, t.dtype, t.shape, t.nbytes, &sh.nbytes); !why.empty())
-      return where + ": " + why;
+      return where() + ": " + why;
     if (p.dim != kWholePiece) {
       sh.dim = p.dim;
       sh.start = p.start;
       sh.length = p.length;
     }
     if (!checked_add(payload, sh.nbytes, &payload) || !checked_add(wire, p.nbytes, &wire))
-      return where + ": the pieces' sizes overflow";
+      return where() + ": the pieces' sizes overflow";
     t.shards.push_back(sh);
   }
   if (wire != h.payload_bytes) return "payload size disagrees with the pieces";

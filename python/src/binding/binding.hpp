@@ -151,13 +151,23 @@ py::dict sync_report(const SyncReport& r);
 
 // ------------------------------------------------------------------ sync info (consumer.cpp)
 
-// What Consumer.wait_sync returns: a snapshot, converted once.
+// What Consumer.wait_sync returns: a snapshot, converted once. `pieces` is
+// made on first use (few callers want it; every sync would pay for it):
+// until then the shards wait here as flat arrays, shared by the copies.
 struct PySync {
   std::uint64_t version = 0, stream_bytes = 0, payload_bytes = 0, first_seq = 0, chunks = 0;
   std::uint64_t base_version = 0, wire_bytes = 0;  // delta syncs (SyncInfo::base_version, wire_bytes)
   std::uint32_t world_size = 1;
   py::list tensors;  // (name, dtype, shape, nbytes, stream_offset)
-  py::list pieces;   // per tensor: [(rank, dim, start, length, nbytes)], dim -1 = whole
+
+  struct Pieces {
+    std::vector<ShardInfo> shards;     // every tensor's, in order
+    std::vector<std::size_t> starts;   // tensor i's are shards[starts[i], starts[i + 1])
+    py::object list;                   // once made: per tensor [(rank, dim, start, length, nbytes)]
+  };
+  std::shared_ptr<Pieces> pieces_data = std::make_shared<Pieces>();
+  // Per tensor: [(rank, dim, start, length, nbytes)], dim -1 = whole.
+  py::object pieces() const;
 
   static PySync from(const SyncInfo& s);
 };

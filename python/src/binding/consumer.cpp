@@ -5,6 +5,60 @@
 namespace shmcast::python {
 
 
+namespace {
+
+// A new reference, or throws the Python error.
+PyObject* checked(PyObject* o) {
+  if (!o) throw py::error_already_set();
+  return o;
+}
+
+// The dtype names as Python strs, made once: every tensor of a sync shares
+// them (a new reference; a code beyond the table, which only a broken
+// region holds, gets a str of its own).
+PyObject* dtype_str(DType d) {
+  static std::array<PyObject*, 256> names{};
+  const auto i = static_cast<std::size_t>(d);
+  if (i >= names.size()) return checked(PyUnicode_FromString(std::string(dtype_name(d)).c_str()));
+  if (!names[i]) names[i] = checked(PyUnicode_InternFromString(std::string(dtype_name(d)).c_str()));
+  Py_INCREF(names[i]);
+  return names[i];
+}
+
+// (a, b, c, ...) from new references (stolen, also when it fails).
+template <class... T>
+PyObject* tuple_of(T... items) {
+  PyObject* v[] = {items...};
+  PyObject* t = PyTuple_New(sizeof...(T));
+  if (!t) {
+    for (PyObject* o : v) Py_DECREF(o);
+    throw py::error_already_set();
+  }
+  for (std::size_t i = 0; i < sizeof...(T); ++i) PyTuple_SET_ITEM(t, static_cast<Py_ssize_t>(i), v[i]);
+  return t;
+}
+
+// Python's cyclic GC paused while a sync's objects are made (the GIL held
+// throughout, so no other thread sees it paused): each 700 new tuples
+// would start a collection that walks every tracked object of the process
+// (a model's tensors), most of the cost of a sync of 100,000 tensors.
+class GcPaused {
+ public:
+#if PY_VERSION_HEX >= 0x030A0000
+  GcPaused() : was_(PyGC_Disable()) {}
+  ~GcPaused() {
+    if (was_ == 1) PyGC_Enable();
+  }
+
+ private:
+  int was_;
+#endif
+};
+
+}  // namespace
+
+// One tuple per tensor and per piece, built with the C API: this runs for
+// every tensor of every sync a Python consumer takes (issue 43 item 2).
 PySync PySync::from(const SyncInfo& s) {
   PySync p;
   p.version = s.version;
@@ -15,10 +69,15 @@ PySync PySync::from(const SyncInfo& s) {
   p.world_size = s.world_size;
   p.base_version = s.base_version;
   p.wire_bytes = s.wire_bytes;
-  p.tensors = py::list(s.tensors.size());
-  p.pieces = py::list(s.tensors.size());
-  for (std::size_t i = 0; i < s.tensors.size(); ++i) {
-    const TensorInfo& t = s.tensors[i];
+  const auto n = static_cast<Py_ssize_t>(s.tensors.size());
+  p.tensors = py::reinterpret_steal<py::list>(checked(PyList_New(n)));
+  PyObject* tensors = p.tensors.ptr();
+  Pieces& pieces = *p.pieces_data;
+  pieces.starts.reserve(s.tensors.size() + 1);
+  pieces.shards.reserve(s.tensors.size());
+  pieces.starts.push_back(0);
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    const TensorInfo& t = s.tensors[static_cast<std::size_t>(i)];
     // Names reach Python only as valid UTF-8 (a producer rejects others;
     // a region written by something else may still hold any bytes).
     PyObject* name = PyUnicode_DecodeUTF8(t.name.data(), static_cast<Py_ssize_t>(t.name.size()), nullptr);
@@ -28,16 +87,63 @@ PySync PySync::from(const SyncInfo& s) {
                                       " ('" + text(t.name).cast<std::string>() +
                                       "') is not valid UTF-8; whatever wrote the region is broken");
     }
-    p.tensors[i] = py::make_tuple(py::reinterpret_steal<py::str>(name), py::str(std::string(dtype_name(t.dtype))),
-                                  shape_tuple(t.shape), py::int_(t.nbytes), py::int_(t.stream_offset));
-    py::list ps(t.shards.size());
-    for (std::size_t k = 0; k < t.shards.size(); ++k) {
-      const ShardInfo& sh = t.shards[k];
-      ps[k] = py::make_tuple(sh.rank, sh.dim, sh.start, sh.length, sh.nbytes);
+    PyObject* shape = PyTuple_New(static_cast<Py_ssize_t>(t.shape.size()));
+    if (!shape) {
+      Py_DECREF(name);
+      throw py::error_already_set();
     }
-    p.pieces[i] = ps;
+    for (std::size_t k = 0; k < t.shape.size(); ++k) {
+      PyObject* d = PyLong_FromLongLong(t.shape[k]);
+      if (!d) {
+        Py_DECREF(name);
+        Py_DECREF(shape);
+        throw py::error_already_set();
+      }
+      PyTuple_SET_ITEM(shape, static_cast<Py_ssize_t>(k), d);
+    }
+    PyObject* dt;
+    try {
+      dt = dtype_str(t.dtype);
+    } catch (...) {
+      Py_DECREF(name);
+      Py_DECREF(shape);
+      throw;
+    }
+    PyObject* nbytes = PyLong_FromUnsignedLongLong(t.nbytes);
+    PyObject* off = PyLong_FromUnsignedLongLong(t.stream_offset);
+    if (!nbytes || !off) {
+      Py_DECREF(name);
+      Py_DECREF(dt);
+      Py_DECREF(shape);
+      Py_XDECREF(nbytes);
+      Py_XDECREF(off);
+      throw py::error_already_set();
+    }
+    PyList_SET_ITEM(tensors, i, tuple_of(name, dt, shape, nbytes, off));
+    pieces.shards.insert(pieces.shards.end(), t.shards.begin(), t.shards.end());
+    pieces.starts.push_back(pieces.shards.size());
   }
   return p;
+}
+
+py::object PySync::pieces() const {
+  Pieces& d = *pieces_data;
+  if (d.list) return d.list;
+  const std::size_t n = d.starts.empty() ? 0 : d.starts.size() - 1;
+  py::list out(n);
+  for (std::size_t i = 0; i < n; ++i) {
+    PyObject* ps = checked(PyList_New(static_cast<Py_ssize_t>(d.starts[i + 1] - d.starts[i])));
+    PyList_SET_ITEM(out.ptr(), static_cast<Py_ssize_t>(i), ps);  // owned by the list from here: filled below
+    for (std::size_t k = d.starts[i]; k < d.starts[i + 1]; ++k) {
+      const ShardInfo& sh = d.shards[k];
+      PyList_SET_ITEM(ps, static_cast<Py_ssize_t>(k - d.starts[i]),
+                      py::make_tuple(sh.rank, sh.dim, sh.start, sh.length, sh.nbytes).release().ptr());
+    }
+  }
+  d.list = std::move(out);
+  d.shards = {};
+  d.starts = {};
+  return d.list;
 }
 
 namespace {
@@ -88,29 +194,43 @@ class PyConsumer : Owned {
     if (forked()) (void)c_.release();  // the parent's seat: leave it be
   }
 
+  // The sync is converted where the library holds it, with this object
+  // locked and the GIL taken again (as visit() does; no thread waits for
+  // the lock with the GIL held): no copy of its manifest.
   PySync wait_sync(py::handle timeout) {
     const auto deadline = Clock::now() + seconds_arg(timeout, "timeout", true);
     for (;;) {
-      std::optional<SyncInfo> got = locked([&](Consumer& c) -> std::optional<SyncInfo> {
+      std::optional<PySync> got;
+      std::exception_ptr bad;  // a name Python cannot hold: the sync is skipped, not left half-taken
+      locked([&](Consumer& c) {
         const auto left = std::chrono::duration_cast<Duration>(deadline - Clock::now());
         const Duration slice = std::max(Duration::zero(), std::min<Duration>(left, kSlice));
+        const SyncInfo* s = nullptr;
         try {
-          return c.wait_sync(slice);  // copy: the snapshot is converted with the GIL held
+          s = &c.wait_sync(slice);
         } catch (const Error& e) {
           if (e.code() != Errc::kTimeout || Clock::now() >= deadline) throw;
+          return;
         }
-        return std::nullopt;
-      });
-      if (got) {
-        try {
-          last_ = PySync::from(*got);
-        } catch (const Error&) {  // a name Python cannot hold: the sync is skipped, not left half-taken
+        {
+          py::gil_scoped_acquire gil;
           try {
-            locked([](Consumer& c) { c.skip(); });
+            GcPaused paused;
+            got = PySync::from(*s);
+          } catch (const Error&) {
+            bad = std::current_exception();
+          }
+        }
+        if (bad) {
+          try {
+            c.skip();
           } catch (const Error&) {
           }
-          throw;
         }
+      });
+      if (bad) std::rethrow_exception(bad);
+      if (got) {
+        last_ = std::move(*got);
         return last_;
       }
       if (PyErr_CheckSignals() != 0) throw py::error_already_set();
@@ -223,7 +343,7 @@ void bind_sync_info(py::module_& m) {
                              "True for a delta sync (base_version != 0)")
       .def_readonly("tensors", &PySync::tensors, "list of (name, dtype, shape, nbytes, stream_offset)")
       .def_readonly("world_size", &PySync::world_size, "producer ranks that wrote the sync")
-      .def_readonly("pieces", &PySync::pieces,
+      .def_property_readonly("pieces", &PySync::pieces,
                     "per tensor, its pieces: [(rank, dim, start, length, nbytes)] (dim -1: the whole tensor)")
       .def("__len__", [](const PySync& s) { return s.tensors.size(); })
       .def("__repr__", [](const PySync& s) {

@@ -1,0 +1,269 @@
+"""The batched paths of send() and receive_into(), and SyncInfo as the
+binding makes it for every sync (issue 43 item 2). Batched paths: a
+sync whose tensors are all plain contiguous CPU tensors is checked and
+moved with a few passes over the whole list (shmcast._batch). Each test
+checks that the batched path was taken where it should be (a spy on
+_send_batched / _read_into_batched), that the bytes arrive bit-exact,
+and that any tensor the batched path must not take (wrong dtype or shape, non-contiguous, conj/neg
+bits, other devices, names that do not match) sends it to the per-tensor
+path, which gives the same answer as before: the bytes, or Mismatch with
+nothing written."""
+import pytest
+import torch
+
+import shmcast
+from shmcast import _consumer, _producer
+
+SLOT = 1 << 20
+
+
+def _spy(monkeypatch, cls, method):
+    """Records whether cls.method (the batched path) took each sync: True,
+    or False when it handed the sync to the per-tensor path."""
+    seen = []
+    real = getattr(cls, method)
+
+    def spy(*args):
+        r = real(*args)
+        seen.append(r is not None)
+        return r
+
+    monkeypatch.setattr(cls, method, spy)
+    return seen
+
+
+PRODUCER = (_producer.Producer, "_send_batched")
+CONSUMER = (_consumer.Consumer, "_read_into_batched")
+
+
+def _tensors(seed, n=300):
+    """n plain tensors of several dtypes and shapes (an empty one, a
+    Parameter), with bytes that differ from tensor to tensor."""
+    g = torch.Generator().manual_seed(seed)
+    dts = [torch.float32, torch.bfloat16, torch.int64, torch.uint8, torch.float16, torch.bool, torch.complex64]
+    out = {}
+    for i in range(n):
+        dt = dts[i % len(dts)]
+        shape = [(3,), (2, 5), (4, 1, 3), (0, 7), ()][i % 5]
+        raw = torch.randint(0, 256, (int(torch.Size(shape).numel()) * torch.empty((), dtype=dt).element_size(),),
+                            dtype=torch.uint8, generator=g)
+        t = raw.view(dt).reshape(shape) if raw.numel() else torch.empty(shape, dtype=dt)
+        out[f"layer.{i}.w"] = torch.nn.Parameter(t, requires_grad=False) if i == 7 else t
+    return out
+
+
+def _bits(t):
+    t = t.detach().resolve_conj().resolve_neg().contiguous()
+    return t.reshape(-1).view(torch.uint8) if t.numel() else t.reshape(-1)
+
+
+def _same(a, b):
+    return a.dtype == b.dtype and tuple(a.shape) == tuple(b.shape) and torch.equal(_bits(a), _bits(b))
+
+
+def _zeros_like(src):
+    return {k: torch.zeros_like(v.detach()) for k, v in src.items()}
+
+
+def test_batched_send_and_receive_into_are_bit_exact(region, monkeypatch):
+    sent, got = _spy(monkeypatch, *PRODUCER), _spy(monkeypatch, *CONSUMER)
+    with shmcast.Producer(region, slot_bytes=SLOT, slots=4) as prod, shmcast.Consumer(region) as cons:
+        for seed, as_list in ((1, False), (2, True)):
+            src = _tensors(seed)
+            v = prod.send(list(src.items()) if as_list else src)
+            dst = _zeros_like(src)
+            assert cons.receive_into(dst, timeout=5) == v
+            bad = [k for k in src if not _same(src[k], dst[k])]
+            assert bad == []
+            # receive() after the batched send: the same bytes again
+            prod.send(src)
+            assert all(_same(src[k], t) for k, t in cons.receive(timeout=5))
+    assert sent == [True] * 4 and got == [True, True]
+
+
+def test_batched_receive_into_strict_false_takes_a_superset(region, monkeypatch):
+    got = _spy(monkeypatch, *CONSUMER)
+    with shmcast.Producer(region, slot_bytes=SLOT, slots=4) as prod, shmcast.Consumer(region) as cons:
+        src = _tensors(3, 40)
+        prod.send(src)
+        dst = _zeros_like(src)
+        dst["extra"] = torch.full((2,), 5.0)
+        cons.receive_into(dst, timeout=5, strict=False)
+        assert all(_same(src[k], dst[k]) for k in src) and dst["extra"].tolist() == [5.0, 5.0]
+    assert got == [True]
+
+
+def _swap(dst, name, new):
+    dst = dict(dst)
+    dst[name] = new
+    return dst
+
+
+# _tensors(): tensor i has dtype DTS[i % 7] and shape SHAPES[i % 5].
+# Destinations the batched path must refuse (the per-tensor path then reads
+# them, or raises Mismatch naming the problem): (change, expected words or
+# None when the read succeeds).
+REFUSED = [
+    (lambda d: _swap(d, "layer.0.w", torch.zeros(3, dtype=torch.float64)), "dtype"),  # f32 (3,) there
+    (lambda d: _swap(d, "layer.1.w", torch.zeros(5, 2, dtype=torch.bfloat16)), "shape"),  # (2, 5) there
+    (lambda d: _swap(d, "layer.2.w", torch.zeros(4, 3, 1, dtype=torch.int64)), "shape"),  # same numel and ndim
+    (lambda d: {k: v for k, v in d.items() if k != "layer.13.w"}, "no destination"),
+    (lambda d: _swap(d, "zzz", torch.zeros(1)), "not in the sync"),
+    (lambda d: _swap(d, "layer.3.w", torch.zeros(0, 7, dtype=torch.uint8, device="meta")), "CPU or CUDA"),
+    (lambda d: _swap(d, "layer.5.w", torch.zeros(1, dtype=torch.bool).expand(3)), "share memory"),
+    (lambda d: _swap(d, "layer.21.w", torch.zeros(2, 5).to_sparse()), "dense"),
+    (lambda d: _swap(d, "layer.17.w", "not a tensor"), "expected a torch.Tensor"),
+    # taken by the per-tensor path, read correctly:
+    (lambda d: _swap(d, "layer.35.w", torch.zeros(6)[::2]), None),  # non-contiguous
+    (lambda d: _swap(d, "layer.6.w", torch.zeros(2, 5, dtype=torch.complex64).conj()), None),  # conj bit, contiguous
+    (lambda d: _swap(d, "layer.0.w", torch._neg_view(torch.zeros(3))), None),  # neg bit, contiguous
+]
+
+
+@pytest.mark.parametrize("case", range(len(REFUSED)))
+def test_batched_receive_into_refuses_what_it_must_not_take(region, monkeypatch, case):
+    change, words = REFUSED[case]
+    got = _spy(monkeypatch, *CONSUMER)
+    with shmcast.Producer(region, slot_bytes=SLOT, slots=4) as prod, shmcast.Consumer(region) as cons:
+        src = _tensors(4, 40)
+        # the names the cases change hold what the cases say
+        for name, dt, shape in (("layer.0.w", torch.float32, (3,)), ("layer.1.w", torch.bfloat16, (2, 5)),
+                                ("layer.2.w", torch.int64, (4, 1, 3)), ("layer.3.w", torch.uint8, (0, 7)),
+                                ("layer.5.w", torch.bool, (3,)), ("layer.21.w", torch.float32, (2, 5)),
+                                ("layer.35.w", torch.float32, (3,)), ("layer.6.w", torch.complex64, (2, 5))):
+            assert src[name].dtype == dt and tuple(src[name].shape) == shape, name
+        prod.send(src)
+        dst = change(_zeros_like(src))
+        before = {k: v.clone() for k, v in dst.items()
+                  if isinstance(v, torch.Tensor) and v.device.type == "cpu" and v.layout is torch.strided}
+        if words is None:
+            cons.receive_into(dst, timeout=5)
+            bad = [k for k in src if not _same(src[k], dst[k])]
+            assert bad == []
+        else:
+            with pytest.raises(shmcast.Mismatch, match=words):
+                cons.receive_into(dst, timeout=5)
+            for k, v in before.items():  # nothing written
+                assert torch.equal(_bits(dst[k]), _bits(v)), k
+        # the consumer goes on: the next sync takes the batched path again
+        prod.send(src)
+        dst = _zeros_like(src)
+        cons.receive_into(dst, timeout=5)
+        assert all(_same(src[k], dst[k]) for k in src)
+    assert got == [False, True]
+
+
+# Sources the batched send must refuse: the per-tensor path sends them (the
+# bytes arrive as the tensor's values) or raises.
+def _src_case(name):
+    src = _tensors(5, 40)
+    if name == "noncontig":
+        src["layer.1.w"] = torch.arange(10, dtype=torch.bfloat16).reshape(5, 2).t()
+    elif name == "conj":
+        src["layer.6.w"] = torch.complex(torch.arange(10.0), torch.ones(10)).reshape(2, 5).conj()
+    elif name == "neg":
+        src["layer.0.w"] = torch._neg_view(torch.arange(3.0))
+    elif name == "strided":  # a column slice: sent as rows with a pitch
+        src["layer.21.w"] = torch.arange(16.0).reshape(2, 8)[:, 1:6]
+    return src
+
+
+@pytest.mark.parametrize("name", ["noncontig", "conj", "neg", "strided"])
+def test_batched_send_refuses_what_it_must_not_take(region, monkeypatch, name):
+    sent = _spy(monkeypatch, *PRODUCER)
+    with shmcast.Producer(region, slot_bytes=SLOT, slots=4) as prod, shmcast.Consumer(region) as cons:
+        src = _src_case(name)
+        prod.send(src)
+        got = dict(cons.receive(timeout=5))
+        bad = [k for k in src if not _same(src[k], got[k])]
+        assert bad == []
+    assert sent == [False]
+
+
+def test_batched_send_refuses_dtypes_and_devices(region):
+    with shmcast.Producer(region, slot_bytes=SLOT, slots=4) as prod:
+        src = _tensors(6, 20)
+        src["q"] = torch.quantize_per_tensor(torch.ones(2), 0.1, 0, torch.quint8)
+        with pytest.raises(TypeError, match="'q'"):
+            prod.send(src)
+        src = _tensors(6, 20)
+        src["m"] = torch.zeros(2, device="meta")
+        with pytest.raises(TypeError, match="'m'.*CPU or CUDA"):
+            prod.send(src)
+
+
+def test_sync_info_pieces_made_on_first_use(region):
+    with shmcast.Producer(region, slot_bytes=SLOT, slots=4) as prod, shmcast.Consumer(region) as cons:
+        src = _tensors(7, 30)
+        prod.send(src)
+        info = cons.wait_sync(5)
+        assert [t[:4] for t in info.tensors] == [
+            (n, shmcast.dtype_name(v.dtype), tuple(v.shape), v.numel() * v.element_size()) for n, v in src.items()]
+        want = [[(0, -1, 0, 0, t[3])] for t in info.tensors]
+        assert info.pieces == want
+        assert info.pieces is info.pieces  # made once
+        assert cons.sync_info.pieces == want  # a copy of the SyncInfo shares them
+        cons.skip()
+
+
+@pytest.mark.cuda
+def test_batched_paths_on_one_gpu(region, monkeypatch):
+    """CUDA tensors of one GPU take the batched paths too (send through the
+    CUDA engine, receive_into through read_into_device); one CPU destination
+    among them sends the read to the per-tensor path (a temporary)."""
+    sent, got = _spy(monkeypatch, *PRODUCER), _spy(monkeypatch, *CONSUMER)
+    with shmcast.Producer(region, slot_bytes=SLOT, slots=4, engine="cuda") as prod, \
+            shmcast.Consumer(region, "cuda:0") as cons:
+        src = {k: v.detach().to("cuda:0") for k, v in _tensors(8, 60).items()}
+        for mixed in (False, True):
+            prod.send(src)
+            dst = _zeros_like(src)
+            if mixed:
+                dst["layer.0.w"] = dst["layer.0.w"].cpu()
+            cons.receive_into(dst, timeout=10)
+            torch.cuda.synchronize()
+            bad = [k for k in src if not _same(src[k].cpu(), dst[k].cpu())]
+            assert bad == []
+    assert sent == [True, True] and got == [True, False]
+
+
+def test_gc_is_paused_for_the_passes_and_left_as_it_was(region, monkeypatch):
+    """The passes over a sync's tensors run with Python's cyclic GC paused
+    (shmcast._batch.gc_paused); afterwards it is enabled or disabled as the
+    caller had it, also after a refusal or an error."""
+    import gc
+    from shmcast import _batch
+
+    during = []
+    real = _batch.plain_device
+
+    def spy(ts):
+        during.append(gc.isenabled())
+        return real(ts)
+
+    monkeypatch.setattr(_consumer, "plain_device", spy)
+    monkeypatch.setattr(_producer, "plain_device", spy)
+    was = gc.isenabled()
+    try:
+        with shmcast.Producer(region, slot_bytes=SLOT, slots=4) as prod, shmcast.Consumer(region) as cons:
+            src = _tensors(9, 40)
+            for enabled in (True, False):
+                gc.enable() if enabled else gc.disable()
+                prod.send(src)
+                cons.receive_into(_zeros_like(src), timeout=5)
+                assert gc.isenabled() == enabled
+                prod.send(src)
+                assert len(cons.receive(timeout=5)) == len(src)
+                assert gc.isenabled() == enabled
+                prod.send(src)
+                with pytest.raises(shmcast.Mismatch):
+                    cons.receive_into(_swap(_zeros_like(src), "layer.0.w", torch.zeros(4)), timeout=5)
+                assert gc.isenabled() == enabled
+                with _batch.gc_paused():  # nested in a caller's pause
+                    prod.send(src)
+                    cons.receive_into(_zeros_like(src), timeout=5)
+                    assert not gc.isenabled()
+                assert gc.isenabled() == enabled
+    finally:
+        gc.enable() if was else gc.disable()
+    assert during and not any(during)
