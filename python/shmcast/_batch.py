@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import operator
+import os
 import threading
 from typing import Optional
 
@@ -25,6 +26,14 @@ _is_cpu = operator.attrgetter("is_cpu")
 _is_cuda = operator.attrgetter("is_cuda")
 
 
+# CUDA tensors of one GPU could take the batched paths too (send through the
+# CUDA engine, receive_into through read_into_device), but that has not run
+# on a GPU yet: until it has, they keep the per-tensor path, as before the
+# batched paths came in. SHMCAST_PY_BATCH_CUDA=1 turns it on (the GPU test
+# test_batched.py::test_batched_paths_on_one_gpu runs both ways).
+BATCH_CUDA = os.environ.get("SHMCAST_PY_BATCH_CUDA", "") not in ("", "0")
+
+
 def plain_device(ts: list) -> Optional[int]:
     """-1 when every tensor of `ts` (a non-empty list) is a torch.Tensor or
     nn.Parameter (no subclass, no DTensor), strided, contiguous, without a
@@ -37,6 +46,8 @@ def plain_device(ts: list) -> Optional[int]:
     if len(devs) != 1:
         return None
     dev = devs.pop()
+    if dev >= 0 and not BATCH_CUDA:
+        return None  # CUDA tensors take the per-tensor path (BATCH_CUDA)
     if not all(map(_is_cpu if dev < 0 else _is_cuda, ts)):
         return None  # another kind of device (meta, ...)
     if not all(map(_Tensor.is_contiguous, ts)) or any(map(_Tensor.is_conj, ts)) or any(map(_Tensor.is_neg, ts)):

@@ -207,10 +207,16 @@ def test_sync_info_pieces_made_on_first_use(region):
 
 
 @pytest.mark.cuda
-def test_batched_paths_on_one_gpu(region, monkeypatch):
-    """CUDA tensors of one GPU take the batched paths too (send through the
-    CUDA engine, receive_into through read_into_device); one CPU destination
-    among them sends the read to the per-tensor path (a temporary)."""
+@pytest.mark.parametrize("batch_cuda", [False, True])
+def test_batched_paths_on_one_gpu(region, monkeypatch, batch_cuda):
+    """CUDA tensors of one GPU take the per-tensor paths by default
+    (shmcast._batch.BATCH_CUDA) and, with it on, the batched paths (send
+    through the CUDA engine, receive_into through read_into_device), where
+    one CPU destination among them sends the read to the per-tensor path (a
+    temporary). Bit-exact both ways."""
+    from shmcast import _batch
+
+    monkeypatch.setattr(_batch, "BATCH_CUDA", batch_cuda)
     sent, got = _spy(monkeypatch, *PRODUCER), _spy(monkeypatch, *CONSUMER)
     with shmcast.Producer(region, slot_bytes=SLOT, slots=4, engine="cuda") as prod, \
             shmcast.Consumer(region, "cuda:0") as cons:
@@ -224,7 +230,10 @@ def test_batched_paths_on_one_gpu(region, monkeypatch):
             torch.cuda.synchronize()
             bad = [k for k in src if not _same(src[k].cpu(), dst[k].cpu())]
             assert bad == []
-    assert sent == [True, True] and got == [True, False]
+    if batch_cuda:
+        assert sent == [True, True] and got == [True, False]
+    else:
+        assert sent == [False, False] and got == [False, False]
 
 
 def test_gc_is_paused_for_the_passes_and_left_as_it_was(region, monkeypatch):
