@@ -143,6 +143,16 @@ int corrupt_sync();
 
 // Manifests for the CUDA mode.
 std::vector<shmcast::TensorSpec> manifest_by_name(const std::string& name);
+
+// The named manifests' sizes, in order: prints "manifest NAME: N tensors, B
+// bytes (bf16)" for each; an unknown name throws std::invalid_argument with
+// manifest_by_name's message.
+struct ManifestSize {
+  std::string name;
+  std::size_t tensors = 0;
+  std::uint64_t bytes = 0;
+};
+std::vector<ManifestSize> manifest_sizes(const std::vector<std::string>& names);
 // Qwen3-30B-A3B's tensors (manifests.cpp), the first `layers` of its 48
 // layers; `dense`: the same bytes with each layer's experts in 3 tensors.
 std::vector<shmcast::TensorSpec> qwen3_30b_a3b(bool dense, int layers);

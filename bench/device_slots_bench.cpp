@@ -394,20 +394,13 @@ int main(int argc, char** argv) {
               "phase\n",
               a.slots, static_cast<unsigned long long>(slot_mib), a.reps);
   json mjson = json::array();
-  for (const std::string& m : manifests) {
-    std::vector<shmcast::TensorSpec> specs;
-    try {
-      specs = bench::manifest_by_name(m);
-    } catch (const std::exception& e) {
-      std::fprintf(stderr, "shmcast-device-slots-bench: %s\n", e.what());
-      ::rmdir(a.dir.c_str());
-      return 2;
-    }
-    std::uint64_t bytes = 0;
-    for (const auto& t : specs) bytes += t.nbytes();
-    std::printf("manifest %s: %zu tensors, %llu bytes (bf16)\n", m.c_str(), specs.size(),
-                static_cast<unsigned long long>(bytes));
-    mjson.push_back({{"name", m}, {"tensors", specs.size()}, {"bytes", bytes}});
+  try {
+    for (const auto& m : bench::manifest_sizes(manifests))
+      mjson.push_back({{"name", m.name}, {"tensors", m.tensors}, {"bytes", m.bytes}});
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "shmcast-device-slots-bench: %s\n", e.what());
+    ::rmdir(a.dir.c_str());
+    return 2;
   }
   out["manifest_sizes"] = mjson;
   const json ceil = bench::gpu::ceilings(1ull << 30, ceiling_reps);

@@ -1,5 +1,6 @@
 // The bench's named manifests (bench.hpp, manifest_by_name): the shapes of
 // real models, for shmcast-bench --mode cuda and shmcast-delta-sync-bench.
+#include <cstdio>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -96,6 +97,20 @@ std::vector<shmcast::TensorSpec> manifest_by_name(const std::string& name) {
   }
   add("model.norm.weight", {H});
   return v;
+}
+
+std::vector<ManifestSize> manifest_sizes(const std::vector<std::string>& names) {
+  std::vector<ManifestSize> out;
+  for (const std::string& m : names) {
+    ManifestSize z{m, 0, 0};
+    const std::vector<shmcast::TensorSpec> specs = manifest_by_name(m);
+    z.tensors = specs.size();
+    for (const auto& t : specs) z.bytes += t.nbytes();
+    std::printf("manifest %s: %zu tensors, %llu bytes (bf16)\n", m.c_str(), z.tensors,
+                static_cast<unsigned long long>(z.bytes));
+    out.push_back(z);
+  }
+  return out;
 }
 
 }  // namespace bench
