@@ -256,7 +256,11 @@ void expect_refused(const std::string& tag, const std::function<Crafted(std::uin
   });
   ASSERT_TRUE(flags->wait(0, 1, 30s));
   const std::string out = dir.path + "/out", err = dir.path + "/err";
-  const pid_t dump = spawn_tool({"dump", tag, "--out", dir.path + "/d.safetensors", "--timeout", "30", "--dir",
+  // dump's --timeout runs from its start, through the stop and the crafting
+  // below (a 152 MB manifest took over 30 s to craft under load, and dump
+  // then reported its timeout): 300 s covers them; the wall bound checked
+  // below runs from the resume.
+  const pid_t dump = spawn_tool({"dump", tag, "--out", dir.path + "/d.safetensors", "--timeout", "300", "--dir",
                                  dir.path}, out + ".dump", err + ".dump");
   p.wait_for_consumers(2, 30s);
   ASSERT_TRUE(stop_process(dump));
