@@ -2,7 +2,8 @@
 rebuild from a seed (so results cross process boundaries as plain data, never
 as tensors).
 
-Children are started with multiprocessing's spawn context and call run(),
+Children are forked from a forkserver that has imported torch, shmcast and
+this module (conftest.mp_context(); CUDA tests use spawn) and call run(),
 which puts a plain dict on the result queue.
 """
 from __future__ import annotations
@@ -128,7 +129,7 @@ def compare(got: list, want: list) -> list:
 
 
 def run(role: str, kwargs: dict, q) -> None:
-    """Entry point of a spawned process: runs role(**kwargs), puts its dict
+    """Entry point of a test process: runs role(**kwargs), puts its dict
     (or the error) on q."""
     try:
         env = kwargs.pop("env", None) or {}
