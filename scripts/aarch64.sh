@@ -102,6 +102,7 @@ gen=()
 mkdir -p "$dir"
 cmake -S . -B "$dir" "${gen[@]}" --toolchain "$PWD/cmake/toolchain-aarch64.cmake" \
   -DCMAKE_BUILD_TYPE=RelWithDebInfo -DSHMCAST_WITH_CUDA=OFF -DSHMCAST_BUILD_PYTHON=OFF \
+  -DCMAKE_C_FLAGS_RELWITHDEBINFO="-O2 -g1 -DNDEBUG" -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O2 -g1 -DNDEBUG" \
   -DSHMCAST_BUILD_BENCH=OFF -DSHMCAST_BUILD_TOOLS=OFF >"$dir/configure.log" 2>&1 ||
   { cat "$dir/configure.log"; exit 1; }
 # Only what the two tiers need; building a test runs its gtest discovery
