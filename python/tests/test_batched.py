@@ -93,6 +93,62 @@ def test_batched_receive_into_strict_false_takes_a_superset(region, monkeypatch)
     assert got == [True]
 
 
+class _Sub(torch.Tensor):
+    pass
+
+
+# What the C++ check (shmcast._batch.plain_sources, the binding's
+# tensors.cpp) must refuse, each in a list of plain CPU tensors: the
+# per-tensor path then takes the sync (and words any error).
+NOT_PLAIN = {
+    "subclass": lambda: torch.zeros(3).as_subclass(_Sub),
+    "sparse": lambda: torch.zeros(2, 5).to_sparse(),
+    "non-contiguous": lambda: torch.zeros(6)[::2],
+    "transposed": lambda: torch.zeros(2, 3).t(),
+    "conj bit": lambda: torch.zeros(2, dtype=torch.complex64).conj(),
+    "neg bit": lambda: torch._neg_view(torch.zeros(3)),
+    "meta": lambda: torch.zeros(3, device="meta"),
+    "quantized dtype": lambda: torch.quantize_per_tensor(torch.ones(2), 0.1, 0, torch.quint8),
+    "not a tensor": lambda: [1.0, 2.0],
+}
+
+
+@pytest.mark.parametrize("what", sorted(NOT_PLAIN))
+def test_plain_sources_refuses_what_is_not_plain(what):
+    from shmcast import _batch
+
+    ts = [torch.arange(4.0), torch.ones(2, 3, dtype=torch.bfloat16), NOT_PLAIN[what](), torch.zeros(5)]
+    names = [f"t{i}" for i in range(len(ts))]
+    assert _batch.plain_sources(names, ts) is None
+    del ts[2], names[2]
+    plain = _batch.plain_sources(names, ts)
+    assert plain is not None and plain.device == -1 and len(plain) == 3
+
+
+def test_plain_sources_takes_plain_tensors_and_refuses_names_and_lists():
+    from shmcast import _batch
+
+    ts = [torch.zeros(3), torch.nn.Parameter(torch.ones(2, 2), requires_grad=True), torch.zeros(2).conj(),
+          torch.zeros(0, 4, dtype=torch.int64), torch.tensor(True)]
+    assert len(_batch.plain_sources([f"n{i}" for i in range(5)], ts)) == 5  # a real tensor's conj() has no bit
+    assert _batch.plain_sources(["a", "b", 3, "d", "e"], ts) is None  # a name that is not a str
+    assert _batch.plain_sources(["a", "b"], ts) is None  # lengths differ
+    assert _batch.plain_sources([], []) is None
+
+
+def test_batched_receive_into_takes_any_mapping(region, monkeypatch):
+    import types
+
+    got = _spy(monkeypatch, *CONSUMER)
+    with shmcast.Producer(region, slot_bytes=SLOT, slots=4) as prod, shmcast.Consumer(region) as cons:
+        src = _tensors(10, 30)
+        prod.send(src)
+        dst = _zeros_like(src)
+        cons.receive_into(types.MappingProxyType(dst), timeout=5)
+        assert all(_same(src[k], dst[k]) for k in src)
+    assert got == [True]
+
+
 def _swap(dst, name, new):
     dst = dict(dst)
     dst[name] = new
@@ -244,14 +300,15 @@ def test_gc_is_paused_for_the_passes_and_left_as_it_was(region, monkeypatch):
     from shmcast import _batch
 
     during = []
-    real = _batch.plain_device
 
-    def spy(ts):
-        during.append(gc.isenabled())
-        return real(ts)
+    def spying(real):
+        def spy(*args):
+            during.append(gc.isenabled())
+            return real(*args)
+        return spy
 
-    monkeypatch.setattr(_consumer, "plain_device", spy)
-    monkeypatch.setattr(_producer, "plain_device", spy)
+    monkeypatch.setattr(_consumer, "plain_destinations", spying(_batch.plain_destinations))
+    monkeypatch.setattr(_producer, "plain_sources", spying(_batch.plain_sources))
     was = gc.isenabled()
     try:
         with shmcast.Producer(region, slot_bytes=SLOT, slots=4) as prod, shmcast.Consumer(region) as cons:

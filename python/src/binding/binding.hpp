@@ -5,6 +5,7 @@
 //   args.cpp      Python arguments -> C++ values, checked (InvalidArgument / TypeError)
 //   producer.cpp  Producer (and SentSync)
 //   consumer.cpp  Consumer (and SyncInfo)
+//   tensors.cpp   the batched checks of a sync's torch tensors (PlainTensors)
 //
 // Deliberately torch-free: tensors cross this boundary as raw pointers (int),
 // specs as (name, dtype-name, shape) tuples. The torch-facing API lives in
@@ -159,6 +160,12 @@ struct PySync {
   std::uint64_t base_version = 0, wire_bytes = 0;  // delta syncs (SyncInfo::base_version, wire_bytes)
   std::uint32_t world_size = 1;
   py::list tensors;  // (name, dtype, shape, nbytes, stream_offset)
+  // The same tensors' dtypes and sizes for C++ (plain_destinations), shared by the copies.
+  struct Flat {
+    std::vector<DType> dtypes;
+    std::vector<std::uint64_t> nbytes;
+  };
+  std::shared_ptr<Flat> flat = std::make_shared<Flat>();
 
   struct Pieces {
     std::vector<ShardInfo> shards;     // every tensor's, in order
@@ -171,6 +178,34 @@ struct PySync {
 
   static PySync from(const SyncInfo& s);
 };
+
+// ------------------------------------------------------------------ the GC
+
+// Python's cyclic GC paused while a sync's objects are made or walked (the
+// GIL held throughout, so no other thread sees it paused): each 700 new
+// objects would start a collection that walks every tracked object of the
+// process (a model's tensors), most of the cost of a sync of 100,000 tensors.
+class GcPaused {
+ public:
+#if PY_VERSION_HEX >= 0x030A0000
+  GcPaused() : was_(PyGC_Disable()) {}
+  ~GcPaused() {
+    if (was_ == 1) PyGC_Enable();
+  }
+  GcPaused(const GcPaused&) = delete;
+  GcPaused& operator=(const GcPaused&) = delete;
+
+ private:
+  int was_;
+#endif
+};
+
+// ------------------------------------------------------------------ plain tensors (tensors.cpp)
+
+// A PlainTensors (plain_sources): its specs, moved out (Producer.send_plain).
+std::vector<TensorSpec> take_specs(py::handle plain);
+// A PlainTensors' pointers and device (-1: CPU) (Consumer.read_plain, Producer.send_plain).
+const std::vector<void*>& plain_ptrs(py::handle plain, int* device);
 
 // ------------------------------------------------------------------ fork
 
@@ -199,5 +234,6 @@ class Owned {
 void bind_sync_info(py::module_& m);  // SyncInfo (consumer.cpp)
 void bind_producer(py::module_& m);   // SentSync, Producer (producer.cpp)
 void bind_consumer(py::module_& m);   // Consumer (consumer.cpp)
+void bind_tensors(py::module_& m);    // PlainTensors, use_torch, plain_sources, plain_destinations (tensors.cpp)
 
 }  // namespace shmcast::python

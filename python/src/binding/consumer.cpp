@@ -38,23 +38,6 @@ PyObject* tuple_of(T... items) {
   return t;
 }
 
-// Python's cyclic GC paused while a sync's objects are made (the GIL held
-// throughout, so no other thread sees it paused): each 700 new tuples
-// would start a collection that walks every tracked object of the process
-// (a model's tensors), most of the cost of a sync of 100,000 tensors.
-class GcPaused {
- public:
-#if PY_VERSION_HEX >= 0x030A0000
-  GcPaused() : was_(PyGC_Disable()) {}
-  ~GcPaused() {
-    if (was_ == 1) PyGC_Enable();
-  }
-
- private:
-  int was_;
-#endif
-};
-
 }  // namespace
 
 // One tuple per tensor and per piece, built with the C API: this runs for
@@ -76,6 +59,9 @@ PySync PySync::from(const SyncInfo& s) {
   pieces.starts.reserve(s.tensors.size() + 1);
   pieces.shards.reserve(s.tensors.size());
   pieces.starts.push_back(0);
+  Flat& flat = *p.flat;
+  flat.dtypes.reserve(s.tensors.size());
+  flat.nbytes.reserve(s.tensors.size());
   for (Py_ssize_t i = 0; i < n; ++i) {
     const TensorInfo& t = s.tensors[static_cast<std::size_t>(i)];
     // Names reach Python only as valid UTF-8 (a producer rejects others;
@@ -120,6 +106,8 @@ PySync PySync::from(const SyncInfo& s) {
       throw py::error_already_set();
     }
     PyList_SET_ITEM(tensors, i, tuple_of(name, dt, shape, nbytes, off));
+    flat.dtypes.push_back(t.dtype);
+    flat.nbytes.push_back(t.nbytes);
     pieces.shards.insert(pieces.shards.end(), t.shards.begin(), t.shards.end());
     pieces.starts.push_back(pieces.shards.size());
   }
@@ -250,6 +238,18 @@ class PyConsumer : Owned {
     locked([&](Consumer& c) { c.read_into_device(d, s, sel); });
   }
 
+  // read_into / read_into_device of the destinations plain_destinations()
+  // checked (a GPU batch: on `stream`, in the current device's context).
+  void read_plain(py::handle plain, py::handle stream) {
+    int device = -1;
+    std::vector<void*> d = plain_ptrs(plain, &device);
+    void* s = reinterpret_cast<void*>(as_ptr(stream, "stream"));
+    if (device < 0)
+      locked([&](Consumer& c) { c.read_into(d, {}); });
+    else
+      locked([&](Consumer& c) { c.read_into_device(d, s, {}); });
+  }
+
   std::vector<std::uintptr_t> read_to_staging(py::handle device, py::handle stream) {
     const int dev = int_arg<int>(device, "device", 0, std::numeric_limits<int>::max());
     void* s = reinterpret_cast<void*>(as_ptr(stream, "stream"));
@@ -367,6 +367,9 @@ void bind_consumer(py::module_& m) {
       .def("read_into", &PyConsumer::read_into, py::arg("ptrs"), py::arg("selections") = py::none(),
            "Host copy: ptrs[i] receives tensor i (None or 0 skips it); selections: None, or per tensor None or "
            "(dim, start, length): ptrs[i] then receives that slice, contiguous.")
+      .def("read_plain", &PyConsumer::read_plain, py::arg("plain"), py::arg("stream") = py::none(),
+           "read_into (CPU) or read_into_device (a GPU batch, on `stream`) into the destinations "
+           "plain_destinations() checked against this sync.")
       .def("read_into_device", &PyConsumer::read_into_device, py::arg("ptrs"), py::arg("stream") = 0,
            py::arg("selections") = py::none())
       .def("read_to_staging", &PyConsumer::read_to_staging, py::arg("device"), py::arg("stream") = 0,
