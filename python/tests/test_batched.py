@@ -262,6 +262,60 @@ def test_sync_info_pieces_made_on_first_use(region):
         cons.skip()
 
 
+# Name bytes of 4 that a region may hold: SyncInfo takes exactly what
+# Python's strict UTF-8 decoder takes (the binding checks them without
+# making the strs), and calls the rest Corrupt.
+NAME_BYTES = [b"\xc3\xa9ab", b"\xf0\x9f\x98\x80", b"\xed\x9f\xbfa", b"\xee\x80\x80a", b"\xf4\x8f\xbf\xbf",
+              b"a\xffbc", b"\xed\xa0\x80a", b"\xc0\xafab", b"\xe0\x80\xafa", b"\xf4\x90\x80\x80",
+              b"\xf5\x80\x80\x80", b"abc\xc3", b"ab\xe2\x82", b"\xc3abc", b"\x80abc", b"a\xe2\x28\xa1"]
+
+
+@pytest.mark.parametrize("raw", NAME_BYTES, ids=lambda b: b.hex())
+def test_sync_info_names_are_checked_as_python_decodes(region, raw):
+    from regions import edit_sync
+
+    try:
+        want = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        want = None
+    with shmcast.Producer(region, slot_bytes=SLOT, slots=4) as prod, shmcast.Consumer(region) as cons:
+        prod.send([("zero", torch.zeros(2)), ("abcd", torch.arange(3.0))])
+        with edit_sync(prod.path) as m:
+            m.set_name(1, raw)
+        if want is None:
+            with pytest.raises(shmcast.Corrupt, match="not valid UTF-8"):
+                cons.wait_sync(5)
+        else:
+            info = cons.wait_sync(5)
+            assert [t[0] for t in info.tensors] == ["zero", want]
+            dst = {"zero": torch.ones(2), want: torch.zeros(3)}
+            assert cons.read_into(dst) == info.version
+            assert dst[want].tolist() == [0.0, 1.0, 2.0] and dst["zero"].tolist() == [0.0, 0.0]
+
+
+def test_sync_info_tensors_made_on_first_use(region):
+    """wait_sync() keeps a sync's tensors as C++ arrays: receive_into() of
+    plain destinations reads them there, and SyncInfo.tensors makes its
+    Python objects (five per tensor) only when asked, once."""
+    import sys
+
+    n = 20000
+    with shmcast.Producer(region, slot_bytes=SLOT, slots=4) as prod, shmcast.Consumer(region) as cons:
+        src = {f"w.{i}": torch.full((2,), float(i)) for i in range(n)}
+        for _ in range(2):
+            prod.send(src)
+            before = sys.getallocatedblocks()
+            info = cons.wait_sync(5)
+            made = sys.getallocatedblocks() - before
+            assert made < n // 10, made  # not one object per tensor
+            dst = _zeros_like(src)
+            assert cons.read_into(dst) == info.version
+            assert all(torch.equal(src[k], dst[k]) for k in src)
+        tensors = info.tensors
+        assert len(tensors) == len(info) == n and tensors is info.tensors
+        assert tensors[7] == ("w.7", "f32", (2,), 8, tensors[7][4])
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("batch_cuda", [False, True])
 def test_batched_paths_on_one_gpu(region, monkeypatch, batch_cuda):

@@ -183,34 +183,52 @@ py::object plain_sources(py::handle names_arg, py::handle tensors_arg, bool batc
   return py::cast(std::move(out));
 }
 
+// The torch.Size `shape` equals `dims`.
+bool same_shape(PyObject* shape, std::span<const std::int64_t> dims) {
+  if (PyTuple_GET_SIZE(shape) != static_cast<Py_ssize_t>(dims.size())) return false;
+  for (std::size_t k = 0; k < dims.size(); ++k) {
+    const long long d = PyLong_AsLongLong(PyTuple_GET_ITEM(shape, static_cast<Py_ssize_t>(k)));
+    if (d == -1 && PyErr_Occurred()) throw py::error_already_set();
+    if (d != dims[k]) return false;
+  }
+  return true;
+}
+
 py::object plain_destinations(const PySync& info, py::handle dsts_arg, bool strict, bool batch_cuda) {
   const TorchApi& a = api_or_throw();
   PyObject* dsts = dsts_arg.ptr();
   if (!PyDict_CheckExact(dsts)) throw py::type_error("plain_destinations: the destinations are a dict");
-  PyObject* tensors = info.tensors.ptr();
-  const Py_ssize_t n = PyList_GET_SIZE(tensors);
   const PySync::Flat& flat = *info.flat;
-  if (n == 0 || flat.dtypes.size() != static_cast<std::size_t>(n)) return py::none();
-  if (strict && PyDict_GET_SIZE(dsts) != n) return py::none();
+  const std::size_t n = flat.size();
+  if (n == 0 || (strict && PyDict_GET_SIZE(dsts) != static_cast<Py_ssize_t>(n))) return py::none();
+  // The names as Python strs: those of SyncInfo.tensors once it is made
+  // (their hashes kept), else made here one at a time.
+  PyObject* list = flat.list ? flat.list.ptr() : nullptr;
   GcPaused paused;
   PyPlain out;
-  out.ptrs.resize(static_cast<std::size_t>(n));
+  out.ptrs.resize(n);
   int dev = -2;
   Seen s;
-  for (Py_ssize_t i = 0; i < n; ++i) {
-    PyObject* entry = PyList_GET_ITEM(tensors, i);  // (name, dtype, shape, nbytes, stream_offset)
-    PyObject* d = PyDict_GetItemWithError(dsts, PyTuple_GET_ITEM(entry, 0));
+  for (std::size_t i = 0; i < n; ++i) {
+    PyObject* d;
+    if (list) {
+      d = PyDict_GetItemWithError(dsts, PyTuple_GET_ITEM(PyList_GET_ITEM(list, static_cast<Py_ssize_t>(i)), 0));
+    } else {
+      const std::string_view nm = flat.name(i);
+      PyObject* name = PyUnicode_DecodeUTF8(nm.data(), static_cast<Py_ssize_t>(nm.size()), nullptr);
+      if (!name) throw py::error_already_set();
+      d = PyDict_GetItemWithError(dsts, name);  // borrowed: the dict holds it
+      Py_DECREF(name);
+    }
     if (!d) {
       if (PyErr_Occurred()) throw py::error_already_set();
       return py::none();  // no destination: strict or not, the per-tensor path decides
     }
     if (!plain_tensor(a, d, dev, batch_cuda, s)) return py::none();
-    const auto code = static_cast<std::size_t>(flat.dtypes[static_cast<std::size_t>(i)]);
+    const auto code = static_cast<std::size_t>(flat.dtypes[i]);
     if (code >= a.from_code.size() || !a.from_code[code] || s.dtype.ptr() != a.from_code[code]) return py::none();
-    const int same = PyObject_RichCompareBool(s.shape.ptr(), PyTuple_GET_ITEM(entry, 2), Py_EQ);
-    if (same < 0) throw py::error_already_set();
-    if (!same) return py::none();
-    out.ptrs[static_cast<std::size_t>(i)] = flat.nbytes[static_cast<std::size_t>(i)] ? s.ptr : nullptr;
+    if (!same_shape(s.shape.ptr(), flat.shape(i))) return py::none();
+    out.ptrs[i] = flat.nbytes[i] ? s.ptr : nullptr;
   }
   out.device = dev;
   return py::cast(std::move(out));
