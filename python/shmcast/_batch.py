@@ -25,20 +25,26 @@ _ATTRS = ("layout", "get_device", "is_cpu", "is_cuda", "is_contiguous", "is_conj
           "data_ptr")
 
 
-def _use_torch() -> None:
+def _use_torch() -> bool:
     """Hands the binding what its batched checks read: the descriptors of
     torch.Tensor's attributes (found as `t.name` finds them), the dtype
     tables and the complex dtypes (the only ones a conj bit is set on).
-    nn.Parameter is batched only where it reads the same descriptors."""
-    attrs = {n: inspect.getattr_static(torch.Tensor, n) for n in _ATTRS}
-    param = torch.nn.Parameter
-    if any(inspect.getattr_static(param, n) is not attrs[n] for n in _ATTRS):
-        param = None
-    complex_ = [dt for dt in _TO_NAME if dt.is_complex]
-    _C.use_torch(torch.Tensor, param, torch.strided, attrs, dict(_TO_NAME), dict(_FROM_NAME), complex_)
+    nn.Parameter is batched only where it reads the same descriptors.
+    False when this torch's attributes are not what the binding can call
+    (every sync then takes the per-tensor paths)."""
+    try:
+        attrs = {n: inspect.getattr_static(torch.Tensor, n) for n in _ATTRS}
+        param = torch.nn.Parameter
+        if any(inspect.getattr_static(param, n) is not attrs[n] for n in _ATTRS):
+            param = None
+        complex_ = [dt for dt in _TO_NAME if dt.is_complex]
+        _C.use_torch(torch.Tensor, param, torch.strided, attrs, dict(_TO_NAME), dict(_FROM_NAME), complex_)
+    except (AttributeError, _C.Error):
+        return False
+    return True
 
 
-_use_torch()
+_BATCHED = _use_torch()
 
 
 # CUDA tensors of one GPU could take the batched paths too (send through the
@@ -56,7 +62,7 @@ def plain_sources(names: list, ts: list):
     conj or neg bit, of a dtype shmcast carries, all on the CPU (device
     -1) or all on one GPU (its index; only with BATCH_CUDA); None
     otherwise. Its specs and pointers go to Producer.send_plain."""
-    return _C.plain_sources(names, ts, BATCH_CUDA)
+    return _C.plain_sources(names, ts, BATCH_CUDA) if _BATCHED else None
 
 
 def plain_destinations(info, dsts: dict, strict: bool):
@@ -65,7 +71,7 @@ def plain_destinations(info, dsts: dict, strict: bool):
     is plain as plain_sources() says and has the tensor's dtype and shape;
     None otherwise. Its pointers (None for an empty tensor) go to
     Consumer.read_plain."""
-    return _C.plain_destinations(info, dsts, strict, BATCH_CUDA)
+    return _C.plain_destinations(info, dsts, strict, BATCH_CUDA) if _BATCHED else None
 
 
 _gc_lock = threading.Lock()

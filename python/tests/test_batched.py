@@ -387,3 +387,37 @@ def test_gc_is_paused_for_the_passes_and_left_as_it_was(region, monkeypatch):
     finally:
         gc.enable() if was else gc.disable()
     assert during and not any(during)
+
+
+_OVERRIDDEN = r'''
+import sys, torch
+calls = []
+base = torch.Tensor.is_contiguous
+def is_contiguous(self, *a, **k):
+    calls.append(1)
+    return base(self, *a, **k)
+torch.Tensor.is_contiguous = is_contiguous  # as a torch that defines it in Python would
+if sys.argv[1] == "property":
+    torch.Tensor.dtype = property(lambda self: 5)  # read as t.dtype reads it: not a dtype shmcast carries
+elif sys.argv[1] == "value":
+    torch.Tensor.dtype = 5  # not a descriptor: the binding cannot read it, no batched paths
+import shmcast
+from shmcast import _batch
+ts = [torch.arange(3.0), torch.ones(2, 2)]
+plain = _batch.plain_sources(["a", "b"], ts)
+print(_batch._BATCHED, plain is not None and len(plain), len(calls))
+'''
+
+
+@pytest.mark.parametrize("how", ["function", "property", "value"])
+def test_batched_checks_read_attributes_as_python_finds_them(how):
+    """The binding calls torch.Tensor's attributes as `t.name` finds them (a
+    Python override included); where one is not what it can call, the
+    batched paths are off and every sync takes the per-tensor paths."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _OVERRIDDEN, how], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    want = {"function": ["True", "2", "2"], "property": ["True", "False", "1"], "value": ["False", "False", "0"]}
+    assert out.stdout.split() == want[how]

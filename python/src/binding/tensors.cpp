@@ -21,7 +21,7 @@ namespace {
 // A torch.Tensor attribute, as its descriptor.
 struct Attr {
   PyObject* descr = nullptr;  // owned (kept for the life of the process)
-  bool method = false;        // a method descriptor (called with the tensor), else a getset (read)
+  bool method = false;        // called with the tensor (t.name()), else read (t.name)
 
   // t.attr (getset) or t.attr() (method): a new reference, or throws.
   PyObject* of(PyObject* t) const {
@@ -74,17 +74,20 @@ const TorchApi& api_or_throw() {
   return a;
 }
 
-Attr attr_arg(py::dict attrs, const char* name) {
+// The descriptor of torch.Tensor.`name`, found as t.name finds it: a
+// method (called with the tensor: a method descriptor, or a function where
+// torch defines it in Python) or an attribute (read through its
+// __get__: a getset, or a property).
+Attr attr_arg(py::dict attrs, const char* name, bool method) {
   if (!attrs.contains(name)) throw Error(Errc::kInvalidArgument, std::string("use_torch: no descriptor for ") + name);
-  PyObject* d = py::object(attrs[name]).release().ptr();
+  py::object d = attrs[name];
+  const bool ok = method ? PyCallable_Check(d.ptr()) != 0 : Py_TYPE(d.ptr())->tp_descr_get != nullptr;
+  if (!ok)
+    throw Error(Errc::kInvalidArgument, std::string("use_torch: torch.Tensor.") + name + " is not " +
+                                            (method ? "callable" : "a descriptor"));
   Attr a;
-  a.descr = d;
-  a.method = PyObject_TypeCheck(d, &PyMethodDescr_Type) != 0;
-  if (!a.method && !Py_TYPE(d)->tp_descr_get) {
-    Py_DECREF(d);
-    throw Error(Errc::kInvalidArgument,
-                std::string("use_torch: torch.Tensor.") + name + " is neither a method nor a getset descriptor");
-  }
+  a.descr = d.release().ptr();
+  a.method = method;
   return a;
 }
 
@@ -253,16 +256,16 @@ void bind_tensors(py::module_& m) {
         n.tensor_type = py::reinterpret_borrow<py::object>(tensor).release().ptr();
         n.param_type = parameter.is_none() ? nullptr : py::reinterpret_borrow<py::object>(parameter).release().ptr();
         n.strided = py::reinterpret_borrow<py::object>(strided).release().ptr();
-        n.layout = attr_arg(attrs, "layout");
-        n.get_device = attr_arg(attrs, "get_device");
-        n.is_cpu = attr_arg(attrs, "is_cpu");
-        n.is_cuda = attr_arg(attrs, "is_cuda");
-        n.is_contiguous = attr_arg(attrs, "is_contiguous");
-        n.is_conj = attr_arg(attrs, "is_conj");
-        n.is_neg = attr_arg(attrs, "is_neg");
-        n.dtype = attr_arg(attrs, "dtype");
-        n.shape = attr_arg(attrs, "shape");
-        n.data_ptr = attr_arg(attrs, "data_ptr");
+        n.layout = attr_arg(attrs, "layout", false);
+        n.get_device = attr_arg(attrs, "get_device", true);
+        n.is_cpu = attr_arg(attrs, "is_cpu", false);
+        n.is_cuda = attr_arg(attrs, "is_cuda", false);
+        n.is_contiguous = attr_arg(attrs, "is_contiguous", true);
+        n.is_conj = attr_arg(attrs, "is_conj", true);
+        n.is_neg = attr_arg(attrs, "is_neg", true);
+        n.dtype = attr_arg(attrs, "dtype", false);
+        n.shape = attr_arg(attrs, "shape", false);
+        n.data_ptr = attr_arg(attrs, "data_ptr", true);
         for (auto [dt, name] : to_name)
           n.to_code.emplace_back(py::reinterpret_borrow<py::object>(dt).release().ptr(), parse_dtype(name));
         for (auto [name, dt] : from_name) {
