@@ -39,12 +39,12 @@ gen=(); command -v ninja >/dev/null && [ ! -f $B/CMakeCache.txt ] && gen=(-G Nin
   || { grep -E "error|Error" -A3 "$OUT/build.log" | head -40; exit 1; }
 export PYTHONPATH=$B/python${PYTHONPATH:+:$PYTHONPATH}
 log "pytest: test_batched, test_cuda, test_many_tensors, test_transfer"
-(cd $B/python && timeout 500 $PY -m pytest -q -ra -p no:cacheprovider "$OLDPWD"/python/tests/test_batched.py \
+(cd $B/python && timeout 300 $PY -m pytest -q -ra -p no:cacheprovider "$OLDPWD"/python/tests/test_batched.py \
    "$OLDPWD"/python/tests/test_cuda.py "$OLDPWD"/python/tests/test_many_tensors.py \
    "$OLDPWD"/python/tests/test_transfer.py) >"$OUT/pytest.log" 2>&1
 echo "pytest rc=$?"; tail -15 "$OUT/pytest.log"
 log "pytest, CUDA cases with SHMCAST_PY_BATCH_CUDA=1"
-(cd $B/python && SHMCAST_PY_BATCH_CUDA=1 timeout 200 $PY -m pytest -q -ra -p no:cacheprovider -m cuda \
+(cd $B/python && SHMCAST_PY_BATCH_CUDA=1 timeout 120 $PY -m pytest -q -ra -p no:cacheprovider -m cuda \
    "$OLDPWD"/python/tests/test_batched.py "$OLDPWD"/python/tests/test_cuda.py \
    "$OLDPWD"/python/tests/test_many_tensors.py "$OLDPWD"/python/tests/test_transfer.py) \
   >"$OUT/pytest_batch_cuda.log" 2>&1
