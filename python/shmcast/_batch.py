@@ -1,29 +1,50 @@
 """Batched checks of a whole sync's tensors (issue 43 item 2): the common
 case, where every tensor is a plain dense contiguous tensor on the CPU or on
-one GPU, is told apart with a few C-level passes (map over the tensors)
+one GPU, is told apart by one C++ loop over the tensors (the binding's
+plain_sources / plain_destinations, python/src/binding/tensors.cpp), which
+reads each tensor's attributes through the descriptors handed to it here,
 instead of a Python loop that asks each tensor a dozen questions. Anything
-else returns None, and the caller takes its per-tensor path, which checks
+else gives None, and the caller takes its per-tensor path, which checks
 each tensor and words the errors; so these functions only ever accept what
 that path accepts."""
 from __future__ import annotations
 
 import contextlib
 import gc
-import operator
+import inspect
 import os
 import threading
 from typing import Optional
 
 import torch
 
-_PLAIN = frozenset((torch.Tensor, torch.nn.Parameter))
-_STRIDED = frozenset((torch.strided,))
-_Tensor = torch.Tensor
-dtype_of = operator.attrgetter("dtype")
-shape_of = operator.attrgetter("shape")
-_layout_of = operator.attrgetter("layout")
-_is_cpu = operator.attrgetter("is_cpu")
-_is_cuda = operator.attrgetter("is_cuda")
+from . import _shmcast as _C
+from ._dtypes import _FROM_NAME, _TO_NAME
+
+_ATTRS = ("layout", "get_device", "is_cpu", "is_cuda", "is_contiguous", "is_conj", "is_neg", "dtype", "shape",
+          "data_ptr")
+
+
+def _use_torch() -> bool:
+    """Hands the binding what its batched checks read: the descriptors of
+    torch.Tensor's attributes (found as `t.name` finds them), the dtype
+    tables and the complex dtypes (the only ones a conj bit is set on).
+    nn.Parameter is batched only where it reads the same descriptors.
+    False when this torch's attributes are not what the binding can call
+    (every sync then takes the per-tensor paths)."""
+    try:
+        attrs = {n: inspect.getattr_static(torch.Tensor, n) for n in _ATTRS}
+        param = torch.nn.Parameter
+        if any(inspect.getattr_static(param, n) is not attrs[n] for n in _ATTRS):
+            param = None
+        complex_ = [dt for dt in _TO_NAME if dt.is_complex]
+        _C.use_torch(torch.Tensor, param, torch.strided, attrs, dict(_TO_NAME), dict(_FROM_NAME), complex_)
+    except (AttributeError, _C.Error):
+        return False
+    return True
+
+
+_BATCHED = _use_torch()
 
 
 # CUDA tensors of one GPU could take the batched paths too (send through the
@@ -34,30 +55,23 @@ _is_cuda = operator.attrgetter("is_cuda")
 BATCH_CUDA = os.environ.get("SHMCAST_PY_BATCH_CUDA", "") not in ("", "0")
 
 
-def plain_device(ts: list) -> Optional[int]:
-    """-1 when every tensor of `ts` (a non-empty list) is a torch.Tensor or
+def plain_sources(names: list, ts: list):
+    """send(): shmcast._shmcast.PlainTensors when every tensor of `ts` (a
+    non-empty list, names the list of their names) is a torch.Tensor or
     nn.Parameter (no subclass, no DTensor), strided, contiguous, without a
-    conj or neg bit, on the CPU; the index of the GPU when all that holds
-    with every one on that one CUDA device; None otherwise (or when `ts` is
-    empty)."""
-    if not ts or not _PLAIN.issuperset(map(type, ts)) or not _STRIDED.issuperset(map(_layout_of, ts)):
-        return None
-    devs = set(map(_Tensor.get_device, ts))
-    if len(devs) != 1:
-        return None
-    dev = devs.pop()
-    if dev >= 0 and not BATCH_CUDA:
-        return None  # CUDA tensors take the per-tensor path (BATCH_CUDA)
-    if not all(map(_is_cpu if dev < 0 else _is_cuda, ts)):
-        return None  # another kind of device (meta, ...)
-    if not all(map(_Tensor.is_contiguous, ts)) or any(map(_Tensor.is_conj, ts)) or any(map(_Tensor.is_neg, ts)):
-        return None
-    return dev
+    conj or neg bit, of a dtype shmcast carries, all on the CPU (device
+    -1) or all on one GPU (its index; only with BATCH_CUDA); None
+    otherwise. Its specs and pointers go to Producer.send_plain."""
+    return _C.plain_sources(names, ts, BATCH_CUDA) if _BATCHED else None
 
 
-def data_ptrs(ts: list) -> list:
-    """Each tensor's data_ptr()."""
-    return list(map(_Tensor.data_ptr, ts))
+def plain_destinations(info, dsts: dict, strict: bool):
+    """receive_into(): PlainTensors when every tensor of the sync `info`
+    has a destination in `dsts` (strict: and no other name is there) that
+    is plain as plain_sources() says and has the tensor's dtype and shape;
+    None otherwise. Its pointers (None for an empty tensor) go to
+    Consumer.read_plain."""
+    return _C.plain_destinations(info, dsts, strict, BATCH_CUDA) if _BATCHED else None
 
 
 _gc_lock = threading.Lock()

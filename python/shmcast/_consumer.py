@@ -4,7 +4,6 @@ checks on what a read asks for (slices, destinations: Mismatch).
 from __future__ import annotations
 
 import collections
-import operator
 import os
 import threading
 import weakref
@@ -14,15 +13,11 @@ from typing import Optional, Union
 import torch
 
 from . import _shmcast as _C
-from ._batch import data_ptrs, dtype_of, gc_paused, plain_device, shape_of
+from ._batch import gc_paused, plain_destinations
 from ._dtypes import _FROM_NAME, torch_dtype
 from ._memory import (_DATA_ALIGN, _TENSOR_ALIGN, _alloc, _Closing, _copy_back, _CudaArray, _parse_device,
                       _round_up, _TensorAt, _unwritable, _views)
 from ._store import StoreView, _StoreLease
-
-
-# The fields of a SyncInfo tensor (name, dtype, shape, nbytes, stream_offset).
-_NAME, _DTYPE, _SHAPE, _NBYTES = (operator.itemgetter(i) for i in range(4))
 
 
 class Mismatch(_C.InvalidArgument):
@@ -374,41 +369,33 @@ class Consumer(_Closing):
                 raise
 
     def _read_into_batched(self, c, info, dsts: Mapping, strict: bool) -> Optional[int]:
-        """_read_into() for the common case, with a few C-level passes over
-        the tensors: every tensor of the sync has a destination (and, when
-        strict, nothing else does) that is a plain contiguous tensor of its
-        dtype and shape, all on the CPU or all on one GPU. Returns the
-        version once read, or None before anything is read when the case is
-        another (_read_into() then checks each destination and says what
-        is wrong)."""
-        tensors = info.tensors
+        """_read_into() for the common case, checked by one C++ loop over the
+        sync's tensors (_batch.plain_destinations): every tensor of the sync
+        has a destination (and, when strict, nothing else does) that is a
+        plain contiguous tensor of its dtype and shape, all on the CPU or all
+        on one GPU. Returns the version once read, or None before anything
+        is read when the case is another (_read_into() then checks each
+        destination and says what is wrong). A GPU batch is read as
+        _read_into() reads CUDA destinations: in the device's context, on
+        its current stream."""
+        if type(dsts) is not dict:
+            dsts = dict(dsts.items())  # the names and tensors _read_into would look up
         with gc_paused():
-            names = list(map(_NAME, tensors))
-            if not names or (strict and len(dsts) != len(names)) or not all(map(dsts.__contains__, names)):
-                return None
-            ds = list(map(dsts.__getitem__, names))
-            dev = plain_device(ds)
-            if dev is None:
-                return None
-            if list(map(dtype_of, ds)) != list(map(_FROM_NAME.get, map(_DTYPE, tensors))):
-                return None
-            if list(map(shape_of, ds)) != list(map(_SHAPE, tensors)):
-                return None
-            ptrs = data_ptrs(ds)
-            if not all(map(_NBYTES, tensors)):  # empty tensors: nothing to read (None, as _read_into passes)
-                ptrs = [p if t[3] else None for p, t in zip(ptrs, tensors)]
+            plain = plain_destinations(info, dsts, strict)
+        if plain is None:
+            return None
         # As _read_into leaves them: no temporary is needed, and a delta
         # region's kept temporaries stay as they are.
         keep = self._delta or info.delta
         self._delta = keep
         if not keep:
             self._tmps = {}
-        if dev < 0:
-            c.read_into(ptrs, None)
+        if plain.device < 0:
+            c.read_plain(plain, None)
         else:
-            cuda_dev = torch.device("cuda", dev)
+            cuda_dev = torch.device("cuda", plain.device)
             with torch.cuda.device(cuda_dev):
-                c.read_into_device(ptrs, torch.cuda.current_stream(cuda_dev).cuda_stream, None)
+                c.read_plain(plain, torch.cuda.current_stream(cuda_dev).cuda_stream)
         return info.version
 
     def _read_into(self, c, info, dsts: Mapping, strict: bool, slices: Mapping) -> int:

@@ -14,7 +14,7 @@ from typing import Optional, Union
 import torch
 
 from . import _shmcast as _C
-from ._batch import data_ptrs, dtype_of, gc_paused, plain_device, shape_of
+from ._batch import gc_paused, plain_sources
 from ._dtypes import _TO_NAME
 from ._memory import _Closing, _row_pitch
 
@@ -273,25 +273,24 @@ class Producer(_Closing):
             raise
 
     def _send_batched(self, c, names: list, ts: list, want: int) -> Optional[int]:
-        """_send() for the common case, with a few C-level passes over the
-        tensors: every one a plain contiguous tensor of a dtype shmcast
-        carries, all on the CPU, or all on one GPU with a CUDA engine.
-        Returns the version, or None before anything is sent when the case
-        is another (_send() then takes each tensor in turn)."""
+        """_send() for the common case, checked by one C++ loop over the
+        tensors (_batch.plain_sources): every one a plain contiguous tensor
+        of a dtype shmcast carries, all on the CPU, or all on one GPU with a
+        CUDA engine. Returns the version, or None before anything is sent
+        when the case is another (_send() then takes each tensor in turn).
+        A GPU batch is sent as _send() sends ready CUDA tensors: in the
+        device's context, on its current stream."""
         with gc_paused():
-            dev = plain_device(ts)
-            if dev is None or (dev >= 0 and not self._engine_cuda):
-                return None
-            dts = list(map(_TO_NAME.get, map(dtype_of, ts)))
-            if None in dts:
-                return None
-            specs = list(zip(names, dts, map(shape_of, ts)))
-            srcs = data_ptrs(ts)
-        if dev < 0:
-            return c.send_batch(specs, srcs, False, None, None, want)
-        cuda_dev = torch.device("cuda", dev)
+            plain = plain_sources(names, ts)
+        if plain is None:
+            return None
+        if plain.device < 0:
+            return c.send_plain(plain, None, want)
+        if not self._engine_cuda:
+            return None  # a host engine stages CUDA tensors one at a time (_send)
+        cuda_dev = torch.device("cuda", plain.device)
         with torch.cuda.device(cuda_dev):
-            return c.send_batch(specs, srcs, True, None, self._stream_of(cuda_dev), want)
+            return c.send_plain(plain, self._stream_of(cuda_dev), want)
 
     def _send(self, c, named_tensors, version) -> int:
         want = 0 if version is None else _C.check_int(version, "version", 1, (1 << 63) - 1)

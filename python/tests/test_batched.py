@@ -93,6 +93,62 @@ def test_batched_receive_into_strict_false_takes_a_superset(region, monkeypatch)
     assert got == [True]
 
 
+class _Sub(torch.Tensor):
+    pass
+
+
+# What the C++ check (shmcast._batch.plain_sources, the binding's
+# tensors.cpp) must refuse, each in a list of plain CPU tensors: the
+# per-tensor path then takes the sync (and words any error).
+NOT_PLAIN = {
+    "subclass": lambda: torch.zeros(3).as_subclass(_Sub),
+    "sparse": lambda: torch.zeros(2, 5).to_sparse(),
+    "non-contiguous": lambda: torch.zeros(6)[::2],
+    "transposed": lambda: torch.zeros(2, 3).t(),
+    "conj bit": lambda: torch.zeros(2, dtype=torch.complex64).conj(),
+    "neg bit": lambda: torch._neg_view(torch.zeros(3)),
+    "meta": lambda: torch.zeros(3, device="meta"),
+    "quantized dtype": lambda: torch.quantize_per_tensor(torch.ones(2), 0.1, 0, torch.quint8),
+    "not a tensor": lambda: [1.0, 2.0],
+}
+
+
+@pytest.mark.parametrize("what", sorted(NOT_PLAIN))
+def test_plain_sources_refuses_what_is_not_plain(what):
+    from shmcast import _batch
+
+    ts = [torch.arange(4.0), torch.ones(2, 3, dtype=torch.bfloat16), NOT_PLAIN[what](), torch.zeros(5)]
+    names = [f"t{i}" for i in range(len(ts))]
+    assert _batch.plain_sources(names, ts) is None
+    del ts[2], names[2]
+    plain = _batch.plain_sources(names, ts)
+    assert plain is not None and plain.device == -1 and len(plain) == 3
+
+
+def test_plain_sources_takes_plain_tensors_and_refuses_names_and_lists():
+    from shmcast import _batch
+
+    ts = [torch.zeros(3), torch.nn.Parameter(torch.ones(2, 2), requires_grad=True), torch.zeros(2).conj(),
+          torch.zeros(0, 4, dtype=torch.int64), torch.tensor(True)]
+    assert len(_batch.plain_sources([f"n{i}" for i in range(5)], ts)) == 5  # a real tensor's conj() has no bit
+    assert _batch.plain_sources(["a", "b", 3, "d", "e"], ts) is None  # a name that is not a str
+    assert _batch.plain_sources(["a", "b"], ts) is None  # lengths differ
+    assert _batch.plain_sources([], []) is None
+
+
+def test_batched_receive_into_takes_any_mapping(region, monkeypatch):
+    import types
+
+    got = _spy(monkeypatch, *CONSUMER)
+    with shmcast.Producer(region, slot_bytes=SLOT, slots=4) as prod, shmcast.Consumer(region) as cons:
+        src = _tensors(10, 30)
+        prod.send(src)
+        dst = _zeros_like(src)
+        cons.receive_into(types.MappingProxyType(dst), timeout=5)
+        assert all(_same(src[k], dst[k]) for k in src)
+    assert got == [True]
+
+
 def _swap(dst, name, new):
     dst = dict(dst)
     dst[name] = new
@@ -206,6 +262,60 @@ def test_sync_info_pieces_made_on_first_use(region):
         cons.skip()
 
 
+# Name bytes of 4 that a region may hold: SyncInfo takes exactly what
+# Python's strict UTF-8 decoder takes (the binding checks them without
+# making the strs), and calls the rest Corrupt.
+NAME_BYTES = [b"\xc3\xa9ab", b"\xf0\x9f\x98\x80", b"\xed\x9f\xbfa", b"\xee\x80\x80a", b"\xf4\x8f\xbf\xbf",
+              b"a\xffbc", b"\xed\xa0\x80a", b"\xc0\xafab", b"\xe0\x80\xafa", b"\xf4\x90\x80\x80",
+              b"\xf5\x80\x80\x80", b"abc\xc3", b"ab\xe2\x82", b"\xc3abc", b"\x80abc", b"a\xe2\x28\xa1"]
+
+
+@pytest.mark.parametrize("raw", NAME_BYTES, ids=lambda b: b.hex())
+def test_sync_info_names_are_checked_as_python_decodes(region, raw):
+    from regions import edit_sync
+
+    try:
+        want = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        want = None
+    with shmcast.Producer(region, slot_bytes=SLOT, slots=4) as prod, shmcast.Consumer(region) as cons:
+        prod.send([("zero", torch.zeros(2)), ("abcd", torch.arange(3.0))])
+        with edit_sync(prod.path) as m:
+            m.set_name(1, raw)
+        if want is None:
+            with pytest.raises(shmcast.Corrupt, match="not valid UTF-8"):
+                cons.wait_sync(5)
+        else:
+            info = cons.wait_sync(5)
+            assert [t[0] for t in info.tensors] == ["zero", want]
+            dst = {"zero": torch.ones(2), want: torch.zeros(3)}
+            assert cons.read_into(dst) == info.version
+            assert dst[want].tolist() == [0.0, 1.0, 2.0] and dst["zero"].tolist() == [0.0, 0.0]
+
+
+def test_sync_info_tensors_made_on_first_use(region):
+    """wait_sync() keeps a sync's tensors as C++ arrays: receive_into() of
+    plain destinations reads them there, and SyncInfo.tensors makes its
+    Python objects (five per tensor) only when asked, once."""
+    import sys
+
+    n = 20000
+    with shmcast.Producer(region, slot_bytes=SLOT, slots=4) as prod, shmcast.Consumer(region) as cons:
+        src = {f"w.{i}": torch.full((2,), float(i)) for i in range(n)}
+        for _ in range(2):
+            prod.send(src)
+            before = sys.getallocatedblocks()
+            info = cons.wait_sync(5)
+            made = sys.getallocatedblocks() - before
+            assert made < n // 10, made  # not one object per tensor
+            dst = _zeros_like(src)
+            assert cons.read_into(dst) == info.version
+            assert all(torch.equal(src[k], dst[k]) for k in src)
+        tensors = info.tensors
+        assert len(tensors) == len(info) == n and tensors is info.tensors
+        assert tensors[7] == ("w.7", "f32", (2,), 8, tensors[7][4])
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("batch_cuda", [False, True])
 def test_batched_paths_on_one_gpu(region, monkeypatch, batch_cuda):
@@ -244,14 +354,15 @@ def test_gc_is_paused_for_the_passes_and_left_as_it_was(region, monkeypatch):
     from shmcast import _batch
 
     during = []
-    real = _batch.plain_device
 
-    def spy(ts):
-        during.append(gc.isenabled())
-        return real(ts)
+    def spying(real):
+        def spy(*args):
+            during.append(gc.isenabled())
+            return real(*args)
+        return spy
 
-    monkeypatch.setattr(_consumer, "plain_device", spy)
-    monkeypatch.setattr(_producer, "plain_device", spy)
+    monkeypatch.setattr(_consumer, "plain_destinations", spying(_batch.plain_destinations))
+    monkeypatch.setattr(_producer, "plain_sources", spying(_batch.plain_sources))
     was = gc.isenabled()
     try:
         with shmcast.Producer(region, slot_bytes=SLOT, slots=4) as prod, shmcast.Consumer(region) as cons:
@@ -276,3 +387,37 @@ def test_gc_is_paused_for_the_passes_and_left_as_it_was(region, monkeypatch):
     finally:
         gc.enable() if was else gc.disable()
     assert during and not any(during)
+
+
+_OVERRIDDEN = r'''
+import sys, torch
+calls = []
+base = torch.Tensor.is_contiguous
+def is_contiguous(self, *a, **k):
+    calls.append(1)
+    return base(self, *a, **k)
+torch.Tensor.is_contiguous = is_contiguous  # as a torch that defines it in Python would
+if sys.argv[1] == "property":
+    torch.Tensor.dtype = property(lambda self: 5)  # read as t.dtype reads it: not a dtype shmcast carries
+elif sys.argv[1] == "value":
+    torch.Tensor.dtype = 5  # not a descriptor: the binding cannot read it, no batched paths
+import shmcast
+from shmcast import _batch
+ts = [torch.arange(3.0), torch.ones(2, 2)]
+plain = _batch.plain_sources(["a", "b"], ts)
+print(_batch._BATCHED, plain is not None and len(plain), len(calls))
+'''
+
+
+@pytest.mark.parametrize("how", ["function", "property", "value"])
+def test_batched_checks_read_attributes_as_python_finds_them(how):
+    """The binding calls torch.Tensor's attributes as `t.name` finds them (a
+    Python override included); where one is not what it can call, the
+    batched paths are off and every sync takes the per-tensor paths."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _OVERRIDDEN, how], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    want = {"function": ["True", "2", "2"], "property": ["True", "False", "1"], "value": ["False", "False", "0"]}
+    assert out.stdout.split() == want[how]

@@ -5,6 +5,7 @@
 //   args.cpp      Python arguments -> C++ values, checked (InvalidArgument / TypeError)
 //   producer.cpp  Producer (and SentSync)
 //   consumer.cpp  Consumer (and SyncInfo)
+//   tensors.cpp   the batched checks of a sync's torch tensors (PlainTensors)
 //
 // Deliberately torch-free: tensors cross this boundary as raw pointers (int),
 // specs as (name, dtype-name, shape) tuples. The torch-facing API lives in
@@ -31,6 +32,7 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <span>
 #include <string>
 #include <string_view>
 #include <type_traits>
@@ -151,14 +153,37 @@ py::dict sync_report(const SyncReport& r);
 
 // ------------------------------------------------------------------ sync info (consumer.cpp)
 
-// What Consumer.wait_sync returns: a snapshot, converted once. `pieces` is
-// made on first use (few callers want it; every sync would pay for it):
-// until then the shards wait here as flat arrays, shared by the copies.
+// What Consumer.wait_sync returns: a snapshot, converted once. Its tensors
+// wait here as flat arrays, shared by the copies, and become Python objects
+// on first use: `tensors` (receive_into() of plain destinations never needs
+// them: plain_destinations reads the arrays) and `pieces` (few callers).
 struct PySync {
   std::uint64_t version = 0, stream_bytes = 0, payload_bytes = 0, first_seq = 0, chunks = 0;
   std::uint64_t base_version = 0, wire_bytes = 0;  // delta syncs (SyncInfo::base_version, wire_bytes)
   std::uint32_t world_size = 1;
-  py::list tensors;  // (name, dtype, shape, nbytes, stream_offset)
+
+  struct Flat {
+    std::string names;                      // every name (valid UTF-8), back to back
+    std::vector<std::size_t> name_end;      // name i is names[name_end[i - 1], name_end[i])
+    std::vector<DType> dtypes;
+    std::vector<std::uint64_t> nbytes, offsets;
+    std::vector<std::int64_t> dims;         // every shape, back to back
+    std::vector<std::size_t> dims_end;      // shape i is dims[dims_end[i - 1], dims_end[i])
+    py::object list;                        // once made: [(name, dtype, shape, nbytes, stream_offset)]
+
+    std::size_t size() const { return dtypes.size(); }
+    std::string_view name(std::size_t i) const {
+      const std::size_t b = i ? name_end[i - 1] : 0;
+      return std::string_view(names).substr(b, name_end[i] - b);
+    }
+    std::span<const std::int64_t> shape(std::size_t i) const {
+      const std::size_t b = i ? dims_end[i - 1] : 0;
+      return std::span<const std::int64_t>(dims).subspan(b, dims_end[i] - b);
+    }
+  };
+  std::shared_ptr<Flat> flat = std::make_shared<Flat>();
+  // [(name, dtype, shape, nbytes, stream_offset)], made on first use.
+  py::object tensors() const;
 
   struct Pieces {
     std::vector<ShardInfo> shards;     // every tensor's, in order
@@ -171,6 +196,34 @@ struct PySync {
 
   static PySync from(const SyncInfo& s);
 };
+
+// ------------------------------------------------------------------ the GC
+
+// Python's cyclic GC paused while a sync's objects are made or walked (the
+// GIL held throughout, so no other thread sees it paused): each 700 new
+// objects would start a collection that walks every tracked object of the
+// process (a model's tensors), most of the cost of a sync of 100,000 tensors.
+class GcPaused {
+ public:
+#if PY_VERSION_HEX >= 0x030A0000
+  GcPaused() : was_(PyGC_Disable()) {}
+  ~GcPaused() {
+    if (was_ == 1) PyGC_Enable();
+  }
+  GcPaused(const GcPaused&) = delete;
+  GcPaused& operator=(const GcPaused&) = delete;
+
+ private:
+  int was_;
+#endif
+};
+
+// ------------------------------------------------------------------ plain tensors (tensors.cpp)
+
+// A PlainTensors (plain_sources): its specs, moved out (Producer.send_plain).
+std::vector<TensorSpec> take_specs(py::handle plain);
+// A PlainTensors' pointers and device (-1: CPU) (Consumer.read_plain, Producer.send_plain).
+const std::vector<void*>& plain_ptrs(py::handle plain, int* device);
 
 // ------------------------------------------------------------------ fork
 
@@ -199,5 +252,6 @@ class Owned {
 void bind_sync_info(py::module_& m);  // SyncInfo (consumer.cpp)
 void bind_producer(py::module_& m);   // SentSync, Producer (producer.cpp)
 void bind_consumer(py::module_& m);   // Consumer (consumer.cpp)
+void bind_tensors(py::module_& m);    // PlainTensors, use_torch, plain_sources, plain_destinations (tensors.cpp)
 
 }  // namespace shmcast::python

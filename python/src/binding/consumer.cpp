@@ -38,26 +38,47 @@ PyObject* tuple_of(T... items) {
   return t;
 }
 
-// Python's cyclic GC paused while a sync's objects are made (the GIL held
-// throughout, so no other thread sees it paused): each 700 new tuples
-// would start a collection that walks every tracked object of the process
-// (a model's tensors), most of the cost of a sync of 100,000 tensors.
-class GcPaused {
- public:
-#if PY_VERSION_HEX >= 0x030A0000
-  GcPaused() : was_(PyGC_Disable()) {}
-  ~GcPaused() {
-    if (was_ == 1) PyGC_Enable();
-  }
+}  // namespace
 
- private:
-  int was_;
-#endif
-};
+namespace {
+
+// Python's strict UTF-8 (what PyUnicode_DecodeUTF8 accepts): no overlong
+// form, no surrogate, nothing beyond U+10FFFF.
+bool valid_utf8(std::string_view s) {
+  const auto* p = reinterpret_cast<const unsigned char*>(s.data());
+  const auto* end = p + s.size();
+  while (p < end) {
+    const unsigned c = *p;
+    if (c < 0x80) {
+      ++p;
+      continue;
+    }
+    int n;
+    unsigned lo = 0x80, hi = 0xBF;  // the second byte's range
+    if (c >= 0xC2 && c <= 0xDF) {
+      n = 1;
+    } else if (c >= 0xE0 && c <= 0xEF) {
+      n = 2;
+      if (c == 0xE0) lo = 0xA0;  // overlong
+      if (c == 0xED) hi = 0x9F;  // surrogates
+    } else if (c >= 0xF0 && c <= 0xF4) {
+      n = 3;
+      if (c == 0xF0) lo = 0x90;  // overlong
+      if (c == 0xF4) hi = 0x8F;  // beyond U+10FFFF
+    } else {
+      return false;
+    }
+    if (end - p <= n || p[1] < lo || p[1] > hi) return false;
+    for (int k = 2; k <= n; ++k)
+      if ((p[k] & 0xC0) != 0x80) return false;
+    p += n + 1;
+  }
+  return true;
+}
 
 }  // namespace
 
-// One tuple per tensor and per piece, built with the C API: this runs for
+// Flat copies of the manifest's tensors, no Python object: this runs for
 // every tensor of every sync a Python consumer takes (issue 43 item 2).
 PySync PySync::from(const SyncInfo& s) {
   PySync p;
@@ -69,48 +90,81 @@ PySync PySync::from(const SyncInfo& s) {
   p.world_size = s.world_size;
   p.base_version = s.base_version;
   p.wire_bytes = s.wire_bytes;
-  const auto n = static_cast<Py_ssize_t>(s.tensors.size());
-  p.tensors = py::reinterpret_steal<py::list>(checked(PyList_New(n)));
-  PyObject* tensors = p.tensors.ptr();
+  const std::size_t n = s.tensors.size();
+  Flat& f = *p.flat;
+  f.name_end.reserve(n);
+  f.dtypes.reserve(n);
+  f.nbytes.reserve(n);
+  f.offsets.reserve(n);
+  f.dims_end.reserve(n);
+  std::size_t name_bytes = 0, dims = 0;
+  for (const TensorInfo& t : s.tensors) {
+    name_bytes += t.name.size();
+    dims += t.shape.size();
+  }
+  f.names.reserve(name_bytes);
+  f.dims.reserve(dims);
   Pieces& pieces = *p.pieces_data;
-  pieces.starts.reserve(s.tensors.size() + 1);
-  pieces.shards.reserve(s.tensors.size());
+  pieces.starts.reserve(n + 1);
+  pieces.shards.reserve(n);
   pieces.starts.push_back(0);
-  for (Py_ssize_t i = 0; i < n; ++i) {
-    const TensorInfo& t = s.tensors[static_cast<std::size_t>(i)];
+  for (std::size_t i = 0; i < n; ++i) {
+    const TensorInfo& t = s.tensors[i];
     // Names reach Python only as valid UTF-8 (a producer rejects others;
     // a region written by something else may still hold any bytes).
-    PyObject* name = PyUnicode_DecodeUTF8(t.name.data(), static_cast<Py_ssize_t>(t.name.size()), nullptr);
-    if (!name) {
-      PyErr_Clear();
+    if (!valid_utf8(t.name))
       throw Error(Errc::kCorrupt, "sync " + std::to_string(s.version) + ": the name of tensor " + std::to_string(i) +
                                       " ('" + text(t.name).cast<std::string>() +
                                       "') is not valid UTF-8; whatever wrote the region is broken");
-    }
-    PyObject* shape = PyTuple_New(static_cast<Py_ssize_t>(t.shape.size()));
+    f.names += t.name;
+    f.name_end.push_back(f.names.size());
+    f.dtypes.push_back(t.dtype);
+    f.nbytes.push_back(t.nbytes);
+    f.offsets.push_back(t.stream_offset);
+    f.dims.insert(f.dims.end(), t.shape.begin(), t.shape.end());
+    f.dims_end.push_back(f.dims.size());
+    pieces.shards.insert(pieces.shards.end(), t.shards.begin(), t.shards.end());
+    pieces.starts.push_back(pieces.shards.size());
+  }
+  return p;
+}
+
+// One tuple per tensor, built with the C API, once per sync.
+py::object PySync::tensors() const {
+  Flat& f = *flat;
+  if (f.list) return f.list;
+  GcPaused paused;
+  const auto n = static_cast<Py_ssize_t>(f.size());
+  py::list out = py::reinterpret_steal<py::list>(checked(PyList_New(n)));
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    const auto k = static_cast<std::size_t>(i);
+    const std::string_view nm = f.name(k);
+    PyObject* name = checked(PyUnicode_DecodeUTF8(nm.data(), static_cast<Py_ssize_t>(nm.size()), nullptr));
+    const std::span<const std::int64_t> dims = f.shape(k);
+    PyObject* shape = PyTuple_New(static_cast<Py_ssize_t>(dims.size()));
     if (!shape) {
       Py_DECREF(name);
       throw py::error_already_set();
     }
-    for (std::size_t k = 0; k < t.shape.size(); ++k) {
-      PyObject* d = PyLong_FromLongLong(t.shape[k]);
-      if (!d) {
+    for (std::size_t d = 0; d < dims.size(); ++d) {
+      PyObject* v = PyLong_FromLongLong(dims[d]);
+      if (!v) {
         Py_DECREF(name);
         Py_DECREF(shape);
         throw py::error_already_set();
       }
-      PyTuple_SET_ITEM(shape, static_cast<Py_ssize_t>(k), d);
+      PyTuple_SET_ITEM(shape, static_cast<Py_ssize_t>(d), v);
     }
     PyObject* dt;
     try {
-      dt = dtype_str(t.dtype);
+      dt = dtype_str(f.dtypes[k]);
     } catch (...) {
       Py_DECREF(name);
       Py_DECREF(shape);
       throw;
     }
-    PyObject* nbytes = PyLong_FromUnsignedLongLong(t.nbytes);
-    PyObject* off = PyLong_FromUnsignedLongLong(t.stream_offset);
+    PyObject* nbytes = PyLong_FromUnsignedLongLong(f.nbytes[k]);
+    PyObject* off = PyLong_FromUnsignedLongLong(f.offsets[k]);
     if (!nbytes || !off) {
       Py_DECREF(name);
       Py_DECREF(dt);
@@ -119,11 +173,10 @@ PySync PySync::from(const SyncInfo& s) {
       Py_XDECREF(off);
       throw py::error_already_set();
     }
-    PyList_SET_ITEM(tensors, i, tuple_of(name, dt, shape, nbytes, off));
-    pieces.shards.insert(pieces.shards.end(), t.shards.begin(), t.shards.end());
-    pieces.starts.push_back(pieces.shards.size());
+    PyList_SET_ITEM(out.ptr(), i, tuple_of(name, dt, shape, nbytes, off));
   }
-  return p;
+  f.list = std::move(out);
+  return f.list;
 }
 
 py::object PySync::pieces() const {
@@ -215,7 +268,6 @@ class PyConsumer : Owned {
         {
           py::gil_scoped_acquire gil;
           try {
-            GcPaused paused;
             got = PySync::from(*s);
           } catch (const Error&) {
             bad = std::current_exception();
@@ -248,6 +300,18 @@ class PyConsumer : Owned {
     std::vector<Selection> sel = to_selections(selections);
     void* s = reinterpret_cast<void*>(as_ptr(stream, "stream"));
     locked([&](Consumer& c) { c.read_into_device(d, s, sel); });
+  }
+
+  // read_into / read_into_device of the destinations plain_destinations()
+  // checked (a GPU batch: on `stream`, in the current device's context).
+  void read_plain(py::handle plain, py::handle stream) {
+    int device = -1;
+    std::vector<void*> d = plain_ptrs(plain, &device);
+    void* s = reinterpret_cast<void*>(as_ptr(stream, "stream"));
+    if (device < 0)
+      locked([&](Consumer& c) { c.read_into(d, {}); });
+    else
+      locked([&](Consumer& c) { c.read_into_device(d, s, {}); });
   }
 
   std::vector<std::uintptr_t> read_to_staging(py::handle device, py::handle stream) {
@@ -341,14 +405,16 @@ void bind_sync_info(py::module_& m) {
                     "tensors' logical size)")
       .def_property_readonly("delta", [](const PySync& s) { return s.base_version != 0; },
                              "True for a delta sync (base_version != 0)")
-      .def_readonly("tensors", &PySync::tensors, "list of (name, dtype, shape, nbytes, stream_offset)")
+      .def_property_readonly("tensors", &PySync::tensors,
+                             "list of (name, dtype, shape, nbytes, stream_offset) (made on first use, then the same "
+                             "list)")
       .def_readonly("world_size", &PySync::world_size, "producer ranks that wrote the sync")
       .def_property_readonly("pieces", &PySync::pieces,
                     "per tensor, its pieces: [(rank, dim, start, length, nbytes)] (dim -1: the whole tensor)")
-      .def("__len__", [](const PySync& s) { return s.tensors.size(); })
+      .def("__len__", [](const PySync& s) { return s.flat->size(); })
       .def("__repr__", [](const PySync& s) {
         return "<shmcast.SyncInfo version=" + std::to_string(s.version) + " tensors=" +
-               std::to_string(s.tensors.size()) + " payload_bytes=" + std::to_string(s.payload_bytes) +
+               std::to_string(s.flat->size()) + " payload_bytes=" + std::to_string(s.payload_bytes) +
                (s.base_version != 0 ? " delta of " + std::to_string(s.base_version) : std::string()) + ">";
       });
 }
@@ -367,6 +433,9 @@ void bind_consumer(py::module_& m) {
       .def("read_into", &PyConsumer::read_into, py::arg("ptrs"), py::arg("selections") = py::none(),
            "Host copy: ptrs[i] receives tensor i (None or 0 skips it); selections: None, or per tensor None or "
            "(dim, start, length): ptrs[i] then receives that slice, contiguous.")
+      .def("read_plain", &PyConsumer::read_plain, py::arg("plain"), py::arg("stream") = py::none(),
+           "read_into (CPU) or read_into_device (a GPU batch, on `stream`) into the destinations "
+           "plain_destinations() checked against this sync.")
       .def("read_into_device", &PyConsumer::read_into_device, py::arg("ptrs"), py::arg("stream") = 0,
            py::arg("selections") = py::none())
       .def("read_to_staging", &PyConsumer::read_to_staging, py::arg("device"), py::arg("stream") = 0,

@@ -103,4 +103,5 @@ PYBIND11_MODULE(_shmcast, m) {
   bind_sync_info(m);
   bind_producer(m);
   bind_consumer(m);
+  bind_tensors(m);
 }

@@ -144,20 +144,23 @@ class PyProducer : Owned {
     if (srcs.size() != s.size())
       throw Error(Errc::kInvalidArgument, "send_batch(): " + std::to_string(s.size()) + " specs but " +
                                               std::to_string(srcs.size()) + " sources");
-    return locked([&](Producer& p) {
-      const std::uint64_t v = begin_locked(std::move(s), ver);
-      try {
-        write_locked(0, srcs);
-        p.end_sync();
-      } catch (const Error& e) {
-        try {
-          p.abort_sync(e.what());
-        } catch (...) {
-        }
-        throw;
-      }
-      return v;
-    });
+    return send_locked(std::move(s), srcs, ver);
+  }
+
+  // send_batch for what plain_sources checked (its specs are moved out:
+  // one send per PlainTensors). stream: the CUDA stream of a GPU batch.
+  std::uint64_t send_plain(py::handle plain, py::handle stream, py::handle version) {
+    const std::uint64_t ver = int_arg<std::uint64_t>(version, "version", 0, kU64Max);
+    int device = -1;
+    const std::vector<void*>& ptrs = plain_ptrs(plain, &device);
+    void* s = reinterpret_cast<void*>(as_ptr(stream, "stream"));
+    std::vector<Source> srcs(ptrs.size());
+    for (std::size_t i = 0; i < ptrs.size(); ++i) srcs[i] = Source{ptrs[i], device >= 0, std::nullopt, s};
+    std::vector<TensorSpec> specs = take_specs(plain);
+    if (specs.size() != srcs.size())
+      throw Error(Errc::kInvalidArgument, "send_plain(): this PlainTensors was sent already (or came from "
+                                          "plain_destinations): check the tensors again with plain_sources()");
+    return send_locked(std::move(specs), srcs, ver);
   }
 
   void wait_for_consumers(py::handle n_arg, py::handle timeout) {
@@ -246,6 +249,25 @@ class PyProducer : Owned {
     return v;
   }
 
+  // begin + every write + end, locked; the sync is aborted (and the error
+  // rethrown) when a write fails.
+  std::uint64_t send_locked(std::vector<TensorSpec> specs, const std::vector<Source>& srcs, std::uint64_t ver) {
+    return locked([&](Producer& p) {
+      const std::uint64_t v = begin_locked(std::move(specs), ver);
+      try {
+        write_locked(0, srcs);
+        p.end_sync();
+      } catch (const Error& e) {
+        try {
+          p.abort_sync(e.what());
+        } catch (...) {
+        }
+        throw;
+      }
+      return v;
+    });
+  }
+
   void write_locked(std::size_t first, const std::vector<Source>& srcs) {
     Producer& p = get();
     for (std::size_t k = 0; k < srcs.size(); ++k) {
@@ -320,6 +342,10 @@ void bind_producer(py::module_& m) {
       .def("send_batch", &PyProducer::send_batch, py::arg("specs"), py::arg("ptrs"), py::arg("devices") = py::none(),
            py::arg("layouts") = py::none(), py::arg("streams") = py::none(), py::arg("version") = 0,
            "begin_sync + write_batch + end_sync in one call (the sync is aborted if a write fails).")
+      .def("send_plain", &PyProducer::send_plain, py::arg("plain"), py::arg("stream") = py::none(),
+           py::arg("version") = 0,
+           "send_batch of the tensors plain_sources() checked (a GPU batch: on `stream`, in the current device's "
+           "context); each PlainTensors is sent once.")
       .def("wait_for_consumers", &PyProducer::wait_for_consumers, py::arg("n"), py::arg("timeout") = 30.0)
       .def_property_readonly("consumers", &PyProducer::consumers)
       .def("wait_drained", &PyProducer::wait_drained, py::arg("timeout") = 60.0)
