@@ -289,6 +289,8 @@ struct EmuLauncher {
                                 : k == d::Kernel::kBatchChecksum ? shmcast_batch_checksum
                                                                  : shmcast_batch_finish;
       body = [f, args] { f(args); };
+    } else if constexpr (std::is_same_v<A, d::EncodeBatchArgs>) {
+      body = [args] { shmcast_batch_encode(args); };
     } else if constexpr (std::is_same_v<A, d::PlanBatchArgs>) {
       void (*f)(d::PlanBatchArgs) = k == d::Kernel::kBatchCount ? shmcast_batch_count : shmcast_batch_scan;
       body = [f, args] { f(args); };
@@ -503,6 +505,86 @@ TEST(DeltaKernels, PlanBatchPlansEveryTensorLikePlan) {
     ASSERT_EQ(Bytes(p, p + size), want);
     ASSERT_EQ(base[k], next[k]);
   }
+}
+
+// The batched encode (CudaCodec::encode_table / encode_range): tensors of
+// every width, empty ones and sizes around the block boundary, encoded from
+// their plans in ranges of one launch each (an empty range launches
+// nothing), make the host's blobs and leave every base equal to next; one
+// CUDA block striding over every job's units too, with warps ahead. A
+// tensor changed after its plan is noticed (kInvalidArgument), as encode()
+// notices it.
+TEST(DeltaKernels, EncodeBatchMakesEveryHostBlob) {
+  SKIP_UNDER_SANITIZERS();
+  std::mt19937_64 rng(47);
+  struct T {
+    std::uint32_t w;
+    std::uint64_t n;
+    double f;
+  };
+  const std::vector<T> ts = {{2, 4096, 0.02}, {1, 65, 0.3},   {4, 0, 0.0},  {8, 4097, 1.0},  {2, 1, 0.0},
+                             {2, 3 * 4096 + 5, 0.1}, {4, 4096, 0.0}, {2, 0, 0.0}, {1, 40 * 4096ull + 3, 0.02}};
+  const std::pair<std::size_t, std::size_t> ranges[] = {{0, 3}, {3, 3}, {3, 4}, {4, 9}};
+  struct Ahead {
+    ~Ahead() { emu::g_warp_ahead = false; }
+  } restore;
+  const std::pair<unsigned, bool> modes[] = {{~0u, false}, {1u, false}, {5u, true}};
+  EmuCodec c;
+  for (const auto& [max_grid, ahead] : modes) {
+    SCOPED_TRACE("max_grid=" + std::to_string(max_grid) + (ahead ? ", warps ahead" : ""));
+    std::vector<Bytes> base, next, want;
+    std::vector<std::vector<std::uint64_t>> heads, outs;
+    std::vector<d::EncodeJob> jobs;
+    for (const T& t : ts) {
+      base.push_back(random_bytes(t.n * t.w, rng));
+      next.push_back(mutate(base.back(), t.w, t.f, rng));
+      want.push_back(host_blob(base.back(), next.back(), t.w));
+      heads.emplace_back((d::head_bytes(t.n) + 7) / 8, 0);
+    }
+    emu::g_warp_ahead = false;
+    c.l.max_grid = ~0u;
+    for (std::size_t k = 0; k < ts.size(); ++k) {
+      d::launch_plan(c.l, addr(base[k].data()), addr(next[k].data()), ts[k].w, ts[k].n, addr(heads[k].data()));
+      outs.emplace_back((want[k].size() + 7) / 8, 0x5a5a5a5a5a5a5a5aull);
+      jobs.push_back(d::EncodeJob{addr(base[k].data()), addr(next[k].data()), addr(heads[k].data()),
+                                  addr(outs[k].data()), want[k].size(), ts[k].n, d::block_count(ts[k].n), 0, ts[k].w,
+                                  0});
+    }
+    std::uint64_t units = 0;
+    for (const T& t : ts) units += std::max<std::uint64_t>(d::block_count(t.n), 1);
+    ASSERT_EQ(d::number_encode_jobs(jobs.data(), jobs.size()), units);
+    emu::g_warp_ahead = ahead;
+    c.l.max_grid = max_grid;
+    const int before = c.l.launches;
+    for (const auto& [first, last] : ranges)
+      d::launch_encode_batch(c.l, addr(jobs.data()), jobs.data(), first, last, c.sc());
+    EXPECT_EQ(c.l.launches - before, 3);
+    c.finish();
+    for (std::size_t k = 0; k < ts.size(); ++k) {
+      SCOPED_TRACE("tensor " + std::to_string(k));
+      const auto* p = reinterpret_cast<const std::uint8_t*>(outs[k].data());
+      ASSERT_EQ(Bytes(p, p + want[k].size()), want[k]);
+      ASSERT_EQ(base[k], next[k]);
+    }
+  }
+  // A change after the plan, in the last job of a range.
+  emu::g_warp_ahead = false;
+  c.l.max_grid = ~0u;
+  const std::uint64_t n = 3 * 4096;
+  Bytes b0 = random_bytes(n * 2, rng), b1 = random_bytes(64, rng);
+  Bytes n0 = mutate(b0, 2, 0.02, rng), n1 = mutate(b1, 2, 0.3, rng);
+  std::vector<std::uint64_t> h0(d::head_bytes(n) / 8 + 1), h1(d::head_bytes(32) / 8 + 1);
+  d::launch_plan(c.l, addr(b0.data()), addr(n0.data()), 2, n, addr(h0.data()));
+  d::launch_plan(c.l, addr(b1.data()), addr(n1.data()), 2, 32, addr(h1.data()));
+  n0[2 * 4097] ^= 0x40;
+  std::vector<std::uint64_t> o0(d::max_blob_bytes(2, n) / 8 + 1), o1(d::max_blob_bytes(2, 32) / 8 + 1);
+  std::vector<d::EncodeJob> jobs = {
+      d::EncodeJob{addr(b1.data()), addr(n1.data()), addr(h1.data()), addr(o1.data()), o1.size() * 8, 32, 1, 0, 2, 0},
+      d::EncodeJob{addr(b0.data()), addr(n0.data()), addr(h0.data()), addr(o0.data()), o0.size() * 8, n, 3, 0, 2, 0}};
+  d::number_encode_jobs(jobs.data(), jobs.size());
+  d::launch_encode_batch(c.l, addr(jobs.data()), jobs.data(), 0, 2, c.sc());
+  EXPECT_EQ(error_of([&] { c.finish(); }), Errc::kInvalidArgument);
+  EXPECT_EQ(b1, n1);  // the other job was encoded
 }
 
 TEST(DeltaKernels, SlicesApplyLikeTheHost) {

@@ -336,6 +336,20 @@ struct PlanBatchArgs {
   uint64_t jobs, njobs, units;
 };
 
+// A batch of encodes (CudaCodec::encode_batch): the encode of many tensors
+// in one launch instead of one each. `jobs` (device memory) holds the
+// EncodeJobs of a table numbered from its first job (number_encode_jobs:
+// a job's units are max(blocks, 1), from unit0 on); a launch covers njobs
+// of them from `jobs` on, whose units are [unit0, unit0 + units). The
+// status bits go to the codec's Scratch (`scratch`).
+struct EncodeJob {
+  uint64_t base, next, head, out, out_bytes, n, blocks, unit0;
+  uint32_t w, reserved;
+};
+struct EncodeBatchArgs {
+  uint64_t jobs, njobs, unit0, units, scratch;
+};
+
 // Not the delta format, but the same kernels' module: a batch of small
 // device-to-device copies in one launch (the CUDA engine, device slots:
 // engine/cuda_copy.cpp). `pieces` (device memory) holds n {src, dst,

@@ -17,7 +17,7 @@ namespace shmcast::detail::delta {
 
 enum class Kernel {
   kCount, kScan, kEncode, kValidate, kApply, kChecksum, kFinish, kReset,
-  kBatchReset, kBatchValidate, kBatchApply, kBatchChecksum, kBatchFinish, kBatchCount, kBatchScan
+  kBatchReset, kBatchValidate, kBatchApply, kBatchChecksum, kBatchFinish, kBatchCount, kBatchScan, kBatchEncode
 };
 
 inline constexpr std::uint64_t kMaxGrid = 32768;  // the kernels grid-stride beyond it
@@ -123,6 +123,29 @@ void launch_plan_batch(L& l, std::uint64_t jobs, std::uint64_t njobs, std::uint6
   if (njobs == 0) return;
   if (units > 0) l.launch(Kernel::kBatchCount, 0, grid_for(units), kKernelThreads, PlanBatchArgs{jobs, njobs, units});
   l.launch(Kernel::kBatchScan, 0, grid_for(njobs), kScanThreads, PlanBatchArgs{jobs, njobs, units});
+}
+
+// Numbers an encode batch's jobs (unit0; the rest filled by the caller)
+// and returns the total of encode units (max(blocks, 1) each).
+inline std::uint64_t number_encode_jobs(EncodeJob* jobs, std::uint64_t njobs) {
+  std::uint64_t u = 0;
+  for (std::uint64_t i = 0; i < njobs; ++i) {
+    jobs[i].unit0 = u;
+    u += jobs[i].blocks > 0 ? jobs[i].blocks : 1;
+  }
+  return u;
+}
+
+// Encodes jobs [first, last) of a numbered table (`table`: device memory,
+// `host`: the same jobs on the host, for their units) in one launch.
+template <class L>
+void launch_encode_batch(L& l, std::uint64_t table, const EncodeJob* host, std::uint64_t first, std::uint64_t last,
+                         std::uint64_t scratch) {
+  if (first >= last) return;
+  const EncodeJob& e = host[last - 1];
+  const std::uint64_t u0 = host[first].unit0, u1 = e.unit0 + (e.blocks > 0 ? e.blocks : 1);
+  l.launch(Kernel::kBatchEncode, 0, grid_for(u1 - u0), kKernelThreads,
+           EncodeBatchArgs{table + first * sizeof(EncodeJob), last - first, u0, u1 - u0, scratch});
 }
 
 // Throws the error that accumulated status bits stand for (nothing for 0):

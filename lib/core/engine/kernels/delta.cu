@@ -279,10 +279,14 @@ namespace {
 
 // ---------------------------------------------------------------- encode
 
-// Writes the blob into `out` from the planned head (copied into out unless
-// out is the head) and makes the base equal to next.
+// Unit b of an encode: writes delta block b's area of the blob into `out`
+// from the planned head (copied into out unless out is the head: the
+// header by unit 0, each table entry by its block's unit) and makes that
+// block of the base equal to next. Units: max(blocks, 1) (unit 0 also
+// carries the header of an empty tensor). Every thread of the CUDA block
+// calls it with the same b.
 template <int W>
-__device__ void encode_body(const EncodeArgs& a) {
+__device__ void encode_unit(const EncodeArgs& a, ull b) {
   typedef typename ElemOf<W>::T E;
   __shared__ unsigned scan_sh[kWarps];
   __shared__ ull sum_sh[kWarps];
@@ -295,15 +299,16 @@ __device__ void encode_body(const EncodeArgs& a) {
   const ull payload = hin->payload_bytes;
   if (hin->magic != kMagic || hin->elems != a.n || hin->blocks != a.blocks || hin->elem_bytes != W ||
       payload > a.out_bytes - headb) {
-    if (blockIdx.x == 0 && threadIdx.x == 0) atomicOr(&sc->status, kStOutTooSmall);
+    if (b == 0 && threadIdx.x == 0) atomicOr(&sc->status, kStOutTooSmall);
     return;
   }
   const bool copy_head = a.out != a.head;
-  if (copy_head && blockIdx.x == 0 && threadIdx.x < kHeaderBytes / 8)
+  if (copy_head && b == 0 && threadIdx.x < kHeaderBytes / 8)
     reinterpret_cast<ull*>(out)[threadIdx.x] = reinterpret_cast<const ull*>(head)[threadIdx.x];
+  if (b >= a.blocks) return;
   E* base = reinterpret_cast<E*>(a.base);
   const E* next = reinterpret_cast<const E*>(a.next);
-  for (ull b = blockIdx.x; b < a.blocks; b += gridDim.x) {
+  {
     const Entry e = tin[b];
     if (copy_head && threadIdx.x < 2)
       reinterpret_cast<ull*>(out + kHeaderBytes + kEntryBytes * b)[threadIdx.x] =
@@ -311,11 +316,11 @@ __device__ void encode_body(const EncodeArgs& a) {
     const ull len = block_len(a.n, b), e0 = b * kBlockElems;
     const unsigned count = e.count;
     const unsigned kind = kind_of(count, len, W);
-    if (kind == kUnchanged) continue;
+    if (kind == kUnchanged) return;
     const ull size = area_bytes(kind, count, len, W);
     if (e.offset > payload || size > payload - e.offset) {
       if (threadIdx.x == 0) atomicOr(&sc->status, kStPlanMismatch);
-      continue;
+      return;
     }
     unsigned char* area = out + headb + e.offset;
     if (kind == kDense) {
@@ -330,7 +335,7 @@ __device__ void encode_body(const EncodeArgs& a) {
       for (ull p = len * W + threadIdx.x; p < size; p += kThreads) area[p] = 0;
       diff = block_sum(diff, sum_sh);
       if (threadIdx.x == 0 && diff != count) atomicOr(&sc->status, kStPlanMismatch);
-      continue;
+      return;
     }
     // Sparse or bitmap: thread t's elements [16t, 16t + 16), in order. In
     // a whole block they are 2W aligned 8-byte words (the block starts at a
@@ -363,7 +368,7 @@ SHMCAST_UNROLL
     const unsigned first = block_scan(mine, scan_sh, &total);
     if (total != count) {  // the same in every thread
       if (threadIdx.x == 0) atomicOr(&sc->status, kStPlanMismatch);
-      continue;
+      return;
     }
     const ull vals_at = kind == kSparse ? align16(2ull * count) : bitmap_head_bytes(len);
     E* vals = reinterpret_cast<E*>(area + vals_at);
@@ -404,6 +409,12 @@ SHMCAST_UNROLL
     for (ull p = static_cast<ull>(count) * W + threadIdx.x; p < size - vals_at; p += kThreads)
       area[vals_at + p] = 0;
   }
+}
+
+template <int W>
+__device__ void encode_body(const EncodeArgs& a) {
+  const ull units = a.blocks > 0 ? a.blocks : 1;
+  for (ull b = blockIdx.x; b < units; b += gridDim.x) encode_unit<W>(a, b);
 }
 
 // ---------------------------------------------------------------- apply
@@ -807,4 +818,34 @@ extern "C" __global__ void __launch_bounds__(kScanThreads) shmcast_batch_scan(Pl
   const PlanJob* jobs = reinterpret_cast<const PlanJob*>(a.jobs);
   for (ull j = blockIdx.x; j < a.njobs; j += gridDim.x)
     scan_job(ScanArgs{jobs[j].head, jobs[j].n, jobs[j].blocks, jobs[j].w});
+}
+
+// ---------------------------------------------------------------- batched encode
+//
+// The encode of many tensors (EncodeJob, delta_format.hpp) in one launch
+// instead of one each: the same per-unit code as the single kernels, each
+// CUDA block finding its job by a binary search over the jobs' first units.
+// A launch covers jobs [jobs, jobs + njobs) of a table numbered from its
+// start: units [unit0, unit0 + units).
+extern "C" __global__ void __launch_bounds__(kThreads) shmcast_batch_encode(EncodeBatchArgs a) {
+  const EncodeJob* jobs = reinterpret_cast<const EncodeJob*>(a.jobs);
+  for (ull u = a.unit0 + blockIdx.x; u < a.unit0 + a.units; u += gridDim.x) {
+    ull lo = 0, hi = a.njobs;
+    while (hi - lo > 1) {
+      const ull mid = lo + (hi - lo) / 2;
+      if (jobs[mid].unit0 <= u)
+        lo = mid;
+      else
+        hi = mid;
+    }
+    const EncodeJob* j = jobs + lo;
+    const EncodeArgs e{j->base, j->next, j->head, j->out, j->out_bytes, j->n, j->blocks, a.scratch};
+    const ull b = u - j->unit0;
+    switch (j->w) {
+      case 1: encode_unit<1>(e, b); break;
+      case 2: encode_unit<2>(e, b); break;
+      case 4: encode_unit<4>(e, b); break;
+      default: encode_unit<8>(e, b); break;
+    }
+  }
 }
