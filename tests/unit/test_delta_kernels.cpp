@@ -545,10 +545,11 @@ TEST(DeltaKernels, EncodeBatchMakesEveryHostBlob) {
     c.l.max_grid = ~0u;
     for (std::size_t k = 0; k < ts.size(); ++k) {
       d::launch_plan(c.l, addr(base[k].data()), addr(next[k].data()), ts[k].w, ts[k].n, addr(heads[k].data()));
-      outs.emplace_back((want[k].size() + 7) / 8, 0x5a5a5a5a5a5a5a5aull);
+      // Room for the blob, 8-aligned, then k + 3 bytes of pad the kernel zeroes (then 0x5a again).
+      const std::uint64_t room = (want[k].size() + 7) / 8 * 8;
+      outs.emplace_back((room + k + 3 + 8 + 7) / 8, 0x5a5a5a5a5a5a5a5aull);
       jobs.push_back(d::EncodeJob{addr(base[k].data()), addr(next[k].data()), addr(heads[k].data()),
-                                  addr(outs[k].data()), want[k].size(), ts[k].n, d::block_count(ts[k].n), 0, ts[k].w,
-                                  0});
+                                  addr(outs[k].data()), room, ts[k].n, d::block_count(ts[k].n), 0, k + 3, ts[k].w, 0});
     }
     std::uint64_t units = 0;
     for (const T& t : ts) units += std::max<std::uint64_t>(d::block_count(t.n), 1);
@@ -565,6 +566,10 @@ TEST(DeltaKernels, EncodeBatchMakesEveryHostBlob) {
       const auto* p = reinterpret_cast<const std::uint8_t*>(outs[k].data());
       ASSERT_EQ(Bytes(p, p + want[k].size()), want[k]);
       ASSERT_EQ(base[k], next[k]);
+      const std::uint64_t room = (want[k].size() + 7) / 8 * 8;
+      for (std::uint64_t q = want[k].size(); q < room; ++q) ASSERT_EQ(p[q], 0x5a) << "past the blob, byte " << q;
+      for (std::uint64_t q = room; q < room + k + 3; ++q) ASSERT_EQ(p[q], 0) << "pad byte " << q;
+      ASSERT_EQ(p[room + k + 3], 0x5a) << "past the pad";
     }
   }
   // A change after the plan, in the last job of a range.
@@ -579,8 +584,8 @@ TEST(DeltaKernels, EncodeBatchMakesEveryHostBlob) {
   n0[2 * 4097] ^= 0x40;
   std::vector<std::uint64_t> o0(d::max_blob_bytes(2, n) / 8 + 1), o1(d::max_blob_bytes(2, 32) / 8 + 1);
   std::vector<d::EncodeJob> jobs = {
-      d::EncodeJob{addr(b1.data()), addr(n1.data()), addr(h1.data()), addr(o1.data()), o1.size() * 8, 32, 1, 0, 2, 0},
-      d::EncodeJob{addr(b0.data()), addr(n0.data()), addr(h0.data()), addr(o0.data()), o0.size() * 8, n, 3, 0, 2, 0}};
+      d::EncodeJob{addr(b1.data()), addr(n1.data()), addr(h1.data()), addr(o1.data()), o1.size() * 8, 32, 1, 0, 0, 2, 0},
+      d::EncodeJob{addr(b0.data()), addr(n0.data()), addr(h0.data()), addr(o0.data()), o0.size() * 8, n, 3, 0, 0, 2, 0}};
   d::number_encode_jobs(jobs.data(), jobs.size());
   d::launch_encode_batch(c.l, addr(jobs.data()), jobs.data(), 0, 2, c.sc());
   EXPECT_EQ(error_of([&] { c.finish(); }), Errc::kInvalidArgument);
@@ -837,3 +842,4 @@ TEST(DeltaKernelsEmu, CopyPiecesMovesEveryPieceAndNothingElse) {
     EXPECT_EQ(std::memcmp(dst, want.data(), sizeof dst), 0) << "grid " << grid;
   }
 }
+

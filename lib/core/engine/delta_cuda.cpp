@@ -415,7 +415,7 @@ void CudaCodec::encode_table(const std::vector<EncodeItem>& items, void* stream)
   for (std::uint64_t k = 0; k < njobs; ++k) {
     const EncodeItem& it = items[k];
     jobs[k] = EncodeJob{addr(it.base), addr(it.next), addr(it.head), addr(it.out), it.out_bytes, it.n,
-                        block_count(it.n), 0, it.w, 0};
+                        block_count(it.n), 0, it.pad, it.w, 0};
   }
   (void)number_encode_jobs(jobs.data(), njobs);
   // From pageable memory: the upload has read the table when it returns.

@@ -101,6 +101,7 @@ class CudaCodec {
     const void* head;
     void* out;
     std::uint64_t out_bytes;
+    std::uint64_t pad = 0;  // bytes after out + out_bytes to zero (the gap to the next blob)
   };
   void encode_table(const std::vector<EncodeItem>& items, void* stream);
   void encode_range(std::size_t first, std::size_t last, void* stream);

@@ -341,9 +341,11 @@ struct PlanBatchArgs {
 // EncodeJobs of a table numbered from its first job (number_encode_jobs:
 // a job's units are max(blocks, 1), from unit0 on); a launch covers njobs
 // of them from `jobs` on, whose units are [unit0, unit0 + units). The
-// status bits go to the codec's Scratch (`scratch`).
+// status bits go to the codec's Scratch (`scratch`). A job's unit 0 also
+// zeroes the `pad` bytes after its blob's room (out + out_bytes on): the
+// gap to the next blob where the blobs are laid out as a stream.
 struct EncodeJob {
-  uint64_t base, next, head, out, out_bytes, n, blocks, unit0;
+  uint64_t base, next, head, out, out_bytes, n, blocks, unit0, pad;
   uint32_t w, reserved;
 };
 struct EncodeBatchArgs {
