@@ -843,3 +843,46 @@ TEST(DeltaKernelsEmu, CopyPiecesMovesEveryPieceAndNothingElse) {
   }
 }
 
+// The batch copy's blocks (device slots, Lane::flush_small): the size
+// chosen for a batch (SHMCAST_CUDA_PIECE_BYTES when set, else 64 KiB to
+// 1 MiB by the batch's bytes, a multiple of 4 KiB), and pieces of a
+// MoE-like batch (whole 16-byte aligned pieces of several blocks, empty,
+// unaligned and tiny ones) split at those sizes and copied by the kernel:
+// every byte where it belongs and no other byte touched.
+TEST(DeltaKernelsEmu, CopyPiecesSplitIntoBlocksOfTheBatchSize) {
+  EXPECT_EQ(d::copy_block_bytes(1 << 20, 0), d::kCopyPieceMin);
+  EXPECT_EQ(d::copy_block_bytes(0, 0), d::kCopyPieceMin);
+  EXPECT_EQ(d::copy_block_bytes(256ull << 20, 0), 128u << 10);
+  EXPECT_EQ(d::copy_block_bytes(1ull << 30, 0), 512u << 10);
+  EXPECT_EQ(d::copy_block_bytes(64ull << 30, 0), d::kCopyPieceMax);
+  EXPECT_EQ(d::copy_block_bytes(300'000'000, 0) % 4096, 0u);
+  EXPECT_EQ(d::copy_block_bytes(1ull << 30, 4096), 4096u);
+  std::mt19937_64 rng(17);
+  constexpr std::size_t kBytes = 6 << 20;
+  static std::vector<std::uint8_t> src(kBytes), dst(kBytes + 4096);
+  for (auto& b : src) b = static_cast<std::uint8_t>(rng());
+  const std::uint64_t sizes[] = {3 << 20, 0, 1, 15, 16, 65536, 65536 + 16, 200'000, 1'000'000 + 3, 4096 * 3};
+  std::vector<d::CopyPiece> whole;
+  std::vector<std::uint8_t> want(dst.size(), 0xee);
+  std::uint64_t s_at = 0, d_at = 32;
+  for (std::uint64_t n : sizes) {
+    whole.push_back(d::CopyPiece{addr(src.data() + s_at), addr(dst.data() + d_at), n});
+    std::memcpy(want.data() + d_at, src.data() + s_at, n);
+    s_at = (s_at + n + 15) / 16 * 16 + (n % 2 == 1 ? 3 : 0);  // some sources unaligned
+    d_at = (d_at + n + 31) / 16 * 16;
+  }
+  ASSERT_LE(s_at, src.size());
+  for (std::uint64_t block : {std::uint64_t{4096}, d::kCopyPieceMin, std::uint64_t{256 << 10}, d::kCopyPieceMax}) {
+    SCOPED_TRACE("block " + std::to_string(block));
+    std::vector<d::CopyPiece> pieces;
+    d::split_copy_pieces(whole, block, &pieces);
+    std::uint64_t want_n = 0;
+    for (std::uint64_t n : sizes) want_n += (n + block - 1) / block;
+    ASSERT_EQ(pieces.size(), want_n);
+    for (const d::CopyPiece& p : pieces) ASSERT_TRUE(p.bytes > 0 && p.bytes <= block);
+    std::fill(dst.begin(), dst.end(), 0xee);
+    const d::CopyPiecesArgs args{addr(pieces.data()), pieces.size()};
+    emu::launch(7, 256, [args] { shmcast_copy_pieces(args); });
+    ASSERT_EQ(std::memcmp(dst.data(), want.data(), dst.size()), 0);
+  }
+}

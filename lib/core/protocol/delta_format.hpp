@@ -362,6 +362,9 @@ struct CopyPiece {
 struct CopyPiecesArgs {
   uint64_t pieces, n;
 };
-inline constexpr uint64_t kCopyPieceMax = 64 << 10;  // the engine splits larger pieces into this much each
+// The engine splits a batch's pieces into blocks of kCopyPieceMin to
+// kCopyPieceMax bytes (copy_block_bytes, delta_launch.hpp), one CUDA block each.
+inline constexpr uint64_t kCopyPieceMin = 64 << 10;
+inline constexpr uint64_t kCopyPieceMax = 1 << 20;
 
 }  // namespace shmcast::detail::delta

@@ -10,6 +10,8 @@
 #pragma once
 
 #include <cstdint>
+#include <span>
+#include <vector>
 
 #include "protocol/delta_format.hpp"
 
@@ -146,6 +148,32 @@ void launch_encode_batch(L& l, std::uint64_t table, const EncodeJob* host, std::
   const std::uint64_t u0 = host[first].unit0, u1 = e.unit0 + (e.blocks > 0 ? e.blocks : 1);
   l.launch(Kernel::kBatchEncode, 0, grid_for(u1 - u0), kKernelThreads,
            EncodeBatchArgs{table + first * sizeof(EncodeJob), last - first, u0, u1 - u0, scratch});
+}
+
+// The batch copy (shmcast_copy_pieces; device slots, Lane::flush_small):
+// the bytes each CUDA block copies, for a batch of `total` bytes. `fixed`
+// (SHMCAST_CUDA_PIECE_BYTES) when set; else a multiple of 4 KiB that gives
+// about kCopyTargetBlocks blocks, from kCopyPieceMin to kCopyPieceMax
+// (small blocks spread a small batch over the GPU; in a large one each
+// block's fixed cost shows: on an H200, 2 x 1 GiB device slots of
+// Qwen2.5-3B all through the kernel took 10.0 ms in 64 KiB blocks, 7.6 in
+// 256 KiB, 7.7 in 1 MiB, docs/benchmarks-log.md).
+inline constexpr std::uint64_t kCopyTargetBlocks = 2048;
+inline std::uint64_t copy_block_bytes(std::uint64_t total, std::uint64_t fixed) {
+  if (fixed != 0) return fixed;
+  std::uint64_t b = (total / kCopyTargetBlocks + 4095) & ~std::uint64_t{4095};
+  if (b < kCopyPieceMin) b = kCopyPieceMin;
+  if (b > kCopyPieceMax) b = kCopyPieceMax;
+  return b;
+}
+
+// Appends `in`'s pieces to `out` split into at most `block` bytes each (a
+// multiple of 16, so that a 16-byte aligned piece's parts stay aligned);
+// an empty piece is dropped.
+inline void split_copy_pieces(std::span<const CopyPiece> in, std::uint64_t block, std::vector<CopyPiece>* out) {
+  for (const CopyPiece& p : in)
+    for (std::uint64_t at = 0; at < p.bytes; at += block)
+      out->push_back(CopyPiece{p.src + at, p.dst + at, p.bytes - at < block ? p.bytes - at : block});
 }
 
 // Throws the error that accumulated status bits stand for (nothing for 0):
