@@ -13,10 +13,9 @@
 #   delta   shmcast-delta-sync-bench --phases full,delta --fraction 0.02 with
 #           the same two manifests (host slots; 2 % of the elements changed
 #           before each sync; full syncs of the same changes beside them)
-#   sweep   the device phase again with the batch kernel's block fixed
+#   sweep   the MoE device phase again with the batch kernel's block fixed
 #           (SHMCAST_CUDA_PIECE_BYTES = each of PIECES; 65536 is the block
-#           of every batch before the size was chosen per batch), MoE and
-#           dense each time
+#           of every batch before the size was chosen per batch)
 #   prof    where nsys is installed: the MoE delta phase (3 syncs) under
 #           nsys, its kernel and driver-call summaries (top lines)
 #   tests   the gpu tier tests the batching touches, one at a time:
@@ -111,8 +110,8 @@ fi
 # ---- device slots with the batch kernel's block fixed
 if has sweep; then
   for pb in $PIECES; do
-    log "sweep: SHMCAST_CUDA_PIECE_BYTES=$pb $SLOTS --phases device --manifests $MOE,$DENSE --reps $REPS"
-    SHMCAST_CUDA_PIECE_BYTES=$pb timeout 60 "$SLOTS" --phases device --manifests "$MOE,$DENSE" --reps "$REPS" \
+    log "sweep: SHMCAST_CUDA_PIECE_BYTES=$pb $SLOTS --phases device --manifests $MOE --reps $REPS"
+    SHMCAST_CUDA_PIECE_BYTES=$pb timeout 60 "$SLOTS" --phases device --manifests "$MOE" --reps "$REPS" \
       --timeout 50 >/tmp/moe2-sweep.txt 2>&1
     rc=$?
     grep -E "device|GB/s|error" /tmp/moe2-sweep.txt | head -12
@@ -124,7 +123,7 @@ fi
 NSYS=$(command -v nsys || ls /usr/local/cuda/bin/nsys /opt/nvidia/nsight-systems/*/bin/nsys 2>/dev/null | head -1)
 if has prof && [ -n "$NSYS" ]; then
   log "prof: $NSYS profile $DELTA --phases delta --manifests $MOE --reps 3"
-  timeout 120 "$NSYS" profile -o /tmp/moe2-prof --force-overwrite true --trace cuda --sample none --cpuctxsw none \
+  timeout 90 "$NSYS" profile -o /tmp/moe2-prof --force-overwrite true --trace cuda --sample none --cpuctxsw none \
     "$DELTA" --phases delta --fraction 0.02 --manifests "$MOE" --reps 3 >/tmp/moe2-prof.txt 2>&1
   rc=$?
   tail -3 /tmp/moe2-prof.txt
