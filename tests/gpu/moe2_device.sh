@@ -38,11 +38,15 @@ STAGES=${STAGES:-slots delta sweep prof tests}
 PIECES=${PIECES:-65536 262144 1048576}
 TESTS_RE=${TESTS_RE:-'^(DeltaGpu\.|DeltaSyncGpu\.|DeviceSlotsGpu\.(TwoConsumers|ManyExpert)|ManyTensors\.)'}
 REPS=${REPS:-10}
+# BUDGET (s, 0: none): the seconds the call has; the sweep and prof stages are
+# skipped when too little is left, and the tests get what remains.
+BUDGET=${BUDGET:-0}
 mkdir -p "$OUT"
 exec > >(tee -a "$OUT/moe2.log") 2>&1
 T0=$(date +%s)
 log() { echo "== $(date +%T) (+$(( $(date +%s) - T0 )) s) $*"; }
 has() { [[ " $STAGES " == *" $1 "* ]]; }
+left() { if [ "$BUDGET" -gt 0 ]; then echo $(( BUDGET - ($(date +%s) - T0) )); else echo 100000; fi; }
 RESULTS=()
 FAILED=0
 result() { RESULTS+=("$1: rc=$2"); log "$1: rc=$2"; [ "$2" -eq 0 ] || FAILED=1; }
@@ -108,7 +112,8 @@ if has delta; then
 fi
 
 # ---- device slots with the batch kernel's block fixed
-if has sweep; then
+if has sweep && [ "$(left)" -lt 200 ]; then log "sweep: skipped ($(left) s left)"; fi
+if has sweep && [ "$(left)" -ge 200 ]; then
   for pb in $PIECES; do
     log "sweep: SHMCAST_CUDA_PIECE_BYTES=$pb $SLOTS --phases device --manifests $MOE --reps $REPS"
     SHMCAST_CUDA_PIECE_BYTES=$pb timeout 60 "$SLOTS" --phases device --manifests "$MOE" --reps "$REPS" \
@@ -121,7 +126,7 @@ fi
 
 # ---- where a MoE delta sync's GPU time goes (only where nsys is installed)
 NSYS=$(command -v nsys || ls /usr/local/cuda/bin/nsys /opt/nvidia/nsight-systems/*/bin/nsys 2>/dev/null | head -1)
-if has prof && [ -n "$NSYS" ]; then
+if has prof && [ -n "$NSYS" ] && [ "$(left)" -ge 170 ]; then
   log "prof: $NSYS profile $DELTA --phases delta --manifests $MOE --reps 3"
   timeout 90 "$NSYS" profile -o /tmp/moe2-prof --force-overwrite true --trace cuda --sample none --cpuctxsw none \
     "$DELTA" --phases delta --fraction 0.02 --manifests "$MOE" --reps 3 >/tmp/moe2-prof.txt 2>&1
@@ -135,8 +140,9 @@ fi
 
 # ---- tests, one at a time
 if has tests; then
-  log "tests: ctest -R '$TESTS_RE'"
-  (cd $B && timeout 200 ctest -R "$TESTS_RE" --output-on-failure --timeout 150 -j1) >"$OUT/tests.log" 2>&1
+  tt=$(( $(left) - 15 )); [ $tt -gt 200 ] && tt=200; [ $tt -lt 30 ] && tt=30
+  log "tests: ctest -R '$TESTS_RE' (timeout $tt s)"
+  (cd $B && timeout $tt ctest -R "$TESTS_RE" --output-on-failure --timeout 150 -j1) >"$OUT/tests.log" 2>&1
   rc=$?
   grep -E "tests passed|tests failed|\*\*\*Failed|\*\*\*Skipped|Not Run|Timeout|No tests were found" "$OUT/tests.log" |
     head -30
