@@ -10,7 +10,7 @@
 #   slots   shmcast-device-slots-bench --phases host,device --manifests
 #           qwen3-30b-a3b:L,qwen3-30b-a3b-dense:L, REPS timed syncs each
 #           (default 10): host and device slots, MoE and dense in one run
-#   delta   shmcast-delta-sync-bench --phases full,delta --fraction 0.02 with
+#   delta   shmcast-delta-sync-bench --phases full,delta (DELTA_PHASES) --fraction 0.02 with
 #           the same two manifests (host slots; 2 % of the elements changed
 #           before each sync; full syncs of the same changes beside them)
 #   sweep   the MoE device phase again with the batch kernel's block fixed
@@ -38,6 +38,7 @@ STAGES=${STAGES:-slots delta sweep prof tests}
 PIECES=${PIECES:-65536 262144 1048576}
 TESTS_RE=${TESTS_RE:-'^(DeltaGpu\.|DeltaSyncGpu\.|DeviceSlotsGpu\.(TwoConsumers|ManyExpert)|ManyTensors\.)'}
 REPS=${REPS:-10}
+DELTA_PHASES=${DELTA_PHASES:-full,delta}
 # BUDGET (s, 0: none): the seconds the call has; the sweep and prof stages are
 # skipped when too little is left, and the tests get what remains.
 BUDGET=${BUDGET:-0}
@@ -103,8 +104,8 @@ fi
 
 # ---- delta syncs at 2 %
 if has delta; then
-  log "delta: $DELTA --phases full,delta --fraction 0.02 --manifests $MOE,$DENSE --reps $REPS"
-  timeout 150 "$DELTA" --phases full,delta --fraction 0.02 --manifests "$MOE,$DENSE" --reps "$REPS" \
+  log "delta: $DELTA --phases $DELTA_PHASES --fraction 0.02 --manifests $MOE,$DENSE --reps $REPS"
+  timeout 150 "$DELTA" --phases "$DELTA_PHASES" --fraction 0.02 --manifests "$MOE,$DENSE" --reps "$REPS" \
     --json "$OUT/delta.json" >/tmp/moe2-delta.txt 2>&1
   rc=$?
   cat /tmp/moe2-delta.txt
