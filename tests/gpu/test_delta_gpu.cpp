@@ -202,6 +202,74 @@ TEST(DeltaGpu, PlanBatchPlansEveryTensorLikeTheHost) {
             Errc::kInvalidArgument);
 }
 
+// encode_table / encode_range: tensors of every width (one past the grid's
+// cap of 32768 units, empty ones) encoded in three ranges of one table on
+// the GPU get the host's blobs, their bases become next, and each job's
+// pad after its blob is zeroed (and nothing past it written); a range
+// outside the table and a range on another stream are refused.
+TEST(DeltaGpu, EncodeRangesOfATableAreTheHostBlobs) {
+  REQUIRE_DELTA_GPU();
+  Stream st;
+  dl::CudaCodec codec;
+  std::mt19937_64 rng(53);
+  struct T {
+    std::uint32_t w;
+    std::uint64_t n;
+    double f;
+  };
+  const std::vector<T> ts = {{2, 4096, 0.02}, {1, 65, 0.3},  {4, 0, 0.0},           {8, 4097, 1.0},
+                             {2, 1, 0.0},     {2, 9000 * 4096 + 7, 0.02}, {4, 4096, 0.0}, {2, 30000 * 4096, 0.01}};
+  std::vector<Bytes> base, next;
+  std::vector<DevBuf> db, dn, heads;
+  std::vector<dl::CudaCodec::PlanItem> plans;
+  for (const T& t : ts) {
+    base.push_back(random_bytes(t.n * t.w, rng));
+    next.push_back(mutate(base.back(), t.w, t.f, rng));
+    db.push_back(upload(base.back()));
+    dn.push_back(upload(next.back()));
+    heads.emplace_back(dl::head_bytes(t.n));
+  }
+  for (std::size_t k = 0; k < ts.size(); ++k) plans.push_back({db[k].p, dn[k].p, ts[k].w, ts[k].n, heads[k].p});
+  codec.plan_batch(plans, st.s);
+  std::vector<std::uint64_t> sizes;
+  for (std::size_t k = 0; k < ts.size(); ++k)
+    sizes.push_back(dl::head_bytes(ts[k].n) + codec.read_header(heads[k].p, st.s).payload_bytes);
+  // One buffer, laid out as a stream: each blob 256-aligned, pad k + 9 bytes after it, then 0xa5.
+  std::vector<std::uint64_t> at;
+  std::uint64_t total = 0;
+  for (std::size_t k = 0; k < ts.size(); ++k) {
+    at.push_back(total);
+    total = (total + sizes[k] + k + 9 + 1 + 255) / 256 * 256;
+  }
+  const Bytes fill(total, 0xa5);
+  DevBuf out = upload(fill);
+  std::vector<dl::CudaCodec::EncodeItem> items;
+  for (std::size_t k = 0; k < ts.size(); ++k)
+    items.push_back({db[k].p, dn[k].p, ts[k].w, ts[k].n, heads[k].p, static_cast<char*>(out.p) + at[k], sizes[k],
+                     k + 9});
+  codec.encode_table(items, st.s);
+  codec.encode_range(0, 2, st.s);
+  codec.encode_range(2, 2, st.s);
+  codec.encode_range(2, ts.size(), st.s);
+  codec.finish(st.s);
+  const Bytes got = download(out.p, total);
+  for (std::size_t k = 0; k < ts.size(); ++k) {
+    SCOPED_TRACE("tensor " + std::to_string(k));
+    const Bytes want = host_blob(base[k], next[k], ts[k].w);
+    ASSERT_EQ(want.size(), sizes[k]);
+    ASSERT_EQ(first_diff(Bytes(got.begin() + at[k], got.begin() + at[k] + sizes[k]), want), -1);
+    for (std::uint64_t q = 0; q < k + 9; ++q) ASSERT_EQ(got[at[k] + sizes[k] + q], 0) << "pad byte " << q;
+    ASSERT_EQ(got[at[k] + sizes[k] + k + 9], 0xa5);
+    ASSERT_EQ(first_diff(download(db[k].p, base[k].size()), next[k]), -1);
+  }
+  EXPECT_EQ(error_of([&] { codec.encode_range(3, ts.size() + 1, st.s); }), Errc::kInvalidArgument);
+  Stream other;
+  EXPECT_EQ(error_of([&] { codec.encode_range(0, 1, other.s); }), Errc::kInvalidArgument);
+  DevBuf b(64), n(64), hd(dl::head_bytes(8)), o(64);
+  EXPECT_EQ(error_of([&] { codec.encode_table({{b.p, n.p, 2, 8, hd.p, o.p, 8, 0}}, st.s); }),
+            Errc::kInvalidArgument);  // out_bytes below the header and table
+}
+
 TEST(DeltaGpu, SlicesApplyLikeTheHost) {
   REQUIRE_DELTA_GPU();
   Stream st;

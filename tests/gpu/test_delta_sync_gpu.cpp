@@ -420,6 +420,109 @@ TEST(DeltaSyncGpu, ShardOnePiecesAreCheckedWhereTheyLandOnTheGpu) {
 // reads it as a success; the next sync is full and bit-exact. (The check
 // used to run after the last write, whose chunk a fast consumer could
 // already have read.)
+// A MoE-like delta sync: 600 tensors from the GPU on one stream, whose
+// blobs go out as the stream itself (a launch and a copy per chunk, not
+// per tensor), beside a raw tensor from its device base and an empty one
+// (a host blob). 1 MiB slots: blobs straddle chunks and are moved to the
+// next one. Device and host consumers check every byte of six versions.
+// Fails if the batched encode or the chunk-wise writes break a byte.
+static Model many_model() {
+  Model m(false);
+  m.specs.clear();
+  m.data.clear();
+  std::mt19937_64 rng(99);
+  for (int i = 0; i < 600; ++i) {
+    const std::int64_t n = 1 + static_cast<std::int64_t>(rng() % 40000);
+    m.specs.push_back({"expert." + std::to_string(i), i % 50 == 7 ? DType::kF32 : DType::kBF16, {n}});
+  }
+  m.specs.push_back({"rotary", DType::kC128, {10}});
+  m.specs.push_back({"empty", DType::kBF16, {0, 4}});
+  m.specs.push_back({"tail", DType::kBF16, {5}});
+  for (const TensorSpec& t : m.specs) {
+    m.data.emplace_back(t.nbytes());
+    shmcast_test::fill_pattern(m.data.back().data(), m.data.back().size(), 0x77 + m.data.size());
+  }
+  return m;
+}
+
+TEST(DeltaSyncGpu, ManyTensorsOnOneStreamGoOutAsTheStreamBitExact) {
+  REQUIRE_DELTA_GPU();
+  const std::string name = unique_name("gpudeltamany");
+  RegionGuard guard{name};
+  constexpr std::uint64_t kLast = 6;
+  Child prod = Child::spawn([&] {
+    ProducerOptions o = opts();
+    o.slot_bytes = 1ull << 20;
+    Producer p = Producer::create(name, o);
+    p.wait_for_consumers(2, 60s);
+    cudaStream_t s = nullptr;
+    ck(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "cudaStreamCreate");
+    Model m = many_model();
+    std::vector<DevBuf> dev;
+    for (const auto& d : m.data) dev.emplace_back(d.size());
+    for (std::uint64_t v = 1; v <= kLast; ++v) {
+      if (v > 1) m.step(v, 0.05, 0.001);
+      for (std::size_t i = 0; i < dev.size(); ++i) dev[i].upload(m.data[i].data(), m.data[i].size());
+      ck(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+      if (p.begin_sync(m.specs) != v) return 21;
+      for (std::size_t i = 0; i < dev.size(); ++i) p.write_device(i, dev[i].p, s);
+      p.end_sync();
+      if (p.last_sync().delta != (v > 1)) {
+        std::fprintf(stderr, "version %llu went %s\n", (unsigned long long)v, p.last_sync().delta ? "delta" : "full");
+        return 22;
+      }
+    }
+    p.wait_drained(60s);
+    cudaStreamDestroy(s);
+    return 0;
+  });
+  Child dev_cons = Child::spawn([&] {
+    Consumer c = Consumer::open(name, copts());
+    cudaStream_t s = nullptr;
+    ck(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "cudaStreamCreate");
+    Model want = many_model();
+    std::vector<DevBuf> dst;
+    std::vector<void*> ptrs;
+    for (const auto& d : want.data) {
+      dst.emplace_back(d.size());
+      ptrs.push_back(dst.back().p);
+    }
+    for (std::uint64_t v = 1; v <= kLast; ++v) {
+      if (c.wait_sync(60s).version != v) return 31;
+      if (v > 1) want.step(v, 0.05, 0.001);
+      c.read_into_device(ptrs, s);
+      ck(cudaStreamSynchronize(s), "cudaStreamSynchronize");
+      if (c.last_sync().delta != (v > 1)) return 32;
+      for (std::size_t i = 0; i < want.data.size(); ++i) {
+        if (want.data[i].empty()) continue;
+        const long long d = first_diff(download(ptrs[i], want.data[i].size()), want.data[i]);
+        if (d >= 0) {
+          std::fprintf(stderr, "device consumer: version %llu tensor %zu differs at byte %lld\n",
+                       (unsigned long long)v, i, d);
+          return 33;
+        }
+      }
+    }
+    cudaStreamDestroy(s);
+    return 0;
+  });
+  Child host_cons = Child::spawn([&] {
+    Consumer c = Consumer::open(name, copts());
+    Model want = many_model();
+    Dsts got(want);
+    for (std::uint64_t v = 1; v <= kLast; ++v) {
+      if (c.wait_sync(60s).version != v) return 41;
+      if (v > 1) want.step(v, 0.05, 0.001);
+      c.read_into(got.ptrs);
+      if (!got.equals(want)) return 42;
+    }
+    return 0;
+  });
+  EXPECT_EQ(prod.wait(240s), 0);
+  EXPECT_EQ(dev_cons.wait(240s), 0);
+  EXPECT_EQ(host_cons.wait(240s), 0);
+}
+
 TEST(DeltaSyncGpu, ATensorChangedBetweenPlanAndEncodeAbortsTheSync) {
   REQUIRE_DELTA_GPU();
   const std::string name = unique_name("gpudeltaplan");

@@ -289,6 +289,8 @@ struct EmuLauncher {
                                 : k == d::Kernel::kBatchChecksum ? shmcast_batch_checksum
                                                                  : shmcast_batch_finish;
       body = [f, args] { f(args); };
+    } else if constexpr (std::is_same_v<A, d::EncodeBatchArgs>) {
+      body = [args] { shmcast_batch_encode(args); };
     } else if constexpr (std::is_same_v<A, d::PlanBatchArgs>) {
       void (*f)(d::PlanBatchArgs) = k == d::Kernel::kBatchCount ? shmcast_batch_count : shmcast_batch_scan;
       body = [f, args] { f(args); };
@@ -503,6 +505,91 @@ TEST(DeltaKernels, PlanBatchPlansEveryTensorLikePlan) {
     ASSERT_EQ(Bytes(p, p + size), want);
     ASSERT_EQ(base[k], next[k]);
   }
+}
+
+// The batched encode (CudaCodec::encode_table / encode_range): tensors of
+// every width, empty ones and sizes around the block boundary, encoded from
+// their plans in ranges of one launch each (an empty range launches
+// nothing), make the host's blobs and leave every base equal to next; one
+// CUDA block striding over every job's units too, with warps ahead. A
+// tensor changed after its plan is noticed (kInvalidArgument), as encode()
+// notices it.
+TEST(DeltaKernels, EncodeBatchMakesEveryHostBlob) {
+  SKIP_UNDER_SANITIZERS();
+  std::mt19937_64 rng(47);
+  struct T {
+    std::uint32_t w;
+    std::uint64_t n;
+    double f;
+  };
+  const std::vector<T> ts = {{2, 4096, 0.02}, {1, 65, 0.3},   {4, 0, 0.0},  {8, 4097, 1.0},  {2, 1, 0.0},
+                             {2, 3 * 4096 + 5, 0.1}, {4, 4096, 0.0}, {2, 0, 0.0}, {1, 40 * 4096ull + 3, 0.02}};
+  const std::pair<std::size_t, std::size_t> ranges[] = {{0, 3}, {3, 3}, {3, 4}, {4, 9}};
+  struct Ahead {
+    ~Ahead() { emu::g_warp_ahead = false; }
+  } restore;
+  const std::pair<unsigned, bool> modes[] = {{~0u, false}, {1u, false}, {5u, true}};
+  EmuCodec c;
+  for (const auto& [max_grid, ahead] : modes) {
+    SCOPED_TRACE("max_grid=" + std::to_string(max_grid) + (ahead ? ", warps ahead" : ""));
+    std::vector<Bytes> base, next, want;
+    std::vector<std::vector<std::uint64_t>> heads, outs;
+    std::vector<d::EncodeJob> jobs;
+    for (const T& t : ts) {
+      base.push_back(random_bytes(t.n * t.w, rng));
+      next.push_back(mutate(base.back(), t.w, t.f, rng));
+      want.push_back(host_blob(base.back(), next.back(), t.w));
+      heads.emplace_back((d::head_bytes(t.n) + 7) / 8, 0);
+    }
+    emu::g_warp_ahead = false;
+    c.l.max_grid = ~0u;
+    for (std::size_t k = 0; k < ts.size(); ++k) {
+      d::launch_plan(c.l, addr(base[k].data()), addr(next[k].data()), ts[k].w, ts[k].n, addr(heads[k].data()));
+      // Room for the blob, 8-aligned, then k + 3 bytes of pad the kernel zeroes (then 0x5a again).
+      const std::uint64_t room = (want[k].size() + 7) / 8 * 8;
+      outs.emplace_back((room + k + 3 + 8 + 7) / 8, 0x5a5a5a5a5a5a5a5aull);
+      jobs.push_back(d::EncodeJob{addr(base[k].data()), addr(next[k].data()), addr(heads[k].data()),
+                                  addr(outs[k].data()), room, ts[k].n, d::block_count(ts[k].n), 0, k + 3, ts[k].w, 0});
+    }
+    std::uint64_t units = 0;
+    for (const T& t : ts) units += std::max<std::uint64_t>(d::block_count(t.n), 1);
+    ASSERT_EQ(d::number_encode_jobs(jobs.data(), jobs.size()), units);
+    emu::g_warp_ahead = ahead;
+    c.l.max_grid = max_grid;
+    const int before = c.l.launches;
+    for (const auto& [first, last] : ranges)
+      d::launch_encode_batch(c.l, addr(jobs.data()), jobs.data(), first, last, c.sc());
+    EXPECT_EQ(c.l.launches - before, 3);
+    c.finish();
+    for (std::size_t k = 0; k < ts.size(); ++k) {
+      SCOPED_TRACE("tensor " + std::to_string(k));
+      const auto* p = reinterpret_cast<const std::uint8_t*>(outs[k].data());
+      ASSERT_EQ(Bytes(p, p + want[k].size()), want[k]);
+      ASSERT_EQ(base[k], next[k]);
+      const std::uint64_t room = (want[k].size() + 7) / 8 * 8;
+      for (std::uint64_t q = want[k].size(); q < room; ++q) ASSERT_EQ(p[q], 0x5a) << "past the blob, byte " << q;
+      for (std::uint64_t q = room; q < room + k + 3; ++q) ASSERT_EQ(p[q], 0) << "pad byte " << q;
+      ASSERT_EQ(p[room + k + 3], 0x5a) << "past the pad";
+    }
+  }
+  // A change after the plan, in the last job of a range.
+  emu::g_warp_ahead = false;
+  c.l.max_grid = ~0u;
+  const std::uint64_t n = 3 * 4096;
+  Bytes b0 = random_bytes(n * 2, rng), b1 = random_bytes(64, rng);
+  Bytes n0 = mutate(b0, 2, 0.02, rng), n1 = mutate(b1, 2, 0.3, rng);
+  std::vector<std::uint64_t> h0(d::head_bytes(n) / 8 + 1), h1(d::head_bytes(32) / 8 + 1);
+  d::launch_plan(c.l, addr(b0.data()), addr(n0.data()), 2, n, addr(h0.data()));
+  d::launch_plan(c.l, addr(b1.data()), addr(n1.data()), 2, 32, addr(h1.data()));
+  n0[2 * 4097] ^= 0x40;
+  std::vector<std::uint64_t> o0(d::max_blob_bytes(2, n) / 8 + 1), o1(d::max_blob_bytes(2, 32) / 8 + 1);
+  std::vector<d::EncodeJob> jobs = {
+      d::EncodeJob{addr(b1.data()), addr(n1.data()), addr(h1.data()), addr(o1.data()), o1.size() * 8, 32, 1, 0, 0, 2, 0},
+      d::EncodeJob{addr(b0.data()), addr(n0.data()), addr(h0.data()), addr(o0.data()), o0.size() * 8, n, 3, 0, 0, 2, 0}};
+  d::number_encode_jobs(jobs.data(), jobs.size());
+  d::launch_encode_batch(c.l, addr(jobs.data()), jobs.data(), 0, 2, c.sc());
+  EXPECT_EQ(error_of([&] { c.finish(); }), Errc::kInvalidArgument);
+  EXPECT_EQ(b1, n1);  // the other job was encoded
 }
 
 TEST(DeltaKernels, SlicesApplyLikeTheHost) {
@@ -753,5 +840,49 @@ TEST(DeltaKernelsEmu, CopyPiecesMovesEveryPieceAndNothingElse) {
     const d::CopyPiecesArgs args{addr(pieces.data()), pieces.size()};
     emu::launch(grid, 256, [args] { shmcast_copy_pieces(args); });
     EXPECT_EQ(std::memcmp(dst, want.data(), sizeof dst), 0) << "grid " << grid;
+  }
+}
+
+// The batch copy's blocks (device slots, Lane::flush_small): the size
+// chosen for a batch (SHMCAST_CUDA_PIECE_BYTES when set, else 64 KiB to
+// 1 MiB by the batch's bytes, a multiple of 4 KiB), and pieces of a
+// MoE-like batch (whole 16-byte aligned pieces of several blocks, empty,
+// unaligned and tiny ones) split at those sizes and copied by the kernel:
+// every byte where it belongs and no other byte touched.
+TEST(DeltaKernelsEmu, CopyPiecesSplitIntoBlocksOfTheBatchSize) {
+  EXPECT_EQ(d::copy_block_bytes(1 << 20, 0), d::kCopyPieceMin);
+  EXPECT_EQ(d::copy_block_bytes(0, 0), d::kCopyPieceMin);
+  EXPECT_EQ(d::copy_block_bytes(256ull << 20, 0), 128u << 10);
+  EXPECT_EQ(d::copy_block_bytes(1ull << 30, 0), 512u << 10);
+  EXPECT_EQ(d::copy_block_bytes(64ull << 30, 0), d::kCopyPieceMax);
+  EXPECT_EQ(d::copy_block_bytes(300'000'000, 0) % 4096, 0u);
+  EXPECT_EQ(d::copy_block_bytes(1ull << 30, 4096), 4096u);
+  std::mt19937_64 rng(17);
+  constexpr std::size_t kBytes = 6 << 20;
+  static std::vector<std::uint8_t> src(kBytes), dst(kBytes + 4096);
+  for (auto& b : src) b = static_cast<std::uint8_t>(rng());
+  const std::uint64_t sizes[] = {3 << 20, 0, 1, 15, 16, 65536, 65536 + 16, 200'000, 1'000'000 + 3, 4096 * 3};
+  std::vector<d::CopyPiece> whole;
+  std::vector<std::uint8_t> want(dst.size(), 0xee);
+  std::uint64_t s_at = 0, d_at = 32;
+  for (std::uint64_t n : sizes) {
+    whole.push_back(d::CopyPiece{addr(src.data() + s_at), addr(dst.data() + d_at), n});
+    std::memcpy(want.data() + d_at, src.data() + s_at, n);
+    s_at = (s_at + n + 15) / 16 * 16 + (n % 2 == 1 ? 3 : 0);  // some sources unaligned
+    d_at = (d_at + n + 31) / 16 * 16;
+  }
+  ASSERT_LE(s_at, src.size());
+  for (std::uint64_t block : {std::uint64_t{4096}, d::kCopyPieceMin, std::uint64_t{256 << 10}, d::kCopyPieceMax}) {
+    SCOPED_TRACE("block " + std::to_string(block));
+    std::vector<d::CopyPiece> pieces;
+    d::split_copy_pieces(whole, block, &pieces);
+    std::uint64_t want_n = 0;
+    for (std::uint64_t n : sizes) want_n += (n + block - 1) / block;
+    ASSERT_EQ(pieces.size(), want_n);
+    for (const d::CopyPiece& p : pieces) ASSERT_TRUE(p.bytes > 0 && p.bytes <= block);
+    std::fill(dst.begin(), dst.end(), 0xee);
+    const d::CopyPiecesArgs args{addr(pieces.data()), pieces.size()};
+    emu::launch(7, 256, [args] { shmcast_copy_pieces(args); });
+    ASSERT_EQ(std::memcmp(dst.data(), want.data(), dst.size()), 0);
   }
 }

@@ -383,11 +383,12 @@ void Producer::Impl::write_staged(std::size_t index, const Buffer& src, void* st
 }
 
 // The tensors write_staged() recorded from GPUs: every one planned on its
-// GPU into one head buffer, the blob sizes read back at once, and room for
-// the blobs in one device buffer (d.out). end_staged() then encodes each
-// into it just before the ring copies it out (device to slot: only the
-// blobs cross PCIe), so the copies of the first blobs overlap the encoding
-// of the later ones. False, with nothing encoded and no base changed, when
+// GPU into one head buffer, the blob sizes read back at once, and their
+// places in one device buffer (out_at, d.out_bytes; d.out is allocated by
+// the caller, or laid out as the stream by mirror_blobs()). end_staged()
+// then encodes them into it just before the ring copies them out (device
+// to slot: only the blobs cross PCIe), so the copies of the first blobs
+// overlap the encoding of the later ones. False, with nothing encoded and no base changed, when
 // the planned blobs (with the host's) would take more than delta_max_ratio
 // of the tensors: the sync then goes full.
 bool Producer::Impl::plan_pending() {
@@ -451,7 +452,7 @@ bool Producer::Impl::plan_pending() {
   }
   if (static_cast<double>(d.wire + planned) > opts.delta_max_ratio * static_cast<double>(d.logical)) return false;
   d.heads = head;
-  d.out = static_cast<std::byte*>(c.buffer(1, outs, stream));
+  d.out_bytes = outs;
   d.wire += planned;
   return true;
 }
@@ -473,6 +474,11 @@ Buffer Producer::Impl::encode_one(std::size_t i) {
 // plan_pending() (nothing encoded, no base changed).
 bool Producer::Impl::encode_pending(std::vector<Buffer>* sources) {
   if (!plan_pending()) return false;
+  for (const DeltaState::Pending& p : delta.pending)
+    if (p.src != nullptr) {
+      delta.out = static_cast<std::byte*>(codec().buffer(1, delta.out_bytes, p.stream));
+      break;
+    }
   for (std::size_t i = 0; i < specs.size(); ++i) {
     const DeltaState::Pending& p = delta.pending[i];
     if (p.src == nullptr) continue;
@@ -519,6 +525,13 @@ void Producer::Impl::end_staged() {
   }
   // The blobs as the stream's pieces.
   const std::uint64_t wire = pack_blobs();
+  const bool mirror = mirror_blobs();
+  if (!mirror)
+    for (const DeltaState::Pending& p : d.pending)
+      if (p.src != nullptr) {
+        d.out = static_cast<std::byte*>(codec().buffer(1, d.out_bytes, p.stream));
+        break;
+      }
   std::vector<ManifestPiece> pieces(specs.size());
   for (std::size_t i = 0; i < specs.size(); ++i) {
     ManifestPiece& p = pieces[i];
@@ -537,6 +550,7 @@ void Producer::Impl::end_staged() {
   begin_ring(d.want, pieces);
   layout.payload_bytes = logical;
   if (test_point) test_point(TestPointArgs{TestPoint::kDeltaPlanned, version, nullptr, nullptr});
+  if (mirror) return write_mirrored();
   // Each GPU tensor's blob is encoded just before its write, except from
   // the write that completes the sync's last chunk (the first whose end
   // reaches stream_bytes: empty tensors may follow it) on: every encode
@@ -558,6 +572,101 @@ void Producer::Impl::end_staged() {
       }
       write_tensor_in_sync(i, sources[i], d.pending[i].src != nullptr ? d.pending[i].stream : nullptr, 0, kWhole);
     }
+  } catch (...) {
+    // The kernels' status is not left for a later sync's check to find.
+    try {
+      check_encodes();
+    } catch (...) {
+    }
+    throw;
+  }
+}
+
+// Whether this staged sync's blobs go out as the stream itself: the
+// tensors encoded on the GPU all on one stream (the usual case), and the
+// blobs made on the host (an empty tensor's) at most an eighth of the
+// stream. Then d.out mirrors the stream (each piece at its stream offset)
+// and write_mirrored() encodes and copies it a chunk at a time: a launch
+// and a copy per chunk, not one of each per tensor (a MoE model's
+// thousands of small tensors). Else each tensor's blob is encoded and
+// written on its own (end_staged).
+bool Producer::Impl::mirror_blobs() {
+  DeltaState& d = delta;
+  if (specs.empty() || d.pending.size() != specs.size()) return false;
+  void* stream = nullptr;
+  bool any = false;
+  std::uint64_t host = 0;
+  for (std::size_t i = 0; i < specs.size(); ++i) {
+    const DeltaState::Pending& p = d.pending[i];
+    if (p.src == nullptr) {
+      if (!d.raw_from_base[i]) host += d.blobs[i].size();
+      continue;
+    }
+    if (any && p.stream != stream) return false;
+    stream = p.stream;
+    any = true;
+  }
+  if (!any || host > stream_bytes / 8) return false;
+  for (std::size_t i = 0; i < specs.size(); ++i) d.pending[i].out_at = offsets[i];
+  d.out = static_cast<std::byte*>(codec().buffer(1, stream_bytes, stream));
+  d.mirror_stream = stream;
+  return true;
+}
+
+// A mirrored sync (mirror_blobs()): the pieces not encoded here put in
+// place first (a raw tensor's bytes from its device base, a host blob
+// uploaded), the encodes' table uploaded once; then per chunk, the blobs
+// that start in it encoded in one launch and the chunk's bytes copied from
+// d.out in one write. Every gap between pieces is zeroed (no bytes of an
+// earlier use of the buffer go out). Before the write that completes the
+// last chunk, every encode is queued and what the kernels found is read
+// (as end_staged does per tensor), so a fault throws while no consumer can
+// have the whole sync.
+void Producer::Impl::write_mirrored() {
+  DeltaState& d = delta;
+  const std::size_t n = specs.size();
+  void* const stream = d.mirror_stream;
+  delta::CudaCodec& c = codec();
+  std::vector<delta::CudaCodec::EncodeItem> items;
+  std::vector<std::size_t> tensor_of;  // items[k] encodes tensor tensor_of[k]
+  items.reserve(n);
+  tensor_of.reserve(n);
+  std::vector<std::byte> zeros;
+  try {
+    for (std::size_t i = 0; i < n; ++i) {
+      const DeltaState::Pending& p = d.pending[i];
+      const std::uint64_t size = wire_sizes[i], end = i + 1 < n ? offsets[i + 1] : stream_bytes;
+      const std::uint64_t gap = end > offsets[i] + size ? end - offsets[i] - size : 0;
+      std::byte* at = d.out + offsets[i];
+      if (p.src != nullptr) {
+        const std::uint32_t w = delta::elem_width(specs[i].dtype);
+        items.push_back({d.base[i].dev, p.src, w, specs[i].local_nbytes() / w, d.heads + p.head_at, at, size, gap});
+        tensor_of.push_back(i);
+        continue;
+      }
+      if (d.raw_from_base[i])
+        c.copy(at, d.base[i].dev, size, stream);
+      else
+        c.upload(at, d.blobs[i].data(), size, stream);  // pageable: taken when it returns
+      if (gap > 0) {
+        if (zeros.size() < gap) zeros.assign(gap, std::byte{0});
+        c.upload(at + size, zeros.data(), gap, stream);
+      }
+    }
+    c.encode_table(items, stream);
+    const std::uint64_t chunk = view.geo().slot_bytes;
+    std::size_t encoded = 0;
+    for (std::uint64_t from = 0; from < stream_bytes; from += chunk) {
+      const std::uint64_t to = stream_bytes - from < chunk ? stream_bytes : from + chunk;
+      std::size_t upto = encoded;
+      while (upto < items.size() && offsets[tensor_of[upto]] < to) ++upto;
+      if (to == stream_bytes) upto = items.size();
+      c.encode_range(encoded, upto, stream);
+      encoded = upto;
+      if (to == stream_bytes) check_encodes();
+      write_stream_range(d.out, from, to, stream);
+    }
+    next_tensor = n;
   } catch (...) {
     // The kernels' status is not left for a later sync's check to find.
     try {

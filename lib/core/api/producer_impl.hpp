@@ -142,7 +142,9 @@ struct __attribute__((visibility("hidden"))) Producer::Impl {
     std::unique_ptr<detail::delta::CudaCodec> codec;  // device bases (made on first use)
     std::vector<Pending> pending;                     // per tensor; src null: not from a GPU
     std::byte* heads = nullptr;                       // plan_pending(): the planned heads (device)
-    std::byte* out = nullptr;                         // plan_pending(): room for the blobs (device)
+    std::byte* out = nullptr;                         // the blobs' device buffer (blobs_at(), mirror_blobs())
+    std::uint64_t out_bytes = 0;                      // plan_pending(): the blobs' room, packed (out_at)
+    void* mirror_stream = nullptr;                    // mirror_blobs(): the stream every GPU tensor came on
     std::vector<bool> raw_from_base;                  // per tensor: sent as its bytes from its device base
     bool force_full = false;                          // a base changed outside the codec this sync
     int codec_ok = -1;                                // codec_usable(): -1 not asked yet
@@ -240,6 +242,9 @@ struct __attribute__((visibility("hidden"))) Producer::Impl {
   bool plan_pending();
   bool encode_pending(std::vector<detail::Buffer>* sources);
   detail::Buffer encode_one(std::size_t i);
+  bool mirror_blobs();
+  void write_mirrored();
+  void write_stream_range(const std::byte* dev, std::uint64_t from, std::uint64_t to, void* stream);
   void check_encodes();
   void delta_done();
   std::string keyframe_reason();

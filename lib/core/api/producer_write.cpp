@@ -242,6 +242,23 @@ void Producer::Impl::write_tensor_in_sync(std::size_t index, const Buffer& src, 
   complete_below(next_tensor < specs.size() ? offsets[next_tensor] : stream_bytes);
 }
 
+// Stream bytes [from, to) from `dev` (device memory laid out as the
+// stream: a mirrored delta sync's blobs), after the work queued on
+// `stream`: a copy per chunk.
+void Producer::Impl::write_stream_range(const std::byte* dev, std::uint64_t from, std::uint64_t to, void* stream) {
+  engine->begin(stream);
+  const Buffer src{const_cast<std::byte*>(dev), true, {}};
+  for (std::uint64_t pos = from; pos < to;) {
+    complete_below(pos);
+    std::uint64_t room;
+    std::byte* dst = writer.claim(pos, &room);
+    const std::uint64_t len = (to - pos) < room ? (to - pos) : room;
+    engine->copy(dst, src, pos, len);
+    pos += len;
+  }
+  complete_below(to);
+}
+
 void Producer::Impl::end_sync() {
   require_open();
   if (!in_sync) throw Error(Errc::kInvalidArgument, "end_sync() without begin_sync()");

@@ -2,7 +2,8 @@
 // contiguous range (copy_one), rows of a pitched layout (copy_rows), a piece
 // of a Strided2D tensor, a large one split across the copy streams
 // (copy_async); and, for device slots, the small device-to-device pieces a
-// lane gathers and copies in one kernel launch (add_small, flush_small).
+// lane gathers and copies in one kernel launch (add_small, flush_small:
+// split into CUDA blocks of a size chosen for the whole batch).
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -11,6 +12,7 @@
 #include "engine/cuda_lane.hpp"
 #include "engine/delta_cuda.hpp"
 #include "engine/engine.hpp"
+#include "protocol/delta_launch.hpp"
 
 namespace shmcast::detail::cuda {
 
@@ -26,8 +28,7 @@ std::uint64_t Lane::batch_bytes() {
   return v;
 }
 std::uint64_t Lane::piece_bytes() {
-  static const std::uint64_t v =
-      env_number("SHMCAST_CUDA_PIECE_BYTES", delta::kCopyPieceMax, 4u << 10, 64ull << 20, 16);
+  static const std::uint64_t v = env_number("SHMCAST_CUDA_PIECE_BYTES", 0, 4u << 10, 64ull << 20, 16);
   return v;
 }
 
@@ -38,11 +39,9 @@ bool Lane::add_small(std::byte* dst, const std::byte* src, std::uint64_t bytes) 
     small_ok_ = delta::copy_pieces_ready(nullptr) ? 1 : 0;
   }
   if (small_ok_ == 0) return false;
-  const std::uint64_t most = piece_bytes();
-  for (std::uint64_t at = 0; at < bytes; at += most) {
-    const std::uint64_t n = bytes - at < most ? bytes - at : most;
-    small_.push_back(delta::CopyPiece{dptr(src + at), dptr(dst + at), n});
-  }
+  if (bytes == 0) return true;
+  small_.push_back(delta::CopyPiece{dptr(src), dptr(dst), bytes});
+  small_bytes_ += bytes;
   if (small_.size() >= kSmallBatch) flush_small();
   return true;
 }
@@ -53,9 +52,15 @@ void Lane::flush_small() {
   // failed flush drops them (its error fails the sync they belong to),
   // never leaves them for the next flush, which would copy an old sync's
   // pieces (slots since reused, destinations since freed) into the next.
-  std::vector<delta::CopyPiece> batch;
-  batch.swap(small_);
-  small_.reserve(batch.capacity());
+  std::vector<delta::CopyPiece> whole, batch;
+  whole.swap(small_);
+  const std::uint64_t total = small_bytes_;
+  small_bytes_ = 0;
+  batch.swap(split_);  // the last table's storage
+  batch.clear();
+  // Split into CUDA blocks of a size chosen for the whole batch
+  // (copy_block_bytes: larger blocks for a larger batch).
+  delta::split_copy_pieces(whole, delta::copy_block_bytes(total, piece_bytes()), &batch);
   CtxScope scope(d_, ctx_);
   const std::uint64_t bytes = batch.size() * sizeof(delta::CopyPiece);
   if (bytes > desc_cap_) {
@@ -76,6 +81,9 @@ void Lane::flush_small() {
              kTodoAsync);
   delta::launch_copy_pieces(reinterpret_cast<const void*>(static_cast<std::uintptr_t>(desc_)), batch.size(),
                             copy_[0]);
+  split_.swap(batch);  // the storage of both, for the next flush
+  whole.clear();
+  small_.swap(whole);
 }
 
 void copy_one(Lane& lane, std::byte* s, std::byte* t, std::uint64_t bytes, const Sides& k, CUstream stream) {

@@ -253,6 +253,8 @@ void Lane::destroy() noexcept {
   desc_ = 0;
   desc_cap_ = 0;
   small_.clear();
+  small_bytes_ = 0;
+  split_.clear();
   small_ok_ = -1;
   if (order_ev_ != nullptr) (void)d_.cuEventDestroy(order_ev_);
   if (drain_ev_ != nullptr) (void)d_.cuEventDestroy(drain_ev_);

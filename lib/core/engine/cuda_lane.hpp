@@ -192,7 +192,8 @@ class Lane {
   static std::uint64_t batch_bytes();
   // The most bytes one CUDA block of the batch kernel copies (a larger
   // piece is split): SHMCAST_CUDA_PIECE_BYTES, a multiple of 16 from 4 KiB
-  // to 64 MiB, default delta::kCopyPieceMax (64 KiB).
+  // to 64 MiB; 0 when unset: chosen per launch by delta::copy_block_bytes
+  // (delta_launch.hpp), 64 KiB to 1 MiB by the batch's bytes.
   static std::uint64_t piece_bytes();
   // Whether the pieces of the current tensor may be batched: false when it
   // lives on another GPU than the lane's (the kernel could not read it).
@@ -254,7 +255,9 @@ class Lane {
   std::mutex mu_;
   std::string host_error_;
   static constexpr std::size_t kSmallBatch = 4096;  // pieces per launch at most
-  std::vector<delta::CopyPiece> small_;              // gathered, not yet launched
+  std::vector<delta::CopyPiece> small_;              // gathered whole, not yet launched
+  std::uint64_t small_bytes_ = 0;                    // their bytes
+  std::vector<delta::CopyPiece> split_;              // the last launch's table (storage kept)
   CUdeviceptr desc_ = 0;                             // their table on the device (stream 0)
   std::uint64_t desc_cap_ = 0;
   int small_ok_ = -1;                                // the kernels run here: -1 not asked yet

@@ -101,7 +101,7 @@ struct Module {
   CUfunction count[4], encode[4], validate[4], apply[4];
   CUfunction scan, checksum, finish, reset;
   CUfunction batch_reset, batch_validate, batch_apply, batch_checksum, batch_finish;
-  CUfunction batch_count, batch_scan;
+  CUfunction batch_count, batch_scan, batch_encode;
   CUfunction copy_pieces;
 };
 
@@ -159,6 +159,7 @@ const Module& module_for(const cu::Api& d, CUcontext ctx) {
   get(&mod.batch_finish, "shmcast_batch_finish");
   get(&mod.batch_count, "shmcast_batch_count");
   get(&mod.batch_scan, "shmcast_batch_scan");
+  get(&mod.batch_encode, "shmcast_batch_encode");
   get(&mod.copy_pieces, "shmcast_copy_pieces");
   return mods->emplace(ctx, mod).first->second;
 }
@@ -232,6 +233,10 @@ struct CudaCodec::Impl {
   std::vector<PlanJob> plan_jobs;  // plan_batch()'s, as last uploaded
   CUdeviceptr plan_dev = 0;        // its copy on the device
   std::uint64_t plan_cap = 0;
+  std::vector<EncodeJob> enc_jobs;  // encode_table()'s, as last uploaded
+  CUdeviceptr enc_dev = 0;          // its copy on the device, uploaded on enc_stream
+  std::uint64_t enc_cap = 0;
+  CUstream enc_stream = nullptr;
 
   // Binds to the stream's context on first use; makes it current for the scope.
   struct Use {
@@ -276,6 +281,7 @@ struct CudaCodec::Impl {
         case Kernel::kBatchFinish: return launch(m.batch_finish, grid, block, args, "batch finish");
         case Kernel::kBatchCount: return launch(m.batch_count, grid, block, args, "batch count");
         case Kernel::kBatchScan: return launch(m.batch_scan, grid, block, args, "batch scan");
+        case Kernel::kBatchEncode: return launch(m.batch_encode, grid, block, args, "batch encode");
       }
     }
   };
@@ -301,6 +307,7 @@ struct CudaCodec::Impl {
         if (b != 0) (void)d->cuMemFree(b);
       for (CUdeviceptr b : owned) (void)d->cuMemFree(b);
       if (plan_dev != 0) (void)d->cuMemFree(plan_dev);
+      if (enc_dev != 0) (void)d->cuMemFree(enc_dev);
       CUcontext popped = nullptr;
       if (push) (void)d->cuCtxPopCurrent(&popped);
     }
@@ -369,6 +376,63 @@ void CudaCodec::encode(void* base, const void* next, std::uint32_t w, std::uint6
             std::to_string(head_bytes_for(blocks)) + ")");
   Impl::Use u(*impl_, stream);
   launch_encode(u, addr(base), addr(next), w, n, addr(head), addr(out), out_bytes, u.i.scratch);
+}
+
+void CudaCodec::encode_table(const std::vector<EncodeItem>& items, void* stream) {
+  for (const EncodeItem& it : items) {  // every check encode() makes, before anything is queued
+    require_width(it.w);
+    tensor_bytes(it.w, it.n);
+    require_aligned(it.base, 8, "base");
+    require_aligned(it.next, 8, "next");
+    require_aligned(it.head, 8, "head");
+    require_aligned(it.out, 8, "out");
+    const std::uint64_t hb = head_bytes_for(block_count(it.n));
+    if (it.out_bytes < hb)
+      bad_arg("the output holds " + std::to_string(it.out_bytes) + " bytes, less than the blob's header and table (" +
+              std::to_string(hb) + ")");
+  }
+  Impl::Use u(*impl_, stream);
+  Impl& m = u.i;
+  // A launch queued on another stream may still read the old table.
+  if (m.enc_dev != 0 && m.enc_stream != u.s && !m.enc_jobs.empty())
+    SHMCAST_DCK(*m.d, m.d->cuStreamSynchronize(m.enc_stream), "waiting for the stream (cuStreamSynchronize)");
+  m.enc_jobs.clear();
+  m.enc_stream = u.s;
+  const std::uint64_t njobs = items.size(), bytes = njobs * sizeof(EncodeJob);
+  if (njobs == 0) return;
+  if (bytes > m.enc_cap) {
+    if (m.enc_dev != 0) {  // a queued launch may still read the old table
+      SHMCAST_DCK(*m.d, m.d->cuStreamSynchronize(u.s), "waiting for the stream (cuStreamSynchronize)");
+      (void)m.d->cuMemFree(m.enc_dev);
+      m.enc_dev = 0;
+      m.enc_cap = 0;
+    }
+    const std::uint64_t cap = bytes + bytes / 4;
+    SHMCAST_DCK(*m.d, m.d->cuMemAlloc(&m.enc_dev, cap), "cuMemAlloc of the encode table");
+    m.enc_cap = cap;
+  }
+  std::vector<EncodeJob> jobs(njobs);
+  for (std::uint64_t k = 0; k < njobs; ++k) {
+    const EncodeItem& it = items[k];
+    jobs[k] = EncodeJob{addr(it.base), addr(it.next), addr(it.head), addr(it.out), it.out_bytes, it.n,
+                        block_count(it.n), 0, it.pad, it.w, 0};
+  }
+  (void)number_encode_jobs(jobs.data(), njobs);
+  // From pageable memory: the upload has read the table when it returns.
+  SHMCAST_DCK(*m.d, m.d->cuMemcpyHtoDAsync(m.enc_dev, jobs.data(), bytes, u.s),
+              "cuMemcpyHtoDAsync of the encode table");
+  m.enc_jobs = std::move(jobs);
+}
+
+void CudaCodec::encode_range(std::size_t first, std::size_t last, void* stream) {
+  Impl::Use u(*impl_, stream);
+  Impl& m = u.i;
+  if (first > last || last > m.enc_jobs.size())
+    bad_arg("encode_range [" + std::to_string(first) + ", " + std::to_string(last) + ") is not within the " +
+            std::to_string(m.enc_jobs.size()) + " items of the last encode_table()");
+  if (first == last) return;
+  if (u.s != m.enc_stream) bad_arg("encode_range() on another stream than its encode_table()");
+  launch_encode_batch(u, m.enc_dev, m.enc_jobs.data(), first, last, u.i.scratch);
 }
 
 void CudaCodec::apply(const void* blob, std::uint64_t blob_bytes, std::uint32_t w, const SliceMap& map, void* dst,

@@ -85,6 +85,26 @@ class CudaCodec {
   // smaller than the blob: finish() throws kInvalidArgument, nothing written.
   void encode(void* base, const void* next, std::uint32_t w, std::uint64_t n, const void* head, void* out,
               std::uint64_t out_bytes, void* stream);
+  // encode() of many tensors, a launch per range of them (not one each,
+  // whose fixed cost dominates small tensors): encode_table() makes every
+  // check encode() makes, before anything is queued, and uploads the
+  // table of all the items in one copy on `stream`; encode_range(first,
+  // last) then encodes items [first, last) of it in one launch on the same
+  // stream (a range per chunk lets the copies of the first blobs overlap
+  // the encoding of the later ones). The same blobs, base updates and
+  // errors at finish(). The table serves until the next encode_table().
+  struct EncodeItem {
+    void* base;
+    const void* next;
+    std::uint32_t w;
+    std::uint64_t n;
+    const void* head;
+    void* out;
+    std::uint64_t out_bytes;
+    std::uint64_t pad = 0;  // bytes after out + out_bytes to zero (the gap to the next blob)
+  };
+  void encode_table(const std::vector<EncodeItem>& items, void* stream);
+  void encode_range(std::size_t first, std::size_t last, void* stream);
   // Applies `blob` (blob_bytes, in device memory) to `dst` as
   // delta::apply does on the host (the same map, the same checks). A blob
   // that fails validation writes nothing, and finish() throws kCorrupt (one

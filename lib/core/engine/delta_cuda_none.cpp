@@ -32,6 +32,8 @@ void CudaCodec::plan_batch(const std::vector<PlanItem>&, void*) { no_cuda(); }
 void CudaCodec::encode(void*, const void*, std::uint32_t, std::uint64_t, const void*, void*, std::uint64_t, void*) {
   no_cuda();
 }
+void CudaCodec::encode_table(const std::vector<EncodeItem>&, void*) { no_cuda(); }
+void CudaCodec::encode_range(std::size_t, std::size_t, void*) { no_cuda(); }
 void CudaCodec::apply(const void*, std::uint64_t, std::uint32_t, const SliceMap&, void*, std::uint64_t, bool, void*) {
   no_cuda();
 }

@@ -336,6 +336,22 @@ struct PlanBatchArgs {
   uint64_t jobs, njobs, units;
 };
 
+// A batch of encodes (CudaCodec::encode_batch): the encode of many tensors
+// in one launch instead of one each. `jobs` (device memory) holds the
+// EncodeJobs of a table numbered from its first job (number_encode_jobs:
+// a job's units are max(blocks, 1), from unit0 on); a launch covers njobs
+// of them from `jobs` on, whose units are [unit0, unit0 + units). The
+// status bits go to the codec's Scratch (`scratch`). A job's unit 0 also
+// zeroes the `pad` bytes after its blob's room (out + out_bytes on): the
+// gap to the next blob where the blobs are laid out as a stream.
+struct EncodeJob {
+  uint64_t base, next, head, out, out_bytes, n, blocks, unit0, pad;
+  uint32_t w, reserved;
+};
+struct EncodeBatchArgs {
+  uint64_t jobs, njobs, unit0, units, scratch;
+};
+
 // Not the delta format, but the same kernels' module: a batch of small
 // device-to-device copies in one launch (the CUDA engine, device slots:
 // engine/cuda_copy.cpp). `pieces` (device memory) holds n {src, dst,
@@ -346,6 +362,9 @@ struct CopyPiece {
 struct CopyPiecesArgs {
   uint64_t pieces, n;
 };
-inline constexpr uint64_t kCopyPieceMax = 64 << 10;  // the engine splits larger pieces into this much each
+// The engine splits a batch's pieces into blocks of kCopyPieceMin to
+// kCopyPieceMax bytes (copy_block_bytes, delta_launch.hpp), one CUDA block each.
+inline constexpr uint64_t kCopyPieceMin = 64 << 10;
+inline constexpr uint64_t kCopyPieceMax = 1 << 20;
 
 }  // namespace shmcast::detail::delta

@@ -10,6 +10,8 @@
 #pragma once
 
 #include <cstdint>
+#include <span>
+#include <vector>
 
 #include "protocol/delta_format.hpp"
 
@@ -17,7 +19,7 @@ namespace shmcast::detail::delta {
 
 enum class Kernel {
   kCount, kScan, kEncode, kValidate, kApply, kChecksum, kFinish, kReset,
-  kBatchReset, kBatchValidate, kBatchApply, kBatchChecksum, kBatchFinish, kBatchCount, kBatchScan
+  kBatchReset, kBatchValidate, kBatchApply, kBatchChecksum, kBatchFinish, kBatchCount, kBatchScan, kBatchEncode
 };
 
 inline constexpr std::uint64_t kMaxGrid = 32768;  // the kernels grid-stride beyond it
@@ -123,6 +125,55 @@ void launch_plan_batch(L& l, std::uint64_t jobs, std::uint64_t njobs, std::uint6
   if (njobs == 0) return;
   if (units > 0) l.launch(Kernel::kBatchCount, 0, grid_for(units), kKernelThreads, PlanBatchArgs{jobs, njobs, units});
   l.launch(Kernel::kBatchScan, 0, grid_for(njobs), kScanThreads, PlanBatchArgs{jobs, njobs, units});
+}
+
+// Numbers an encode batch's jobs (unit0; the rest filled by the caller)
+// and returns the total of encode units (max(blocks, 1) each).
+inline std::uint64_t number_encode_jobs(EncodeJob* jobs, std::uint64_t njobs) {
+  std::uint64_t u = 0;
+  for (std::uint64_t i = 0; i < njobs; ++i) {
+    jobs[i].unit0 = u;
+    u += jobs[i].blocks > 0 ? jobs[i].blocks : 1;
+  }
+  return u;
+}
+
+// Encodes jobs [first, last) of a numbered table (`table`: device memory,
+// `host`: the same jobs on the host, for their units) in one launch.
+template <class L>
+void launch_encode_batch(L& l, std::uint64_t table, const EncodeJob* host, std::uint64_t first, std::uint64_t last,
+                         std::uint64_t scratch) {
+  if (first >= last) return;
+  const EncodeJob& e = host[last - 1];
+  const std::uint64_t u0 = host[first].unit0, u1 = e.unit0 + (e.blocks > 0 ? e.blocks : 1);
+  l.launch(Kernel::kBatchEncode, 0, grid_for(u1 - u0), kKernelThreads,
+           EncodeBatchArgs{table + first * sizeof(EncodeJob), last - first, u0, u1 - u0, scratch});
+}
+
+// The batch copy (shmcast_copy_pieces; device slots, Lane::flush_small):
+// the bytes each CUDA block copies, for a batch of `total` bytes. `fixed`
+// (SHMCAST_CUDA_PIECE_BYTES) when set; else a multiple of 4 KiB that gives
+// about kCopyTargetBlocks blocks, from kCopyPieceMin to kCopyPieceMax
+// (small blocks spread a small batch over the GPU; in a large one each
+// block's fixed cost shows: on an H200, 2 x 1 GiB device slots of
+// Qwen2.5-3B all through the kernel took 10.0 ms in 64 KiB blocks, 7.6 in
+// 256 KiB, 7.7 in 1 MiB, docs/benchmarks-log.md).
+inline constexpr std::uint64_t kCopyTargetBlocks = 2048;
+inline std::uint64_t copy_block_bytes(std::uint64_t total, std::uint64_t fixed) {
+  if (fixed != 0) return fixed;
+  std::uint64_t b = (total / kCopyTargetBlocks + 4095) & ~std::uint64_t{4095};
+  if (b < kCopyPieceMin) b = kCopyPieceMin;
+  if (b > kCopyPieceMax) b = kCopyPieceMax;
+  return b;
+}
+
+// Appends `in`'s pieces to `out` split into at most `block` bytes each (a
+// multiple of 16, so that a 16-byte aligned piece's parts stay aligned);
+// an empty piece is dropped.
+inline void split_copy_pieces(std::span<const CopyPiece> in, std::uint64_t block, std::vector<CopyPiece>* out) {
+  for (const CopyPiece& p : in)
+    for (std::uint64_t at = 0; at < p.bytes; at += block)
+      out->push_back(CopyPiece{p.src + at, p.dst + at, p.bytes - at < block ? p.bytes - at : block});
 }
 
 // Throws the error that accumulated status bits stand for (nothing for 0):

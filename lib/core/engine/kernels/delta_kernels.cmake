@@ -28,7 +28,7 @@ if(SHMCAST_HAVE_CUDA)
     add_custom_command(OUTPUT ${_delta_ptx}
       COMMAND ${_delta_nvcc} -ptx -arch=${SHMCAST_DELTA_PTX_ARCH} -std=c++17 -O3
               -I${CMAKE_CURRENT_SOURCE_DIR}/core -o ${_delta_ptx} ${_delta_dir}/delta.cu
-      DEPENDS ${_delta_dir}/delta.cu ${CMAKE_CURRENT_SOURCE_DIR}/core/protocol/delta_format.hpp
+      DEPENDS ${_delta_dir}/delta.cu ${_delta_dir}/delta_batch.cuh ${CMAKE_CURRENT_SOURCE_DIR}/core/protocol/delta_format.hpp
       COMMENT "nvcc: delta kernels to PTX (${SHMCAST_DELTA_PTX_ARCH})" VERBATIM)
     add_custom_command(OUTPUT ${_delta_cpp}
       COMMAND ${CMAKE_COMMAND} -DIN=${_delta_ptx} -DOUT=${_delta_cpp} -P ${_delta_dir}/embed_ptx.cmake
