@@ -22,7 +22,8 @@
 #           DeltaGpu.* (the codec against the host's blobs: encode ranges),
 #           DeltaSyncGpu.* (delta syncs between processes: the mirrored
 #           stream), DeviceSlotsGpu.TwoConsumers* and .ManyExpert* (the batch
-#           copy), and ManyTensors.* (test_multiprocess)
+#           copy), ManyTensors.* (test_multiprocess) and GpuExpertParallel.*
+#           (test_ep_gpu: two ranks on one GPU)
 # L (LAYERS) is the number of Qwen3-30B-A3B's 48 layers taken: the delta
 # stage holds four copies of the model on the GPU (trainer's tensors and
 # delta base, engine's tensors and reference), so 8 layers (11.2 GB) on a
@@ -36,7 +37,7 @@ cd "$(dirname "$0")/../.." || exit 1
 OUT=${OUT:-/tmp/out}
 STAGES=${STAGES:-slots delta sweep prof tests}
 PIECES=${PIECES:-65536 262144 1048576}
-TESTS_RE=${TESTS_RE:-'^(DeltaGpu\.|DeltaSyncGpu\.|DeviceSlotsGpu\.(TwoConsumers|ManyExpert)|ManyTensors\.)'}
+TESTS_RE=${TESTS_RE:-'^(DeltaGpu\.|DeltaSyncGpu\.|DeviceSlotsGpu\.(TwoConsumers|ManyExpert)|ManyTensors\.|GpuExpertParallel\.)'}
 REPS=${REPS:-10}
 DELTA_PHASES=${DELTA_PHASES:-full,delta}
 # BUDGET (s, 0: none): the seconds the call has; the sweep and prof stages are
@@ -75,7 +76,7 @@ echo "GPU: $GPU -> card $CARD; first $LAYERS of 48 layers ($MOE against $DENSE)"
 targets=()
 { has slots || has sweep; } && targets+=(shmcast-device-slots-bench)
 has delta && targets+=(shmcast-delta-sync-bench)
-has tests && targets+=(test_delta_gpu test_delta_sync_gpu test_device_slots_gpu test_multiprocess)
+has tests && targets+=(test_delta_gpu test_delta_sync_gpu test_device_slots_gpu test_ep_gpu test_multiprocess)
 log "build (stages: $STAGES; targets: ${targets[*]})"
 gen=(); command -v ninja >/dev/null && gen=(-G Ninja)
 { timeout 300 cmake -S . -B $B "${gen[@]}" -DCMAKE_BUILD_TYPE=Release -DSHMCAST_WITH_CUDA=ON \
