@@ -157,10 +157,10 @@ class Producer(_Closing):
     option. quantize_filter: None (shmcast.default_quantize_filter: 2-D
     '*.weight' with both dims >= 128, not embeddings, lm_head, norms or
     routers), a callable f(name, shape) -> bool, or a model's
-    quantization_config (weight_block_size, modules_to_not_convert). The
-    quantized tensors are sent from CPU memory (engine='host' stages CUDA
-    tensors there; engine='cuda' refuses them with Unsupported: no GPU
-    kernel yet). A NaN or Inf in one fails the send (InvalidArgument naming
+    quantization_config (weight_block_size, modules_to_not_convert). CUDA
+    tensors are quantized on their GPU by the library's kernels (engine
+    'cuda'; with delta=True send them from CPU memory). A NaN or Inf in
+    one fails the send (InvalidArgument naming
     the tensor; the consumers' read of that sync gets Aborted). last_sync's
     logical_bytes counts the tensors given, payload_bytes what crossed.
     """

@@ -125,3 +125,16 @@ def test_late_joiner_of_a_store_region(region, procs):
         procs.ready(con)
         res = procs.get(con)
     assert res["problems"] == [] and res["aborted"] == []
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("quantize,ue8m0", VARIANTS)
+def test_cuda_tensors_are_quantized_on_the_gpu(region, quantize, ue8m0):
+    # The library's kernels (engine 'cuda') give the torch reference's bits.
+    named = fr.model(7)
+    with shmcast.Producer(region, slot_bytes=roles.SLOT, quantize=quantize, engine="cuda") as prod:
+        con = shmcast._shmcast.Consumer(region, pin="no")
+        prod.send([(n, t.cuda()) for n, t in named])
+        got = fr.read_raw(con, 60)
+        con.close()
+    assert fr.compare(got, fr.expected(named, ue8m0)) == []

@@ -251,9 +251,6 @@ Producer Producer::create(std::string_view name, const ProducerOptions& o) {
   const bool dev_slots = o.slot_memory == SlotMemory::kDevice;
   if (quantize_name(o.quantize).empty())
     throw Error(Errc::kInvalidArgument, "unknown quantize value " + std::to_string(static_cast<int>(o.quantize)));
-  if (o.quantize != Quantize::kNone && dev_slots)
-    throw Error(Errc::kUnsupported, "quantize-on-send writes the FP8 bytes on the host, into host slots: this "
-                                    "build has no GPU quantization kernel for device slots; use host slots");
   if (dev_slots) {
     if (store)
       throw Error(Errc::kInvalidArgument, "device slots (slot_memory = kDevice) need a ring region: a store region "

@@ -42,6 +42,7 @@
 #include "engine/cuda_vmm.hpp"
 #include "engine/delta_cuda.hpp"
 #include "engine/engine.hpp"
+#include "engine/fp8_cuda.hpp"
 #include "engine/quant.hpp"
 #include "protocol/delta.hpp"
 #include "protocol/fd_channel.hpp"
@@ -200,7 +201,8 @@ struct __attribute__((visibility("hidden"))) Producer::Impl {
     std::vector<const void*> pre_src;
     bool pre_pending = false, use_pre = false;
     detail::quant::Scales cur;
-    std::vector<std::byte> scratch;        // delta producers: one tensor's FP8 bytes
+    std::vector<std::byte> scratch;        // delta producers, device slots: one tensor's FP8 bytes
+    std::unique_ptr<detail::quant::CudaQuantizer> gpu;  // GPU tensors (made on first use)
   } quant;
   // Forwarded syncs (begin_forwarded, a relay's delta region; producer_forward.cpp)
   struct Forward {

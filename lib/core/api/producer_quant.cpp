@@ -4,9 +4,11 @@
 // (quant_specs); write(i) of such a tensor computes its block scales once,
 // then quantizes it straight into the slot bytes chunk by chunk
 // (write_tensor_in_sync with a quantizing Buffer), then writes the scales.
-// A delta producer quantizes the tensor into a scratch buffer first: the
-// codec compares the FP8 bytes with its base. The format itself is
-// engine/quant.hpp's.
+// A delta producer (and host tensors into device slots) quantizes the
+// tensor into a host scratch buffer first: the codec compares the FP8 bytes
+// with its base. GPU tensors: the kernels of engine/fp8_cuda.hpp quantize
+// into one tensor's device staging room, which the engine copies into the
+// slots chunk by chunk. The format itself is engine/quant.hpp's.
 #include <string>
 #include <string_view>
 
@@ -200,12 +202,25 @@ void Producer::Impl::write_user(std::size_t index, const Buffer& src, void* stre
     if (from != 0 || len != kWhole)
       throw Error(Errc::kInvalidArgument, "write_part() of '" + t.name + "', which is quantized: its block scales "
                                           "need every element, so write() it whole");
-    if (src.device)
-      throw Error(Errc::kUnsupported, "write_device() of '" + t.name + "', which is quantized: this build quantizes "
-                                      "host tensors only; copy it to host memory and write() it, or leave it out "
-                                      "of quantize_filter");
+    if (src.device && !engine->is_cuda())
+      throw Error(Errc::kInvalidArgument, "write_device() on a producer with the host copy engine: create it with "
+                                          "engine = CopyEngine::kCuda (or kAuto on a machine with a GPU), or copy "
+                                          "the tensor to host memory and write() it");
+    if (src.device && opts.delta)
+      throw Error(Errc::kUnsupported, "write_device() of '" + t.name + "', which is quantized, on a delta producer: "
+                                      "quantized GPU tensors are not diffed on the GPU yet; write() it from host "
+                                      "memory, or turn delta off");
     m = matrix_of(t, src.ptr, src.layout);
-    if (quant.use_pre && index < quant.pre_src.size() && quant.pre_src[index] == src.ptr && src.layout.rows == 0 &&
+    if (src.device) {
+      if (!quant.gpu) quant.gpu = std::make_unique<quant::CudaQuantizer>();
+      const std::string bad = quant.gpu->scales(m, opts.quantize, stream, &quant.cur);
+      if (!bad.empty())
+        throw Error(Errc::kInvalidArgument,
+                    "tensor '" + t.name + "' holds " + bad +
+                        ", which block FP8 cannot carry: the sync is aborted (consumers get kAborted; a store region "
+                        "keeps the last version); find where the non-finite value comes from, or leave the tensor "
+                        "out of quantize_filter");
+    } else if (quant.use_pre && index < quant.pre_src.size() && quant.pre_src[index] == src.ptr && src.layout.rows == 0 &&
         src.ptr != nullptr)
       scales = &quant.pre[index];
     else
@@ -215,8 +230,29 @@ void Producer::Impl::write_user(std::size_t index, const Buffer& src, void* stre
     throw;
   }
   const std::uint64_t elems = static_cast<std::uint64_t>(m.rows) * static_cast<std::uint64_t>(m.cols);
-  if (opts.delta) {
-    // The codec diffs bytes against its base: give it the FP8 bytes.
+  if (src.device) {
+    // The kernel quantizes the tensor into one tensor's device staging
+    // room, ordered on the caller's stream; the engine copies it into the
+    // slots chunk by chunk after that work (write_device's path), and is
+    // drained before the next tensor reuses the room.
+    std::byte* staged = nullptr;
+    try {
+      staged = quant.gpu->staging(elems);
+      quant.gpu->quantize(m, staged, 0, elems, stream);
+    } catch (const Error& e) {
+      abort(e.what(), e.code());
+      throw;
+    }
+    write_tensor(quant.at[index], Buffer{staged, true, {}}, stream);
+    try {
+      engine->drain();
+    } catch (const Error& e) {
+      abort(e.what(), e.code());
+      throw;
+    }
+  } else if (opts.delta || view.geo().device_slots) {
+    // The codec diffs bytes against its base (device slots: the engine
+    // copies host bytes H2D): give it the FP8 bytes of this tensor.
     quant.scratch.resize(elems);
     quant::quantize_elems(quant.scratch.data(), m, *scales, 0, elems);
     write_tensor(quant.at[index], Buffer{quant.scratch.data(), false, {}}, nullptr);

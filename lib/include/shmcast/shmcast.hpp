@@ -418,10 +418,13 @@ struct ProducerOptions {
   // write(i) takes tensor i of the caller's list and writes both), so
   // consumers need no option. last_sync().logical_bytes counts the caller's
   // tensors (e.g. bf16), payload_bytes what crossed the region. A tensor to
-  // quantize is written whole (write_part() is refused for it) from host
-  // memory; a NaN or Inf in it fails that write (kInvalidArgument naming the
-  // tensor; send() finds it before the sync begins, so consumers keep the
-  // last version). Host slots only, not with fill_spans() or lend_chunk().
+  // quantize is written whole (write_part() is refused for it): from host
+  // memory, quantized by host code straight into host slots; from a GPU
+  // (write_device(), the CUDA engine; not with delta), by kernels into one
+  // tensor's device staging room that the engine copies into the slots. A
+  // NaN or Inf in it fails that write (kInvalidArgument naming the tensor;
+  // send() finds it before the sync begins, so consumers keep the last
+  // version). Not with fill_spans(), lend_chunk() or begin_forwarded().
   // Sharded producers: each rank quantizes its own rows, so a shard must
   // start and (unless it is the tensor's end) end on a multiple of 128 along
   // its dim: begin_sync() refuses one that does not, naming the tensor and
