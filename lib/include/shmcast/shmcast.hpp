@@ -311,7 +311,8 @@ enum class Quantize : std::uint8_t {
   kNone,
   // amax = max |x| of the 128 x 128 block in float32, at least 1e-4;
   // q = e4m3fn(x * (448 / amax)) (round to nearest even, torch's
-  // conversion); scale_inv = amax / 448.
+  // conversion; 448 / amax in float32 as torch evaluates it, the
+  // reciprocal times 448, docs/protocol.md §14); scale_inv = amax / 448.
   kFp8Block128,
   // The same with the scale amax / 448 rounded up to a power of two (UE8M0),
   // q = e4m3fn(x * (1 / scale)), scale_inv = scale (DeepSeek-V3.1; vLLM's
