@@ -69,6 +69,8 @@ from ._torch import (  # noqa: F401
     supported_dtypes,
     torch_dtype,
 )
+from ._shmcast import default_quantize_filter  # noqa: F401,E402  (quantize-on-send's default rule)
+from ._quant import filter_from_config as quantize_filter_from_config  # noqa: F401,E402
 
 try:
     from ._version import __version__  # written by the build: project(VERSION) of CMakeLists.txt
@@ -83,4 +85,5 @@ __all__ = [
     "CudaUnavailable", "SystemFailure", "Unsupported", "NeedsFullSync",
     "cuda_available", "cuda_unavailable_reason", "region_dir", "region_path", "unlink_region", "validate_name",
     "dtype_name", "torch_dtype", "supported_dtypes", "max_delta_groups",
+    "default_quantize_filter", "quantize_filter_from_config",
 ]

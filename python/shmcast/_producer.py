@@ -13,6 +13,7 @@ from typing import Optional, Union
 
 import torch
 
+from . import _quant
 from . import _shmcast as _C
 from ._batch import gc_paused, plain_sources
 from ._dtypes import _TO_NAME
@@ -147,6 +148,21 @@ class Producer(_Closing):
     Consumers must see that GPU or reach it by peer access; others get
     shmcast.Unsupported when they open the region. No GPU: CudaUnavailable.
     slot_device_bytes says what the slots take on the GPU.
+
+    quantize='fp8-block128' or 'fp8-block128-ue8m0' (a BF16 trainer, an
+    FP8 engine; docs/protocol.md §14): the tensors quantize_filter selects
+    are sent as torch.float8_e4m3fn plus a float32 '<name>_scale_inv' of
+    shape [ceil(M/128), ceil(N/128)] right after each, the layout of a
+    block-FP8 checkpoint (weight_block_size [128, 128]); consumers need no
+    option. quantize_filter: None (shmcast.default_quantize_filter: 2-D
+    '*.weight' with both dims >= 128, not embeddings, lm_head, norms or
+    routers), a callable f(name, shape) -> bool, or a model's
+    quantization_config (weight_block_size, modules_to_not_convert). CUDA
+    tensors are quantized on their GPU by the library's kernels (engine
+    'cuda'; with delta=True send them from CPU memory). A NaN or Inf in
+    one fails the send (InvalidArgument naming
+    the tensor; the consumers' read of that sync gets Aborted). last_sync's
+    logical_bytes counts the tensors given, payload_bytes what crossed.
     """
 
     def __init__(
@@ -176,6 +192,8 @@ class Producer(_Closing):
         delta_max_ratio: Optional[float] = None,
         slot_memory: str = "host",
         slot_device: Optional[int] = None,
+        quantize: Optional[str] = None,
+        quantize_filter=None,
     ):
         self._pid = os.getpid()
         self._c = None
@@ -215,6 +233,8 @@ class Producer(_Closing):
             delta_max_ratio=delta_max_ratio,
             slot_memory=slot_memory,
             slot_device=slot_device,
+            quantize=None if quantize in (None, "none") else quantize,
+            quantize_filter=_quant.filter_arg(quantize_filter),
         )
         self.rank, self.world_size = int(rank), int(world_size)
         self._staging_budget = budget

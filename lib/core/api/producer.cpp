@@ -48,15 +48,15 @@ std::uint64_t Producer::begin_sync(std::span<const TensorSpec> tensors, std::uin
 }
 
 void Producer::write(std::size_t index, const void* src) {
-  impl_->write_tensor(index, Buffer{const_cast<void*>(src), false, {}}, nullptr);
+  impl_->write_user(index, Buffer{const_cast<void*>(src), false, {}}, nullptr);
 }
 
 void Producer::write_strided(std::size_t index, const void* src, const Strided2D& layout) {
-  impl_->write_tensor(index, Buffer{const_cast<void*>(src), false, layout}, nullptr);
+  impl_->write_user(index, Buffer{const_cast<void*>(src), false, layout}, nullptr);
 }
 
 void Producer::write_part(std::size_t index, std::uint64_t offset, const void* src, std::uint64_t bytes) {
-  impl_->write_tensor(index, Buffer{const_cast<void*>(src), false, {}}, nullptr, offset, bytes);
+  impl_->write_user(index, Buffer{const_cast<void*>(src), false, {}}, nullptr, offset, bytes);
 }
 
 void Producer::write_device(std::size_t index, const void* src, void* stream) {
@@ -64,7 +64,7 @@ void Producer::write_device(std::size_t index, const void* src, void* stream) {
 }
 
 void Producer::write_device_strided(std::size_t index, const void* src, const Strided2D& layout, void* stream) {
-  impl_->write_tensor(index, Buffer{const_cast<void*>(src), true, layout}, stream);
+  impl_->write_user(index, Buffer{const_cast<void*>(src), true, layout}, stream);
 }
 
 std::vector<std::span<std::byte>> Producer::fill_spans() { return impl_->fill_spans(); }
@@ -91,6 +91,15 @@ std::uint64_t Producer::send(std::span<const TensorSpec> tensors, std::span<cons
                             std::to_string(srcs.size()) + " sources";
     skip_sync(why, version);  // a sharded rank still takes its round: the ranks stay in step
     throw Error(Errc::kInvalidArgument, why);
+  }
+  if (impl_->quantizing()) {
+    // The scales first: a NaN or Inf fails the send with nothing announced.
+    try {
+      impl_->prescale(tensors, srcs);
+    } catch (const Error& e) {
+      skip_sync(e.what(), version);  // a sharded rank still takes its round
+      throw;
+    }
   }
   const std::uint64_t v = begin_sync(tensors, version);
   try {

@@ -249,6 +249,8 @@ Producer Producer::create(std::string_view name, const ProducerOptions& o) {
   if (o.delta && !(o.delta_max_ratio > 0.0 && o.delta_max_ratio <= 1.0))
     throw Error(Errc::kInvalidArgument, "delta_max_ratio must be in (0, 1]");
   const bool dev_slots = o.slot_memory == SlotMemory::kDevice;
+  if (quantize_name(o.quantize).empty())
+    throw Error(Errc::kInvalidArgument, "unknown quantize value " + std::to_string(static_cast<int>(o.quantize)));
   if (dev_slots) {
     if (store)
       throw Error(Errc::kInvalidArgument, "device slots (slot_memory = kDevice) need a ring region: a store region "

@@ -26,6 +26,9 @@ std::uint64_t Producer::begin_forwarded(std::span<const TensorSpec> tensors, std
                                         std::span<const std::uint8_t> is_delta) {
   Impl& m = *impl_;
   m.require_open();
+  if (m.quantizing())
+    throw Error(Errc::kInvalidArgument, "begin_forwarded() on a quantizing producer: a relay passes its upstream's "
+                                        "bytes on as they are; create it without quantize");
   if (!m.opts.delta)
     throw Error(Errc::kInvalidArgument, "begin_forwarded() passes on delta syncs: create the producer with delta");
   if (base_version != 0) {

@@ -21,6 +21,9 @@
 //                        (lend_chunk, publish_chunks)
 //   producer_delta.cpp   delta syncs (ProducerOptions::delta): the base,
 //                        keyframes, staged encoding, full-sync requests
+//   producer_quant.cpp   quantize-on-send (ProducerOptions::quantize): the
+//                        FP8 tensors and their scales in the manifest, each
+//                        write quantized into the slots
 #pragma once
 
 #include <algorithm>
@@ -39,6 +42,8 @@
 #include "engine/cuda_vmm.hpp"
 #include "engine/delta_cuda.hpp"
 #include "engine/engine.hpp"
+#include "engine/fp8_cuda.hpp"
+#include "engine/quant.hpp"
 #include "protocol/delta.hpp"
 #include "protocol/fd_channel.hpp"
 #include "protocol/ring.hpp"
@@ -183,6 +188,24 @@ struct __attribute__((visibility("hidden"))) Producer::Impl {
   // writes that many bytes); empty: the tensors' own sizes.
   std::vector<std::uint64_t> wire_sizes;
   SyncReport report;  // the last completed sync
+  // Quantize-on-send (ProducerOptions::quantize; producer_quant.cpp): the
+  // sync's manifest (specs) holds, for each tensor the filter selects, its
+  // FP8 tensor and right after it its scales; the caller writes its own list.
+  struct QuantState {
+    std::vector<TensorSpec> wire;          // the specs begin_sync() packs
+    std::vector<std::size_t> at;           // per caller tensor: its index in the manifest
+    std::vector<std::uint8_t> selected;    // per caller tensor: quantized
+    std::vector<TensorSpec> user;          // the caller's tensors of the sync in progress
+    std::uint64_t logical = 0;             // their bytes (this rank's)
+    // send()'s pass before the sync begins: each selected tensor's scales
+    // from its source (a NaN or Inf fails the send with nothing announced).
+    std::vector<detail::quant::Scales> pre;
+    std::vector<const void*> pre_src;
+    bool pre_pending = false, use_pre = false;
+    detail::quant::Scales cur;
+    std::vector<std::byte> scratch;        // delta producers, device slots: one tensor's FP8 bytes
+    std::unique_ptr<detail::quant::CudaQuantizer> gpu;  // GPU tensors (made on first use)
+  } quant;
   // Forwarded syncs (begin_forwarded, a relay's delta region; producer_forward.cpp)
   struct Forward {
     bool requested = false;  // begin_forwarded() is calling begin_sync()
@@ -257,6 +280,13 @@ struct __attribute__((visibility("hidden"))) Producer::Impl {
   bool codec_usable(void* stream);
   void base_on_host(std::size_t i);
   void base_on_device(std::size_t i, void* stream);
+
+  // ---- producer_quant.cpp: quantize-on-send
+  bool quantizing() const { return opts.quantize != Quantize::kNone; }
+  std::vector<TensorSpec> quant_specs(std::span<const TensorSpec> tensors);
+  void prescale(std::span<const TensorSpec> tensors, std::span<const void* const> srcs);
+  void write_user(std::size_t index, const detail::Buffer& src, void* stream, std::uint64_t from = 0,
+                  std::uint64_t len = kWhole);
 
   // ---- producer_forward.cpp: forwarded syncs (a relay's delta region)
   std::uint64_t begin_forward(std::uint64_t want);

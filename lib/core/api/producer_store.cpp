@@ -73,6 +73,9 @@ std::uint64_t Producer::Impl::begin_store(std::uint64_t want) {
 // tensor; end_sync() publishes it.
 std::vector<std::span<std::byte>> Producer::Impl::fill_spans() {
   require_open();
+  if (quantizing())
+    throw Error(Errc::kInvalidArgument, "fill_spans() on a quantizing producer: the region's bytes are FP8 the "
+                                        "producer writes; use write()");
   if (!view.geo().store)
     throw Error(Errc::kInvalidArgument, "fill_spans() needs a store region: a ring region's slots hold only a "
                                         "part of the sync at a time; use write()");
@@ -96,6 +99,9 @@ std::vector<std::span<std::byte>> Producer::Impl::fill_spans() {
 // publishes chunks before `end`.
 std::span<std::byte> Producer::Impl::lend_chunk(std::uint64_t c) {
   require_open();
+  if (quantizing())
+    throw Error(Errc::kInvalidArgument, "lend_chunk() on a quantizing producer: the slots' bytes are FP8 the "
+                                        "producer writes; use write()");
   if (view.geo().store)
     throw Error(Errc::kInvalidArgument, "lend_chunk() needs a ring region: a store region lends its bank with "
                                         "fill_spans()");

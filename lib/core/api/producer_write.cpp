@@ -15,6 +15,7 @@
 #include "base/checks.hpp"
 #include "base/text.hpp"
 #include "engine/engine.hpp"
+#include "engine/quant.hpp"
 #include "protocol/manifest.hpp"
 #include "protocol/ring.hpp"
 #include "protocol/rounds.hpp"
@@ -48,6 +49,17 @@ std::uint64_t Producer::Impl::begin_sync(std::span<const TensorSpec> tensors, st
                                             " is not greater than the last, " + std::to_string(version));
   }
   try {
+    if (quantizing()) {
+      // The manifest carries each selected tensor as FP8 plus its scales
+      // (producer_quant.cpp); the caller still writes its own list.
+      quant.use_pre = quant.pre_pending;  // send()'s scales, for this sync only
+      quant.pre_pending = false;
+      quant.wire = quant_specs(tensors);
+      quant.user.assign(tensors.begin(), tensors.end());
+      quant.logical = 0;
+      for (const TensorSpec& t : tensors) quant.logical += validate_spec(t).empty() ? t.local_nbytes() : 0;
+      tensors = quant.wire;
+    }
     // A region file cut by another process would SIGBUS us on its missing
     // pages: refuse cleanly when it happened between syncs (docs/reliability.md).
     if (const std::uint64_t now = view.file().size_now(); now != view.geo().total_bytes)
@@ -211,6 +223,15 @@ void Producer::Impl::write_tensor_in_sync(std::size_t index, const Buffer& src, 
     throw Error(Errc::kInvalidArgument, "null source for tensor '" + specs[index].name + "'");
   const std::uint64_t off = offsets[index];
   if (src.device) engine->begin(stream);
+  // Bytes [at, at + n) of the tensor into slot memory: copied by the engine,
+  // or (quantize-on-send) the e4m3fn codes of elements [at, at + n), written
+  // here into the host slot.
+  auto copy_in = [this](std::byte* d, const Buffer& b, std::uint64_t at, std::uint64_t n2) {
+    if (b.qm != nullptr)
+      quant::quantize_elems(d, *b.qm, *b.qs, at, n2);
+    else
+      engine->copy(d, b, at, n2);
+  };
   // Progressive fill only when every earlier byte of the chunk is final
   // once written: host copies, no async engine, no checksum to wait for.
   const bool follow = !src.device && !engine->is_cuda() && !checksums;
@@ -226,12 +247,12 @@ void Producer::Impl::write_tensor_in_sync(std::size_t index, const Buffer& src, 
       // the bytes out while they are still in the cache.
       for (std::uint64_t step = 0; step < len;) {
         const std::uint64_t n2 = len - step < kFillStep ? len - step : kFillStep;
-        engine->copy(dst + step, src, done - from + step, n2);
+        copy_in(dst + step, src, done - from + step, n2);
         step += n2;
         writer.filled_to(pos + step);
       }
     } else {
-      engine->copy(dst, src, done - from, len);
+      copy_in(dst, src, done - from, len);
     }
     done += len;
   }
@@ -292,6 +313,10 @@ void Producer::Impl::end_sync() {
     delta_done();
   else
     report = SyncReport{version, false, payload_bytes, payload_bytes};
+  if (quantizing()) {
+    report.logical_bytes = quant.logical;  // the caller's tensors (e.g. bf16); payload_bytes: what crossed
+    quant.use_pre = false;
+  }
   if (!leader()) {
     RankSeat& rs = view.rank_seat(rank);
     rs.syncs_done.fetch_add(1, std::memory_order_relaxed);
@@ -316,6 +341,7 @@ void Producer::Impl::set_error_text(Errc code, const std::string& text) {
 // Aborted. The next sync starts clean: nothing here outlives this sync.
 void Producer::Impl::abort(std::string_view why, Errc code) {
   if (!in_sync) return;
+  quant.use_pre = false;
   if (opts.delta) {
     delta.valid = false;  // the base may be ahead of what the consumers hold: the next sync is full
     if (delta.staged) {   // nothing was announced

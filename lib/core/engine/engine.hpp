@@ -14,11 +14,21 @@
 
 namespace shmcast::detail {
 
+namespace quant {
+struct Matrix;
+struct Scales;
+}  // namespace quant
+
 // Where a tensor's bytes come from (producer) or go to (consumer).
 struct Buffer {
   void* ptr = nullptr;
   bool device = false;
   Strided2D layout{};  // rows == 0: contiguous
+  // Quantize-on-send (engine/quant.hpp): the bytes to write are the e4m3fn
+  // codes of this host matrix's elements, one byte each, with these scales
+  // (the producer writes them with quant::quantize_elems, not copy()).
+  const quant::Matrix* qm = nullptr;
+  const quant::Scales* qs = nullptr;
 };
 
 // Copies bytes [offset, offset + n) of a tensor laid out as `layout` at

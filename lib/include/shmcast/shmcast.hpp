@@ -298,6 +298,47 @@ enum class SlotMemory : std::uint8_t {
             // device-to-device; the region file keeps the header, seats and manifest.
 };
 
+// ---------------------------------------------------------------- quantize-on-send
+
+// What a producer makes of the tensors its quantize filter selects
+// (ProducerOptions::quantize; docs/protocol.md §14). A selected 2-D float
+// tensor W [M, N] named P (bf16, f16 or f32) goes out as float8_e4m3fn
+// [M, N] under the same name, followed in the manifest by a new float32
+// tensor P + quantize::kScaleSuffix of shape [ceil(M/128), ceil(N/128)]:
+// the block-FP8 layout of DeepSeek-V3 and Qwen3-FP8 checkpoints, which vLLM
+// and SGLang load as `fp8` with weight_block_size [128, 128].
+enum class Quantize : std::uint8_t {
+  kNone,
+  // amax = max |x| of the 128 x 128 block in float32, at least 1e-4;
+  // q = e4m3fn(x * (448 / amax)) (round to nearest even, torch's
+  // conversion; 448 / amax in float32 as torch evaluates it, the
+  // reciprocal times 448, docs/protocol.md §14); scale_inv = amax / 448.
+  kFp8Block128,
+  // The same with the scale amax / 448 rounded up to a power of two (UE8M0),
+  // q = e4m3fn(x * (1 / scale)), scale_inv = scale (DeepSeek-V3.1; vLLM's
+  // use_ue8m0).
+  kFp8Block128Ue8m0,
+};
+namespace quantize {
+inline constexpr std::int64_t kBlock = 128;                // block rows and columns
+inline constexpr std::string_view kScaleSuffix = "_scale_inv";  // the scales' name: the tensor's name + this
+}  // namespace quantize
+// "none", "fp8-block128", "fp8-block128-ue8m0" (the Python option's values).
+SHMCAST_API std::string_view quantize_name(Quantize) noexcept;
+SHMCAST_API bool quantize_from_name(std::string_view name, Quantize* out) noexcept;
+// Which tensors a quantizing producer converts when given no filter: what
+// block-FP8 checkpoints quantize. A 2-D bf16, f16 or f32 tensor whose name
+// ends in ".weight" (or is "weight"), both dims >= 128, and whose name has
+// no component that names an embedding (contains "embed"), "lm_head", a
+// norm (contains "norm") or a router ("mlp.gate": a component "gate" right
+// after "mlp"). Biases and 1-D tensors are never selected. The shape is the
+// whole tensor's (TensorSpec::shape), not a shard's.
+SHMCAST_API bool default_quantize_filter(const TensorSpec& t);
+// Chooses the tensors to quantize, by name, dtype and (whole) shape. A
+// filter that selects a tensor that is not 2-D or not bf16/f16/f32 makes
+// begin_sync() fail (kInvalidArgument) with nothing announced.
+using QuantizeFilter = std::function<bool(const TensorSpec&)>;
+
 struct ProducerOptions {
   RegionMode mode = RegionMode::kRing;
   // kStore: room for one version's stream (store_bytes_needed(tensors), at
@@ -371,6 +412,26 @@ struct ProducerOptions {
   // with group_access the region's group (checked with SO_PEERCRED).
   SlotMemory slot_memory = SlotMemory::kHost;
   int slot_device = -1;
+  // Quantize-on-send (see Quantize): the tensors quantize_filter selects
+  // (empty: default_quantize_filter) are converted to block FP8 while they
+  // are copied into the slots, once per sync for every consumer; the
+  // manifest carries the FP8 tensor and its scales (begin_sync() adds them;
+  // write(i) takes tensor i of the caller's list and writes both), so
+  // consumers need no option. last_sync().logical_bytes counts the caller's
+  // tensors (e.g. bf16), payload_bytes what crossed the region. A tensor to
+  // quantize is written whole (write_part() is refused for it): from host
+  // memory, quantized by host code straight into host slots; from a GPU
+  // (write_device(), the CUDA engine; not with delta), by kernels into one
+  // tensor's device staging room that the engine copies into the slots. A
+  // NaN or Inf in it fails that write (kInvalidArgument naming the tensor;
+  // send() finds it before the sync begins, so consumers keep the last
+  // version). Not with fill_spans(), lend_chunk() or begin_forwarded().
+  // Sharded producers: each rank quantizes its own rows, so a shard must
+  // start and (unless it is the tensor's end) end on a multiple of 128 along
+  // its dim: begin_sync() refuses one that does not, naming the tensor and
+  // the boundary (docs/protocol.md §14).
+  Quantize quantize = Quantize::kNone;
+  QuantizeFilter quantize_filter;
 };
 
 struct ConsumerOptions {

@@ -134,6 +134,24 @@ SlotMemory parse_slot_memory(py::handle h) {
 
 const char* slot_memory_name(SlotMemory m) { return m == SlotMemory::kDevice ? "device" : "host"; }
 
+QuantizeFilter quantize_filter_arg(py::handle f) {
+  if (!PyCallable_Check(f.ptr())) throw Error(Errc::kInvalidArgument, "quantize_filter must be callable or None");
+  // The callable is released with the GIL held, whichever thread drops the
+  // producer's options last.
+  std::shared_ptr<py::object> fn(new py::object(py::reinterpret_borrow<py::object>(f)), [](py::object* o) {
+    if (!Py_IsInitialized()) return;  // at exit: leak it rather than touch a finalized interpreter
+    py::gil_scoped_acquire gil;
+    delete o;
+  });
+  return [fn](const TensorSpec& t) {
+    py::gil_scoped_acquire gil;
+    const py::object r = (*fn)(text(t.name, "surrogateescape"), shape_tuple(t.shape), py::str(std::string(dtype_name(t.dtype))));
+    const int truth = PyObject_IsTrue(r.ptr());
+    if (truth < 0) throw py::error_already_set();
+    return truth == 1;
+  };
+}
+
 int device_arg(py::handle h, const char* what) {
   if (h.is_none()) return -1;
   return int_arg<int>(h, what, -1, std::numeric_limits<int>::max());

@@ -125,6 +125,9 @@ const char* mode_name(RegionMode m);
 // 'host' | 'device' (InvalidArgument, a ValueError, otherwise).
 SlotMemory parse_slot_memory(py::handle h);
 const char* slot_memory_name(SlotMemory m);
+// quantize_filter: a Python callable f(name, shape tuple, dtype name) -> bool,
+// called with the GIL (the library calls it from begin_sync()).
+QuantizeFilter quantize_filter_arg(py::handle f);
 // A CUDA device ordinal: None or -1 -> -1 (the current device), else 0...
 int device_arg(py::handle h, const char* what);
 StallPolicy parse_stall(py::handle h);

@@ -65,6 +65,23 @@ PYBIND11_MODULE(_shmcast, m) {
   m.attr("tensor_align") = limits::kTensorAlign;
   m.attr("data_align") = limits::kDataAlign;
   m.attr("max_delta_groups") = limits::kMaxDeltaGroups;
+  // Quantize-on-send (shmcast.hpp, Quantize): the rules stay the library's.
+  m.attr("quantize_block") = quantize::kBlock;
+  m.attr("quantize_scale_suffix") = std::string(quantize::kScaleSuffix);
+  m.attr("quantize_names") = py::make_tuple(std::string(quantize_name(Quantize::kFp8Block128)),
+                                            std::string(quantize_name(Quantize::kFp8Block128Ue8m0)));
+  m.def(
+      "default_quantize_filter",
+      [](py::handle name, py::handle shape, py::handle dtype) {
+        TensorSpec t;
+        t.name = utf8_arg(name, "name", Errc::kInvalidArgument);
+        t.dtype = parse_dtype(dtype);
+        for (py::handle d : shape) t.shape.push_back(d.cast<std::int64_t>());
+        return default_quantize_filter(t);
+      },
+      py::arg("name"), py::arg("shape"), py::arg("dtype"),
+      "Whether a quantizing producer converts this tensor when given no filter (shmcast::default_quantize_filter): "
+      "2-D bf16/f16/f32 '*.weight' with both dims >= 128, not embeddings, lm_head, norms or routers (mlp.gate).");
   m.def(
       "selection_problem",
       [](py::handle tensor, py::handle selection) {

@@ -27,7 +27,8 @@ class PyProducer : Owned {
              py::handle manifest_bytes, bool group_access, bool replace_stale, bool unlink_on_close, bool checksums,
              py::handle stall_policy, py::handle consumer_timeout, py::handle pin, py::handle engine, py::handle rank,
              py::handle world_size, py::handle rank_timeout, py::handle mode, py::handle store_bytes, bool delta,
-             py::handle keyframe_every, py::handle delta_max_ratio, py::handle slot_memory, py::handle slot_device) {
+             py::handle keyframe_every, py::handle delta_max_ratio, py::handle slot_memory, py::handle slot_device,
+             py::handle quantize, py::handle quantize_filter) {
     const std::string n = region_name_arg(name);
     ProducerOptions o;
     o.mode = parse_mode(mode);
@@ -55,6 +56,13 @@ class PyProducer : Owned {
     if (!delta_max_ratio.is_none()) o.delta_max_ratio = ratio_arg(delta_max_ratio, "delta_max_ratio");
     o.slot_memory = parse_slot_memory(slot_memory);
     o.slot_device = device_arg(slot_device, "slot_device");
+    if (!quantize.is_none()) {
+      const std::string q = utf8_arg(quantize, "quantize", Errc::kInvalidArgument);
+      if (!quantize_from_name(q, &o.quantize))
+        throw Error(Errc::kInvalidArgument, "quantize must be None, 'fp8-block128' or 'fp8-block128-ue8m0', not '" +
+                                                q + "'");
+    }
+    if (!quantize_filter.is_none()) o.quantize_filter = quantize_filter_arg(quantize_filter);
     py::gil_scoped_release nogil;  // fallocate + cudaHostRegister can take a while
     p_ = std::make_unique<Producer>(Producer::create(n, o));
   }
@@ -311,7 +319,7 @@ void bind_producer(py::module_& m) {
   py::class_<PyProducer>(m, "Producer", "Low-level producer (shmcast::Producer). Pointers are ints.")
       .def(py::init<py::handle, py::handle, py::handle, py::handle, py::handle, bool, bool, bool, bool, py::handle,
                     py::handle, py::handle, py::handle, py::handle, py::handle, py::handle, py::handle,
-                    py::handle, bool, py::handle, py::handle, py::handle, py::handle>(),
+                    py::handle, bool, py::handle, py::handle, py::handle, py::handle, py::handle, py::handle>(),
            py::arg("name"), py::kw_only(), py::arg("slot_bytes") = 256ull << 20, py::arg("slots") = 2,
            py::arg("max_consumers") = 8, py::arg("manifest_bytes") = py::none(), py::arg("group_access") = false,
            py::arg("replace_stale") = true, py::arg("unlink_on_close") = true, py::arg("checksums") = false,
@@ -319,7 +327,8 @@ void bind_producer(py::module_& m) {
            py::arg("engine") = "auto", py::arg("rank") = 0, py::arg("world_size") = 1, py::arg("rank_timeout") = 120.0,
            py::arg("mode") = "ring", py::arg("store_bytes") = 0, py::arg("delta") = false,
            py::arg("keyframe_every") = 0, py::arg("delta_max_ratio") = py::none(), py::arg("slot_memory") = "host",
-           py::arg("slot_device") = py::none())
+           py::arg("slot_device") = py::none(), py::arg("quantize") = py::none(),
+           py::arg("quantize_filter") = py::none())
       .def("begin_sync", &PyProducer::begin_sync, py::arg("specs"), py::arg("version") = 0,
            "specs: sequence of (name, dtype, shape), or (name, dtype, full shape, dim, start, length) for a shard "
            "(sharded producers). version: 0 (the next), or the sync's version (greater than the last; sharded "

@@ -1,0 +1,204 @@
+// engine/ (layer 5): quantize-on-send on CUDA devices (fp8_cuda.hpp): loads
+// kFp8Ptx (kernels/fp8.cu compiled to PTX at build time) once per context
+// with cuModuleLoadDataEx through the dlopened driver, and launches its two
+// kernels on the caller's stream.
+#include "engine/fp8_cuda.hpp"
+
+#include <cuda.h>
+
+#include <algorithm>
+#include <mutex>
+#include <unordered_map>
+
+#include "engine/cuda_driver.hpp"
+#include "engine/engine.hpp"
+#include "shmcast/shmcast.hpp"
+
+namespace shmcast::detail::quant {
+
+extern const unsigned char kFp8Ptx[];
+extern const std::size_t kFp8PtxBytes;
+
+namespace {
+
+constexpr const char* kNoKernels =
+    "this shmcast was built with CUDA but without nvcc, so it has no FP8 quantize kernels: rebuild with nvcc on "
+    "PATH (or CUDAToolkit_ROOT set), or send the tensors from host memory";
+constexpr unsigned kThreads = 256;
+
+[[noreturn]] void fail(const cu::Api& d, CUresult e, const std::string& what) {
+  throw Error(Errc::kCuda, "CUDA FP8 quantize: " + what + " failed: " + cu::error_text(d, e));
+}
+#define SHMCAST_QCK(d, call, what)                  \
+  do {                                              \
+    const CUresult e_ = (call);                     \
+    if (e_ != CUDA_SUCCESS) fail((d), e_, (what));  \
+  } while (0)
+
+const cu::Api& driver() {
+  if (kFp8PtxBytes == 0) throw Error(Errc::kCudaUnavailable, kNoKernels);
+  std::string why;
+  const cu::Api* d = cu::load(&why);
+  if (d == nullptr) throw Error(Errc::kCudaUnavailable, "CUDA is unavailable: " + why);
+  return *d;
+}
+
+CUdeviceptr dptr(const void* p) { return static_cast<CUdeviceptr>(reinterpret_cast<std::uintptr_t>(p)); }
+
+struct Module {
+  CUfunction scales = nullptr, quantize = nullptr;
+};
+
+// Loads the PTX into `ctx` (current) once per process; never unloaded.
+const Module& module_for(const cu::Api& d, CUcontext ctx) {
+  static std::mutex* const mu = new std::mutex;  // leaked: used until exit
+  static auto* const mods = new std::unordered_map<CUcontext, Module>;
+  std::lock_guard<std::mutex> lock(*mu);
+  const auto it = mods->find(ctx);
+  if (it != mods->end()) return it->second;
+  char log[4096] = {0};
+  CUjit_option opts[2] = {CU_JIT_ERROR_LOG_BUFFER, CU_JIT_ERROR_LOG_BUFFER_SIZE_BYTES};
+  void* vals[2] = {log, reinterpret_cast<void*>(static_cast<std::uintptr_t>(sizeof log - 1))};
+  CUmodule m = nullptr;
+  const CUresult e = d.cuModuleLoadDataEx(&m, kFp8Ptx, 2, opts, vals);
+  if (e != CUDA_SUCCESS)
+    throw Error(Errc::kCudaUnavailable, "CUDA FP8 quantize: loading its kernels (cuModuleLoadDataEx of the built-in "
+                                        "PTX) failed: " + cu::error_text(d, e) +
+                                            "; the driver may be older than the nvcc that built shmcast" +
+                                            (log[0] != 0 ? "; JIT log: " + std::string(log) : std::string()));
+  Module mod;
+  SHMCAST_QCK(d, d.cuModuleGetFunction(&mod.scales, m, "shmcast_fp8_block_scales"), "cuModuleGetFunction");
+  SHMCAST_QCK(d, d.cuModuleGetFunction(&mod.quantize, m, "shmcast_fp8_quantize"), "cuModuleGetFunction");
+  return mods->emplace(ctx, mod).first->second;
+}
+
+}  // namespace
+
+bool cuda_quantize_available(std::string* why) {
+  if (kFp8PtxBytes == 0) {
+    if (why) *why = kNoKernels;
+    return false;
+  }
+  return cuda_present(why);
+}
+
+struct CudaQuantizer::Impl {
+  const cu::Api* d = nullptr;
+  CUcontext ctx = nullptr;
+  const Module* mod = nullptr;
+  CUdeviceptr scale_inv = 0, mult = 0, bad = 0, stage = 0;
+  std::uint64_t scale_room = 0, mult_room = 0, stage_room = 0;
+  std::int64_t bcols = 0;
+
+  // Binds to the stream's context on first use; every later call must use
+  // a stream of the same context.
+  void bind(void* stream) {
+    if (d == nullptr) d = &driver();
+    CUcontext c = nullptr;
+    if (stream != nullptr)
+      SHMCAST_QCK(*d, d->cuStreamGetCtx(static_cast<CUstream>(stream), &c), "cuStreamGetCtx");
+    else
+      SHMCAST_QCK(*d, d->cuCtxGetCurrent(&c), "cuCtxGetCurrent");
+    if (c == nullptr) throw Error(Errc::kCuda, "CUDA FP8 quantize: no CUDA context for the stream");
+    if (ctx == nullptr) {
+      ctx = c;
+      cu::CtxScope scope(*d, ctx);
+      mod = &module_for(*d, ctx);
+      SHMCAST_QCK(*d, d->cuMemAlloc(&bad, 8), "cuMemAlloc");
+    } else if (c != ctx) {
+      throw Error(Errc::kInvalidArgument, "CUDA FP8 quantize: a stream of another context than the first one's");
+    }
+  }
+  void grow(CUdeviceptr* p, std::uint64_t* room, std::uint64_t bytes) {
+    if (bytes <= *room) return;
+    if (*p != 0) (void)d->cuMemFree(*p);
+    *p = 0;
+    *room = 0;
+    SHMCAST_QCK(*d, d->cuMemAlloc(p, bytes), "cuMemAlloc(" + std::to_string(bytes) + " bytes)");
+    *room = bytes;
+  }
+  ~Impl() {
+    if (d == nullptr || ctx == nullptr) return;
+    try {
+      cu::CtxScope scope(*d, ctx);
+      for (CUdeviceptr p : {scale_inv, mult, bad, stage})
+        if (p != 0) (void)d->cuMemFree(p);
+    } catch (...) {
+    }
+  }
+};
+
+CudaQuantizer::CudaQuantizer() : impl_(std::make_unique<Impl>()) {}
+CudaQuantizer::~CudaQuantizer() = default;
+
+std::string CudaQuantizer::scales(const Matrix& m, Quantize q, void* stream, Scales* out) {
+  Impl& s = *impl_;
+  s.bind(stream);
+  const cu::Api& d = *s.d;
+  cu::CtxScope scope(d, s.ctx);
+  out->brows = blocks(m.rows);
+  out->bcols = blocks(m.cols);
+  const std::uint64_t nb = static_cast<std::uint64_t>(out->brows) * static_cast<std::uint64_t>(out->bcols);
+  out->scale_inv.assign(nb, 0.0f);
+  out->mult.assign(nb, 0.0f);
+  s.bcols = out->bcols;
+  if (nb == 0) return {};
+  if (out->brows > 65535)
+    throw Error(Errc::kUnsupported, "CUDA FP8 quantize: more than 65535 row blocks (8 M rows); send it from host memory");
+  s.grow(&s.scale_inv, &s.scale_room, nb * 4);
+  s.grow(&s.mult, &s.mult_room, nb * 4);
+  CUstream st = static_cast<CUstream>(stream);
+  static const unsigned long long kNone = ~0ull;  // outlives the copy
+  SHMCAST_QCK(d, d.cuMemcpyHtoDAsync(s.bad, &kNone, 8, st), "cuMemcpyHtoDAsync");
+  CUdeviceptr src = dptr(m.base), si = s.scale_inv, mu = s.mult, bad = s.bad;
+  int dtype = static_cast<int>(m.dtype), ue8m0 = q == Quantize::kFp8Block128Ue8m0 ? 1 : 0;
+  long long rows = m.rows, cols = m.cols;
+  unsigned long long pitch = m.pitch;
+  void* params[] = {&src, &dtype, &rows, &cols, &pitch, &ue8m0, &si, &mu, &bad};
+  SHMCAST_QCK(d,
+              d.cuLaunchKernel(s.mod->scales, static_cast<unsigned>(out->bcols), static_cast<unsigned>(out->brows), 1,
+                               kThreads, 1, 1, 0, st, params, nullptr),
+              "launching the block-scales kernel");
+  unsigned long long first_bad = 0;
+  SHMCAST_QCK(d, d.cuMemcpyDtoHAsync(out->scale_inv.data(), s.scale_inv, nb * 4, st), "cuMemcpyDtoHAsync");
+  SHMCAST_QCK(d, d.cuMemcpyDtoHAsync(out->mult.data(), s.mult, nb * 4, st), "cuMemcpyDtoHAsync");
+  SHMCAST_QCK(d, d.cuMemcpyDtoHAsync(&first_bad, s.bad, 8, st), "cuMemcpyDtoHAsync");
+  SHMCAST_QCK(d, d.cuStreamSynchronize(st), "cuStreamSynchronize");
+  if (first_bad == kNone) return {};
+  const std::uint64_t i = first_bad - 1;
+  const std::int64_t br = static_cast<std::int64_t>(i / static_cast<std::uint64_t>(out->bcols)),
+                     bc = static_cast<std::int64_t>(i % static_cast<std::uint64_t>(out->bcols));
+  return "NaN or Inf in the block at rows [" + std::to_string(br * quantize::kBlock) + ", " +
+         std::to_string(std::min(m.rows, (br + 1) * quantize::kBlock)) + "), columns [" +
+         std::to_string(bc * quantize::kBlock) + ", " + std::to_string(std::min(m.cols, (bc + 1) * quantize::kBlock)) +
+         ")";
+}
+
+void CudaQuantizer::quantize(const Matrix& m, std::byte* dst, std::uint64_t first, std::uint64_t n, void* stream) {
+  if (n == 0) return;
+  Impl& s = *impl_;
+  s.bind(stream);
+  const cu::Api& d = *s.d;
+  cu::CtxScope scope(d, s.ctx);
+  CUdeviceptr src = dptr(m.base), mu = s.mult, out = dptr(dst);
+  int dtype = static_cast<int>(m.dtype);
+  long long rows = m.rows, cols = m.cols, bcols = s.bcols;
+  unsigned long long pitch = m.pitch, f = first, count = n;
+  void* params[] = {&src, &dtype, &rows, &cols, &pitch, &mu, &bcols, &out, &f, &count};
+  const std::uint64_t want = (n + kThreads - 1) / kThreads;
+  const unsigned grid = static_cast<unsigned>(std::min<std::uint64_t>(want, 8192));
+  SHMCAST_QCK(d,
+              d.cuLaunchKernel(s.mod->quantize, grid, 1, 1, kThreads, 1, 1, 0, static_cast<CUstream>(stream), params,
+                               nullptr),
+              "launching the quantize kernel");
+}
+
+std::byte* CudaQuantizer::staging(std::uint64_t bytes) {
+  Impl& s = *impl_;
+  if (s.ctx == nullptr) throw Error(Errc::kInvalidArgument, "CUDA FP8 quantize: staging() before scales()");
+  cu::CtxScope scope(*s.d, s.ctx);
+  s.grow(&s.stage, &s.stage_room, bytes == 0 ? 1 : bytes);
+  return reinterpret_cast<std::byte*>(static_cast<std::uintptr_t>(s.stage));
+}
+
+}  // namespace shmcast::detail::quant

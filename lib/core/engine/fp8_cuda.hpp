@@ -1,0 +1,52 @@
+// engine/ (layer 5): quantize-on-send on CUDA devices: the block scales and
+// the e4m3fn codes of a GPU tensor, made by kernels (kernels/fp8.cu, carried
+// as PTX and loaded through the dlopened driver, cuda_driver.hpp) with the
+// same bits as the host path (quant_host.cpp).
+//
+// A quantizer is bound to the context of the first stream it is used with
+// and owns device memory there (the scales, a flag, one tensor's staging
+// room); not thread-safe. Calls enqueue on the caller's stream (a
+// cudaStream_t of the device's primary context; nullptr: the legacy default
+// stream); scales() waits for it, as its caller must know of a NaN before it
+// writes anything.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "engine/quant.hpp"
+
+namespace shmcast::detail::quant {
+
+// Whether GPU quantization can run here: built with its kernels, a driver
+// and a device present. `why` says why not.
+bool cuda_quantize_available(std::string* why);
+
+class CudaQuantizer {
+ public:
+  CudaQuantizer();
+  ~CudaQuantizer();  // frees its device memory (the caller waited for the work it enqueued)
+  CudaQuantizer(const CudaQuantizer&) = delete;
+  CudaQuantizer& operator=(const CudaQuantizer&) = delete;
+
+  // The block scales of `m` (m.base: device memory) into `out` (host
+  // copies of scale_inv and mult), on `stream`, which it then waits for.
+  // Returns "" or where a NaN or Inf is ("NaN or Inf in the block at rows
+  // [r0, r1), columns [c0, c1)").
+  std::string scales(const Matrix& m, Quantize q, void* stream, Scales* out);
+  // Enqueues the codes of elements [first, first + n) of `m` into `dst`
+  // (device memory, or pinned host memory the device maps) on `stream`,
+  // with the scales of the last scales() call (of the same matrix).
+  void quantize(const Matrix& m, std::byte* dst, std::uint64_t first, std::uint64_t n, void* stream);
+  // Device memory of at least `bytes` in the quantizer's context, valid
+  // until the next call: room for one tensor's FP8 bytes.
+  std::byte* staging(std::uint64_t bytes);
+
+  struct Impl;
+
+ private:
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace shmcast::detail::quant

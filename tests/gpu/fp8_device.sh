@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# Quantize-on-send (issue 44) on the lent GPU machine, one GPU, in one call:
+#   run: bash tests/gpu/fp8_device.sh      carry: [".deb"]      (about 5-8 minutes)
+# Builds the CUDA tree (the library with its FP8 kernels, the tests, the
+# Python module), then, per STAGES (default "tests python bench"):
+#   tests   test_fp8_gpu (the kernels against the host path, bit for bit;
+#           CUDA tensors through host and device slots into a consumer
+#           process), test_quant and test_quant_sync (the host path)
+#   python  python/tests/test_fp8.py (with a torch that has float8_e4m3fn:
+#           receive() yields float8 tensors equal to torch's own conversion)
+#   bench   Fp8Gpu.Bench: Qwen2.5-3B shapes, BF16 against FP8 syncs through
+#           host and device slots (bytes, sync time min/median/max over REPS,
+#           default 10), and the quantize kernels' rate against a D2D copy
+# Logs under $OUT (at most 6 files): fp8-device.log (everything, with the
+# FP8BENCH lines), build.log, fp8_bench.jsonl.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+OUT=${OUT:-/tmp/out}
+STAGES=${STAGES:-tests python bench}
+mkdir -p "$OUT"
+exec > >(tee -a "$OUT/fp8-device.log") 2>&1
+log() { echo "== $(date +%T) $*"; }
+has() { [[ " $STAGES " == *" $1 "* ]]; }
+source scripts/device-env.sh >/dev/null
+PY=$(command -v python3)
+PB=$($PY -m pybind11 --cmakedir 2>/dev/null)
+B=/tmp/shmcast-fp8
+nvidia-smi --query-gpu=index,name,driver_version,memory.total --format=csv,noheader
+$PY -c "import torch; print('torch', torch.__version__, 'float8_e4m3fn', hasattr(torch, 'float8_e4m3fn'))" 2>&1
+log "build (stages: $STAGES)"
+gen=(); command -v ninja >/dev/null && gen=(-G Ninja)
+{ timeout 400 cmake -S . -B $B "${gen[@]}" -DCMAKE_BUILD_TYPE=Release -DSHMCAST_WITH_CUDA=ON \
+    -DCUDAToolkit_ROOT=/usr/local/cuda -DSHMCAST_BUILD_PYTHON=ON -DPython3_EXECUTABLE="$PY" \
+    ${PB:+-Dpybind11_DIR=$PB} -DSHMCAST_BUILD_RELAY=OFF \
+  && timeout 400 cmake --build $B -j"$(nproc)" --target test_fp8_gpu test_quant test_quant_sync _shmcast; } \
+  >"$OUT/build.log" 2>&1 || { grep -E "error|Error" -A3 "$OUT/build.log" | head -40; exit 1; }
+grep -E "FP8 quantize CUDA kernels" "$OUT/build.log"
+export PYTHONPATH=$B/python${PYTHONPATH:+:$PYTHONPATH}
+if has tests; then
+  log "tests: test_fp8_gpu (GPU), test_quant, test_quant_sync (host path)"
+  timeout 300 $B/tests/gpu/test_fp8_gpu --gtest_filter='-Fp8Gpu.Bench' 2>&1 | tail -12
+  timeout 60 $B/tests/test_quant 2>&1 | tail -3
+  timeout 200 $B/tests/test_quant_sync 2>&1 | tail -3
+fi
+if has python; then
+  log "pytest: test_fp8.py"
+  (cd $B/python && timeout 200 $PY -m pytest -q -ra -p no:cacheprovider "$OLDPWD"/python/tests/test_fp8.py 2>&1 | tail -8)
+fi
+if has bench; then
+  log "bench: Fp8Gpu.Bench (Qwen2.5-3B shapes, REPS=${REPS:-10})"
+  SHMCAST_FP8_BENCH=1 SHMCAST_FP8_BENCH_REPS=${REPS:-10} timeout 420 $B/tests/gpu/test_fp8_gpu \
+    --gtest_filter=Fp8Gpu.Bench 2>&1 | tee "$OUT/bench.raw" | grep -E "FP8BENCH|OK|FAILED|Failure|child" | head -20
+  grep -h '^FP8BENCH ' "$OUT/bench.raw" | sed 's/^FP8BENCH //' > "$OUT/fp8_bench.jsonl"
+  rm -f "$OUT/bench.raw"
+fi
+log done
