@@ -16,6 +16,7 @@
 #include <random>
 #include <thread>
 
+#include "protocol/rounds.hpp"  // detail::test_point: a throw out of the sync, in end_sync()
 #include "shmcast/shmcast.hpp"
 #include "delta_sync_support.hpp"
 #include "support.hpp"
@@ -404,6 +405,43 @@ TEST(DeltaSync, ProducerAndConsumerReportsAgreeOnEverySync) {
     ASSERT_EQ(rgot, rd) << "update " << u;
     EXPECT_FALSE(agree("c128", u)) << "update " << u << ": no blob, so a full sync";
   }
+}
+
+// A throw while end_sync() is out of the sync (the blobs packed, before the
+// ring: where a device buffer that cannot be allocated throws) forgets the
+// base as abort() does: the bases already hold the unsent version, so the
+// next sync is full, never a delta against a base the consumers do not
+// hold. Read with verify_checksums off, where such a delta would pass.
+TEST(DeltaSync, AThrowOutOfTheSyncInEndSyncMakesTheNextSyncFull) {
+  RegionDir dir{"delta"};
+  const std::string name = unique_name("deltagap");
+  RegionGuard guard{name};
+  Producer p = Producer::create(name, delta_opts());
+  ConsumerOptions co = copts();
+  co.verify_checksums = false;
+  Consumer c = Consumer::open(name, co);
+  Model m{false};
+  Dsts d{m};
+  for (std::uint64_t v = 1; v <= 2; ++v) {
+    if (v > 1) m.step(v);
+    send(p, m);
+    c.wait_sync(10s);
+    c.read_into(d.ptrs);
+    ASSERT_TRUE(d.equals(m)) << "version " << v;
+  }
+  ASSERT_TRUE(p.last_sync().delta);
+  m.step(3);
+  detail::test_point = [](const detail::TestPointArgs& a) {
+    if (a.at == detail::TestPoint::kDeltaOutOfSync) throw Error(Errc::kCuda, "test: no device buffer for the blobs");
+  };
+  EXPECT_EQ(code_of([&] { send(p, m); }), Errc::kCuda);
+  detail::test_point = nullptr;
+  m.step(4);
+  send(p, m);
+  EXPECT_FALSE(p.last_sync().delta) << "a delta against a base the consumers do not hold";
+  EXPECT_EQ(c.wait_sync(10s).version, p.last_sync().version);
+  c.read_into(d.ptrs);
+  EXPECT_TRUE(d.equals(m));
 }
 
 // An aborted sync leaves the producer's base ahead of the consumers: the

@@ -502,6 +502,11 @@ void Producer::Impl::end_staged() {
   const bool planned = !d.force_full && plan_pending();
   in_sync = false;  // begin_ring sets it again
   d.staged = false;
+  // Out of the sync until begin_ring(), where abort() does nothing: a throw
+  // meanwhile (a device buffer that cannot be allocated) needs nothing
+  // more, as keyframe_reason() cleared d.valid at begin_sync() and only
+  // delta_done() sets it: the next sync is full (test:
+  // DeltaSync.AThrowOutOfTheSyncInEndSyncMakesTheNextSyncFull).
   const bool no_pay =
       !planned || static_cast<double>(d.wire) > opts.delta_max_ratio * static_cast<double>(d.logical);
   if (d.force_full || no_pay || seat_wants_full()) {
@@ -525,6 +530,7 @@ void Producer::Impl::end_staged() {
   }
   // The blobs as the stream's pieces.
   const std::uint64_t wire = pack_blobs();
+  if (test_point) test_point(TestPointArgs{TestPoint::kDeltaOutOfSync, version, nullptr, nullptr});
   const bool mirror = mirror_blobs();
   if (!mirror)
     for (const DeltaState::Pending& p : d.pending)

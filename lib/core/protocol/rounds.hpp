@@ -187,6 +187,7 @@ enum class TestPoint {
   kAbandonWon,          // any rank, abort: it won abandon(n), before it writes the reason
   kAwaitReason,         // any rank: round n is abandoned by another rank, waiting for its reason
   kDeltaPlanned,        // a delta producer, end_staged: its GPU tensors planned, before their encodes (round: version)
+  kDeltaOutOfSync,      // a delta producer, end_staged: out of the sync (bases final, blobs packed), before begin_ring
 };
 struct TestPointArgs {
   TestPoint at;
