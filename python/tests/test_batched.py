@@ -316,6 +316,26 @@ def test_sync_info_tensors_made_on_first_use(region):
         assert tensors[7] == ("w.7", "f32", (2,), 8, tensors[7][4])
 
 
+def test_sync_info_tensors_cannot_be_reordered_or_shortened(region):
+    """SyncInfo.tensors is one object shared by every copy of the SyncInfo,
+    and the batched read looks the names up in it: it is a tuple, so no
+    caller can reorder it (pairing destinations with other tensors' bytes)
+    or shorten it (a read past its end). Then read_into() still pairs
+    every destination with its own tensor's bytes."""
+    with shmcast.Producer(region, slot_bytes=SLOT) as prod, shmcast.Consumer(region) as cons:
+        src = {"a": torch.full((4,), 1.0), "b": torch.full((4,), 2.0)}
+        prod.send(src)
+        info = cons.wait_sync(5)
+        assert isinstance(info.tensors, tuple)
+        with pytest.raises(AttributeError):
+            info.tensors.reverse()
+        with pytest.raises(AttributeError):
+            info.tensors.pop()
+        dst = _zeros_like(src)
+        assert cons.read_into(dst, strict=False) == info.version
+        assert torch.equal(dst["a"], src["a"]) and torch.equal(dst["b"], src["b"])
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("batch_cuda", [False, True])
 def test_batched_paths_on_one_gpu(region, monkeypatch, batch_cuda):

@@ -172,7 +172,7 @@ struct PySync {
     std::vector<std::uint64_t> nbytes, offsets;
     std::vector<std::int64_t> dims;         // every shape, back to back
     std::vector<std::size_t> dims_end;      // shape i is dims[dims_end[i - 1], dims_end[i])
-    py::object list;                        // once made: [(name, dtype, shape, nbytes, stream_offset)]
+    py::object list;                        // once made: a tuple ((name, dtype, shape, nbytes, stream_offset), ...)
 
     std::size_t size() const { return dtypes.size(); }
     std::string_view name(std::size_t i) const {
@@ -185,7 +185,7 @@ struct PySync {
     }
   };
   std::shared_ptr<Flat> flat = std::make_shared<Flat>();
-  // [(name, dtype, shape, nbytes, stream_offset)], made on first use.
+  // ((name, dtype, shape, nbytes, stream_offset), ...), made on first use.
   py::object tensors() const;
 
   struct Pieces {

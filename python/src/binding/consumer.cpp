@@ -129,13 +129,16 @@ PySync PySync::from(const SyncInfo& s) {
   return p;
 }
 
-// One tuple per tensor, built with the C API, once per sync.
+// One tuple per tensor, built with the C API, once per sync, in a tuple:
+// immutable, as every SyncInfo copy shares it and the batched read looks
+// the names up in it (a list a caller reordered or shortened would pair
+// destinations with other tensors' bytes, or be read past its end).
 py::object PySync::tensors() const {
   Flat& f = *flat;
   if (f.list) return f.list;
   GcPaused paused;
   const auto n = static_cast<Py_ssize_t>(f.size());
-  py::list out = py::reinterpret_steal<py::list>(checked(PyList_New(n)));
+  py::tuple out = py::reinterpret_steal<py::tuple>(checked(PyTuple_New(n)));
   for (Py_ssize_t i = 0; i < n; ++i) {
     const auto k = static_cast<std::size_t>(i);
     const std::string_view nm = f.name(k);
@@ -173,7 +176,7 @@ py::object PySync::tensors() const {
       Py_XDECREF(off);
       throw py::error_already_set();
     }
-    PyList_SET_ITEM(out.ptr(), i, tuple_of(name, dt, shape, nbytes, off));
+    PyTuple_SET_ITEM(out.ptr(), i, tuple_of(name, dt, shape, nbytes, off));
   }
   f.list = std::move(out);
   return f.list;
@@ -406,8 +409,8 @@ void bind_sync_info(py::module_& m) {
       .def_property_readonly("delta", [](const PySync& s) { return s.base_version != 0; },
                              "True for a delta sync (base_version != 0)")
       .def_property_readonly("tensors", &PySync::tensors,
-                             "list of (name, dtype, shape, nbytes, stream_offset) (made on first use, then the same "
-                             "list)")
+                             "tuple of (name, dtype, shape, nbytes, stream_offset) (made on first use, then the same "
+                             "tuple)")
       .def_readonly("world_size", &PySync::world_size, "producer ranks that wrote the sync")
       .def_property_readonly("pieces", &PySync::pieces,
                     "per tensor, its pieces: [(rank, dim, start, length, nbytes)] (dim -1: the whole tensor)")

@@ -206,6 +206,7 @@ py::object plain_destinations(const PySync& info, py::handle dsts_arg, bool stri
   if (n == 0 || (strict && PyDict_GET_SIZE(dsts) != static_cast<Py_ssize_t>(n))) return py::none();
   // The names as Python strs: those of SyncInfo.tensors once it is made
   // (their hashes kept), else made here one at a time.
+  // (SyncInfo.tensors is a tuple: nobody can reorder or shorten it.)
   PyObject* list = flat.list ? flat.list.ptr() : nullptr;
   GcPaused paused;
   PyPlain out;
@@ -215,7 +216,7 @@ py::object plain_destinations(const PySync& info, py::handle dsts_arg, bool stri
   for (std::size_t i = 0; i < n; ++i) {
     PyObject* d;
     if (list) {
-      d = PyDict_GetItemWithError(dsts, PyTuple_GET_ITEM(PyList_GET_ITEM(list, static_cast<Py_ssize_t>(i)), 0));
+      d = PyDict_GetItemWithError(dsts, PyTuple_GET_ITEM(PyTuple_GET_ITEM(list, static_cast<Py_ssize_t>(i)), 0));
     } else {
       const std::string_view nm = flat.name(i);
       PyObject* name = PyUnicode_DecodeUTF8(nm.data(), static_cast<Py_ssize_t>(nm.size()), nullptr);
@@ -227,7 +228,10 @@ py::object plain_destinations(const PySync& info, py::handle dsts_arg, bool stri
       if (PyErr_Occurred()) throw py::error_already_set();
       return py::none();  // no destination: strict or not, the per-tensor path decides
     }
-    if (!plain_tensor(a, d, dev, batch_cuda, s)) return py::none();
+    // A strong reference while torch's getters run (they may run Python
+    // code that changes the dict).
+    const py::object held = py::reinterpret_borrow<py::object>(d);
+    if (!plain_tensor(a, held.ptr(), dev, batch_cuda, s)) return py::none();
     const auto code = static_cast<std::size_t>(flat.dtypes[i]);
     if (code >= a.from_code.size() || !a.from_code[code] || s.dtype.ptr() != a.from_code[code]) return py::none();
     if (!same_shape(s.shape.ptr(), flat.shape(i))) return py::none();
