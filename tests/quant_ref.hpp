@@ -1,6 +1,7 @@
 // Tests of quantize-on-send: an independent reference of the block-FP8
-// format, written from its definition (issue 44; DeepGEMM's
-// per_block_cast_to_fp8 as CPU torch evaluates it), not from the library's
+// format, written from its definition (issue 44's formula, x * (448 / amax),
+// as CPU torch evaluates it: vLLM's and SGLang's test utilities; DeepGEMM's
+// current per_block_cast_to_fp8 divides by amax / 448), not from the library's
 // code: the e4m3fn conversion picks the nearest of the 127 finite values
 // by search (ties to the even code), the UE8M0 scale comes from frexp, and
 // the blocks are walked over a zero-padded copy.
