@@ -431,7 +431,7 @@ struct ProducerOptions {
   // its dim: begin_sync() refuses one that does not, naming the tensor and
   // the boundary (docs/protocol.md §14).
   Quantize quantize = Quantize::kNone;
-  QuantizeFilter quantize_filter;
+  QuantizeFilter quantize_filter{};
 };
 
 struct ConsumerOptions {
