@@ -28,22 +28,30 @@ def _config_dict(config) -> dict:
 def filter_from_config(config):
     """The filter of a model's quantization_config (a dict, or an object
     with those attributes): the library's default rule, less the modules
-    named in modules_to_not_convert (or ignored_layers), each matched as a
-    part of the tensor's name. weight_block_size must be [128, 128]."""
+    named in modules_to_not_convert (or ignored_layers), each matched as
+    whole dot-separated parts of the tensor's name ("model.layers.1" skips
+    layer 1, not layers 10-19; "self_attn.o_proj" every layer's o_proj).
+    weight_block_size must be [128, 128]; a config without it (per-tensor
+    FP8, whose engine takes no block scales) is refused."""
     cfg = _config_dict(config)
     method = cfg.get("quant_method")
     if method not in (None, "fp8"):
         raise ValueError(f"quantization_config has quant_method {method!r}: shmcast quantizes to block 'fp8' only")
     block = cfg.get("weight_block_size")
-    if block is not None and [int(b) for b in block] != [BLOCK, BLOCK]:
+    if block is None:
+        raise ValueError("quantization_config has no weight_block_size: a per-tensor FP8 engine takes no block "
+                         f"scales; shmcast sends [{BLOCK}, {BLOCK}] blocks (weight_block_size [{BLOCK}, {BLOCK}])")
+    if [int(b) for b in block] != [BLOCK, BLOCK]:
         raise ValueError(f"quantization_config has weight_block_size {list(block)}: shmcast quantizes in "
                          f"[{BLOCK}, {BLOCK}] blocks only")
-    skip = [str(m) for m in (cfg.get("modules_to_not_convert") or cfg.get("ignored_layers") or []) if m]
+    skip = [f".{str(m).strip('.')}." for m in (cfg.get("modules_to_not_convert") or cfg.get("ignored_layers") or [])
+            if str(m).strip(".")]
 
     def keep(name: str, shape: tuple, dtype: str) -> bool:
         if not _C.default_quantize_filter(name, shape, dtype):
             return False
-        return not any(m in name for m in skip)
+        dotted = f".{name}."
+        return not any(m in dotted for m in skip)
 
     return keep
 

@@ -102,6 +102,15 @@ def test_filter_forms(region):
         assert prod.last_version == 0
     with pytest.raises(ValueError, match="weight_block_size"):
         shmcast.Producer(region, quantize="fp8-block128", quantize_filter={"weight_block_size": [1, 128]})
+    with pytest.raises(ValueError, match="no weight_block_size"):  # per-tensor FP8: no block scales
+        shmcast.Producer(region, quantize="fp8-block128", quantize_filter={"quant_method": "fp8"})
+    # Modules match whole dot-separated parts: layer 1 is not layers 10-19.
+    keep = shmcast._quant.filter_from_config({"weight_block_size": [128, 128],
+                                              "modules_to_not_convert": ["model.layers.1", "o_proj"]})
+    assert not keep("model.layers.1.mlp.up_proj.weight", (256, 256), "bf16")
+    assert keep("model.layers.10.mlp.up_proj.weight", (256, 256), "bf16")
+    assert not keep("model.layers.10.self_attn.o_proj.weight", (256, 256), "bf16")
+    assert keep("model.layers.10.self_attn.xo_proj.weight", (256, 256), "bf16")
     with pytest.raises(shmcast.InvalidArgument, match="quantize must be"):
         shmcast.Producer(region, quantize="int4")
 
