@@ -151,7 +151,8 @@ TEST(Fp8Block, MatchesReferenceRandomShapesAndPieces) {
         ASSERT_EQ(s.brows, (rows + 127) / 128);
         ASSERT_EQ(s.bcols, (cols + 127) / 128);
         ASSERT_EQ(s.scale_inv.size(), want.scale_inv.size());
-        EXPECT_EQ(std::memcmp(s.scale_inv.data(), want.scale_inv.data(), want.scale_inv.size() * 4), 0);
+        if (!want.scale_inv.empty())  // a 0-sized tensor has none (and memcmp no null pointers)
+          EXPECT_EQ(std::memcmp(s.scale_inv.data(), want.scale_inv.data(), want.scale_inv.size() * 4), 0);
         std::vector<std::uint8_t> got(want.q.size(), 0xAA);
         const std::uint64_t n = got.size();
         for (std::uint64_t at = 0; at < n;) {
