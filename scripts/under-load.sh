@@ -15,6 +15,15 @@
 #
 # Uses the plain build in $BUILD_DIR (build/), which scripts/test has built.
 #
+# Beside other work (LOAD_AFTER_LOCK): scripts/test runs this stage while
+# the sanitizer, fuzz and AArch64 stages build and test at nice 0 beside it,
+# holding an flock on the file LOAD_AFTER_LOCK names: that work is the load
+# (compilers, ASan and TSan test processes, libFuzzer, qemu), and stress-ng
+# starts only once the lock is released, for the tests still running. Two
+# CPU-bound lanes on 2 cores: the tests here get what the nice-0 work leaves,
+# as they get what stress-ng's hogs leave, and the machine does the other
+# stages' work meanwhile instead of stress-ng's.
+#
 # Environment:
 #   BUILD_DIR        build directory (build)
 #   LOAD_CPU         stress-ng CPU workers (2 x cores, at least 4)
@@ -26,6 +35,8 @@
 #   LOAD_FAULT_TRIALS_PERCENT  share of each fault matrix's trials (25; the
 #                    tiers stage runs them all): SHMCAST_FAULT_TRIALS_PERCENT
 #   LOAD_TIMEOUT_S   per-test ctest timeout (600)
+#   LOAD_AFTER_LOCK  a file whose flock other work holds: stress-ng waits
+#                    for it (above); unset: stress-ng from the start
 # Output: one line, e.g.
 #   LOAD-SUMMARY status=pass cpu_workers=4 nice=10 labels=multiprocess|fault test_s=95 tests=49 failed=0
 set -euo pipefail
@@ -46,7 +57,16 @@ command -v stress-ng >/dev/null || { echo "under-load.sh: stress-ng is missing (
 # session, and a setsid'd load would get a fair half of the CPU whatever the
 # tests' nice. On SIGTERM its parent process ends its workers; --timeout
 # bounds it should this script be killed outright.
-stress-ng --cpu "$cpu" --cpu-method matrixprod --timeout 1800s --quiet &
+hogs=(stress-ng --cpu "$cpu" --cpu-method matrixprod --timeout 1800s --quiet)
+if [ -n "${LOAD_AFTER_LOCK:-}" ]; then
+  command -v flock >/dev/null || { echo "under-load.sh: flock is missing (util-linux)"; exit 2; }
+  # The shell takes the lock, then becomes stress-ng (same pid): before
+  # that, SIGTERM ends the waiting shell; after, stress-ng and its workers.
+  bash -c 'flock 8 && echo "under-load.sh: the other stages are done at $(date +%T): stress-ng from here" &&
+    exec "$@"' hogs "${hogs[@]}" 8>>"$LOAD_AFTER_LOCK" &
+else
+  "${hogs[@]}" &
+fi
 load_pid=$!
 stop_load() {
   kill -TERM "$load_pid" 2>/dev/null || true
@@ -69,5 +89,5 @@ tests=$(sed -n 's/.*tests passed, \([0-9]*\) tests failed out of \([0-9]*\).*/\2
 failed=$(sed -n 's/.*tests passed, \([0-9]*\) tests failed out of.*/\1/p' "$build/ctest-under-load.log" | tail -1)
 status=pass
 [ "$rc" -eq 0 ] || status=fail
-echo "LOAD-SUMMARY status=$status cpu_workers=$cpu nice=$nice_n labels=$labels test_s=$((t1 - t0)) tests=${tests:-0} failed=${failed:-?}"
+echo "LOAD-SUMMARY status=$status cpu_workers=$cpu nice=$nice_n labels=$labels beside=${LOAD_AFTER_LOCK:+other-stages} test_s=$((t1 - t0)) tests=${tests:-0} failed=${failed:-?}"
 [ "$rc" -eq 0 ]
