@@ -1,8 +1,11 @@
 # A shared libshmcast: configure and build the library alone, install it,
 # build tests/install against it, run it, and check that the .so exports the
-# public API only (no shmcast::detail, no Boost).
+# public API only (no shmcast::detail, no Boost). At -O1: what is exported
+# is the visibility's doing, not the optimizer's, and -O1 leaves more inline
+# functions out of line for the check to see; it compiles in half the time.
 file(REMOVE_RECURSE ${WORK})
 execute_process(COMMAND ${CMAKE_COMMAND} -S ${SRC} -B ${WORK}/lib -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=ON
+                        "-DCMAKE_CXX_FLAGS_RELEASE=-O1 -DNDEBUG"
                         -DSHMCAST_BUILD_TESTS=OFF -DSHMCAST_BUILD_TOOLS=OFF -DSHMCAST_BUILD_BENCH=OFF
                         -DSHMCAST_BUILD_PYTHON=OFF -DSHMCAST_WITH_CUDA=OFF RESULT_VARIABLE rc)
 if(rc)
