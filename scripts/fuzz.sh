@@ -3,7 +3,7 @@
 #
 # Builds the fuzz targets into build-fuzz (or $BUILD_DIR) with
 # -DSHMCAST_FUZZ=ON, then runs each target for FUZZ_SECONDS / #targets
-# seconds, seeded from tests/fuzz/corpus/<t> and tests/fuzz/regressions/<t>
+# seconds (FUZZ_JOBS of them at a time), seeded from tests/fuzz/corpus/<t> and tests/fuzz/regressions/<t>
 # (a regression that crashes again fails the run at load). New corpus entries
 # go to build-fuzz/corpus/<t>, never into the checked-in seeds. Any crash,
 # sanitizer report, leak, timeout (> FUZZ_TIMEOUT s for one input) or OOM
@@ -15,6 +15,7 @@
 #
 # Environment:
 #   FUZZ_SECONDS   total fuzzing time in seconds, split across targets (60)
+#   FUZZ_JOBS      targets fuzzed at once (the number of cores)
 #   FUZZ_TARGETS   targets to run (header manifest region safetensors relay_wire delta)
 #   FUZZ_TIMEOUT   per-input timeout in seconds (10)
 #   BUILD_DIR      build directory (build-fuzz)
@@ -56,19 +57,38 @@ export SHMCAST_FUZZ_BASE=$shm_base
 export ASAN_OPTIONS=${ASAN_OPTIONS:-detect_leaks=1:allocator_may_return_null=0}
 export UBSAN_OPTIONS=${UBSAN_OPTIONS:-print_stacktrace=1:halt_on_error=1}
 
+# The targets run FUZZ_JOBS at a time (the cores: each libFuzzer process is
+# one thread), each for its share of FUZZ_SECONDS: the same fuzzing in a
+# FUZZ_JOBS-th of the wall time. Each one's exit status goes to a file.
+jobs_max=${FUZZ_JOBS:-$(nproc)}
+[ "$jobs_max" -ge 1 ] || jobs_max=1
+run_one() {  # run_one TARGET: fuzzes it; its exit status into $build/fuzz-TARGET.rc
+  local t=$1 work=$build/corpus/$1 art=$build/artifacts/$1 log=$build/fuzz-$1.log s rc
+  mkdir -p "$work" "$art"
+  local seeds=()
+  for s in "tests/fuzz/corpus/$t" "tests/fuzz/regressions/$t"; do [ -d "$s" ] && seeds+=("$s"); done
+  rc=0
+  "$build/tests/fuzz/fuzz_$t" -max_total_time="$per" -timeout="$timeout_s" -rss_limit_mb=2048 -max_len=8192 \
+    -print_final_stats=1 -artifact_prefix="$art/" "$work" "${seeds[@]}" >"$log" 2>&1 || rc=$?
+  echo "$rc" >"$build/fuzz-$t.rc"
+}
+running=0
+for t in "${targets[@]}"; do
+  rm -f "$build/fuzz-$t.rc"
+  if [ "$running" -ge "$jobs_max" ]; then
+    wait -n || true
+    running=$((running - 1))
+  fi
+  run_one "$t" &
+  running=$((running + 1))
+done
+wait || true
+
 failed=0 all_runs=0
 for t in "${targets[@]}"; do
-  work=$build/corpus/$t
   art=$build/artifacts/$t
   log=$build/fuzz-$t.log
-  mkdir -p "$work" "$art"
-  seeds=()
-  for s in "tests/fuzz/corpus/$t" "tests/fuzz/regressions/$t"; do [ -d "$s" ] && seeds+=("$s"); done
-  set +e
-  "$build/tests/fuzz/fuzz_$t" -max_total_time="$per" -timeout="$timeout_s" -rss_limit_mb=2048 -max_len=8192 \
-    -print_final_stats=1 -artifact_prefix="$art/" "$work" "${seeds[@]}" >"$log" 2>&1
-  rc=$?
-  set -e
+  rc=$(cat "$build/fuzz-$t.rc" 2>/dev/null || echo 99)
   done_line=$(grep -E '^#[0-9]+[[:space:]]+DONE' "$log" | tail -1 || true)
   field() { sed -n "s/.*\b$1: \([0-9]*\).*/\1/p" <<<"$done_line"; }
   stat() { sed -n "s/^stat::$1:[[:space:]]*\([0-9]*\)/\1/p" "$log" | tail -1; }

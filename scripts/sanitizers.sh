@@ -47,6 +47,11 @@
 #   SANITIZERS      which builds to run (asan tsan)
 #   SANITIZERS_FULL 1: the TSan build builds and runs every test, as ASan's
 #   SAN_TSAN_LABELS ctest label regex of the TSan run (^(unit|threads|relay)$)
+#   SAN_FAULT_TRIALS_PERCENT  share of each fault matrix's random trials
+#                   (50; SHMCAST_FAULT_TRIALS_PERCENT): each trial is the
+#                   same fault at new random points, the tiers stage runs
+#                   them all, and a memory error on a fault's path shows in
+#                   half of them as in all
 #   CTEST_JOBS      parallel ctest jobs (2)
 #   SAN_CTEST_ARGS  extra ctest arguments (e.g. -L fault)
 # Output: one line per build, e.g.
@@ -58,6 +63,7 @@ read -r -a which <<<"${SANITIZERS:-asan tsan}"
 jobs=${CTEST_JOBS:-2}
 read -r -a extra <<<"${SAN_CTEST_ARGS:-}"
 
+export SHMCAST_FAULT_TRIALS_PERCENT=${SAN_FAULT_TRIALS_PERCENT:-50}
 export ASAN_OPTIONS=${ASAN_OPTIONS:-detect_leaks=1:abort_on_error=0:strict_string_checks=1:detect_stack_use_after_return=1}
 export UBSAN_OPTIONS=${UBSAN_OPTIONS:-print_stacktrace=1:halt_on_error=1}
 export TSAN_OPTIONS=${TSAN_OPTIONS:-halt_on_error=1:second_deadlock_stack=1:suppressions=$root/tests/fault/tsan.supp}
