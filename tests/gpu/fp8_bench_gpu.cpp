@@ -14,6 +14,7 @@
 #include <chrono>
 #include <cstdlib>
 #include <random>
+#include <string>
 
 #include "engine/fp8_cuda.hpp"
 #include "gpu_support.hpp"
@@ -103,9 +104,14 @@ int produce(const std::string& name, Quantize quant, SlotMemory slots) {
     if (i > 0) times.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
     r = p.last_sync();
   }
-  std::printf("FP8BENCH {\"what\": \"sync\", \"quantize\": \"%s\", \"slots\": \"%s\", \"logical_bytes\": %llu, "
-              "\"payload_bytes\": %llu, %s}\n",
-              std::string(quantize_name(quant)).c_str(), slots == SlotMemory::kDevice ? "device" : "host",
+  // SHMCAST_FP8_STAGED=1: the FP8 syncs quantize into a staging room and copy
+  // (the path before the kernel wrote the slots), for a comparison in one run.
+  const char* staged = std::getenv("SHMCAST_FP8_STAGED");
+  std::printf("FP8BENCH {\"what\": \"sync\", \"quantize\": \"%s\", \"path\": \"%s\", \"slots\": \"%s\", "
+              "\"logical_bytes\": %llu, \"payload_bytes\": %llu, %s}\n",
+              std::string(quantize_name(quant)).c_str(),
+              quant == Quantize::kNone ? "copy" : (staged != nullptr && std::string(staged) == "1" ? "staged" : "direct"),
+              slots == SlotMemory::kDevice ? "device" : "host",
               static_cast<unsigned long long>(r.logical_bytes), static_cast<unsigned long long>(r.payload_bytes),
               stats(times).c_str());
   std::fflush(stdout);
@@ -174,12 +180,17 @@ TEST(Fp8Gpu, Bench) {
     Child k = Child::spawn(kernel_rate);
     EXPECT_EQ(k.wait(600s), 0);
   }
+  // BF16, FP8 with the kernel writing the slots, FP8 through a staging room.
   for (SlotMemory slots : {SlotMemory::kHost, SlotMemory::kDevice})
-    for (Quantize quant : {Quantize::kNone, Quantize::kFp8Block128}) {
+    for (int which : {0, 1, 2}) {
+      const Quantize quant = which == 0 ? Quantize::kNone : Quantize::kFp8Block128;
       RegionDir dir("fp8bench");
       const std::string name = unique_name("fp8bench");
       RegionGuard guard{name};
-      Child prod = Child::spawn([&] { return produce(name, quant, slots); });
+      Child prod = Child::spawn([&] {
+        if (which == 2) ::setenv("SHMCAST_FP8_STAGED", "1", 1);  // read once, in this child
+        return produce(name, quant, slots);
+      });
       Child cons = Child::spawn([&] { return consume(name); });
       EXPECT_EQ(prod.wait(600s), 0);
       EXPECT_EQ(cons.wait(600s), 0);

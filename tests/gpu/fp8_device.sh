@@ -10,7 +10,13 @@
 #           receive() yields float8 tensors equal to torch's own conversion)
 #   bench   Fp8Gpu.Bench: Qwen2.5-3B shapes, BF16 against FP8 syncs through
 #           host and device slots (bytes, sync time min/median/max over REPS,
-#           default 10), and the quantize kernels' rate against a D2D copy
+#           default 10; FP8 with the kernel writing the slots and, as
+#           before it did, through a staging room), and the quantize
+#           kernels' rate against a D2D copy
+#   seccomp tests/seccomp/fp8_adamw_seccomp.py: a transformers Qwen2 trained
+#           with AdamW, its weights sent quantized, a worker and a late
+#           joiner under Docker's profile, SHA-256 against the torch
+#           reference at every step, for both variants
 # Logs under $OUT (at most 6 files): fp8-device.log (everything, with the
 # FP8BENCH lines), build.log, fp8_bench.jsonl.
 set -uo pipefail
@@ -32,7 +38,8 @@ gen=(); command -v ninja >/dev/null && gen=(-G Ninja)
 { timeout 400 cmake -S . -B $B "${gen[@]}" -DCMAKE_BUILD_TYPE=Release -DSHMCAST_WITH_CUDA=ON \
     -DCUDAToolkit_ROOT=/usr/local/cuda -DSHMCAST_BUILD_PYTHON=ON -DPython3_EXECUTABLE="$PY" \
     ${PB:+-Dpybind11_DIR=$PB} -DSHMCAST_BUILD_RELAY=OFF \
-  && timeout 400 cmake --build $B -j"$(nproc)" --target test_fp8_gpu test_quant test_quant_sync _shmcast; } \
+  && timeout 400 cmake --build $B -j"$(nproc)" --target test_fp8_gpu test_quant test_quant_sync _shmcast \
+       $(has seccomp && echo shmcast-seccomp-run); } \
   >"$OUT/build.log" 2>&1 || { grep -E "error|Error" -A3 "$OUT/build.log" | head -40; exit 1; }
 grep -E "FP8 quantize CUDA kernels" "$OUT/build.log"
 export PYTHONPATH=$B/python${PYTHONPATH:+:$PYTHONPATH}
@@ -52,5 +59,13 @@ if has bench; then
     --gtest_filter=Fp8Gpu.Bench 2>&1 | tee "$OUT/bench.raw" | grep -E "FP8BENCH|OK|FAILED|Failure|child" | head -20
   grep -h '^FP8BENCH ' "$OUT/bench.raw" | sed 's/^FP8BENCH //' > "$OUT/fp8_bench.jsonl"
   rm -f "$OUT/bench.raw"
+fi
+if has seccomp; then
+  for v in fp8-block128 fp8-block128-ue8m0; do
+    log "seccomp: fp8_adamw_seccomp.py --quantize $v"
+    timeout 300 $PY tests/seccomp/fp8_adamw_seccomp.py --runner $B/tests/seccomp/shmcast-seccomp-run \
+      --quantize $v --layers ${LAYERS:-2} --steps ${STEPS:-4} --late-at 2 2>&1 | tail -${TAIL:-6}
+    echo "exit ${PIPESTATUS[0]}"
+  done
 fi
 log done

@@ -15,7 +15,11 @@
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <cstdio>
 #include <random>
+#include <string>
+#include <tuple>
+#include <vector>
 
 #include "engine/fp8_cuda.hpp"
 #include "engine/quant.hpp"
@@ -116,6 +120,42 @@ int kernels_match_host() {
           ++bad;
         }
       }
+  // Pitched sources (a row's bytes, then padding): rows whose 16-byte groups
+  // load aligned (pitch a multiple of 16) and rows that do not.
+  for (auto [rows, cols, pad] : {std::tuple<std::int64_t, std::int64_t, std::int64_t>{256, 512, 32},
+                                 {300, 257, 6}, {129, 1024, 2}}) {
+    const DType dt = DType::kBF16;
+    const std::uint64_t row_bytes = static_cast<std::uint64_t>(cols) * 2, pitch = row_bytes + static_cast<std::uint64_t>(pad);
+    const std::vector<std::byte> dense = source(dt, rows, cols, rng());
+    std::vector<std::byte> host(static_cast<std::size_t>(pitch * static_cast<std::uint64_t>(rows)), std::byte{0x7f});
+    for (std::int64_t r = 0; r < rows; ++r)
+      std::memcpy(host.data() + static_cast<std::uint64_t>(r) * pitch, dense.data() + static_cast<std::uint64_t>(r) * row_bytes, row_bytes);
+    DevBuf dev(host.size());
+    dev.upload(host.data(), host.size());
+    q::Matrix hm{host.data(), dt, rows, cols, pitch}, dm{static_cast<const std::byte*>(dev.p), dt, rows, cols, pitch};
+    q::Scales hs, ds;
+    if (!q::block_scales(hm, Quantize::kFp8Block128, &hs).empty() ||
+        !gpu.scales(dm, Quantize::kFp8Block128, nullptr, &ds).empty())
+      return 22;
+    const std::uint64_t n = static_cast<std::uint64_t>(rows * cols);
+    std::vector<std::uint8_t> want(n);
+    q::quantize_elems(reinterpret_cast<std::byte*>(want.data()), hm, hs, 0, n);
+    DevBuf out(n + 1);
+    for (std::uint64_t at = 0; at < n;) {  // one byte off the allocation's alignment, pieces cut anywhere
+      const std::uint64_t len = std::min<std::uint64_t>(n - at, 1 + rng() % 70000);
+      gpu.quantize(dm, static_cast<std::byte*>(out.p) + 1 + at, at, len, nullptr);
+      at += len;
+    }
+    ck(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+    std::vector<std::uint8_t> got = download(out.p, n + 1);
+    got.erase(got.begin());
+    const quant_ref::Result ref = quant_ref::per_block(dense.data(), dt, rows, cols, false);
+    if (got != want || got != ref.q || ds.scale_inv != ref.scale_inv) {
+      std::fprintf(stderr, "pitched bf16 %lldx%lld (+%lld): codes %lld\n", static_cast<long long>(rows),
+                   static_cast<long long>(cols), static_cast<long long>(pad), first_diff(got, want));
+      ++bad;
+    }
+  }
   // A NaN is found, and where.
   std::vector<std::byte> host = source(DType::kBF16, 300, 300, 5);
   const std::uint16_t nan = 0x7fc0;
@@ -161,8 +201,15 @@ std::vector<Tensor> sync_model(std::uint64_t seed) {
   add("model.layers.0.mlp.down_proj.weight", DType::kBF16, 2000, 1500);
   add("model.layers.0.input_layernorm.weight", DType::kBF16, 1500, 0);
   add("model.layers.0.self_attn.o_proj.weight", DType::kF32, 129, 300);
+  // Small tensors, several to a chunk: their kernels are still queued while
+  // the next ones' scales are made (each keeps its own multipliers).
+  for (int i = 0; i < 12; ++i)
+    add("model.layers." + std::to_string(1 + i) + ".self_attn.q_proj.weight", i % 3 == 0 ? DType::kF16 : DType::kBF16,
+        128 + 37 * i, 256 + 3 * i);
   return m;
 }
+
+constexpr std::uint64_t kSeeds[] = {1, 1000};  // one sync each, in this order
 
 // A producer child sends sync_model from CUDA tensors; a consumer child reads.
 int produce(const std::string& name, SlotMemory slots) {
@@ -175,18 +222,20 @@ int produce(const std::string& name, SlotMemory slots) {
   o.consumer_timeout = 60s;
   Producer p = Producer::create(name, o);
   p.wait_for_consumers(1, 60s);
-  const std::vector<Tensor> m = sync_model(1);
-  std::vector<DevBuf> dev;
-  std::vector<TensorSpec> specs;
-  for (const Tensor& t : m) {
-    dev.emplace_back(t.host.size());
-    dev.back().upload(t.host.data(), t.host.size());
-    specs.push_back(t.spec);
+  for (std::uint64_t seed : kSeeds) {
+    const std::vector<Tensor> m = sync_model(seed);
+    std::vector<DevBuf> dev;
+    std::vector<TensorSpec> specs;
+    for (const Tensor& t : m) {
+      dev.emplace_back(t.host.size());
+      dev.back().upload(t.host.data(), t.host.size());
+      specs.push_back(t.spec);
+    }
+    p.begin_sync(specs);
+    for (std::size_t i = 0; i < m.size(); ++i) p.write_device(i, dev[i].p, nullptr);
+    p.end_sync();
+    p.wait_drained(60s);
   }
-  p.begin_sync(specs);
-  for (std::size_t i = 0; i < m.size(); ++i) p.write_device(i, dev[i].p, nullptr);
-  p.end_sync();
-  p.wait_drained(60s);
   return 0;
 }
 
@@ -194,27 +243,34 @@ int consume(const std::string& name) {
   ConsumerOptions o;
   o.open_timeout = 60s;
   Consumer c = Consumer::open(name, o);
-  const SyncInfo& s = c.wait_sync(60s);
-  const std::vector<Tensor> m = sync_model(1);
-  std::vector<std::vector<std::byte>> got;
-  std::vector<void*> dsts;
-  for (const TensorInfo& t : s.tensors) {
-    got.emplace_back(t.nbytes);
-    dsts.push_back(got.back().data());
-  }
-  c.read_into(dsts);
-  std::size_t at = 0;
-  for (const Tensor& t : m) {
-    if (!default_quantize_filter(t.spec)) {
-      if (got[at++] != t.host) return 30;
-      continue;
+  for (std::uint64_t seed : kSeeds) {
+    const SyncInfo& s = c.wait_sync(60s);
+    const std::vector<Tensor> m = sync_model(seed);
+    std::vector<std::vector<std::byte>> got;
+    std::vector<void*> dsts;
+    for (const TensorInfo& t : s.tensors) {
+      got.emplace_back(t.nbytes);
+      dsts.push_back(got.back().data());
     }
-    const quant_ref::Result r = quant_ref::per_block(t.host.data(), t.spec.dtype, t.spec.shape[0], t.spec.shape[1], false);
-    if (s.tensors[at].dtype != DType::kF8E4M3FN || std::memcmp(got[at].data(), r.q.data(), r.q.size()) != 0) return 31;
-    if (std::memcmp(got[at + 1].data(), r.scale_inv.data(), r.scale_inv.size() * 4) != 0) return 32;
-    at += 2;
+    c.read_into(dsts);
+    std::size_t at = 0;
+    for (const Tensor& t : m) {
+      if (!default_quantize_filter(t.spec)) {
+        if (got[at++] != t.host) return 30;
+        continue;
+      }
+      const quant_ref::Result r =
+          quant_ref::per_block(t.host.data(), t.spec.dtype, t.spec.shape[0], t.spec.shape[1], false);
+      if (s.tensors[at].dtype != DType::kF8E4M3FN || std::memcmp(got[at].data(), r.q.data(), r.q.size()) != 0) {
+        std::fprintf(stderr, "sync %llu: '%s' differs\n", static_cast<unsigned long long>(seed), t.spec.name.c_str());
+        return 31;
+      }
+      if (std::memcmp(got[at + 1].data(), r.scale_inv.data(), r.scale_inv.size() * 4) != 0) return 32;
+      at += 2;
+    }
+    if (at != s.tensors.size()) return 33;
   }
-  return at == s.tensors.size() ? 0 : 33;
+  return 0;
 }
 
 void sync_through(SlotMemory slots) {

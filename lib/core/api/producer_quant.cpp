@@ -7,12 +7,17 @@
 // A delta producer (and host tensors into device slots) quantizes the
 // tensor into a host scratch buffer first: the codec compares the FP8 bytes
 // with its base. GPU tensors: the kernels of engine/fp8_cuda.hpp quantize
-// into one tensor's device staging room, which the engine copies into the
-// slots chunk by chunk. The format itself is engine/quant.hpp's.
+// straight into the slots on the engine's streams (pinned host slots, device
+// slots of the tensor's GPU), or else into one tensor's device staging room,
+// which the engine copies into the slots chunk by chunk. The format itself
+// is engine/quant.hpp's.
+#include <cstdlib>
+#include <optional>
 #include <string>
 #include <string_view>
 
 #include "api/producer_impl.hpp"
+#include "engine/fp8_cuda.hpp"
 #include "engine/quant.hpp"
 #include "protocol/manifest.hpp"
 #include "shmcast/shmcast.hpp"
@@ -63,6 +68,16 @@ bool default_quantize_filter(const TensorSpec& t) {
 }
 
 namespace {
+
+// SHMCAST_FP8_STAGED=1: GPU tensors take the staged path even where the
+// kernel could write the slots (bench/ compares the two in one run).
+bool fp8_staged() {
+  static const bool on = [] {
+    const char* v = std::getenv("SHMCAST_FP8_STAGED");
+    return v != nullptr && v[0] == '1' && v[1] == 0;
+  }();
+  return on;
+}
 
 std::string shape_text(const std::vector<std::int64_t>& shape) {
   std::string s = "[";
@@ -230,11 +245,40 @@ void Producer::Impl::write_user(std::size_t index, const Buffer& src, void* stre
     throw;
   }
   const std::uint64_t elems = static_cast<std::uint64_t>(m.rows) * static_cast<std::uint64_t>(m.cols);
+  bool direct = false;
   if (src.device) {
-    // The kernel quantizes the tensor into one tensor's device staging
-    // room, ordered on the caller's stream; the engine copies it into the
-    // slots chunk by chunk after that work (write_device's path), and is
-    // drained before the next tensor reuses the room.
+    try {
+      engine->begin(stream);  // can_fill() answers for the caller's GPU
+      direct = engine->can_fill(pin.pinned) && !fp8_staged();
+    } catch (const Error& e) {
+      abort(e.what(), e.code());
+      throw;
+    }
+  }
+  if (direct) {
+    // The kernel quantizes straight into the slot bytes, chunk by chunk, on
+    // the engine's streams after the caller's stream's work: through the
+    // GPU's mapping of the pinned host slots, or into device slots. No
+    // copy of the tensor in FP8 exists; the next tensor's scales are made
+    // while these kernels run (their multipliers stay on the device until
+    // the next sync, CudaQuantizer::reset()).
+    std::optional<quant::CudaQuantizer::Fill> fill;
+    try {
+      fill.emplace(*quant.gpu, m);
+    } catch (const Error& e) {
+      abort(e.what(), e.code());
+      throw;
+    }
+    Buffer b{const_cast<std::byte*>(m.base), true, {}};
+    b.fill = &*fill;
+    write_tensor(quant.at[index], b, stream);
+  } else if (src.device) {
+    // Slots the GPU cannot write (host slots not pinned; device slots of
+    // another GPU than the tensor's): the kernel quantizes the tensor into
+    // one tensor's device staging room, ordered on the caller's stream;
+    // the engine copies it into the slots chunk by chunk after that work
+    // (write_device's path), and is drained before the next tensor reuses
+    // the room.
     std::byte* staged = nullptr;
     try {
       staged = quant.gpu->staging(elems);

@@ -54,6 +54,15 @@ std::uint64_t Producer::Impl::begin_sync(std::span<const TensorSpec> tensors, st
       // (producer_quant.cpp); the caller still writes its own list.
       quant.use_pre = quant.pre_pending;  // send()'s scales, for this sync only
       quant.pre_pending = false;
+      if (quant.gpu) {
+        // The last sync's quantize kernels read their multipliers until
+        // they have run: only then may this sync's reuse the room.
+        try {
+          engine->drain();
+        } catch (const Error&) {  // that sync reported its copy error already
+        }
+        quant.gpu->reset();
+      }
       quant.wire = quant_specs(tensors);
       quant.user.assign(tensors.begin(), tensors.end());
       quant.logical = 0;

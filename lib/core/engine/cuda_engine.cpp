@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "engine/cuda_driver.hpp"
+#include "engine/cuda_fill.hpp"
 #include "engine/cuda_lane.hpp"
 #include "engine/engine.hpp"
 
@@ -93,13 +94,28 @@ class CudaProducerEngine final : public ProducerEngine {
       // tensor on another GPU is copied by the driver, never by the batch
       // kernel, which would read memory its GPU cannot reach.
       lane_.batch_small(dev == lane_.device());
+      fill_ok_ = dev == lane_.device();  // a kernel there could not read another GPU's tensor
       lane_.after(caller_stream);
       return;
     }
     lane_.home(dev);
+    fill_ok_ = true;
     lane_.after(caller_stream);
   }
   void copy(std::byte* dst, const Buffer& src, std::uint64_t offset, std::uint64_t n) override {
+    if (src.fill != nullptr) {
+      // Made on the GPU (quantize-on-send): a kernel on a copy stream writes
+      // a device slot; a host slot through staging pieces (cuda_fill.hpp).
+      if (!fill_ok_) throw Error(Errc::kInvalidArgument, "a device fill the engine cannot run (can_fill() was false)");
+      if (!device_slots_) {
+        if (!stage_) stage_ = std::make_unique<FillStage>(lane_);
+        stage_->fill(dst, *src.fill, offset, n);
+        return;
+      }
+      CtxScope scope(lane_.api(), lane_.context());
+      src.fill->launch(dst, offset, n, lane_.next_stream());
+      return;
+    }
     if (!src.device && !device_slots_) {
       // A host source into host slots: plain memcpy. Pending async copies
       // into this slot write other bytes, so this cannot race with them.
@@ -115,10 +131,13 @@ class CudaProducerEngine final : public ProducerEngine {
   void chunk_done(std::function<void()> publish) override { lane_.when_done(std::move(publish)); }
   void drain() override { lane_.drain(); }
   bool is_cuda() const override { return true; }
+  bool can_fill(bool pinned) const override { return fill_ok_ && (device_slots_ || pinned); }
 
  private:
   Lane lane_;
   bool device_slots_;
+  bool fill_ok_ = false;             // the last begin()'s caller is on the lane's GPU
+  std::unique_ptr<FillStage> stage_;  // host slots' fills (made on the first); waits for its streams when destroyed
 };
 
 class CudaConsumerEngine final : public ConsumerEngine {

@@ -20,6 +20,17 @@ struct Scales;
 }  // namespace quant
 
 // Where a tensor's bytes come from (producer) or go to (consumer).
+// Bytes made on the GPU instead of copied (quantize-on-send from GPU
+// memory, api/producer_quant.cpp): launch() enqueues, on `stream`, the work
+// that writes bytes [first, first + n) of the tensor to `dst`, device
+// memory (a device slot, or a staging piece the engine then copies into a
+// host slot). The engine calls it in place of a copy, on its own streams.
+class DeviceFill {
+ public:
+  virtual ~DeviceFill() = default;
+  virtual void launch(std::byte* dst, std::uint64_t first, std::uint64_t n, void* stream) const = 0;
+};
+
 struct Buffer {
   void* ptr = nullptr;
   bool device = false;
@@ -29,6 +40,9 @@ struct Buffer {
   // (the producer writes them with quant::quantize_elems, not copy()).
   const quant::Matrix* qm = nullptr;
   const quant::Scales* qs = nullptr;
+  // Not null: the engine has `fill` make the bytes (device == true, ptr the
+  // source, for the ordering after the caller's stream).
+  const DeviceFill* fill = nullptr;
 };
 
 // Copies bytes [offset, offset + n) of a tensor laid out as `layout` at
@@ -46,8 +60,16 @@ class ProducerEngine {
   // Orders the copies that follow after the work queued so far on the
   // caller's stream (CUDA); no-op on the host.
   virtual void begin(void* caller_stream) { (void)caller_stream; }
-  // Copies bytes [offset, offset + n) of `src` into slot memory at `dst`.
+  // Copies bytes [offset, offset + n) of `src` into slot memory at `dst`
+  // (or, src.fill set, has it make them there).
   virtual void copy(std::byte* dst, const Buffer& src, std::uint64_t offset, std::uint64_t n) = 0;
+  // Whether copy() can take a Buffer with `fill` after the last begin():
+  // a CUDA engine whose streams run on the caller's GPU, into slots that GPU
+  // can address (device slots, or host slots that are pinned: `pinned`).
+  virtual bool can_fill(bool pinned) const {
+    (void)pinned;
+    return false;
+  }
   // All copies into a chunk are issued: run `publish` once they complete.
   virtual void chunk_done(std::function<void()> publish) = 0;
   // Blocks until every chunk_done callback has run. Rethrows a copy error.

@@ -9,6 +9,8 @@
 #include <algorithm>
 #include <mutex>
 #include <unordered_map>
+#include <utility>
+#include <vector>
 
 #include "engine/cuda_driver.hpp"
 #include "engine/engine.hpp"
@@ -86,9 +88,43 @@ struct CudaQuantizer::Impl {
   const cu::Api* d = nullptr;
   CUcontext ctx = nullptr;
   const Module* mod = nullptr;
-  CUdeviceptr scale_inv = 0, mult = 0, bad = 0, stage = 0;
-  std::uint64_t scale_room = 0, mult_room = 0, stage_room = 0;
+  CUdeviceptr scale_inv = 0, bad = 0, stage = 0;
+  std::uint64_t scale_room = 0, stage_room = 0;
+  // The multipliers: every scales() call's in a room of its own until
+  // reset() (fp8_cuda.hpp). Blocks are only added during a sync (kernels
+  // may read the earlier ones); reset() makes one of their total size.
+  std::vector<std::pair<CUdeviceptr, std::uint64_t>> arena;
+  std::uint64_t arena_used = 0;  // in arena.back()
+  CUdeviceptr mult = 0;          // the last scales() call's
   std::int64_t bcols = 0;
+
+  CUdeviceptr take(std::uint64_t bytes) {
+    bytes = (bytes + 255) & ~std::uint64_t{255};
+    if (arena.empty() || arena.back().second - arena_used < bytes) {
+      const std::uint64_t want = std::max<std::uint64_t>({bytes, 1ull << 20, arena.empty() ? 0 : 2 * arena.back().second});
+      CUdeviceptr p = 0;
+      SHMCAST_QCK(*d, d->cuMemAlloc(&p, want), "cuMemAlloc(" + std::to_string(want) + " bytes)");
+      arena.emplace_back(p, want);
+      arena_used = 0;
+    }
+    const CUdeviceptr p = arena.back().first + arena_used;
+    arena_used += bytes;
+    return p;
+  }
+  void reset() {
+    arena_used = 0;
+    mult = 0;
+    if (arena.size() <= 1) return;
+    std::uint64_t total = 0;
+    for (const auto& [p, n] : arena) {
+      total += n;
+      (void)d->cuMemFree(p);
+    }
+    arena.clear();
+    CUdeviceptr p = 0;
+    SHMCAST_QCK(*d, d->cuMemAlloc(&p, total), "cuMemAlloc(" + std::to_string(total) + " bytes)");
+    arena.emplace_back(p, total);
+  }
 
   // Binds to the stream's context on first use; every later call must use
   // a stream of the same context.
@@ -121,8 +157,9 @@ struct CudaQuantizer::Impl {
     if (d == nullptr || ctx == nullptr) return;
     try {
       cu::CtxScope scope(*d, ctx);
-      for (CUdeviceptr p : {scale_inv, mult, bad, stage})
+      for (CUdeviceptr p : {scale_inv, bad, stage})
         if (p != 0) (void)d->cuMemFree(p);
+      for (const auto& [p, n] : arena) (void)d->cuMemFree(p);
     } catch (...) {
     }
   }
@@ -146,7 +183,7 @@ std::string CudaQuantizer::scales(const Matrix& m, Quantize q, void* stream, Sca
   if (out->brows > 65535)
     throw Error(Errc::kUnsupported, "CUDA FP8 quantize: more than 65535 row blocks (8 M rows); send it from host memory");
   s.grow(&s.scale_inv, &s.scale_room, nb * 4);
-  s.grow(&s.mult, &s.mult_room, nb * 4);
+  s.mult = s.take(nb * 4);
   CUstream st = static_cast<CUstream>(stream);
   static const unsigned long long kNone = ~0ull;  // outlives the copy
   SHMCAST_QCK(d, d.cuMemcpyHtoDAsync(s.bad, &kNone, 8, st), "cuMemcpyHtoDAsync");
@@ -174,23 +211,51 @@ std::string CudaQuantizer::scales(const Matrix& m, Quantize q, void* stream, Sca
          ")";
 }
 
-void CudaQuantizer::quantize(const Matrix& m, std::byte* dst, std::uint64_t first, std::uint64_t n, void* stream) {
+namespace {
+
+// The quantize kernel over elements [first, first + n) of `m` into `dst`,
+// with the multipliers at `mult` (bcols a row): each thread makes 16
+// bytes of output at a time (kernels/fp8.cu).
+void launch_quantize(CudaQuantizer::Impl& s, const Matrix& m, CUdeviceptr mult, std::int64_t bcols_, std::byte* dst,
+                     std::uint64_t first, std::uint64_t n, void* stream) {
   if (n == 0) return;
-  Impl& s = *impl_;
   s.bind(stream);
   const cu::Api& d = *s.d;
   cu::CtxScope scope(d, s.ctx);
-  CUdeviceptr src = dptr(m.base), mu = s.mult, out = dptr(dst);
+  CUdeviceptr src = dptr(m.base), mu = mult, out = dptr(dst);
   int dtype = static_cast<int>(m.dtype);
-  long long rows = m.rows, cols = m.cols, bcols = s.bcols;
+  long long rows = m.rows, cols = m.cols, bcols = bcols_;
   unsigned long long pitch = m.pitch, f = first, count = n;
   void* params[] = {&src, &dtype, &rows, &cols, &pitch, &mu, &bcols, &out, &f, &count};
-  const std::uint64_t want = (n + kThreads - 1) / kThreads;
+  const std::uint64_t groups = n / 16 + 2;  // the 16-byte groups, the head and the tail
+  const std::uint64_t want = (groups + kThreads - 1) / kThreads;
   const unsigned grid = static_cast<unsigned>(std::min<std::uint64_t>(want, 8192));
   SHMCAST_QCK(d,
               d.cuLaunchKernel(s.mod->quantize, grid, 1, 1, kThreads, 1, 1, 0, static_cast<CUstream>(stream), params,
                                nullptr),
               "launching the quantize kernel");
+}
+
+}  // namespace
+
+void CudaQuantizer::quantize(const Matrix& m, std::byte* dst, std::uint64_t first, std::uint64_t n, void* stream) {
+  launch_quantize(*impl_, m, impl_->mult, impl_->bcols, dst, first, n, stream);
+}
+
+void CudaQuantizer::reset() {
+  Impl& s = *impl_;
+  if (s.ctx == nullptr) return;
+  cu::CtxScope scope(*s.d, s.ctx);
+  s.reset();
+}
+
+CudaQuantizer::Fill::Fill(CudaQuantizer& q, const Matrix& m)
+    : q_(&q), m_(m), mult_(q.impl_->mult), bcols_(q.impl_->bcols) {
+  if (q.impl_->ctx == nullptr) throw Error(Errc::kInvalidArgument, "CUDA FP8 quantize: a fill before scales()");
+}
+
+void CudaQuantizer::Fill::launch(std::byte* dst, std::uint64_t first, std::uint64_t n, void* stream) const {
+  launch_quantize(*q_->impl_, m_, static_cast<CUdeviceptr>(mult_), bcols_, dst, first, n, stream);
 }
 
 std::byte* CudaQuantizer::staging(std::uint64_t bytes) {

@@ -15,6 +15,7 @@
 #include <memory>
 #include <string>
 
+#include "engine/engine.hpp"
 #include "engine/quant.hpp"
 
 namespace shmcast::detail::quant {
@@ -42,6 +43,26 @@ class CudaQuantizer {
   // Device memory of at least `bytes` in the quantizer's context, valid
   // until the next call: room for one tensor's FP8 bytes.
   std::byte* staging(std::uint64_t bytes);
+  // The multipliers of every scales() call stay on the device, each in its
+  // own room, until reset(): kernels enqueued on other streams (fill()) may
+  // still read them while later tensors' scales are made. Call reset() only
+  // when all of those have run (the engine drained), e.g. at a sync's start.
+  void reset();
+  // A DeviceFill (engine.hpp) that quantizes `m` with the scales of the
+  // last scales() call, straight into the slot bytes the engine hands it,
+  // on the engine's stream (of the quantizer's context). Valid while `m`'s
+  // memory is and until reset().
+  class Fill final : public DeviceFill {
+   public:
+    Fill(CudaQuantizer& q, const Matrix& m);
+    void launch(std::byte* dst, std::uint64_t first, std::uint64_t n, void* stream) const override;
+
+   private:
+    CudaQuantizer* q_;
+    Matrix m_;
+    std::uint64_t mult_;  // CUdeviceptr of this tensor's multipliers
+    std::int64_t bcols_;
+  };
 
   struct Impl;
 

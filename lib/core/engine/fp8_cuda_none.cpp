@@ -22,5 +22,8 @@ CudaQuantizer::~CudaQuantizer() = default;
 std::string CudaQuantizer::scales(const Matrix&, Quantize, void*, Scales*) { no_cuda(); }
 void CudaQuantizer::quantize(const Matrix&, std::byte*, std::uint64_t, std::uint64_t, void*) { no_cuda(); }
 std::byte* CudaQuantizer::staging(std::uint64_t) { no_cuda(); }
+void CudaQuantizer::reset() {}
+CudaQuantizer::Fill::Fill(CudaQuantizer& q, const Matrix& m) : q_(&q), m_(m), mult_(0), bcols_(0) { no_cuda(); }
+void CudaQuantizer::Fill::launch(std::byte*, std::uint64_t, std::uint64_t, void*) const { no_cuda(); }
 
 }  // namespace shmcast::detail::quant
