@@ -147,3 +147,25 @@ def test_cuda_tensors_are_quantized_on_the_gpu(region, quantize, ue8m0):
         got = fr.read_raw(con, 60)
         con.close()
     assert fr.compare(got, fr.expected(named, ue8m0)) == []
+
+
+@pytest.mark.cuda
+def test_nan_in_a_cuda_tensor_fails_the_send_before_the_sync_begins(region, procs):
+    # send() of CUDA tensors computes every scale on the GPU before the sync
+    # begins (Producer.prepare_device): a NaN fails it with nothing announced,
+    # so the consumer sees no aborted sync at all, only the good ones.
+    with shmcast.Producer(region, slot_bytes=roles.SLOT, quantize="fp8-block128", engine="cuda") as prod:
+        con = procs.start("fp8_roles:consumer", region=region, seeds=[1, 4], ue8m0=False)
+        procs.ready(con)
+        prod.wait_for_consumers(1, 60)
+        prod.send([(n, t.cuda()) for n, t in fr.model(1)])
+        bad = [(n, t.cuda()) for n, t in fr.model(2)]
+        bad[4][1][3, 5] = float("nan")
+        with pytest.raises(shmcast.InvalidArgument,
+                           match=r"'model.layers.0.self_attn.o_proj.weight' holds NaN or Inf in the block at rows "
+                                 r"\[0, .*nothing was sent"):
+            prod.send(bad)
+        assert prod.last_version == 1
+        prod.send([(n, t.cuda()) for n, t in fr.model(4)])
+        res = procs.get(con)
+    assert res["problems"] == [] and res["aborted"] == []

@@ -95,8 +95,15 @@ int produce(const std::string& name, Quantize quant, SlotMemory slots) {
   p.wait_for_consumers(1, 120s);
   std::vector<double> times;
   SyncReport r{};
+  std::vector<const void*> ptrs;
+  for (const DevBuf& b : bufs) ptrs.push_back(b.p);
+  const char* fp8_staged = std::getenv("SHMCAST_FP8_STAGED");
+  const bool prepare = fp8_staged == nullptr || std::string(fp8_staged) != "1";
   for (int i = 0; i <= reps(); ++i) {
     const auto t0 = std::chrono::steady_clock::now();
+    // As Python's send() of CUDA tensors: every scale before the sync (the
+    // staged path, as before there was prepare_device(), makes its own).
+    if (prepare) p.prepare_device(specs, ptrs, nullptr);
     p.begin_sync(specs);
     for (std::size_t k = 0; k < specs.size(); ++k) p.write_device(k, bufs[k].p, nullptr);
     p.end_sync();

@@ -273,6 +273,40 @@ TEST(QuantSync, FilterSelectingNon2DOrNonFloatIsRefused) {
   EXPECT_EQ(read_and_check(c, want), "");
 }
 
+// prepare_device() (the GPU sources' scales before a sync) where it cannot
+// run: a host-engine producer refuses it, naming the engine; a size mismatch
+// and a call during a sync are refused; without quantize it does nothing. A
+// refusal announces nothing: the next send() is version 1 and arrives.
+TEST(QuantSync, PrepareDeviceIsRefusedWhereItCannotRun) {
+  RegionDir dir("quant");
+  const std::string name = unique_name("quantprep");
+  RegionGuard guard{name};
+  Producer p = Producer::create(name, popts(Quantize::kFp8Block128));
+  Model m(1);
+  const std::vector<const void*> ptrs = m.ptrs();
+  try {
+    p.prepare_device(m.specs, ptrs, nullptr);
+    FAIL() << "a host-engine producer prepared device scales";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), Errc::kInvalidArgument);
+    EXPECT_NE(std::string(e.what()).find("host copy engine"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(code_of([&] { p.prepare_device(m.specs, std::span<const void* const>(ptrs).first(1), nullptr); }),
+            Errc::kInvalidArgument);
+  p.begin_sync(m.specs);
+  EXPECT_EQ(code_of([&] { p.prepare_device(m.specs, ptrs, nullptr); }), Errc::kInvalidArgument);
+  p.abort_sync("test");
+  {
+    const std::string plain_name = unique_name("quantprep-none");
+    RegionGuard g2{plain_name};
+    Producer none = Producer::create(plain_name, popts(Quantize::kNone));
+    none.prepare_device(m.specs, ptrs, nullptr);  // no quantize: nothing to do
+  }
+  Consumer c = Consumer::open(name, copts());
+  EXPECT_GE(p.send(m.specs, ptrs), 1u);
+  EXPECT_EQ(read_and_check(c, expected(m, false)), "");
+}
+
 // Delta syncs of FP8 bytes (ProducerOptions::delta with quantize): the
 // codec sees the quantized bytes and scales, so a small change in the bf16
 // weights goes out as a delta and the consumer's FP8 tensors and scales

@@ -114,6 +114,17 @@ std::uint64_t Producer::send(std::span<const TensorSpec> tensors, std::span<cons
 
 void Producer::skip_sync(std::string_view why, std::uint64_t version) { impl_->skip_sync(why, version); }
 
+void Producer::prepare_device(std::span<const TensorSpec> tensors, std::span<const void* const> srcs,
+                              void* cuda_stream) {
+  impl_->require_open();
+  if (impl_->in_sync) throw Error(Errc::kInvalidArgument, "prepare_device() during a sync: call it before begin_sync()");
+  if (srcs.size() != tensors.size())
+    throw Error(Errc::kInvalidArgument, "prepare_device(): " + std::to_string(tensors.size()) + " tensors but " +
+                                            std::to_string(srcs.size()) + " sources");
+  if (!impl_->quantizing()) return;
+  impl_->prescale_device(tensors, srcs, cuda_stream);
+}
+
 std::uint64_t Producer::last_round() const { return impl_->round; }
 
 void Producer::wait_drained(Duration timeout) {

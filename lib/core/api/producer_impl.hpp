@@ -203,6 +203,10 @@ struct __attribute__((visibility("hidden"))) Producer::Impl {
     std::vector<const void*> pre_src;
     bool pre_pending = false, use_pre = false;
     detail::quant::Scales cur;
+    // prepare_device()'s scales of GPU sources, for the next sync only.
+    detail::quant::DeviceScales dpre;
+    std::vector<const void*> dpre_src;
+    bool dpre_pending = false, use_dpre = false;
     std::vector<std::byte> scratch;        // delta producers, device slots: one tensor's FP8 bytes
     std::unique_ptr<detail::quant::CudaQuantizer> gpu;  // GPU tensors (made on first use)
   } quant;
@@ -285,6 +289,7 @@ struct __attribute__((visibility("hidden"))) Producer::Impl {
   bool quantizing() const { return opts.quantize != Quantize::kNone; }
   std::vector<TensorSpec> quant_specs(std::span<const TensorSpec> tensors);
   void prescale(std::span<const TensorSpec> tensors, std::span<const void* const> srcs);
+  void prescale_device(std::span<const TensorSpec> tensors, std::span<const void* const> srcs, void* stream);
   void write_user(std::size_t index, const detail::Buffer& src, void* stream, std::uint64_t from = 0,
                   std::uint64_t len = kWhole);
 

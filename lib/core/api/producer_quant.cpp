@@ -199,6 +199,41 @@ void Producer::Impl::prescale(std::span<const TensorSpec> tensors, std::span<con
   quant.pre_pending = true;
 }
 
+// prepare_device(): the selected GPU tensors' scales before the sync begins,
+// in one pass with one wait (a NaN or Inf fails it with nothing announced);
+// their multipliers stay on the device for the sync's writes.
+void Producer::Impl::prescale_device(std::span<const TensorSpec> tensors, std::span<const void* const> srcs,
+                                     void* stream) {
+  quant.dpre_pending = false;
+  if (!engine->is_cuda())
+    throw Error(Errc::kInvalidArgument, "prepare_device() on a producer with the host copy engine: create it with "
+                                        "engine = CopyEngine::kCuda (or kAuto on a machine with a GPU)");
+  (void)quant_specs(tensors);
+  std::vector<quant::Matrix> ms(tensors.size());
+  std::vector<const quant::Matrix*> pick(tensors.size(), nullptr);
+  quant.dpre_src.assign(tensors.size(), nullptr);
+  for (std::size_t i = 0; i < tensors.size(); ++i) {
+    if (!quant.selected[i] || srcs[i] == nullptr) continue;
+    ms[i] = matrix_of(tensors[i], srcs[i], Strided2D{});
+    pick[i] = &ms[i];
+    quant.dpre_src[i] = srcs[i];
+  }
+  if (!quant.gpu) quant.gpu = std::make_unique<quant::CudaQuantizer>();
+  try {
+    engine->drain();  // the last sync's kernels read the multipliers' rooms until they have run
+  } catch (const Error&) {  // that sync reported its copy error already
+  }
+  quant.gpu->reset();
+  std::size_t bad = 0;
+  const std::string why = quant.gpu->scales_batch(pick, opts.quantize, stream, &quant.dpre, &bad);
+  if (!why.empty())
+    throw Error(Errc::kInvalidArgument,
+                "tensor '" + tensors[bad].name + "' holds " + why +
+                    ", which block FP8 cannot carry: nothing was sent (consumers keep the last version); find where the "
+                    "non-finite value comes from, or leave the tensor out of quantize_filter");
+  quant.dpre_pending = true;
+}
+
 // write(i) and its kin, of the caller's tensor i.
 void Producer::Impl::write_user(std::size_t index, const Buffer& src, void* stream, std::uint64_t from,
                                 std::uint64_t len) {
@@ -209,6 +244,7 @@ void Producer::Impl::write_user(std::size_t index, const Buffer& src, void* stre
   const TensorSpec& t = quant.user[index];
   quant::Matrix m;
   const quant::Scales* scales = &quant.cur;
+  std::uint64_t pre_mult = 0;  // prepare_device()'s multipliers of this tensor (device), if any
   try {
     require_open();
     if (quant.at[index] != next_tensor)
@@ -226,7 +262,11 @@ void Producer::Impl::write_user(std::size_t index, const Buffer& src, void* stre
                                       "quantized GPU tensors are not diffed on the GPU yet; write() it from host "
                                       "memory, or turn delta off");
     m = matrix_of(t, src.ptr, src.layout);
-    if (src.device) {
+    if (src.device && quant.use_dpre && index < quant.dpre_src.size() && quant.dpre_src[index] == src.ptr &&
+        src.layout.rows == 0 && src.ptr != nullptr) {
+      scales = &quant.dpre.host[index];  // prepare_device()'s: the multipliers are on the device
+      pre_mult = quant.dpre.mult[index];
+    } else if (src.device) {
       if (!quant.gpu) quant.gpu = std::make_unique<quant::CudaQuantizer>();
       const std::string bad = quant.gpu->scales(m, opts.quantize, stream, &quant.cur);
       if (!bad.empty())
@@ -264,7 +304,10 @@ void Producer::Impl::write_user(std::size_t index, const Buffer& src, void* stre
     // the next sync, CudaQuantizer::reset()).
     std::optional<quant::CudaQuantizer::Fill> fill;
     try {
-      fill.emplace(*quant.gpu, m);
+      if (pre_mult != 0)
+        fill.emplace(*quant.gpu, m, pre_mult, scales->bcols);
+      else
+        fill.emplace(*quant.gpu, m);
     } catch (const Error& e) {
       abort(e.what(), e.code());
       throw;
@@ -282,7 +325,10 @@ void Producer::Impl::write_user(std::size_t index, const Buffer& src, void* stre
     std::byte* staged = nullptr;
     try {
       staged = quant.gpu->staging(elems);
-      quant.gpu->quantize(m, staged, 0, elems, stream);
+      if (pre_mult != 0)
+        quant::CudaQuantizer::Fill(*quant.gpu, m, pre_mult, scales->bcols).launch(staged, 0, elems, stream);
+      else
+        quant.gpu->quantize(m, staged, 0, elems, stream);
     } catch (const Error& e) {
       abort(e.what(), e.code());
       throw;

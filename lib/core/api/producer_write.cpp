@@ -54,7 +54,9 @@ std::uint64_t Producer::Impl::begin_sync(std::span<const TensorSpec> tensors, st
       // (producer_quant.cpp); the caller still writes its own list.
       quant.use_pre = quant.pre_pending;  // send()'s scales, for this sync only
       quant.pre_pending = false;
-      if (quant.gpu) {
+      quant.use_dpre = quant.dpre_pending;  // prepare_device()'s, likewise
+      quant.dpre_pending = false;
+      if (quant.gpu && !quant.use_dpre) {
         // The last sync's quantize kernels read their multipliers until
         // they have run: only then may this sync's reuse the room.
         try {
@@ -325,6 +327,7 @@ void Producer::Impl::end_sync() {
   if (quantizing()) {
     report.logical_bytes = quant.logical;  // the caller's tensors (e.g. bf16); payload_bytes: what crossed
     quant.use_pre = false;
+    quant.use_dpre = false;
   }
   if (!leader()) {
     RankSeat& rs = view.rank_seat(rank);
@@ -351,6 +354,7 @@ void Producer::Impl::set_error_text(Errc code, const std::string& text) {
 void Producer::Impl::abort(std::string_view why, Errc code) {
   if (!in_sync) return;
   quant.use_pre = false;
+  quant.use_dpre = false;
   if (opts.delta) {
     delta.valid = false;  // the base may be ahead of what the consumers hold: the next sync is full
     if (delta.staged) {   // nothing was announced

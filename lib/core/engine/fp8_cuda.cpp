@@ -51,6 +51,16 @@ struct Module {
   CUfunction scales = nullptr, quantize = nullptr;
 };
 
+// Where block `i` (row-major, bcols a row) of `m` is, for the NaN message.
+std::string bad_block(const Matrix& m, std::int64_t bcols, std::uint64_t i) {
+  const std::int64_t br = static_cast<std::int64_t>(i / static_cast<std::uint64_t>(bcols)),
+                     bc = static_cast<std::int64_t>(i % static_cast<std::uint64_t>(bcols));
+  return "NaN or Inf in the block at rows [" + std::to_string(br * quantize::kBlock) + ", " +
+         std::to_string(std::min(m.rows, (br + 1) * quantize::kBlock)) + "), columns [" +
+         std::to_string(bc * quantize::kBlock) + ", " + std::to_string(std::min(m.cols, (bc + 1) * quantize::kBlock)) +
+         ")";
+}
+
 // Loads the PTX into `ctx` (current) once per process; never unloaded.
 const Module& module_for(const cu::Api& d, CUcontext ctx) {
   static std::mutex* const mu = new std::mutex;  // leaked: used until exit
@@ -202,13 +212,68 @@ std::string CudaQuantizer::scales(const Matrix& m, Quantize q, void* stream, Sca
   SHMCAST_QCK(d, d.cuMemcpyDtoHAsync(&first_bad, s.bad, 8, st), "cuMemcpyDtoHAsync");
   SHMCAST_QCK(d, d.cuStreamSynchronize(st), "cuStreamSynchronize");
   if (first_bad == kNone) return {};
-  const std::uint64_t i = first_bad - 1;
-  const std::int64_t br = static_cast<std::int64_t>(i / static_cast<std::uint64_t>(out->bcols)),
-                     bc = static_cast<std::int64_t>(i % static_cast<std::uint64_t>(out->bcols));
-  return "NaN or Inf in the block at rows [" + std::to_string(br * quantize::kBlock) + ", " +
-         std::to_string(std::min(m.rows, (br + 1) * quantize::kBlock)) + "), columns [" +
-         std::to_string(bc * quantize::kBlock) + ", " + std::to_string(std::min(m.cols, (bc + 1) * quantize::kBlock)) +
-         ")";
+  return bad_block(m, out->bcols, first_bad - 1);
+}
+
+std::string CudaQuantizer::scales_batch(const std::vector<const Matrix*>& ms, Quantize q, void* stream,
+                                        DeviceScales* out, std::size_t* bad) {
+  Impl& s = *impl_;
+  s.bind(stream);
+  const cu::Api& d = *s.d;
+  cu::CtxScope scope(d, s.ctx);
+  const std::size_t n = ms.size();
+  out->host.assign(n, Scales{});
+  out->mult.assign(n, 0);
+  std::vector<std::uint64_t> at(n, 0);
+  std::uint64_t total = 0;
+  for (std::size_t i = 0; i < n; ++i) {
+    if (ms[i] == nullptr) continue;
+    Scales& h = out->host[i];
+    h.brows = blocks(ms[i]->rows);
+    h.bcols = blocks(ms[i]->cols);
+    if (h.brows > 65535)
+      throw Error(Errc::kUnsupported, "CUDA FP8 quantize: more than 65535 row blocks (8 M rows); send it from host memory");
+    at[i] = total;
+    total += static_cast<std::uint64_t>(h.brows) * static_cast<std::uint64_t>(h.bcols);
+  }
+  // Every tensor's scale_inv, then one flag each (the least bad block + 1).
+  const std::uint64_t flags_at = (total * 4 + 7) & ~std::uint64_t{7};
+  s.grow(&s.scale_inv, &s.scale_room, flags_at + 8 * n + 8);
+  CUstream st = static_cast<CUstream>(stream);
+  std::vector<unsigned long long> flags(n, ~0ull);
+  if (n > 0) SHMCAST_QCK(d, d.cuMemcpyHtoDAsync(s.scale_inv + flags_at, flags.data(), 8 * n, st), "cuMemcpyHtoDAsync");
+  int ue8m0 = q == Quantize::kFp8Block128Ue8m0 ? 1 : 0;
+  for (std::size_t i = 0; i < n; ++i) {
+    const Scales& h = out->host[i];
+    const std::uint64_t nb = static_cast<std::uint64_t>(h.brows) * static_cast<std::uint64_t>(h.bcols);
+    if (ms[i] == nullptr || nb == 0) continue;
+    const Matrix& m = *ms[i];
+    out->mult[i] = s.take(nb * 4);
+    CUdeviceptr src = dptr(m.base), si = s.scale_inv + at[i] * 4, mu = out->mult[i], fl = s.scale_inv + flags_at + 8 * i;
+    int dtype = static_cast<int>(m.dtype);
+    long long rows = m.rows, cols = m.cols;
+    unsigned long long pitch = m.pitch;
+    void* params[] = {&src, &dtype, &rows, &cols, &pitch, &ue8m0, &si, &mu, &fl};
+    SHMCAST_QCK(d,
+                d.cuLaunchKernel(s.mod->scales, static_cast<unsigned>(h.bcols), static_cast<unsigned>(h.brows), 1,
+                                 kThreads, 1, 1, 0, st, params, nullptr),
+                "launching the block-scales kernel");
+  }
+  std::vector<float> si(total);
+  if (total > 0) SHMCAST_QCK(d, d.cuMemcpyDtoHAsync(si.data(), s.scale_inv, total * 4, st), "cuMemcpyDtoHAsync");
+  if (n > 0) SHMCAST_QCK(d, d.cuMemcpyDtoHAsync(flags.data(), s.scale_inv + flags_at, 8 * n, st), "cuMemcpyDtoHAsync");
+  SHMCAST_QCK(d, d.cuStreamSynchronize(st), "cuStreamSynchronize");
+  for (std::size_t i = 0; i < n; ++i) {
+    Scales& h = out->host[i];
+    const std::uint64_t nb = static_cast<std::uint64_t>(h.brows) * static_cast<std::uint64_t>(h.bcols);
+    h.scale_inv.assign(si.begin() + static_cast<std::ptrdiff_t>(at[i]), si.begin() + static_cast<std::ptrdiff_t>(at[i] + nb));
+  }
+  for (std::size_t i = 0; i < n; ++i)
+    if (ms[i] != nullptr && flags[i] != ~0ull) {
+      *bad = i;
+      return bad_block(*ms[i], out->host[i].bcols, flags[i] - 1);
+    }
+  return {};
 }
 
 namespace {
@@ -252,6 +317,11 @@ void CudaQuantizer::reset() {
 CudaQuantizer::Fill::Fill(CudaQuantizer& q, const Matrix& m)
     : q_(&q), m_(m), mult_(q.impl_->mult), bcols_(q.impl_->bcols) {
   if (q.impl_->ctx == nullptr) throw Error(Errc::kInvalidArgument, "CUDA FP8 quantize: a fill before scales()");
+}
+
+CudaQuantizer::Fill::Fill(CudaQuantizer& q, const Matrix& m, std::uint64_t mult, std::int64_t bcols)
+    : q_(&q), m_(m), mult_(mult), bcols_(bcols) {
+  if (q.impl_->ctx == nullptr) throw Error(Errc::kInvalidArgument, "CUDA FP8 quantize: a fill before scales_batch()");
 }
 
 void CudaQuantizer::Fill::launch(std::byte* dst, std::uint64_t first, std::uint64_t n, void* stream) const {

@@ -36,6 +36,13 @@ class CudaQuantizer {
   // Returns "" or where a NaN or Inf is ("NaN or Inf in the block at rows
   // [r0, r1), columns [c0, c1)").
   std::string scales(const Matrix& m, Quantize q, void* stream, Scales* out);
+  // The block scales of many tensors (nullptr: none) before a sync: every
+  // tensor's kernel on `stream`, then one wait. Each one's multipliers stay
+  // on the device until reset() (out->mult). Returns "" or, for the first
+  // tensor with a NaN or Inf, where ("NaN or Inf in the block at ...") with
+  // its index in *bad.
+  std::string scales_batch(const std::vector<const Matrix*>& ms, Quantize q, void* stream, DeviceScales* out,
+                           std::size_t* bad);
   // Enqueues the codes of elements [first, first + n) of `m` into `dst`
   // (device memory, or pinned host memory the device maps) on `stream`,
   // with the scales of the last scales() call (of the same matrix).
@@ -55,6 +62,8 @@ class CudaQuantizer {
   class Fill final : public DeviceFill {
    public:
     Fill(CudaQuantizer& q, const Matrix& m);
+    // With the multipliers scales_batch() left at `mult` (bcols a row).
+    Fill(CudaQuantizer& q, const Matrix& m, std::uint64_t mult, std::int64_t bcols);
     void launch(std::byte* dst, std::uint64_t first, std::uint64_t n, void* stream) const override;
 
    private:

@@ -23,6 +23,13 @@ std::string CudaQuantizer::scales(const Matrix&, Quantize, void*, Scales*) { no_
 void CudaQuantizer::quantize(const Matrix&, std::byte*, std::uint64_t, std::uint64_t, void*) { no_cuda(); }
 std::byte* CudaQuantizer::staging(std::uint64_t) { no_cuda(); }
 void CudaQuantizer::reset() {}
+std::string CudaQuantizer::scales_batch(const std::vector<const Matrix*>&, Quantize, void*, DeviceScales*, std::size_t*) {
+  no_cuda();
+}
+CudaQuantizer::Fill::Fill(CudaQuantizer& q, const Matrix& m, std::uint64_t, std::int64_t)
+    : q_(&q), m_(m), mult_(0), bcols_(0) {
+  no_cuda();
+}
 CudaQuantizer::Fill::Fill(CudaQuantizer& q, const Matrix& m) : q_(&q), m_(m), mult_(0), bcols_(0) { no_cuda(); }
 void CudaQuantizer::Fill::launch(std::byte*, std::uint64_t, std::uint64_t, void*) const { no_cuda(); }
 

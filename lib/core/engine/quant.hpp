@@ -64,6 +64,14 @@ struct Scales {
   std::vector<float> mult;       // what each element of the block is multiplied by
 };
 
+// Block scales made on the GPU before a sync (CudaQuantizer::scales_batch),
+// per tensor: the scale_inv the scales tensor carries (host; mult left
+// empty), and where its multipliers are in device memory (0: none).
+struct DeviceScales {
+  std::vector<Scales> host;
+  std::vector<std::uint64_t> mult;
+};
+
 inline std::int64_t blocks(std::int64_t n) { return (n + quantize::kBlock - 1) / quantize::kBlock; }
 
 // Computes the block scales of `m`. Returns "" or, for a NaN or Inf

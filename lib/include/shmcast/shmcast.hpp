@@ -421,11 +421,12 @@ struct ProducerOptions {
   // tensors (e.g. bf16), payload_bytes what crossed the region. A tensor to
   // quantize is written whole (write_part() is refused for it): from host
   // memory, quantized by host code straight into host slots; from a GPU
-  // (write_device(), the CUDA engine; not with delta), by kernels into one
-  // tensor's device staging room that the engine copies into the slots. A
-  // NaN or Inf in it fails that write (kInvalidArgument naming the tensor;
-  // send() finds it before the sync begins, so consumers keep the last
-  // version). Not with fill_spans(), lend_chunk() or begin_forwarded().
+  // (write_device(), the CUDA engine; not with delta), by kernels straight
+  // into the slots as the engine copies (docs/protocol.md §14). A NaN or Inf
+  // in it fails that write (kInvalidArgument naming the tensor; send(), and
+  // prepare_device() before a sync of GPU tensors, find it before the sync
+  // begins, so consumers keep the last version). Not with fill_spans(),
+  // lend_chunk() or begin_forwarded().
   // Sharded producers: each rank quantizes its own rows, so a shard must
   // start and (unless it is the tensor's end) end on a multiple of 128 along
   // its dim: begin_sync() refuses one that does not, naming the tensor and
@@ -519,6 +520,15 @@ class SHMCAST_API Producer {
   // (not before: a delta producer reads it again in end_sync(), where it
   // encodes the sync's GPU tensors).
   void write_device(std::size_t index, const void* src, void* cuda_stream);
+  // Quantize-on-send with GPU sources, before begin_sync(): computes the
+  // block scales of every tensor of `tensors` the filter selects from its
+  // device memory (`srcs`, contiguous; nullptr: skip it) on `cuda_stream`,
+  // waiting once for all of them, so that a NaN or Inf fails here
+  // (kInvalidArgument naming the tensor) with nothing announced; the next
+  // sync's write_device() of the same pointers takes them instead of
+  // computing and waiting for its own. No-op without quantize. A sharded
+  // rank whose prepare_device() throws still owes its round: skip_sync().
+  void prepare_device(std::span<const TensorSpec> tensors, std::span<const void* const> srcs, void* cuda_stream);
   void write_device_strided(std::size_t index, const void* src, const Strided2D& layout,
                             void* cuda_stream);
   // Store regions: lends out the room of the sync in progress in the bank

@@ -261,6 +261,21 @@ class PyProducer : Owned {
   // rethrown) when a write fails.
   std::uint64_t send_locked(std::vector<TensorSpec> specs, const std::vector<Source>& srcs, std::uint64_t ver) {
     return locked([&](Producer& p) {
+      // Quantize-on-send from a GPU: every tensor's scales before the sync
+      // begins, in one pass (a NaN or Inf fails here, nothing announced).
+      {  // (prepare_device() is a no-op without quantize)
+        std::vector<const void*> dev(srcs.size(), nullptr);
+        void* stream = nullptr;
+        bool any = false;
+        for (std::size_t i = 0; i < srcs.size(); ++i)
+          if (srcs[i].device && !srcs[i].layout) {
+            if (!any) stream = srcs[i].stream;
+            if (any && srcs[i].stream != stream) continue;  // one stream per pass; the rest make their own
+            dev[i] = srcs[i].ptr;
+            any = true;
+          }
+        if (any) p.prepare_device(specs, dev, stream);
+      }
       const std::uint64_t v = begin_locked(std::move(specs), ver);
       try {
         write_locked(0, srcs);
