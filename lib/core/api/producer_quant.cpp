@@ -262,8 +262,11 @@ void Producer::Impl::write_user(std::size_t index, const Buffer& src, void* stre
                                       "quantized GPU tensors are not diffed on the GPU yet; write() it from host "
                                       "memory, or turn delta off");
     m = matrix_of(t, src.ptr, src.layout);
+    // prepare_device()'s scales, where they are of this source and shape
+    // (a sync of other tensors than those prepared computes its own).
     if (src.device && quant.use_dpre && index < quant.dpre_src.size() && quant.dpre_src[index] == src.ptr &&
-        src.layout.rows == 0 && src.ptr != nullptr) {
+        src.layout.rows == 0 && src.ptr != nullptr && quant.dpre.host[index].brows == quant::blocks(m.rows) &&
+        quant.dpre.host[index].bcols == quant::blocks(m.cols)) {
       scales = &quant.dpre.host[index];  // prepare_device()'s: the multipliers are on the device
       pre_mult = quant.dpre.mult[index];
     } else if (src.device) {
@@ -296,12 +299,13 @@ void Producer::Impl::write_user(std::size_t index, const Buffer& src, void* stre
     }
   }
   if (direct) {
-    // The kernel quantizes straight into the slot bytes, chunk by chunk, on
-    // the engine's streams after the caller's stream's work: through the
-    // GPU's mapping of the pinned host slots, or into device slots. No
-    // copy of the tensor in FP8 exists; the next tensor's scales are made
-    // while these kernels run (their multipliers stay on the device until
-    // the next sync, CudaQuantizer::reset()).
+    // The kernel quantizes the tensor chunk by chunk as the engine would
+    // copy it, on the engine's streams after the caller's stream's work:
+    // into device slots, or into staging pieces the engine copies into the
+    // pinned host slots (cuda_fill.hpp). No FP8 copy of the whole tensor
+    // exists; the next tensor's scales are made while these kernels run
+    // (their multipliers stay on the device until the next sync,
+    // CudaQuantizer::reset()).
     std::optional<quant::CudaQuantizer::Fill> fill;
     try {
       if (pre_mult != 0)
