@@ -276,7 +276,8 @@ TEST(QuantSync, FilterSelectingNon2DOrNonFloatIsRefused) {
 // prepare_device() (the GPU sources' scales before a sync) where it cannot
 // run: a host-engine producer refuses it, naming the engine; a size mismatch
 // and a call during a sync are refused; without quantize it does nothing. A
-// refusal announces nothing: the next send() is version 1 and arrives.
+// refusal announces nothing: the next send() (after a sync begun and
+// aborted, version 1) is version 2 and arrives.
 TEST(QuantSync, PrepareDeviceIsRefusedWhereItCannotRun) {
   RegionDir dir("quant");
   const std::string name = unique_name("quantprep");
@@ -303,7 +304,44 @@ TEST(QuantSync, PrepareDeviceIsRefusedWhereItCannotRun) {
     none.prepare_device(m.specs, ptrs, nullptr);  // no quantize: nothing to do
   }
   Consumer c = Consumer::open(name, copts());
-  EXPECT_GE(p.send(m.specs, ptrs), 1u);
+  EXPECT_EQ(p.send(m.specs, ptrs), 2u);
+  EXPECT_EQ(read_and_check(c, expected(m, false)), "");
+}
+
+// send()'s scales are computed before its sync begins; when that
+// begin_sync() then throws (a version not above the last), the scales must
+// die with it: a later sync written by hand from the same pointers, after
+// the tensors changed in place, computes its own. Reusing them quantized the
+// new values with the old blocks' maxima (wrong codes, reported as success).
+TEST(QuantSync, ScalesOfASendWhoseSyncNeverBeganAreNotReused) {
+  RegionDir dir("quant");
+  const std::string name = unique_name("quantstale");
+  RegionGuard guard{name};
+  Producer p = Producer::create(name, popts(Quantize::kFp8Block128));
+  Consumer c = Consumer::open(name, copts());
+  Model m(1);
+  const std::vector<const void*> ptrs = m.ptrs();
+  ASSERT_EQ(p.send(m.specs, ptrs, 5), 5u);
+  ASSERT_EQ(read_and_check(c, expected(m, false)), "");
+  auto become = [&m](std::uint64_t seed, float scale) {  // new values, same buffers
+    Model n(seed);
+    for (std::size_t i = 0; i < m.data.size(); ++i) {
+      m.data[i] = n.data[i];
+      if (m.specs[i].dtype != DType::kF32 || scale == 1.0f) continue;
+      for (std::size_t at = 0; at < m.data[i].size(); at += 4) {
+        float x;
+        std::memcpy(&x, &m.data[i][at], 4);
+        x *= scale;
+        std::memcpy(&m.data[i][at], &x, 4);
+      }
+    }
+  };
+  become(2, 1.0f);
+  EXPECT_EQ(code_of([&] { p.send(m.specs, ptrs, 3); }), Errc::kInvalidArgument);  // 3 is not above 5
+  become(3, 64.0f);  // other maxima: the f32 tensor's blocks grow 64-fold
+  p.begin_sync(m.specs, 6);
+  for (std::size_t i = 0; i < m.specs.size(); ++i) p.write(i, ptrs[i]);
+  p.end_sync();
   EXPECT_EQ(read_and_check(c, expected(m, false)), "");
 }
 

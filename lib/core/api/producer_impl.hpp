@@ -205,7 +205,7 @@ struct __attribute__((visibility("hidden"))) Producer::Impl {
     detail::quant::Scales cur;
     // prepare_device()'s scales of GPU sources, for the next sync only.
     detail::quant::DeviceScales dpre;
-    std::vector<const void*> dpre_src;
+    std::vector<detail::quant::Matrix> dpre_m;  // what each was computed from (base null: none)
     bool dpre_pending = false, use_dpre = false;
     std::vector<std::byte> scratch;        // delta producers, device slots: one tensor's FP8 bytes
     std::unique_ptr<detail::quant::CudaQuantizer> gpu;  // GPU tensors (made on first use)

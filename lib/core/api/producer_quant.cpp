@@ -209,14 +209,13 @@ void Producer::Impl::prescale_device(std::span<const TensorSpec> tensors, std::s
     throw Error(Errc::kInvalidArgument, "prepare_device() on a producer with the host copy engine: create it with "
                                         "engine = CopyEngine::kCuda (or kAuto on a machine with a GPU)");
   (void)quant_specs(tensors);
-  std::vector<quant::Matrix> ms(tensors.size());
+  std::vector<quant::Matrix>& ms = quant.dpre_m;
+  ms.assign(tensors.size(), quant::Matrix{});
   std::vector<const quant::Matrix*> pick(tensors.size(), nullptr);
-  quant.dpre_src.assign(tensors.size(), nullptr);
   for (std::size_t i = 0; i < tensors.size(); ++i) {
     if (!quant.selected[i] || srcs[i] == nullptr) continue;
     ms[i] = matrix_of(tensors[i], srcs[i], Strided2D{});
     pick[i] = &ms[i];
-    quant.dpre_src[i] = srcs[i];
   }
   if (!quant.gpu) quant.gpu = std::make_unique<quant::CudaQuantizer>();
   try {
@@ -264,9 +263,10 @@ void Producer::Impl::write_user(std::size_t index, const Buffer& src, void* stre
     m = matrix_of(t, src.ptr, src.layout);
     // prepare_device()'s scales, where they are of this source and shape
     // (a sync of other tensors than those prepared computes its own).
-    if (src.device && quant.use_dpre && index < quant.dpre_src.size() && quant.dpre_src[index] == src.ptr &&
-        src.layout.rows == 0 && src.ptr != nullptr && quant.dpre.host[index].brows == quant::blocks(m.rows) &&
-        quant.dpre.host[index].bcols == quant::blocks(m.cols)) {
+    if (src.device && quant.use_dpre && index < quant.dpre_m.size() && src.ptr != nullptr &&
+        quant.dpre_m[index].base == m.base && quant.dpre_m[index].dtype == m.dtype &&
+        quant.dpre_m[index].rows == m.rows && quant.dpre_m[index].cols == m.cols &&
+        quant.dpre_m[index].pitch == m.pitch) {
       scales = &quant.dpre.host[index];  // prepare_device()'s: the multipliers are on the device
       pre_mult = quant.dpre.mult[index];
     } else if (src.device) {

@@ -619,6 +619,7 @@ void Producer::Impl::end_sharded() {
 // skip_sync(): a sharded rank that will not send this sync still takes its
 // round and drops it, so the ranks stay in step (drop_round).
 void Producer::Impl::skip_sync(std::string_view why, std::uint64_t want) {
+  quant.pre_pending = quant.dpre_pending = false;  // that step's scales are no later sync's
   require_open();
   if (in_sync) throw Error(Errc::kInvalidArgument, "skip_sync() during a sync: abort_sync() it instead");
   if (world == 1) return;  // one producer: no other rank to keep in step

@@ -35,6 +35,11 @@ constexpr std::uint64_t kFillStep = 2ull << 20;  // progressive-fill granularity
 // into this rank's stream, then the mode's own begin (sharded: the round,
 // producer_ranks.cpp; store: producer_store.cpp; else begin_ring below).
 std::uint64_t Producer::Impl::begin_sync(std::span<const TensorSpec> tensors, std::uint64_t want) {
+  // send()'s and prepare_device()'s scales are for this call only, whether
+  // it begins the sync or throws: a later sync never takes them (the
+  // caller may have changed the tensors in place since).
+  const bool pre = std::exchange(quant.pre_pending, false);
+  const bool dpre = std::exchange(quant.dpre_pending, false);
   require_open();
   if (in_sync) throw Error(Errc::kInvalidArgument, "begin_sync() while a sync is in progress: end_sync() it first");
   // Sharded: the sync's round (its version); a refusal from here on still
@@ -52,10 +57,8 @@ std::uint64_t Producer::Impl::begin_sync(std::span<const TensorSpec> tensors, st
     if (quantizing()) {
       // The manifest carries each selected tensor as FP8 plus its scales
       // (producer_quant.cpp); the caller still writes its own list.
-      quant.use_pre = quant.pre_pending;  // send()'s scales, for this sync only
-      quant.pre_pending = false;
-      quant.use_dpre = quant.dpre_pending;  // prepare_device()'s, likewise
-      quant.dpre_pending = false;
+      quant.use_pre = pre;  // send()'s scales, for this sync only
+      quant.use_dpre = dpre;  // prepare_device()'s, likewise
       if (quant.gpu && !quant.use_dpre) {
         // The last sync's quantize kernels read their multipliers until
         // they have run: only then may this sync's reuse the room.
