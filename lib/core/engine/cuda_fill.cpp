@@ -59,13 +59,22 @@ void FillStage::fill(std::byte* dst, const DeviceFill& f, std::uint64_t first, s
   // After what the lane's stream waits for (the caller's stream's work)...
   SHMCAST_CK(d.cuEventRecord(start_, lane), "cuEventRecord", "");
   for (CUstream s : s_) SHMCAST_CK(d.cuStreamWaitEvent(s, start_, 0), "cuStreamWaitEvent", "");
-  for (std::uint64_t at = 0; at < n;) {
-    const std::uint64_t len = std::min(kPiece, n - at);
-    const unsigned k = next_++ & 1u;
-    // A room is rewritten only after its last copy, by its stream's order.
-    f.launch(reinterpret_cast<std::byte*>(static_cast<std::uintptr_t>(room_[k])), first + at, len, s_[k]);
-    SHMCAST_CK(d.cuMemcpyDtoHAsync(dst + at, room_[k], len, s_[k]), "cuMemcpyDtoHAsync into a slot", kTodoAsync);
-    at += len;
+  try {
+    for (std::uint64_t at = 0; at < n;) {
+      const std::uint64_t len = std::min(kPiece, n - at);
+      const unsigned k = next_++ & 1u;
+      // A room is rewritten only after its last copy, by its stream's order.
+      f.launch(reinterpret_cast<std::byte*>(static_cast<std::uintptr_t>(room_[k])), first + at, len, s_[k]);
+      SHMCAST_CK(d.cuMemcpyDtoHAsync(dst + at, room_[k], len, s_[k]), "cuMemcpyDtoHAsync into a slot", kTodoAsync);
+      at += len;
+    }
+  } catch (...) {
+    // What was queued still writes the slot and reads the multipliers: the
+    // lane's drain (the abort that follows) must wait for it too.
+    for (int k = 0; k < 2; ++k)
+      if (d.cuEventRecord(done_[k], s_[k]) != CUDA_SUCCESS || d.cuStreamWaitEvent(lane, done_[k], 0) != CUDA_SUCCESS)
+        (void)d.cuStreamSynchronize(s_[k]);
+    throw;
   }
   // ...and before what the lane's stream does next (the chunk's event).
   for (int k = 0; k < 2; ++k) {
