@@ -7,6 +7,8 @@
 // at the name is never followed nor removed, a dead stranger's socket is not
 // taken over, and a flood of refused connections costs a few log lines.
 #include <gtest/gtest.h>
+
+#include <cstdio>
 #include <sys/stat.h>
 
 #include "fdchan_support.hpp"
@@ -288,10 +290,16 @@ TEST(FdChannelAttack, HoarderOfAThousandConnectionsLocksNobodyOut) {
   server.signal(SIGTERM);
   EXPECT_EQ(server.wait(), 0) << server.output();
   const std::string events = slurp(s.f("p.events"));
-  EXPECT_NE(events.find("served=" + std::to_string(kFdUnreadPerProcess + 1) + " refused=" +
-                        std::to_string(1000 - kFdUnreadPerProcess)),
-            std::string::npos)
-      << events;
+  // The hoarder's own refusals are exact; the consumer may also be refused
+  // for a while (and served on a later try) when other processes of uid
+  // 65534 (a parallel ctest job's peers) have fds in flight: the kernel's
+  // limit (ETOOMANYREFS) is per user. So: served exactly, refused at least.
+  unsigned long long served = 0, refused = 0;
+  const std::size_t at = events.rfind("served=");
+  ASSERT_NE(at, std::string::npos) << events;
+  ASSERT_EQ(std::sscanf(events.c_str() + at, "served=%llu refused=%llu", &served, &refused), 2) << events;
+  EXPECT_EQ(served, kFdUnreadPerProcess + 1) << events;
+  EXPECT_GE(refused, 1000u - kFdUnreadPerProcess) << events;
   EXPECT_NE(events.find("messages unread by its process, the limit"), std::string::npos) << events;
   EXPECT_LE(count_lines(events, "refused process"), 15) << events;
 }
