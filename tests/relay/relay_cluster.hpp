@@ -62,6 +62,18 @@ inline std::map<std::string, std::string> preload_env(const std::string& lib,
   return more;
 }
 
+// The last `n` lines of `s`.
+inline std::string last_lines(const std::string& s, int n) {
+  std::size_t at = s.size();
+  if (at > 0 && s[at - 1] == '\n') --at;
+  while (n-- > 0 && at > 0) {
+    const std::size_t nl = s.rfind('\n', at - 1);
+    if (nl == std::string::npos) return s;
+    at = nl;
+  }
+  return at == 0 ? s : s.substr(at + 1);
+}
+
 class Cluster {
  public:
   explicit Cluster(int nodes, const std::string& tag) {

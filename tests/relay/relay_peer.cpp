@@ -5,7 +5,7 @@
 //                           [--consumers C] [--go PREFIX] [--pause-sync V --resume FILE] [--abort-sync V]
 //                           [--empty-sync V] --report FILE
 //   relay_peer consume NAME --syncs N [--tensors T | --bytes N] [--slot-bytes B] [--seed S] [--stall] [--empty-sync V]
-//                           --report FILE
+//                           [--wait-sync S] --report FILE
 //
 // Sync v carries random_manifest(seed + v, slot_bytes, T) (multi-slot and
 // empty tensors included); tensor i holds fill_pattern(seed_of(v, i)).
@@ -20,7 +20,8 @@
 // every byte and the manifest matched, "bad v" when not, "error v CODE" on
 // an error (PeerDied/Closed: it reopens the region and reports "reopened").
 // It ends after N "ok" lines. --stall: attach, report, never read (until
-// killed).
+// killed). --wait-sync S: how long it waits for each sync (90 s; a worker
+// behind a relay the test stops for good needs longer on a loaded machine).
 // Exit: 0 done, 2 usage, 12 wrong bytes, 20+Errc on another error.
 #include <sys/stat.h>
 #include <unistd.h>
@@ -40,7 +41,7 @@ namespace {
 
 struct Args {
   std::string role, name, report, go, resume;
-  int syncs = 3, tensors = 12, pause_sync = 0, abort_sync = 0, empty_sync = 0;
+  int syncs = 3, tensors = 12, pause_sync = 0, abort_sync = 0, empty_sync = 0, wait_sync_s = 90;
   std::uint32_t consumers = 1;
   std::uint64_t slot_bytes = 2 << 20, seed = 7, bytes = 0;
   bool stall = false;
@@ -130,7 +131,7 @@ int consume(const Args& a) {
   while (ok < a.syncs) {
     std::uint64_t v = 0;
     try {
-      const SyncInfo& info = c->wait_sync(90s);
+      const SyncInfo& info = c->wait_sync(std::chrono::seconds(a.wait_sync_s));
       v = info.version;
       report(a, "manifest " + std::to_string(v));
       const std::vector<TensorSpec> want = manifest(a, v);
@@ -193,6 +194,7 @@ int main(int argc, char** argv) {
     else if (k == "--abort-sync") a.abort_sync = std::stoi(v);
     else if (k == "--empty-sync") a.empty_sync = std::stoi(v);
     else if (k == "--report") a.report = v;
+    else if (k == "--wait-sync") a.wait_sync_s = std::stoi(v);
     else {
       std::fprintf(stderr, "relay_peer: unknown option %s\n", k.c_str());
       return 2;

@@ -541,9 +541,13 @@ TEST(RelayAttack, SlowDownstreamsAreDroppedAndTheOthersKeepGoing) {
   std::vector<Proc*> workers;
   for (int i = 1; i <= 3; ++i) {
     const std::string rep = c.file("worker" + std::to_string(i) + ".txt");
+    // Workers 2 and 3 sit behind the stopped relays: on a loaded machine
+    // (TSan beside other stages) the healthy worker's 60 syncs alone took
+    // over 90 s, the default wait for a sync, and they gave up before the
+    // relays were resumed.
     workers.push_back(&c.peer("worker" + std::to_string(i), i,
-                              {"consume", c.region(), "--syncs", i == 1 ? std::to_string(kSyncs) : "1000", "--report",
-                               rep}));
+                              {"consume", c.region(), "--syncs", i == 1 ? std::to_string(kSyncs) : "1000",
+                               "--wait-sync", i == 1 ? "90" : "600", "--report", rep}));
     ASSERT_TRUE(c.wait_line(rep, "attached"));
   }
   Proc& h = *workers[0];
@@ -577,7 +581,12 @@ TEST(RelayAttack, SlowDownstreamsAreDroppedAndTheOthersKeepGoing) {
   toggler.join();
   ::kill(t.pid, SIGCONT);
   ::kill(s.pid, SIGCONT);
-  EXPECT_EQ(hrc, 0) << slurp(c.file("worker1.txt"));
+  // On a failure, the last lines of what tells why come first (a CI log
+  // keeps only the head of a failing test's output): the worker's report,
+  // the source relay's log, the healthy relay's log.
+  EXPECT_EQ(hrc, 0) << last_lines(slurp(c.file("worker1.txt")), 6) << "---- relay0.log (end)\n"
+                    << last_lines(slurp(c.file("relay0.log")), 40) << "---- relay1.log (end)\n"
+                    << last_lines(slurp(c.file("relay1.log")), 20);
   RecordProperty("healthy_seconds", std::to_string(took));
   const std::string log0 = slurp(c.file("relay0.log"));
   EXPECT_NE(log0.find("held the source back: it has taken no fragment for"), std::string::npos)
