@@ -5,6 +5,7 @@
 #include <cstring>
 #include <random>
 
+#include "base/name_set.hpp"
 #include "protocol/manifest.hpp"
 
 using namespace shmcast;
@@ -457,4 +458,83 @@ TEST(Manifest, MergeKeepsTheBaseOfRanksDeltaPieces) {
   EXPECT_EQ(pieces[0].base_version, 0u);
   EXPECT_EQ(pieces[1].base_version, 3u);
   EXPECT_EQ(pieces[1].rank, 1u);
+}
+
+// The decoder writes into its output in place, keeping its memory (the
+// consumer decodes into the SyncInfo of the sync before last): whatever that
+// SyncInfo held before, a larger or smaller manifest, delta pieces, a
+// manifest it refused halfway, the result is the fresh decode's.
+namespace {
+void expect_same(const SyncInfo& a, const SyncInfo& b, const std::string& what) {
+  EXPECT_EQ(a.version, b.version) << what;
+  EXPECT_EQ(a.stream_bytes, b.stream_bytes) << what;
+  EXPECT_EQ(a.payload_bytes, b.payload_bytes) << what;
+  EXPECT_EQ(a.first_seq, b.first_seq) << what;
+  EXPECT_EQ(a.chunks, b.chunks) << what;
+  EXPECT_EQ(a.world_size, b.world_size) << what;
+  EXPECT_EQ(a.rank_bytes, b.rank_bytes) << what;
+  EXPECT_EQ(a.base_version, b.base_version) << what;
+  EXPECT_EQ(a.wire_bytes, b.wire_bytes) << what;
+  ASSERT_EQ(a.tensors.size(), b.tensors.size()) << what;
+  for (std::size_t i = 0; i < a.tensors.size(); ++i) {
+    const TensorInfo &x = a.tensors[i], &y = b.tensors[i];
+    EXPECT_EQ(x.name, y.name) << what << " " << i;
+    EXPECT_EQ(x.dtype, y.dtype) << what << " " << i;
+    EXPECT_EQ(x.shape, y.shape) << what << " " << i;
+    EXPECT_EQ(x.nbytes, y.nbytes) << what << " " << i;
+    EXPECT_EQ(x.stream_offset, y.stream_offset) << what << " " << i;
+    ASSERT_EQ(x.shards.size(), y.shards.size()) << what << " " << i;
+    for (std::size_t k = 0; k < x.shards.size(); ++k) {
+      const ShardInfo &p = x.shards[k], &q = y.shards[k];
+      EXPECT_TRUE(p.rank == q.rank && p.dim == q.dim && p.start == q.start && p.length == q.length &&
+                  p.stream_offset == q.stream_offset && p.nbytes == q.nbytes && p.wire_bytes == q.wire_bytes &&
+                  p.base_version == q.base_version)
+          << what << " " << i << "." << k;
+    }
+  }
+}
+}  // namespace
+
+TEST(Manifest, DecodingIntoAUsedSyncInfoGivesTheFreshResult) {
+  std::vector<TensorSpec> many;
+  for (int i = 0; i < 300; ++i)
+    many.push_back({"model.layers." + std::to_string(i) + ".mlp.experts.weight", DType::kBF16, {3, i % 7}});
+  auto bad = sample();
+  bad[4].name = bad[0].name;  // refused at the fifth entry
+  const std::vector<TensorSpec> dspecs = {{"a", DType::kBF16, {64, 100}}, {"b", DType::kF32, {10}}};
+  const std::vector<Encoded> inputs = {encode(many), encode(sample(), 10),
+                                       encode_delta(dspecs, {64 + 16 * 2, 64 + 16}, {7, 7}, 9), encode(bad),
+                                       encode({{"x", DType::kU8, {5}}}), encode(many)};
+  const std::uint64_t versions[] = {9, 10, 9, 9, 9, 9};
+  SyncInfo used;
+  for (std::size_t k = 0; k < inputs.size(); ++k) {
+    const Encoded& e = inputs[k];
+    SyncInfo fresh;
+    const std::string want = decode_manifest(e.bytes, versions[k], e.stream, S, &fresh);
+    const std::string got = decode_manifest(e.bytes, versions[k], e.stream, S, &used);
+    EXPECT_EQ(got, want) << k;
+    if (want.empty()) expect_same(used, fresh, "input " + std::to_string(k));
+  }
+  EXPECT_NE(decode_manifest(inputs[3].bytes, 9, inputs[3].stream, S, &used).find("twice"), std::string::npos);
+}
+
+// The duplicate-name set: every duplicate found, across resets to larger
+// and smaller counts and past the count reset() announced.
+TEST(NameSet, FindsEveryDuplicateAcrossResets) {
+  NameSet set;
+  std::vector<std::string> names;
+  for (int i = 0; i < 20000; ++i) names.push_back("layer." + std::to_string(i) + ".w");
+  for (std::size_t n : {std::size_t{20000}, std::size_t{16}, std::size_t{3}, std::size_t{20000}}) {
+    set.reset(n);
+    const std::size_t count = n == 3 ? 500 : n;  // 3: announced fewer than it gets
+    for (std::size_t i = 0; i < count; ++i) ASSERT_TRUE(set.insert(names[i])) << n << " " << i;
+    for (std::size_t i = 0; i < count; ++i) {
+      const std::string copy = names[i];  // equal bytes elsewhere: found by content
+      ASSERT_FALSE(set.insert(copy)) << n << " " << i;
+    }
+  }
+  set.reset(2);
+  EXPECT_TRUE(set.insert("a"));
+  EXPECT_TRUE(set.insert("ab"));
+  EXPECT_FALSE(set.insert("a"));
 }

@@ -56,14 +56,18 @@ void Consumer::Impl::close_quietly() noexcept {
 }
 
 void Consumer::Impl::index_pieces() {
-  by_rank.assign(info.world_size, {});
+  by_rank.resize(info.world_size);  // the lists keep their memory from sync to sync
+  for (auto& v : by_rank) v.clear();
   for (std::uint32_t t = 0; t < info.tensors.size(); ++t) {
     const auto& sh = info.tensors[t].shards;
     for (std::uint32_t k = 0; k < sh.size(); ++k)
       by_rank[sh[k].rank].push_back(PieceRef{sh[k].stream_offset, sh[k].wire_bytes, t, k});
   }
+  // A rank's pieces come in stream order when its tensors are listed in
+  // the order it packed them (every producer of one rank): no sort then.
+  const auto by_offset = [](const PieceRef& a, const PieceRef& b) { return a.offset < b.offset; };
   for (auto& v : by_rank)
-    std::sort(v.begin(), v.end(), [](const PieceRef& a, const PieceRef& b) { return a.offset < b.offset; });
+    if (!std::is_sorted(v.begin(), v.end(), by_offset)) std::sort(v.begin(), v.end(), by_offset);
 }
 
 Consumer::Consumer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
@@ -337,8 +341,9 @@ void next_sync(Consumer::Impl& m, std::int64_t deadline) {
       if (r) r->unhold();
     }
   } unhold_on_error{g.store ? &*m.ring : nullptr};
-  SyncInfo info;
-  std::string why = decode_manifest(bytes, rec.version, rec.stream_bytes, g.slot_bytes, &info);
+  SyncInfo& info = m.spare;
+  std::string why = decode_manifest(bytes, rec.version, rec.stream_bytes, g.slot_bytes, &info, true,
+                                    ManifestCheck::kFull, &m.names);
   if (why.empty() && info.world_size != g.world_size)
     why = "manifest of " + std::to_string(info.world_size) + " ranks in a region of " + std::to_string(g.world_size);
   if (why.empty() && !g.store && rec.chunks != sync_chunks(info.rank_bytes, g.slot_bytes))
@@ -347,7 +352,7 @@ void next_sync(Consumer::Impl& m, std::int64_t deadline) {
   if (!why.empty()) throw corrupt(why);
   info.first_seq = rec.first_seq;
   info.chunks = rec.chunks;
-  m.info = std::move(info);
+  std::swap(m.info, m.spare);
   m.index_pieces();
   if (!g.store) {
     m.ring->ack(rec.version);

@@ -36,6 +36,7 @@
 
 #include "api/device_slots.hpp"
 #include "base/checks.hpp"
+#include "base/name_set.hpp"
 #include "engine/cuda_vmm.hpp"
 #include "engine/delta_cuda.hpp"
 #include "engine/engine.hpp"
@@ -76,6 +77,11 @@ struct __attribute__((visibility("hidden"))) Consumer::Impl {
 
   State state = State::kIdle;
   SyncInfo info;
+  // The next manifest is decoded into the sync before last's SyncInfo and
+  // swapped in (its memory kept: the same manifest allocates nothing), with
+  // the duplicate-name check's table kept too.
+  SyncInfo spare;
+  detail::NameSet names;
   std::uint64_t last_version = 0;
   std::uint64_t next_chunk = 0;  // chunks of this sync already released
 

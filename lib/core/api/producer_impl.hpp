@@ -39,6 +39,7 @@
 
 #include "base/checks.hpp"
 #include "base/layout.hpp"
+#include "base/name_set.hpp"
 #include "engine/cuda_vmm.hpp"
 #include "engine/delta_cuda.hpp"
 #include "engine/engine.hpp"
@@ -103,6 +104,7 @@ struct __attribute__((visibility("hidden"))) Producer::Impl {
   std::uint64_t first_seq = 0;    // of the sync in progress
   std::uint64_t rank_chunks = 0;  // chunks per rank of the sync in progress
   std::vector<TensorSpec> specs;
+  detail::NameSet dup_names;  // begin_sync()'s duplicate-name check, its table kept
   std::vector<std::uint64_t> offsets;
   std::uint64_t stream_bytes = 0, payload_bytes = 0;  // this rank's
   std::uint64_t sync_payload = 0;  // the whole sync's (rank 0)

@@ -9,7 +9,6 @@
 
 #include <functional>
 #include <string_view>
-#include <unordered_set>
 
 #include "api/producer_impl.hpp"
 #include "base/checks.hpp"
@@ -81,16 +80,15 @@ std::uint64_t Producer::Impl::begin_sync(std::span<const TensorSpec> tensors, st
                                       std::to_string(view.geo().total_bytes) +
                                       ": another process truncated or resized it; close this producer and create "
                                       "the region again");
-    std::unordered_set<std::string_view> names;
-    names.reserve(tensors.size());
+    if (tensors.size() > kMaxTensors)
+      throw Error(Errc::kInvalidArgument, "more than " + std::to_string(kMaxTensors) + " tensors in one sync");
+    dup_names.reset(tensors.size());
     for (std::size_t i = 0; i < tensors.size(); ++i) {
       const std::string why = validate_spec(tensors[i]);
       if (!why.empty()) throw Error(Errc::kInvalidArgument, "tensor " + std::to_string(i) + " ('" + tensors[i].name + "'): " + why);
-      if (!names.insert(tensors[i].name).second)
+      if (!dup_names.insert(tensors[i].name))
         throw Error(Errc::kInvalidArgument, "tensor name '" + tensors[i].name + "' appears twice in one sync");
     }
-    if (tensors.size() > kMaxTensors)
-      throw Error(Errc::kInvalidArgument, "more than " + std::to_string(kMaxTensors) + " tensors in one sync");
     if (world == 1) {
       for (const TensorSpec& t : tensors)
         if (t.shard_dim != -1)

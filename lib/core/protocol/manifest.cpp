@@ -1,6 +1,7 @@
 #include "protocol/manifest.hpp"
 
 #include "base/checks.hpp"
+#include "base/name_set.hpp"
 #include "base/text.hpp"
 #include "protocol/delta.hpp"
 
@@ -9,7 +10,6 @@
 #include <string_view>
 #include <algorithm>
 #include <unordered_map>
-#include <unordered_set>
 
 namespace shmcast::detail {
 
@@ -51,6 +51,18 @@ bool valid_utf8(std::string_view s) {
 std::string name_problem(std::string_view name) {
   if (name.empty()) return "empty tensor name";
   if (name.size() > kMaxNameBytes) return "tensor name longer than " + std::to_string(kMaxNameBytes) + " bytes";
+  // ASCII without a NUL, 8 bytes at a time (almost every name; a sync may
+  // have a million): no byte with its top bit set, none zero.
+  constexpr std::uint64_t kHigh = 0x8080808080808080ull, kOnes = 0x0101010101010101ull;
+  std::size_t i = 0;
+  std::uint64_t bad = 0;
+  for (; i + 8 <= name.size() && bad == 0; i += 8) {
+    std::uint64_t x;
+    std::memcpy(&x, name.data() + i, 8);
+    bad = (x | ((x - kOnes) & ~x)) & kHigh;
+  }
+  for (; i < name.size() && bad == 0; ++i) bad = name[i] == 0 || static_cast<unsigned char>(name[i]) >= 0x80;
+  if (bad == 0) return {};
   if (name.find('\0') != std::string_view::npos) return "tensor name contains a NUL byte";
   if (!valid_utf8(name)) return "tensor name is not valid UTF-8";
   return {};
@@ -269,11 +281,24 @@ std::string entry_shape_problem(const ManifestEntry& e, std::uint64_t* logical) 
 
 TensorInfo entry_tensor(const ManifestEntry& e) {
   TensorInfo t;
-  t.dtype = static_cast<DType>(e.dtype);
-  t.shape.assign(e.shape, e.shape + e.ndim);
-  t.nbytes = e.nbytes;
-  t.stream_offset = e.stream_offset;
+  entry_tensor_into(e, &t);
   return t;
+}
+
+void entry_tensor_into(const ManifestEntry& e, TensorInfo* t) {
+  std::string name = std::move(t->name);
+  std::vector<std::int64_t> shape = std::move(t->shape);
+  std::vector<ShardInfo> shards = std::move(t->shards);
+  *t = TensorInfo{};
+  name.clear();
+  shards.clear();
+  shape.assign(e.shape, e.shape + e.ndim);
+  t->name = std::move(name);
+  t->shape = std::move(shape);
+  t->shards = std::move(shards);
+  t->dtype = static_cast<DType>(e.dtype);
+  t->nbytes = e.nbytes;
+  t->stream_offset = e.stream_offset;
 }
 
 std::string rank_bytes_problem(std::span<const std::uint64_t> rank_bytes, std::uint64_t stream_bytes) {
@@ -286,7 +311,7 @@ std::string rank_bytes_problem(std::span<const std::uint64_t> rank_bytes, std::u
 
 std::string decode_manifest(std::span<const std::byte> bytes, std::uint64_t expect_version,
                             std::uint64_t expect_stream_bytes, std::uint64_t slot_bytes, SyncInfo* out,
-                            bool check_names, ManifestCheck mode) {
+                            bool check_names, ManifestCheck mode, NameSet* names_scratch) {
   const bool partial = mode == ManifestCheck::kRankPost;
   if (bytes.size() < sizeof(ManifestHeader)) return "manifest shorter than its header";
   ManifestHeader h;
@@ -297,17 +322,27 @@ std::string decode_manifest(std::span<const std::byte> bytes, std::uint64_t expe
   const std::uint64_t pieces_at = ranks_at + std::uint64_t{h.world_size} * 8;
   const char* names = reinterpret_cast<const char*>(bytes.data() + h.names_offset);  // where the header says, checked
 
-  SyncInfo info;
+  // Decoded in place: *out's vectors, and its tensors' names, shapes and
+  // shard lists, keep their memory (a consumer decodes into the SyncInfo
+  // of the sync before last: the same manifest again allocates nothing).
+  SyncInfo& info = *out;
+  {
+    std::vector<TensorInfo> tensors = std::move(info.tensors);
+    std::vector<std::uint64_t> rank_bytes = std::move(info.rank_bytes);
+    info = SyncInfo{};
+    info.tensors = std::move(tensors);
+    info.rank_bytes = std::move(rank_bytes);
+  }
   info.version = h.sync_version;
   info.stream_bytes = h.stream_bytes;
   info.world_size = h.world_size;
   info.rank_bytes.resize(h.world_size);
   std::memcpy(info.rank_bytes.data(), bytes.data() + ranks_at, std::uint64_t{h.world_size} * 8);
   if (std::string why = rank_bytes_problem(info.rank_bytes, h.stream_bytes); !why.empty()) return why;
-  info.tensors.reserve(h.tensor_count);
-  std::unordered_set<std::string_view> seen;
-  if (check_names) seen.reserve(h.tensor_count);
-  std::vector<std::uint64_t> first_offset(h.tensor_count);
+  NameSet own;
+  NameSet& seen = names_scratch != nullptr ? *names_scratch : own;
+  if (check_names) seen.reset(h.tensor_count);
+  info.tensors.resize(h.tensor_count);
   std::uint64_t logical = 0, names_next = 0;
   for (std::uint32_t i = 0; i < h.tensor_count; ++i) {
     ManifestEntry e;
@@ -316,13 +351,11 @@ std::string decode_manifest(std::span<const std::byte> bytes, std::uint64_t expe
     const std::string_view name(names + e.name_offset, e.name_bytes);
     if (check_names) {
       if (std::string why = name_problem(name); !why.empty()) return at(i, why);
-      if (!seen.insert(name).second) return at(i, "name appears twice in the manifest");
+      if (!seen.insert(name)) return at(i, "name appears twice in the manifest");
     }
     if (std::string why = entry_shape_problem(e, &logical); !why.empty()) return at(i, why);
-    first_offset[i] = e.stream_offset;
-    TensorInfo t = entry_tensor(e);
-    if (check_names) t.name.assign(name);
-    info.tensors.push_back(std::move(t));
+    entry_tensor_into(e, &info.tensors[i]);
+    if (check_names) info.tensors[i].name.assign(name);
   }
   if (std::string why = names_end_problem(names_next, h.names_bytes); !why.empty()) return why;
   // Pieces: sorted by (rank, offset), aligned, inside their rank's
@@ -363,7 +396,7 @@ std::string decode_manifest(std::span<const std::byte> bytes, std::uint64_t expe
   for (std::uint32_t i = 0; i < h.tensor_count; ++i) {
     TensorInfo& t = info.tensors[i];
     if (t.shards.empty()) return at(i, "has no piece");
-    if (t.shards[0].stream_offset != first_offset[i]) return at(i, "stream offset disagrees with its first piece");
+    if (t.shards[0].stream_offset != t.stream_offset) return at(i, "stream offset disagrees with its first piece");
     if (partial) {
       if (t.shards.size() != 1) return at(i, "more than one piece in a rank's post");
       continue;
@@ -391,7 +424,6 @@ std::string decode_manifest(std::span<const std::byte> bytes, std::uint64_t expe
   if (!partial && payload != logical) return "payload size disagrees with the tensors";
   info.payload_bytes = payload;
   info.wire_bytes = wire;
-  *out = std::move(info);
   return {};
 }
 

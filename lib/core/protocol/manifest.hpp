@@ -69,9 +69,16 @@ enum class ManifestCheck {
              // or shards along one dim that tile it exactly
   kRankPost, // a rank's list: exactly one piece per entry, no tiling
 };
+// *out is decoded in place: its vectors, and its tensors' names, shapes and
+// shard lists, keep their memory; on an error its contents are unspecified
+// (decode into a spare and swap on success, as the consumer does).
+// `names_scratch`, when given, is the table of the duplicate-name check,
+// kept by the caller from one manifest to the next.
+class NameSet;
 std::string decode_manifest(std::span<const std::byte> bytes, std::uint64_t expect_version,
                             std::uint64_t expect_stream_bytes, std::uint64_t slot_bytes, SyncInfo* out,
-                            bool check_names = true, ManifestCheck mode = ManifestCheck::kFull);
+                            bool check_names = true, ManifestCheck mode = ManifestCheck::kFull,
+                            NameSet* names_scratch = nullptr);
 
 // The rules decode_manifest applies, one part of a manifest at a time, for
 // a reader that streams a manifest too large to copy whole (the inspect
@@ -108,6 +115,9 @@ std::string entry_shape_problem(const ManifestEntry& e, std::uint64_t* logical);
 // A valid entry as a tensor: dtype, shape, nbytes, stream offset (no name,
 // no pieces).
 TensorInfo entry_tensor(const ManifestEntry& e);
+// The same into *t, whose name (left empty), shape and shard list (left
+// empty) keep their memory.
+void entry_tensor_into(const ManifestEntry& e, TensorInfo* t);
 // The rank table: each rank's sub-stream within the limit, and together the
 // stream's size.
 std::string rank_bytes_problem(std::span<const std::uint64_t> rank_bytes, std::uint64_t stream_bytes);
