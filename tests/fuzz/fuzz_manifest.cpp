@@ -5,10 +5,13 @@
 //
 // Contract: a manifest the decoder accepts describes a consistent packing
 // (checked below, field by field), its names take no more bytes than the
-// manifest, and it survives an encode/decode round trip.
+// manifest, and it survives an encode/decode round trip; decoded into the
+// SyncInfo an earlier input left (with a kept name table, as the consumer
+// decodes), every input gets the fresh decode's verdict and result.
 #include <vector>
 
 #include "fuzz_support.hpp"
+#include "base/name_set.hpp"
 #include "protocol/manifest.hpp"
 
 using namespace fuzz;
@@ -29,7 +32,16 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     stream ^= 256;
   }
   shmcast::SyncInfo info;
-  if (!d::decode_manifest(bytes, version, stream, slot, &info).empty()) return 0;
+  const std::string why = d::decode_manifest(bytes, version, stream, slot, &info);
+  // The consumer's way: into the SyncInfo (and with the name table) an
+  // earlier input left behind. Same verdict; accepted, the same result.
+  static shmcast::SyncInfo reused;
+  static d::NameSet names;
+  const std::string why_reused =
+      d::decode_manifest(bytes, version, stream, slot, &reused, true, d::ManifestCheck::kFull, &names);
+  if (why_reused != why) finding("a decode into a used SyncInfo gave another verdict");
+  if (!why.empty()) return 0;
+  if (!(reused == info)) finding("a decode into a used SyncInfo gave another result");
 
   // Accepted: every tensor is well-formed and the packing is consistent.
   if (info.version != version || info.stream_bytes != stream) finding("decoded sync fields disagree");
@@ -65,8 +77,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   if (d::encode_manifest(specs, offsets, version, stream, payload, buf.data(), need) != need)
     finding("re-encoding used another size");
   shmcast::SyncInfo again;
-  const std::string why = d::decode_manifest(buf, version, stream, slot, &again);
-  if (!why.empty()) finding("re-encoded manifest rejected");
+  if (!d::decode_manifest(buf, version, stream, slot, &again).empty()) finding("re-encoded manifest rejected");
   if (again.tensors.size() != info.tensors.size() || again.payload_bytes != info.payload_bytes)
     finding("round trip changed the sync");
   for (std::size_t i = 0; i < info.tensors.size(); ++i) {

@@ -461,37 +461,32 @@ TEST(Manifest, MergeKeepsTheBaseOfRanksDeltaPieces) {
 }
 
 // The decoder writes into its output in place, keeping its memory (the
-// consumer decodes into the SyncInfo of the sync before last): whatever that
-// SyncInfo held before, a larger or smaller manifest, delta pieces, a
-// manifest it refused halfway, the result is the fresh decode's.
+// consumer decodes into the SyncInfo of the sync before last, with a kept
+// NameSet): whatever that SyncInfo held before, a larger or smaller
+// manifest, two ranks' shards out of start order, delta pieces, a manifest
+// refused at its names or at its shards' tiling, the result is the fresh
+// decode's, field for field.
 namespace {
-void expect_same(const SyncInfo& a, const SyncInfo& b, const std::string& what) {
-  EXPECT_EQ(a.version, b.version) << what;
-  EXPECT_EQ(a.stream_bytes, b.stream_bytes) << what;
-  EXPECT_EQ(a.payload_bytes, b.payload_bytes) << what;
-  EXPECT_EQ(a.first_seq, b.first_seq) << what;
-  EXPECT_EQ(a.chunks, b.chunks) << what;
-  EXPECT_EQ(a.world_size, b.world_size) << what;
-  EXPECT_EQ(a.rank_bytes, b.rank_bytes) << what;
-  EXPECT_EQ(a.base_version, b.base_version) << what;
-  EXPECT_EQ(a.wire_bytes, b.wire_bytes) << what;
-  ASSERT_EQ(a.tensors.size(), b.tensors.size()) << what;
-  for (std::size_t i = 0; i < a.tensors.size(); ++i) {
-    const TensorInfo &x = a.tensors[i], &y = b.tensors[i];
-    EXPECT_EQ(x.name, y.name) << what << " " << i;
-    EXPECT_EQ(x.dtype, y.dtype) << what << " " << i;
-    EXPECT_EQ(x.shape, y.shape) << what << " " << i;
-    EXPECT_EQ(x.nbytes, y.nbytes) << what << " " << i;
-    EXPECT_EQ(x.stream_offset, y.stream_offset) << what << " " << i;
-    ASSERT_EQ(x.shards.size(), y.shards.size()) << what << " " << i;
-    for (std::size_t k = 0; k < x.shards.size(); ++k) {
-      const ShardInfo &p = x.shards[k], &q = y.shards[k];
-      EXPECT_TRUE(p.rank == q.rank && p.dim == q.dim && p.start == q.start && p.length == q.length &&
-                  p.stream_offset == q.stream_offset && p.nbytes == q.nbytes && p.wire_bytes == q.wire_bytes &&
-                  p.base_version == q.base_version)
-          << what << " " << i << "." << k;
-    }
-  }
+// Two ranks: "w" [8, 4] bf16 in two row shards, rank 0 holding rows [4, 8)
+// and rank 1 rows [0, 4) (so the shards sort); "b" whole on rank 1.
+// `gap`: rank 1's shard holds rows [0, 3) only.
+Encoded encode_two_ranks(bool gap) {
+  const std::vector<TensorSpec> specs = {{"w", DType::kBF16, {8, 4}}, {"b", DType::kF32, {6}}};
+  std::vector<ManifestPiece> pieces(3);
+  pieces[0] = ManifestPiece{};
+  pieces[0].tensor = 0, pieces[0].rank = 0, pieces[0].dim = 0, pieces[0].start = 4, pieces[0].length = 4;
+  pieces[0].offset = 0, pieces[0].nbytes = 32;
+  pieces[1].tensor = 0, pieces[1].rank = 1, pieces[1].dim = 0, pieces[1].start = 0, pieces[1].length = gap ? 3 : 4;
+  pieces[1].offset = 0, pieces[1].nbytes = gap ? 24 : 32;
+  pieces[2].tensor = 1, pieces[2].rank = 1, pieces[2].dim = kWholePiece;
+  pieces[2].offset = 256, pieces[2].nbytes = 24;
+  Encoded e;
+  const std::uint64_t rank_bytes[2] = {32, 280};
+  e.stream = 312;
+  e.payload = 32 + pieces[1].nbytes + 24;
+  e.bytes.resize(manifest_size(specs, pieces.size(), 2));
+  EXPECT_NE(encode_manifest(specs, pieces, rank_bytes, 9, e.payload, e.bytes.data(), e.bytes.size()), 0u);
+  return e;
 }
 }  // namespace
 
@@ -500,41 +495,70 @@ TEST(Manifest, DecodingIntoAUsedSyncInfoGivesTheFreshResult) {
   for (int i = 0; i < 300; ++i)
     many.push_back({"model.layers." + std::to_string(i) + ".mlp.experts.weight", DType::kBF16, {3, i % 7}});
   auto bad = sample();
-  bad[4].name = bad[0].name;  // refused at the fifth entry
+  bad[4].name = bad[0].name;  // refused at the fifth entry's name
   const std::vector<TensorSpec> dspecs = {{"a", DType::kBF16, {64, 100}}, {"b", DType::kF32, {10}}};
-  const std::vector<Encoded> inputs = {encode(many), encode(sample(), 10),
-                                       encode_delta(dspecs, {64 + 16 * 2, 64 + 16}, {7, 7}, 9), encode(bad),
-                                       encode({{"x", DType::kU8, {5}}}), encode(many)};
-  const std::uint64_t versions[] = {9, 10, 9, 9, 9, 9};
+  const std::vector<Encoded> inputs = {encode(many),
+                                       encode(sample(), 10),
+                                       encode_two_ranks(false),
+                                       encode_delta(dspecs, {64 + 16 * 2, 64 + 16}, {7, 7}, 9),
+                                       encode(bad),
+                                       encode_two_ranks(true),
+                                       encode({{"x", DType::kU8, {5}}}),
+                                       encode_two_ranks(false),
+                                       encode(many)};
+  const std::uint64_t versions[] = {9, 10, 9, 9, 9, 9, 9, 9, 9};
+  const char* refusal[] = {"", "", "", "", "twice", "gap", "", "", ""};
   SyncInfo used;
+  NameSet names;
   for (std::size_t k = 0; k < inputs.size(); ++k) {
     const Encoded& e = inputs[k];
     SyncInfo fresh;
     const std::string want = decode_manifest(e.bytes, versions[k], e.stream, S, &fresh);
-    const std::string got = decode_manifest(e.bytes, versions[k], e.stream, S, &used);
+    used.first_seq = 77;  // set by the consumer after a decode: the decoder clears them
+    used.chunks = 5;
+    const std::string got =
+        decode_manifest(e.bytes, versions[k], e.stream, S, &used, true, ManifestCheck::kFull, &names);
     EXPECT_EQ(got, want) << k;
-    if (want.empty()) expect_same(used, fresh, "input " + std::to_string(k));
+    if (*refusal[k] != 0) {
+      EXPECT_NE(want.find(refusal[k]), std::string::npos) << k << ": " << want;
+      continue;
+    }
+    ASSERT_EQ(want, "") << k;
+    EXPECT_TRUE(used == fresh) << "input " << k;
+    EXPECT_EQ(used.first_seq, 0u);
   }
-  EXPECT_NE(decode_manifest(inputs[3].bytes, 9, inputs[3].stream, S, &used).find("twice"), std::string::npos);
+  // The two-rank input's shards come sorted by start.
+  SyncInfo two;
+  ASSERT_EQ(decode_manifest(inputs[2].bytes, 9, inputs[2].stream, S, &two), "");
+  ASSERT_EQ(two.tensors[0].shards.size(), 2u);
+  EXPECT_EQ(two.tensors[0].shards[0].start, 0);
+  EXPECT_EQ(two.tensors[0].shards[0].rank, 1u);
+  EXPECT_EQ(two.tensors[0].shards[1].start, 4);
 }
 
 // The duplicate-name set: every duplicate found, across resets to larger
-// and smaller counts and past the count reset() announced.
+// and smaller counts, past the count reset() announced, before any reset,
+// and once a long probe (here: any collision) moved it to its tree.
 TEST(NameSet, FindsEveryDuplicateAcrossResets) {
-  NameSet set;
   std::vector<std::string> names;
   for (int i = 0; i < 20000; ++i) names.push_back("layer." + std::to_string(i) + ".w");
-  for (std::size_t n : {std::size_t{20000}, std::size_t{16}, std::size_t{3}, std::size_t{20000}}) {
-    set.reset(n);
-    const std::size_t count = n == 3 ? 500 : n;  // 3: announced fewer than it gets
-    for (std::size_t i = 0; i < count; ++i) ASSERT_TRUE(set.insert(names[i])) << n << " " << i;
-    for (std::size_t i = 0; i < count; ++i) {
-      const std::string copy = names[i];  // equal bytes elsewhere: found by content
-      ASSERT_FALSE(set.insert(copy)) << n << " " << i;
+  for (std::size_t max_probe : {NameSet::kMaxProbe, std::size_t{0}}) {
+    NameSet set(max_probe);
+    EXPECT_TRUE(set.insert("never reset"));
+    EXPECT_FALSE(set.insert("never reset"));
+    for (std::size_t n : {std::size_t{20000}, std::size_t{16}, std::size_t{3}, std::size_t{20000}}) {
+      set.reset(n);
+      EXPECT_FALSE(set.in_tree());
+      const std::size_t count = n == 3 ? 500 : n;  // 3: announced fewer than it gets
+      for (std::size_t i = 0; i < count; ++i) ASSERT_TRUE(set.insert(names[i])) << n << " " << i;
+      for (std::size_t i = 0; i < count; ++i) {
+        const std::string copy = names[i];  // equal bytes elsewhere: found by content
+        ASSERT_FALSE(set.insert(copy)) << n << " " << i;
+      }
+      // With no probe allowed past the first slot, 500 names collide.
+      if (max_probe == 0 && count >= 500) {
+        EXPECT_TRUE(set.in_tree()) << n;
+      }
     }
   }
-  set.reset(2);
-  EXPECT_TRUE(set.insert("a"));
-  EXPECT_TRUE(set.insert("ab"));
-  EXPECT_FALSE(set.insert("a"));
 }

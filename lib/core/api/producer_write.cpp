@@ -53,6 +53,8 @@ std::uint64_t Producer::Impl::begin_sync(std::span<const TensorSpec> tensors, st
                                             " is not greater than the last, " + std::to_string(version));
   }
   try {
+    if (tensors.size() > kMaxTensors)  // before any per-tensor work
+      throw Error(Errc::kInvalidArgument, "more than " + std::to_string(kMaxTensors) + " tensors in one sync");
     if (quantizing()) {
       // The manifest carries each selected tensor as FP8 plus its scales
       // (producer_quant.cpp); the caller still writes its own list.
@@ -80,8 +82,9 @@ std::uint64_t Producer::Impl::begin_sync(std::span<const TensorSpec> tensors, st
                                       std::to_string(view.geo().total_bytes) +
                                       ": another process truncated or resized it; close this producer and create "
                                       "the region again");
-    if (tensors.size() > kMaxTensors)
-      throw Error(Errc::kInvalidArgument, "more than " + std::to_string(kMaxTensors) + " tensors in one sync");
+    if (tensors.size() > kMaxTensors)  // the wire list: quantizing adds the scales
+      throw Error(Errc::kInvalidArgument, "more than " + std::to_string(kMaxTensors) +
+                                              " tensors in one sync (with their FP8 scales)");
     dup_names.reset(tensors.size());
     for (std::size_t i = 0; i < tensors.size(); ++i) {
       const std::string why = validate_spec(tensors[i]);

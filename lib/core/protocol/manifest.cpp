@@ -330,6 +330,8 @@ std::string decode_manifest(std::span<const std::byte> bytes, std::uint64_t expe
     std::vector<TensorInfo> tensors = std::move(info.tensors);
     std::vector<std::uint64_t> rank_bytes = std::move(info.rank_bytes);
     info = SyncInfo{};
+    // Memory of a much larger manifest (a hostile one's, say) is let go.
+    if (tensors.capacity() > 4 * std::size_t{h.tensor_count} + 1024) tensors = {};
     info.tensors = std::move(tensors);
     info.rank_bytes = std::move(rank_bytes);
   }
@@ -354,8 +356,12 @@ std::string decode_manifest(std::span<const std::byte> bytes, std::uint64_t expe
       if (!seen.insert(name)) return at(i, "name appears twice in the manifest");
     }
     if (std::string why = entry_shape_problem(e, &logical); !why.empty()) return at(i, why);
-    entry_tensor_into(e, &info.tensors[i]);
-    if (check_names) info.tensors[i].name.assign(name);
+    TensorInfo& t = info.tensors[i];
+    entry_tensor_into(e, &t);
+    if (check_names) {
+      if (t.name.capacity() > 4 * name.size() + 64) t.name = std::string();  // a long name's memory
+      t.name.assign(name);
+    }
   }
   if (std::string why = names_end_problem(names_next, h.names_bytes); !why.empty()) return why;
   // Pieces: sorted by (rank, offset), aligned, inside their rank's
@@ -402,24 +408,22 @@ std::string decode_manifest(std::span<const std::byte> bytes, std::uint64_t expe
       continue;
     }
     if (t.shards.size() == 1 && t.shards[0].dim < 0) continue;
-    // Shards along one dim that tile [0, extent) exactly.
+    // Shards along one dim that tile [0, extent) exactly, sorted by start
+    // in place (already in order when rank r holds the r-th slice).
     const int dim = t.shards[0].dim;
-    std::vector<const ShardInfo*> order;
     for (const ShardInfo& sh : t.shards) {
       if (sh.dim < 0) return at(i, "a whole piece beside other pieces");
       if (sh.dim != dim) return at(i, "shards along different dims");
-      order.push_back(&sh);
     }
-    std::stable_sort(order.begin(), order.end(), [](const ShardInfo* a, const ShardInfo* b) { return a->start < b->start; });
+    const auto by_start = [](const ShardInfo& a, const ShardInfo& b) { return a.start < b.start; };
+    if (!std::is_sorted(t.shards.begin(), t.shards.end(), by_start))
+      std::stable_sort(t.shards.begin(), t.shards.end(), by_start);
     std::int64_t next = 0;
-    for (const ShardInfo* sh : order) {
-      if (sh->start != next) return at(i, sh->start < next ? "shards overlap" : "shards leave a gap");
-      next += sh->length;
+    for (const ShardInfo& sh : t.shards) {
+      if (sh.start != next) return at(i, sh.start < next ? "shards overlap" : "shards leave a gap");
+      next += sh.length;
     }
     if (next != t.shape[static_cast<std::size_t>(dim)]) return at(i, "shards do not cover the tensor");
-    std::vector<ShardInfo> sorted;
-    for (const ShardInfo* sh : order) sorted.push_back(*sh);
-    t.shards = std::move(sorted);
   }
   if (!partial && payload != logical) return "payload size disagrees with the tensors";
   info.payload_bytes = payload;

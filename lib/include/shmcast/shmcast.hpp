@@ -153,6 +153,7 @@ struct ShardInfo {
   // base_version 0: its bytes, wire_bytes == nbytes.
   std::uint64_t wire_bytes = 0;
   std::uint64_t base_version = 0;
+  bool operator==(const ShardInfo&) const = default;
 };
 
 // Part of a tensor a consumer reads: the rows [start, start + length) along
@@ -179,6 +180,7 @@ struct TensorInfo {
   std::uint64_t nbytes;
   std::uint64_t stream_offset;   // where its first piece starts in its rank's sub-stream
   std::vector<ShardInfo> shards; // its pieces: one whole piece, or shards sorted by start
+  bool operator==(const TensorInfo&) const = default;
 };
 
 struct SyncInfo {
@@ -198,6 +200,7 @@ struct SyncInfo {
   bool delta() const noexcept { return base_version != 0; }
   // Index of a tensor by name, or -1.
   SHMCAST_API std::ptrdiff_t find(std::string_view name) const;
+  bool operator==(const SyncInfo&) const = default;
 };
 
 // What the last sync moved (Producer::last_sync, Consumer::last_sync).
@@ -658,7 +661,9 @@ class SHMCAST_API Consumer {
   // last_version() (the newest one; a consumer that just opened gets the
   // current weights), else waits for the producer to store one. The version
   // is held (the producer will not replace its bytes) until it has been read
-  // or skipped.
+  // or skipped. The SyncInfo (and every name, shape and shard list in it)
+  // is valid until the next wait_sync() on this consumer, which reuses its
+  // memory: copy what must outlive that.
   const SyncInfo& wait_sync(Duration timeout);
 
   // Reads the sync into caller memory: dsts[i] receives tensor i (nullptr
