@@ -9,7 +9,7 @@
 # cross compiler, qemu-user, and the arm64 multiarch -dev packages of the
 # dependencies. Boost is header-only: the host's headers serve.
 #
-# Built: libshmcast, test_unit, test_multiprocess only (no CUDA, Python,
+# Built: libshmcast, test_unit, test_multiprocess(_threads) only (no CUDA, Python,
 # bench or tools). Run: ctest -L 'unit|multiprocess', except
 #   install.find_package  builds an outside project against the installed
 #                         library with the host's default compiler, not
@@ -107,7 +107,7 @@ cmake -S . -B "$dir" "${gen[@]}" --toolchain "$PWD/cmake/toolchain-aarch64.cmake
   { cat "$dir/configure.log"; exit 1; }
 # Only what the two tiers need; building a test runs its gtest discovery
 # (--gtest_list_tests) under qemu.
-cmake --build "$dir" -j"$(nproc)" --target test_unit test_multiprocess
+cmake --build "$dir" -j"$(nproc)" --target test_unit test_multiprocess test_multiprocess_threads
 t2=$(date +%s)
 
 exclude_re="^($(IFS='|'; echo "${excluded[*]//./\\.}"))\$"

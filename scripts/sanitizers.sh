@@ -31,8 +31,10 @@
 #   threads  tests/fault/test_threads.cpp: the producer and three consumers
 #            as threads over one region (with checksums, and without:
 #            progressive fill); and the multiprocess and tool tests that
-#            run two threads of one process over the library
-#            (shmcast_label_tests in tests/CMakeLists.txt);
+#            run two threads of one process over the library (the
+#            multiprocess ones in test_multiprocess_threads, a binary of
+#            their own; the tool ones by shmcast_label_tests in
+#            tests/tool/CMakeLists.txt);
 #   relay    shmcast-relay is one process of several threads (network,
 #            UCX's async thread, the status writer), in every relay test.
 # and builds only what those need (SAN_TSAN_TARGETS). The multiprocess,
@@ -93,7 +95,7 @@ for name in "${which[@]}"; do
   targets=()
   if [ "$name" = tsan ] && [ "${SANITIZERS_FULL:-0}" != 1 ]; then
     select=(-L "${SAN_TSAN_LABELS:-^(unit|threads|relay)\$}")
-    read -r -a targets <<<"${SAN_TSAN_TARGETS:-test_unit test_probe test_fault_threads test_multiprocess test_tool}"
+    read -r -a targets <<<"${SAN_TSAN_TARGETS:-test_unit test_probe test_fault_threads test_multiprocess_threads test_tool}"
     # The relay's tests (every test_* of tests/relay, and the relay status
     # attack), when the relay is built (UCX and OpenSSL found).
     if [ -z "${SAN_TSAN_TARGETS:-}" ]; then

@@ -20,32 +20,15 @@
 #include "shmcast/shmcast.hpp"
 #include "delta_sync_support.hpp"
 #include "support.hpp"
+#include "delta_host_support.hpp"
 
 using namespace shmcast;
 using namespace shmcast_test;
 using namespace delta_sync_test;
+using namespace delta_host;
 using namespace std::chrono_literals;
 
 namespace {
-
-ProducerOptions delta_opts() {
-  ProducerOptions o;
-  o.slot_bytes = 2ull << 20;
-  o.slots = 2;
-  o.pin = Pin::kNo;
-  o.engine = CopyEngine::kHost;
-  o.delta = true;
-  o.consumer_timeout = 30s * kSlowdown;
-  return o;
-}
-
-ConsumerOptions copts() {
-  ConsumerOptions o;
-  o.pin = Pin::kNo;
-  o.open_timeout = 20s;
-  o.chunk_timeout = 30s * kSlowdown;
-  return o;
-}
 
 std::uint64_t send(Producer& p, const Model& m) { return p.send(m.specs, m.ptrs()); }
 
@@ -704,56 +687,6 @@ TEST(DeltaSync, BucketsAreDeltasAgainstTheirOwnLastVersion) {
   // All but the first update's, the regrouped update's, and about one
   // update's worth after the skipped bucket's full-sync request.
   EXPECT_GE(deltas, syncs - 3 - 2 - 4) << syncs;
-}
-
-// A read into memory that overlaps (without being the same pointers) the
-// destinations of an earlier read of other tensors: those no longer hold
-// that read's version, so the next delta of those tensors is let go (and a
-// full sync asked for), never applied to the overwritten bytes.
-TEST(DeltaSync, AReadOverlappingEarlierDestinationsForgetsThem) {
-  RegionDir dir("delta");
-  const std::string name = unique_name("deltaoverlap");
-  RegionGuard guard{name};
-  Producer p = Producer::create(name, delta_opts());
-  Consumer c = Consumer::open(name, copts());
-  Model m(false);
-  const std::vector<TensorSpec> a = {m.specs[0]}, b = {m.specs[1]};  // bf16 [256, 1500], f32 [300, 333]
-  std::vector<std::uint8_t> buf(m.data[0].size() + 4096);
-  auto send = [&](const std::vector<TensorSpec>& s, std::size_t i) {
-    return p.send(s, std::vector<const void*>{m.data[i].data()});
-  };
-  auto read = [&](void* dst) {
-    std::vector<void*> d{dst};
-    c.read_into(d);
-  };
-  ASSERT_EQ(send(a, 0), 1u);
-  ASSERT_EQ(c.wait_sync(10s).version, 1u);
-  read(buf.data());  // A's version 1 at buf
-  ASSERT_EQ(send(b, 1), 2u);
-  ASSERT_EQ(c.wait_sync(10s).version, 2u);
-  read(buf.data() + 1000);  // B lands over the middle of A's bytes
-  m.step(3);
-  std::uint64_t got = 0;
-  bool got_delta = true;
-  std::thread reader([&] {  // lets version 3 go (its base is overwritten), takes the full sync after it
-    try {
-      const SyncInfo& s = c.wait_sync(20s);
-      got = s.version;
-      got_delta = s.delta();
-      read(buf.data());
-    } catch (const Error&) {
-    }
-  });
-  ASSERT_EQ(send(a, 0), 3u);
-  EXPECT_TRUE(p.last_sync().delta);  // against version 1: the producer cannot know
-  for (int i = 0; i < 20000 && !p.full_sync_requested(); ++i) std::this_thread::sleep_for(1ms);
-  EXPECT_TRUE(p.full_sync_requested());
-  ASSERT_EQ(send(a, 0), 4u);
-  EXPECT_FALSE(p.last_sync().delta);
-  reader.join();
-  EXPECT_EQ(got, 4u) << "the delta against version 1 was not let go";
-  EXPECT_FALSE(got_delta);
-  EXPECT_EQ(0, std::memcmp(buf.data(), m.data[0].data(), m.data[0].size()));
 }
 
 // A relay's node region (Producer::begin_forwarded) that passes on an

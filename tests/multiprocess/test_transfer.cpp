@@ -3,51 +3,14 @@
 #include <gtest/gtest.h>
 
 #include "support.hpp"
+#include "transfer_support.hpp"
 
 using namespace shmcast;
 using namespace shmcast_test;
 using namespace std::chrono_literals;
+using namespace transfer_test;
 
 namespace {
-
-// These children move and check every byte of several random syncs: CPU
-// volume that a loaded machine (tests at nice 10 beside stress-ng) stretches
-// past Child::wait's 30 s. Every wait inside the library keeps its own
-// deadline; this one only bounds the work.
-constexpr std::chrono::seconds kBulkWait{120};
-
-constexpr std::uint64_t kSlot = 2ull << 20;
-
-ProducerOptions small_opts(std::uint32_t slots = 2) {
-  ProducerOptions o;
-  o.slot_bytes = kSlot;
-  o.slots = slots;
-  o.max_consumers = 4;
-  o.pin = Pin::kNo;
-  o.consumer_timeout = 20s;
-  return o;
-}
-
-// Producer side: send `syncs` syncs of random manifests with patterned data.
-int run_producer(const std::string& name, int syncs, std::uint32_t consumers, std::uint64_t seed, int count,
-                 std::uint32_t slots = 2) {
-  Producer p = Producer::create(name, small_opts(slots));
-  p.wait_for_consumers(consumers, 20s);
-  for (int s = 0; s < syncs; ++s) {
-    auto specs = random_manifest(seed + s, kSlot, count);
-    std::vector<std::vector<std::uint8_t>> data(specs.size());
-    std::vector<const void*> ptrs;
-    const std::uint64_t version = static_cast<std::uint64_t>(s) + 1;
-    for (std::size_t i = 0; i < specs.size(); ++i) {
-      data[i].resize(specs[i].nbytes());
-      fill_pattern(data[i].data(), data[i].size(), seed_of(version, i));
-      ptrs.push_back(data[i].data());
-    }
-    if (p.send(specs, ptrs) != version) return 3;
-  }
-  p.wait_drained(20s);
-  return 0;
-}
 
 // Consumer side: receive `syncs` syncs and check every byte.
 int run_consumer(const std::string& name, int syncs, std::uint64_t seed, int count, bool use_visit) {
@@ -206,95 +169,6 @@ TEST(Transfer, LendChunkRefusalsAndUnpublishedChunksStayHidden) {
   p.write(0, s.ptrs[0]);
   EXPECT_EQ(code_of([&] { p.lend_chunk(0); }), Errc::kInvalidArgument);
   p.abort_sync("test");
-}
-
-namespace {
-
-// visit_chunks(): the consumer holds several slots at once and releases
-// them later from another thread, in reverse order of arrival per batch;
-// every chunk is checked against the stream the producer wrote.
-int run_deferred_consumer(const std::string& name, int syncs, std::uint64_t seed, int count) {
-  ConsumerOptions co;
-  co.pin = Pin::kNo;
-  Consumer c = Consumer::open(name, co);
-  const std::uint64_t S = c.slot_bytes();
-  for (int s = 0; s < syncs; ++s) {
-    const SyncInfo& info = c.wait_sync(20s);
-    auto specs = random_manifest(seed + s, kSlot, count);
-    std::vector<std::uint8_t> want(info.stream_bytes, 0);
-    std::vector<bool> data(info.stream_bytes, false);  // tensor bytes (padding is unspecified)
-    for (std::size_t i = 0; i < specs.size(); ++i) {
-      fill_pattern(want.data() + info.tensors[i].stream_offset, specs[i].nbytes(), seed_of(info.version, i));
-      std::fill_n(data.begin() + static_cast<std::ptrdiff_t>(info.tensors[i].stream_offset), specs[i].nbytes(), true);
-    }
-    std::mutex mu;
-    std::condition_variable cv;
-    struct Held {
-      std::uint64_t ch, n;
-      const std::byte* p;
-      std::function<void()> release;
-    };
-    std::vector<Held> held;
-    bool stop = false, last = false;
-    std::uint64_t next = 0, bad = 0, max_held = 0;
-    // The releaser: lets go of the held chunks, newest first, once 3 are
-    // held (the ring has 4 slots) or the sync's last chunk is. Each chunk is
-    // checked again just before its release: a slot let go too early would
-    // have been refilled by the producer by then.
-    auto check = [&](std::uint64_t ch, const std::byte* p, std::uint64_t n) {
-      std::uint64_t b = 0;
-      for (std::uint64_t k = 0; k < n && ch * S + k < want.size(); ++k)
-        if (data[ch * S + k] && static_cast<std::uint8_t>(p[k]) != want[ch * S + k]) ++b;
-      return b;
-    };
-    std::thread releaser([&] {
-      std::unique_lock<std::mutex> g(mu);
-      for (;;) {
-        cv.wait(g, [&] { return held.size() >= 3 || last || stop; });
-        if (held.empty() && stop) return;
-        std::vector<Held> take;
-        take.swap(held);
-        g.unlock();
-        std::uint64_t b = 0;
-        for (auto it = take.rbegin(); it != take.rend(); ++it) {
-          b += check(it->ch, it->p, it->n);
-          it->release();
-        }
-        g.lock();
-        bad += b;
-      }
-    });
-    c.visit_chunks([&](std::uint64_t ch, const std::byte* p, std::uint64_t n, std::function<void()> release) {
-      if (ch != next++ || ch * S + n > info.stream_bytes || n != std::min(S, info.stream_bytes - ch * S)) ++bad;
-      const std::uint64_t b = check(ch, p, n);
-      std::lock_guard<std::mutex> g(mu);
-      bad += b;
-      held.push_back(Held{ch, n, p, std::move(release)});
-      last = ch + 1 == info.chunks;
-      max_held = std::max<std::uint64_t>(max_held, held.size());
-      cv.notify_all();
-    });
-    {
-      std::lock_guard<std::mutex> g(mu);
-      stop = true;
-      cv.notify_all();
-    }
-    releaser.join();
-    if (bad != 0 || next != info.chunks) return 12;
-    if (info.chunks >= 3 && max_held < 3) return 13;  // chunks were held at once
-  }
-  return 0;
-}
-
-}  // namespace
-
-TEST(Transfer, VisitChunksHoldsSeveralSlotsReleasedFromAnotherThread) {
-  const std::string name = unique_name("defer");
-  RegionGuard g{name};
-  Child prod = Child::spawn([&] { return run_producer(name, 4, 1, 5, 30, 4); });
-  Child cons = Child::spawn([&] { return run_deferred_consumer(name, 4, 5, 30); });
-  EXPECT_EQ(cons.wait(kBulkWait), 0);
-  EXPECT_EQ(prod.wait(kBulkWait), 0);
 }
 
 // A chunk never released: visit_chunks() times out at chunk_timeout, and
