@@ -242,6 +242,7 @@ class Producer(_Closing):
         # host ones with memcpy); 'host' stages CUDA tensors to CPU first.
         self._engine_cuda = self._c.engine == "cuda"
         self._delta = bool(delta)
+        self._quantizing = quantize not in (None, "none")
         self._streams: dict = {}
 
     # -------------------------------------------------------- sending
@@ -291,6 +292,31 @@ class Producer(_Closing):
                 except _C.Error:
                     pass
             raise
+
+    def sync_names(self, named_tensors) -> list:
+        """The names, in order, that send(named_tensors) announces in its
+        manifest (what consumers find in sync_info's tensors): the names
+        given, and with quantize each selected tensor's scales,
+        f"{name}_scale_inv", right after it. For control planes that
+        announce a sync's names (a count, a digest) before sending it, as
+        the framework backends do. Takes what send() takes; reads names,
+        dtypes and (whole) shapes only, sends nothing; raises InvalidArgument
+        where send() would refuse the filter's choice."""
+        c = self._live()
+        items = list(named_tensors.items()) if isinstance(named_tensors, Mapping) else list(named_tensors)
+        if not self._quantizing:
+            return [n for n, _ in items]
+        specs = []
+        for name, t in items:
+            if type(t) is Shard:
+                shape, dt = t.global_shape, t.local.dtype
+            else:  # a tensor, or a DTensor (its global shape)
+                shape, dt = tuple(t.shape), t.dtype
+            d = _TO_NAME.get(dt)
+            if d is None:
+                raise TypeError(f"'{name}': shmcast cannot carry torch dtype {dt}")
+            specs.append((name, d, tuple(int(x) for x in shape)))
+        return list(c.manifest_names(specs))
 
     def _send_batched(self, c, names: list, ts: list, want: int) -> Optional[int]:
         """_send() for the common case, checked by one C++ loop over the

@@ -172,6 +172,7 @@ def serialize_named_weights(
             "a larger region (slot_bytes/slots, or $SHMCAST_ROLL_SLOT_BYTES / $SHMCAST_ROLL_SLOTS)")
     if consumers > 0 and prod.consumers < consumers:
         prod.wait_for_consumers(consumers, timeout)
+    names = prod.sync_names(named)  # with quantize, each selected tensor's scales too
     version = prod.send(named)
     s = prod.last_layout
     ticket = ShmcastTicket(
@@ -179,9 +180,9 @@ def serialize_named_weights(
         version=version,
         first_seq=s.first_seq,
         chunks=s.chunks,
-        count=len(named),
+        count=len(names),
         payload_bytes=s.payload_bytes,
-        names_digest=names_digest(n for n, _ in named),
+        names_digest=names_digest(names),
         infer_strategy=str(infer_strategy),
     )
     return pickle.dumps(ticket, protocol=4)

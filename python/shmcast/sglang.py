@@ -260,7 +260,7 @@ class ShmcastSGLangSender:
     def _send(self, named, flush_cache: bool) -> int:
         version = self.producer.last_version
         for bucket in buckets(named, self.bucket_bytes):
-            names = [n for n, _ in bucket]
+            names = self.producer.sync_names(bucket)  # with quantize, each selected tensor's scales too
             tk = ticket("load", self.region, token=self.token, version=self.producer.last_version + 1,
                         count=len(names), digest=names_digest(names), load=self.load, timeout=self.timeout,
                         mode=self.mode)

@@ -380,7 +380,7 @@ class ShmcastTrainerWeightTransferEngine(_TrainerBase):
         self.client.finish_weight_update()
 
     def _send_bucket(self, bucket) -> int:
-        names = [n for n, _ in bucket]
+        names = self.producer.sync_names(bucket)  # with quantize, each selected tensor's scales too
         info = ShmcastWeightTransferUpdateInfo(version=self.producer.last_version + 1, count=len(names),
                                                names_digest=names_digest(names))
         # The workers' update_weights waits for this sync while we write it

@@ -152,6 +152,25 @@ def test_roll_in_process_with_fake_dtensors(region):
         roll.close(region)
 
 
+def test_roll_ticket_names_what_a_quantizing_producer_sends(region):
+    """A region created with quantize= carries each selected weight's
+    scales too: the ticket's count and names digest are the manifest's
+    (named_tensors_from_ticket refuses a sync that does not hold them)."""
+    import fp8_roles as fr
+
+    try:
+        roll.create_region(region, slot_bytes=roles.SLOT, slots=8, quantize="fp8-block128")
+        con = shmcast._shmcast.Consumer(region, pin="no")
+        named = fr.model(9)
+        t = roll.load_ticket(roll.serialize_named_weights(named, "vllm", region=region, consumers=1))
+        names = [n for n, _, _ in fr.read_raw(con, 30)]
+        con.close()
+        assert (t.count, t.names_digest) == (len(names), shmcast._load.names_digest(names))
+        assert len(names) == len(named) + 2  # two weights' scales
+    finally:
+        roll.close(region)
+
+
 def test_roll_worker_receives_with_a_one_line_patch(region):
     """ROLL's vLLM worker (stand-in of roll/third_party/vllm/worker.py @
     8eb27cc2) with its update_parameter_in_bucket replaced by one line that

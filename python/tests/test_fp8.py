@@ -115,6 +115,34 @@ def test_filter_forms(region):
         shmcast.Producer(region, quantize="int4")
 
 
+def test_sync_names_are_the_manifests(region):
+    """Producer.sync_names(named), which the framework backends announce
+    (a count and a digest) before they send, is the names of the manifest
+    that send(named) writes: every filter form, no quantize, a mapping, and
+    a refusal where send() refuses."""
+    from shmcast._load import names_digest
+
+    named = fr.model(6)
+    for quantize, filt in ((None, None), ("fp8-block128", None), ("fp8-block128-ue8m0", None),
+                           ("fp8-block128", lambda name, shape: shape[0] == 1000),
+                           ("fp8-block128", {"weight_block_size": [128, 128], "ignored_layers": ["o_proj"]})):
+        with shmcast.Producer(region, slot_bytes=roles.SLOT, quantize=quantize, quantize_filter=filt) as prod:
+            con = shmcast._shmcast.Consumer(region, pin="no")
+            want = prod.sync_names(named)
+            assert prod.sync_names(dict(named)) == want
+            assert prod.last_version == 0  # nothing sent
+            prod.send(named)
+            got = [n for n, _, _ in fr.read_raw(con, 30)]
+            con.close()
+        assert got == want, (quantize, filt)
+        assert names_digest(got) == names_digest(want)
+        assert len(want) == len(named) + (0 if quantize is None else 2 if filt is None else 1), (quantize, filt)
+    with shmcast.Producer(region, slot_bytes=roles.SLOT, quantize="fp8-block128",
+                          quantize_filter=lambda name, shape: len(shape) == 1) as prod:
+        with pytest.raises(shmcast.InvalidArgument, match=r"input_layernorm.weight.*only 2-D bf16, f16 or f32"):
+            prod.sync_names(named)
+
+
 def test_default_filter_is_the_librarys():
     f = shmcast.default_quantize_filter
     assert f("model.layers.0.mlp.up_proj.weight", (11008, 2048), "bf16")

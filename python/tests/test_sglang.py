@@ -148,3 +148,35 @@ def test_ticket_roundtrip():
         sglang.ticket("reload", "r")
     with pytest.raises(ValueError, match="one shmcast ticket"):
         sglang.parse_ticket([("model.norm.weight", named[0][1])])
+
+
+def test_sender_announces_the_names_it_sends_when_quantizing(region):
+    """ShmcastSGLangSender(..., quantize=...): every sync carries each
+    selected weight's scales too; the ticket's count and names digest are
+    the manifest's (the ranks refuse a sync that does not hold the announced
+    tensors). The engine here is a callable that reads each sync raw."""
+    import fp8_roles as fr
+    from shmcast import sglang
+    from shmcast._load import names_digest
+
+    seen, state = [], {}
+
+    def update(named_tensors, load_format=None, flush_cache=False):
+        assert load_format == sglang.LOAD_FORMAT
+        t = sglang.parse_ticket(named_tensors)
+        if t["op"] == "attach":
+            state["con"] = shmcast._shmcast.Consumer(t["region"], pin="no")
+        elif t["op"] == "load":
+            names = [n for n, _, _ in fr.read_raw(state["con"], 30)]
+            seen.append((t["count"], t["digest"], len(names), names_digest(names)))
+        return True, "ok"
+
+    named = fr.model(8)
+    sender = sglang.ShmcastSGLangSender(update, region, 1, slot_bytes=2 << 20, bucket_bytes=1 << 20, timeout=30,
+                                        sessions=False, quantize="fp8-block128")
+    sender.send(named)
+    state["con"].close()
+    sender.close()
+    assert len(seen) >= 2  # buckets
+    assert all(a == b for a, _, b, _ in seen) and all(a == b for _, a, _, b in seen), seen
+    assert sum(n for _, _, n, _ in seen) == len(named) + 2  # two weights' scales

@@ -283,6 +283,57 @@ def test_trainer_closes_a_failed_round(region):
     assert not os.path.exists(shmcast.region_path(region))
 
 
+def test_trainer_announces_the_names_it_sends_when_quantizing(region):
+    """With producer_options={"quantize": ...} each sync carries every
+    selected weight's scales too: the update_info's count and names digest
+    are the manifest's (the worker refuses a sync that does not hold the
+    announced tensors), for every bucket."""
+    import fp8_roles as fr
+    import shmcast.vllm_plugin
+    from shmcast._load import names_digest
+    from shmcast.vllm_transfer import ShmcastTrainerInitInfo
+    from vllm.distributed.weight_transfer import ModuleSource, WeightTransferTrainerFactory
+
+    model = torch.nn.Module()  # fr.model's tensors under their own (dotted) names
+    for n, t in fr.model(7):
+        *path, leaf = n.split(".")
+        m = model
+        for part in path:
+            if not hasattr(m, part):
+                m.add_module(part, torch.nn.Module())
+            m = getattr(m, part)
+        m.register_parameter(leaf, torch.nn.Parameter(t, requires_grad=False))
+
+    class Client:  # a worker that reads each sync raw and checks what was announced against its manifest
+        seen = []
+
+        def init_weight_transfer_engine(self, init_info):
+            self.con = shmcast._shmcast.Consumer(init_info["region"], pin="no")
+
+        def start_weight_update(self):
+            pass
+
+        def update_weights(self, info):
+            names = [n for n, _, _ in fr.read_raw(self.con, 30)]
+            self.seen.append((info["count"], info["names_digest"], len(names), names_digest(names)))
+
+        def finish_weight_update(self):
+            pass
+
+    shmcast.vllm_plugin.register()
+    client = Client()
+    eng = WeightTransferTrainerFactory.trainer_init(
+        ShmcastTrainerInitInfo(rank=0, region=region, consumers=1, slot_bytes=2 << 20, bucket_bytes=1 << 20,
+                               producer_options={"quantize": "fp8-block128"}),
+        client=client, source=ModuleSource(model))
+    eng.send_weights()
+    client.con.close()
+    eng.shutdown()
+    assert len(Client.seen) >= 2  # buckets
+    assert all(a == b for a, _, b, _ in Client.seen) and all(a == b for _, a, _, b in Client.seen), Client.seen
+    assert sum(n for _, _, n, _ in Client.seen) == len(list(model.parameters())) + 2  # two weights' scales
+
+
 # ------------------------------------------------------------- delta syncs
 
 

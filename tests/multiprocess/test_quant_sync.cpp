@@ -261,6 +261,7 @@ TEST(QuantSync, FilterSelectingNon2DOrNonFloatIsRefused) {
   m.add("step", DType::kI32, {256, 256});
   pick = "step";
   EXPECT_THROW(p.begin_sync(m.specs), Error);
+  EXPECT_THROW((void)p.manifest_specs(m.specs), Error);  // what begin_sync() refuses
   EXPECT_EQ(p.last_version(), 0u);
   pick = "";
   m.add("model.layers.0.mlp.down_proj.weight_scale_inv", DType::kF32, {16, 12});  // would collide
@@ -268,8 +269,17 @@ TEST(QuantSync, FilterSelectingNon2DOrNonFloatIsRefused) {
   m.specs.pop_back();
   m.data.pop_back();
   Consumer c = Consumer::open(name, copts());
-  EXPECT_EQ(p.send(m.specs, m.ptrs()), 1u);
+  // manifest_specs(): the manifest that send() then writes (a control plane
+  // announces its names first).
   std::vector<Expected> want = expected(m, false);
+  const std::vector<TensorSpec> wire = p.manifest_specs(m.specs);
+  ASSERT_EQ(wire.size(), want.size());
+  for (std::size_t i = 0; i < wire.size(); ++i) {
+    EXPECT_EQ(wire[i].name, want[i].name) << i;
+    EXPECT_EQ(wire[i].dtype, want[i].dtype) << want[i].name;
+    EXPECT_EQ(wire[i].shape, want[i].shape) << want[i].name;
+  }
+  EXPECT_EQ(p.send(m.specs, m.ptrs()), 1u);
   EXPECT_EQ(read_and_check(c, want), "");
 }
 

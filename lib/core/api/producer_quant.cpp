@@ -126,20 +126,23 @@ void scales_of(const TensorSpec& t, const quant::Matrix& m, Quantize q, quant::S
 
 }  // namespace
 
+namespace {
+
 // The manifest's tensors for the caller's `tensors`: each selected one as
-// its FP8 tensor, then its scales. Records which tensors are selected and
-// where each caller tensor sits in the manifest. Throws kInvalidArgument
-// for a selection that cannot be quantized.
-std::vector<TensorSpec> Producer::Impl::quant_specs(std::span<const TensorSpec> tensors) {
+// its FP8 tensor, then its scales. Records, where asked, which tensors are
+// selected and where each caller tensor sits in the manifest. Throws
+// kInvalidArgument for a selection that cannot be quantized.
+std::vector<TensorSpec> wire_specs(const ProducerOptions& opts, std::span<const TensorSpec> tensors,
+                                   std::vector<std::size_t>* at, std::vector<std::uint8_t>* selected) {
   std::vector<TensorSpec> wire;
   wire.reserve(tensors.size());
-  quant.at.clear();
-  quant.selected.clear();
+  if (at != nullptr) at->clear();
+  if (selected != nullptr) selected->clear();
   for (std::size_t i = 0; i < tensors.size(); ++i) {
     const TensorSpec& t = tensors[i];
     const bool pick = opts.quantize_filter ? opts.quantize_filter(t) : default_quantize_filter(t);
-    quant.at.push_back(wire.size());
-    quant.selected.push_back(pick ? 1 : 0);
+    if (at != nullptr) at->push_back(wire.size());
+    if (selected != nullptr) selected->push_back(pick ? 1 : 0);
     if (!pick) {
       wire.push_back(t);
       continue;
@@ -180,6 +183,18 @@ std::vector<TensorSpec> Producer::Impl::quant_specs(std::span<const TensorSpec> 
     wire.push_back(std::move(scales));
   }
   return wire;
+}
+
+}  // namespace
+
+std::vector<TensorSpec> Producer::Impl::quant_specs(std::span<const TensorSpec> tensors) {
+  return wire_specs(opts, tensors, &quant.at, &quant.selected);
+}
+
+std::vector<TensorSpec> Producer::manifest_specs(std::span<const TensorSpec> tensors) const {
+  impl_->require_open();
+  if (!impl_->quantizing()) return {tensors.begin(), tensors.end()};
+  return wire_specs(impl_->opts, tensors, nullptr, nullptr);
 }
 
 // send()'s pass before its sync begins: the selected tensors' scales from

@@ -532,6 +532,14 @@ class SHMCAST_API Producer {
   // computing and waiting for its own. No-op without quantize. A sharded
   // rank whose prepare_device() throws still owes its round: skip_sync().
   void prepare_device(std::span<const TensorSpec> tensors, std::span<const void* const> srcs, void* cuda_stream);
+  // The tensors that a sync of `tensors` announces in its manifest, in
+  // order, as consumers see them in SyncInfo::tensors: `tensors` itself,
+  // except that with quantize each tensor the filter selects becomes
+  // float8_e4m3fn and is followed by its scales (Quantize). For a control
+  // plane that announces a sync's names (a count, a digest) before sending
+  // it. Throws kInvalidArgument where begin_sync() would refuse the
+  // selection. Calls the filter once per tensor; changes nothing.
+  std::vector<TensorSpec> manifest_specs(std::span<const TensorSpec> tensors) const;
   void write_device_strided(std::size_t index, const void* src, const Strided2D& layout,
                             void* cuda_stream);
   // Store regions: lends out the room of the sync in progress in the bank
