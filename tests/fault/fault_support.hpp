@@ -15,6 +15,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <cstdio>
 #include <fstream>
 #include <map>
@@ -87,7 +88,25 @@ struct Matrix {
   long long syncs_verified = 0;  // syncs received bit-exact by consumers
   std::map<std::string, int> outcomes;  // "role:outcome" -> count
 
-  explicit Matrix(std::string f, std::uint64_t s = 0) : fault(std::move(f)), seed(s) {}
+  std::chrono::steady_clock::time_point t0 = std::chrono::steady_clock::now(), last = t0;
+
+  // The seed first, so that a run that times out can be replayed.
+  explicit Matrix(std::string f, std::uint64_t s = 0) : fault(std::move(f)), seed(s) {
+    std::printf("FAULT-MATRIX-START fault=%s seed=%llu\n", fault.c_str(), static_cast<unsigned long long>(seed));
+    std::fflush(stdout);
+  }
+
+  // Counts a trial and prints its time: the output of a run stopped by its
+  // timeout shows the pace it kept (slow trials, or one stuck).
+  void trial_done() {
+    ++trials;
+    const auto now = std::chrono::steady_clock::now();
+    const auto ms = [](auto d) { return static_cast<long long>(std::chrono::duration_cast<std::chrono::milliseconds>(d).count()); };
+    std::printf("FAULT-TRIAL fault=%s done=%d trial_ms=%lld total_ms=%lld\n", fault.c_str(), trials, ms(now - last),
+                ms(now - t0));
+    std::fflush(stdout);
+    last = now;
+  }
 
   void note(const std::string& role, const std::string& outcome) { ++outcomes[role + ":" + outcome]; }
 

@@ -150,7 +150,7 @@ TEST(FaultMatrix, OpenRacingCreate) {
     m.child("producer", prod.wait(60s), {0});
     m.syncs_verified += b->total_verified();
     Board::destroy(b);
-    ++m.trials;
+    m.trial_done();
   }
   m.finish();
 }
@@ -241,7 +241,7 @@ TEST(FaultMatrix, UnlinkWhileAttached) {
       ADD_FAILURE() << why;
     }
     Board::destroy(b);
-    ++m.trials;
+    m.trial_done();
   }
   m.finish();
   EXPECT_EQ(old_close_removed_new, 0);
@@ -308,7 +308,7 @@ TEST(FaultMatrix, ForeignOrWrongVersionRegion) {
         ADD_FAILURE() << role << ": " << why;
       }
       Board::destroy(b);
-      ++m.trials;
+      m.trial_done();
     }
   }
   m.finish();
@@ -348,7 +348,7 @@ TEST(FaultMatrix, FullShmStatvfsPrecheck) {
       m.note("producer", "left_a_file");
       ++m.unexpected;
     }
-    ++m.trials;
+    m.trial_done();
   }
   if (!fresh_pair_syncs(name)) ++m.unreusable;
   m.finish();
@@ -377,7 +377,7 @@ TEST(FaultMatrix, FullShmFallocateFails) {
       m.note("producer", "left_a_file");
       ++m.unexpected;
     }
-    ++m.trials;
+    m.trial_done();
   }
   if (!fresh_pair_syncs(name)) ++m.unreusable;
   m.finish();
@@ -466,7 +466,7 @@ TEST(FaultMatrix, TruncatedBeforeOpen) {
         ADD_FAILURE() << role << ": " << why;
       }
       Board::destroy(b);
-      ++m.trials;
+      m.trial_done();
     }
   }
   m.finish();
@@ -543,7 +543,7 @@ TEST(FaultMatrix, TruncatedBetweenSyncs) {
       ADD_FAILURE() << why;
     }
     Board::destroy(b);
-    ++m.trials;
+    m.trial_done();
   }
   m.finish();
 }

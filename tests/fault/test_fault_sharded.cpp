@@ -315,7 +315,7 @@ void trial(Matrix& m, int R, int victim, Point point) {
     ADD_FAILURE() << "R " << R << " victim " << victim << " at " << kPointNames[point] << ": not reusable: " << why;
   }
   m.note("kill_at", kPointNames[point]);
-  ++m.trials;
+  m.trial_done();
   std::fprintf(stderr, "trial R %d victim %d at %s: %.2f s\n", R, victim, kPointNames[point],
                std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
   ShardBoard::destroy(b);

@@ -197,7 +197,7 @@ void run_stall_matrix(StallPolicy policy, const char* fault_name) {
       ADD_FAILURE() << "trial " << t << ": region not reusable: " << why;
     }
     Board::destroy(b);
-    ++m.trials;
+    m.trial_done();
   }
   m.finish();
   if (evict)
