@@ -257,6 +257,19 @@ int produce(const std::string& name, SlotMemory slots) {
           return 41;
         }
       }
+      // A source not aligned to its elements is refused before any kernel
+      // reads it (a misaligned load would fault this CUDA context).
+      std::vector<const void*> shifted = ptrs;
+      shifted[0] = static_cast<const std::byte*>(dev[0].p) + 1;
+      try {
+        p.prepare_device(specs, shifted, nullptr);
+        return 42;
+      } catch (const Error& e) {
+        if (e.code() != Errc::kInvalidArgument || std::string(e.what()).find("not aligned") == std::string::npos) {
+          std::fprintf(stderr, "prepare_device, misaligned: %s\n", e.what());
+          return 43;
+        }
+      }
       p.prepare_device(specs, ptrs, nullptr);
     }
     p.begin_sync(specs);

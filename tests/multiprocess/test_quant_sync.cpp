@@ -318,6 +318,44 @@ TEST(QuantSync, PrepareDeviceIsRefusedWhereItCannotRun) {
   EXPECT_EQ(read_and_check(c, expected(m, false)), "");
 }
 
+// A quantized tensor's source must be aligned to its elements (the GPU
+// kernel's loads would fault the caller's CUDA context otherwise; a host
+// source is held to the same rule): a misaligned pointer or pitch is
+// refused with kInvalidArgument before anything is read, the sync is
+// aborted, and the next send() arrives.
+TEST(QuantSync, MisalignedSourcesOfQuantizedTensorsAreRefused) {
+  RegionDir dir("quant");
+  const std::string name = unique_name("quantalign");
+  RegionGuard guard{name};
+  Producer p = Producer::create(name, popts(Quantize::kFp8Block128));
+  Model m(1);
+  const std::vector<const void*> ptrs = m.ptrs();
+  ASSERT_TRUE(quantized(4) && m.specs[4].dtype == DType::kF32);
+  std::vector<std::byte> shifted(m.data[4].size() + 8);
+  std::memcpy(shifted.data() + 2, m.data[4].data(), m.data[4].size());
+  const std::uint64_t row = static_cast<std::uint64_t>(m.specs[4].shape[1]) * 4;
+  for (int k = 0; k < 2; ++k) {
+    p.begin_sync(m.specs);
+    for (std::size_t i = 0; i < 4; ++i) p.write(i, ptrs[i]);
+    try {
+      if (k == 0)
+        p.write(4, shifted.data() + 2);  // 2 bytes past a float's alignment
+      else  // rows 2 bytes wider than the elements they hold
+        p.write_strided(4, m.data[4].data(), Strided2D{static_cast<std::uint64_t>(m.specs[4].shape[0]), row, row + 2});
+      FAIL() << "a misaligned source was quantized (" << k << ")";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), Errc::kInvalidArgument);
+      EXPECT_NE(std::string(e.what()).find("not aligned to its 4-byte elements"), std::string::npos) << e.what();
+    }
+  }
+  EXPECT_EQ(code_of([&] { p.send(m.specs, std::vector<const void*>{ptrs[0], ptrs[1], ptrs[2], ptrs[3],
+                                                                   shifted.data() + 2, ptrs[5]}); }),
+            Errc::kInvalidArgument);  // send()'s scales before the sync: nothing announced
+  Consumer c = Consumer::open(name, copts());
+  EXPECT_EQ(p.send(m.specs, ptrs), 3u);  // versions 1 and 2 were aborted
+  EXPECT_EQ(read_and_check(c, expected(m, false)), "");
+}
+
 // send()'s scales are computed before its sync begins; when that
 // begin_sync() then throws (a version not above the last), the scales must
 // die with it: a later sync written by hand from the same pointers, after

@@ -111,6 +111,15 @@ quant::Matrix matrix_of(const TensorSpec& t, const void* src, const Strided2D& l
   }
   if (m.rows > 0 && m.cols > 0 && src == nullptr)
     throw Error(Errc::kInvalidArgument, "null source for tensor '" + t.name + "'");
+  // The quantizers read whole elements (the GPU kernel with aligned loads:
+  // a misaligned one would fault the caller's CUDA context).
+  const std::uint64_t es = dtype_size(t.dtype);
+  if (m.rows > 0 && m.cols > 0 && (reinterpret_cast<std::uintptr_t>(src) % es != 0 || m.pitch % es != 0))
+    throw Error(Errc::kInvalidArgument, "source of '" + t.name + "', which is quantized, is not aligned to its " +
+                                            std::to_string(es) + "-byte elements (address " +
+                                            std::to_string(reinterpret_cast<std::uintptr_t>(src) % es) +
+                                            " past a multiple, pitch_bytes " + std::to_string(m.pitch) +
+                                            "): pass an element-aligned source and pitch");
   return m;
 }
 
