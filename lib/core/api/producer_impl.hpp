@@ -294,6 +294,9 @@ struct __attribute__((visibility("hidden"))) Producer::Impl {
   void prescale_device(std::span<const TensorSpec> tensors, std::span<const void* const> srcs, void* stream);
   void write_user(std::size_t index, const detail::Buffer& src, void* stream, std::uint64_t from = 0,
                   std::uint64_t len = kWhole);
+  // write_user's quantizing part (its caller aborts the sync on any exception).
+  void write_quantized(std::size_t index, const detail::Buffer& src, void* stream, std::uint64_t from,
+                       std::uint64_t len);
 
   // ---- producer_forward.cpp: forwarded syncs (a relay's delta region)
   std::uint64_t begin_forward(std::uint64_t want);

@@ -12,6 +12,7 @@
 // which the engine copies into the slots chunk by chunk. The format itself
 // is engine/quant.hpp's.
 #include <cstdlib>
+#include <exception>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -264,6 +265,18 @@ void Producer::Impl::write_user(std::size_t index, const Buffer& src, void* stre
     write_tensor(quantizing() && in_sync && index < quant.at.size() ? quant.at[index] : index, src, stream, from, len);
     return;
   }
+  try {
+    write_quantized(index, src, stream, from, len);
+  } catch (const Error&) {
+    throw;  // aborted where it was thrown
+  } catch (const std::exception& e) {
+    abort(e.what());  // an allocation that failed, say: the sync never stays open (a no-op if it was aborted)
+    throw;
+  }
+}
+
+void Producer::Impl::write_quantized(std::size_t index, const Buffer& src, void* stream, std::uint64_t from,
+                                     std::uint64_t len) {
   const TensorSpec& t = quant.user[index];
   quant::Matrix m;
   const quant::Scales* scales = &quant.cur;
