@@ -23,10 +23,8 @@ void FillStage::release() noexcept {
       done_[k] = nullptr;
       s_[k] = nullptr;
     }
-    if (start_ != nullptr) (void)d.cuEventDestroy(start_);
   } catch (...) {
   }
-  start_ = nullptr;
   ctx_ = nullptr;
 }
 
@@ -37,7 +35,6 @@ void FillStage::bind() {
   CtxScope scope(d, lane_.context());
   ctx_ = lane_.context();
   try {
-    SHMCAST_CK(d.cuEventCreate(&start_, CU_EVENT_DISABLE_TIMING), "cuEventCreate", "");
     for (int k = 0; k < 2; ++k) {
       SHMCAST_CK(d.cuStreamCreate(&s_[k], CU_STREAM_NON_BLOCKING), "cuStreamCreate", "");
       SHMCAST_CK(d.cuEventCreate(&done_[k], CU_EVENT_DISABLE_TIMING), "cuEventCreate", "");
@@ -56,9 +53,10 @@ void FillStage::fill(std::byte* dst, const DeviceFill& f, std::uint64_t first, s
   const cu::Api& d = lane_.api();
   CtxScope scope(d, ctx_);
   CUstream lane = lane_.next_stream();
-  // After what the lane's stream waits for (the caller's stream's work)...
-  SHMCAST_CK(d.cuEventRecord(start_, lane), "cuEventRecord", "");
-  for (CUstream s : s_) SHMCAST_CK(d.cuStreamWaitEvent(s, start_, 0), "cuStreamWaitEvent", "");
+  // After the caller's stream's work (the lane's order event, which begin()
+  // recorded there), not behind the lane stream's tail: that would queue
+  // every piece behind the copies of the tensor before...
+  for (CUstream s : s_) SHMCAST_CK(d.cuStreamWaitEvent(s, lane_.order_event(), 0), "cuStreamWaitEvent", "");
   try {
     for (std::uint64_t at = 0; at < n;) {
       const std::uint64_t len = std::min(kPiece, n - at);

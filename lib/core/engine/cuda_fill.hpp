@@ -40,7 +40,7 @@ class FillStage {
   CUcontext ctx_ = nullptr;
   CUstream s_[2] = {nullptr, nullptr};
   CUdeviceptr room_[2] = {0, 0};
-  CUevent start_ = nullptr, done_[2] = {nullptr, nullptr};
+  CUevent done_[2] = {nullptr, nullptr};
   unsigned next_ = 0;
 };
 

@@ -170,6 +170,9 @@ class Lane {
   int streams() const { return n_; }
   std::uint64_t max_pitch() const { return max_pitch_; }
   CUstream stream(int i) const { return copy_[i]; }
+  // The event begin() last recorded on the caller's stream: for work that
+  // must follow the caller's stream but not queue behind the copy streams.
+  CUevent order_event() const { return order_ev_; }
   // The stream for the next piece that is not split (round robin).
   CUstream next_stream() { return copy_[n_ == 1 ? 0 : rr_++ % n_]; }
 
