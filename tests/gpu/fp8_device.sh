@@ -7,7 +7,9 @@
 #           CUDA tensors through host and device slots into a consumer
 #           process), test_quant and test_quant_sync (the host path)
 #   python  python/tests/test_fp8.py (with a torch that has float8_e4m3fn:
-#           receive() yields float8 tensors equal to torch's own conversion)
+#           receive() yields float8 tensors equal to torch's own conversion),
+#           test_fp8_engines.py (block-FP8 engine stand-ins fed through the
+#           vLLM and SGLang backends) and the backends' quantize tests
 #   bench   Fp8Gpu.Bench: Qwen2.5-3B shapes, BF16 against FP8 syncs through
 #           host and device slots (bytes, sync time min/median/max over REPS,
 #           default 10; FP8 with the kernel writing the slots and, as
@@ -50,8 +52,11 @@ if has tests; then
   timeout 200 $B/tests/test_quant_sync 2>&1 | tail -3
 fi
 if has python; then
-  log "pytest: test_fp8.py"
-  (cd $B/python && timeout 200 $PY -m pytest -q -ra -p no:cacheprovider "$OLDPWD"/python/tests/test_fp8.py 2>&1 | tail -8)
+  log "pytest: test_fp8.py, test_fp8_engines.py, the backends' quantize announcements"
+  (cd $B/python && timeout 240 $PY -m pytest -q -ra -p no:cacheprovider "$OLDPWD"/python/tests/test_fp8.py \
+     "$OLDPWD"/python/tests/test_fp8_engines.py "$OLDPWD"/python/tests/test_vllm_transfer.py \
+     "$OLDPWD"/python/tests/test_sglang.py "$OLDPWD"/python/tests/test_adapters.py \
+     -k 'fp8 or Fp8 or quantiz or engine_serving or stand_in_refuses or sync_names' 2>&1 | tail -25)
 fi
 if has bench; then
   log "bench: Fp8Gpu.Bench (Qwen2.5-3B shapes, REPS=${REPS:-10})"
