@@ -272,6 +272,17 @@ void expect_refused(const std::string& tag, const std::function<Crafted(std::uin
   // below runs from the resume.
   const pid_t dump = spawn_tool({"dump", tag, "--out", dir.path + "/d.safetensors", "--timeout", "300", "--dir",
                                  dir.path}, out + ".dump", err + ".dump");
+  // A failed assertion below returns early: the stopped dump must not
+  // outlive the test (a soak round found it left stopped, holding its region).
+  struct Reaper {
+    pid_t pid;
+    bool reaped = false;
+    ~Reaper() {
+      if (reaped || pid <= 0) return;
+      ::kill(pid, SIGKILL);
+      ::waitpid(pid, nullptr, 0);
+    }
+  } dump_guard{dump};
   p.wait_for_consumers(2, 30s);
   ASSERT_TRUE(stop_process(dump));
   std::vector<std::uint8_t> data(16, 7);
@@ -302,6 +313,7 @@ void expect_refused(const std::string& tag, const std::function<Crafted(std::uin
   const Ended ce = reap(consumer.pid, t0);
   consumer.waited = true;
   const Ended de = reap(dump, t0);
+  dump_guard.reaped = true;
   const long bound = rss_mib + kSlackMiB;
   EXPECT_EQ(ce.rc, errc_exit(Error(Errc::kCorrupt, ""))) << "consumer";
   EXPECT_LT(ce.cpu_s, kCpuBoundS) << "consumer";
