@@ -299,10 +299,15 @@ class Producer(_Closing):
         given, and with quantize each selected tensor's scales,
         f"{name}_scale_inv", right after it. For control planes that
         announce a sync's names (a count, a digest) before sending it, as
-        the framework backends do. Takes what send() takes; reads names,
-        dtypes and (whole) shapes only, sends nothing; raises InvalidArgument
-        where send() would refuse the filter's choice."""
+        the framework backends do. Takes what send() takes (a list or a
+        mapping: a generator would be used up); reads names, dtypes and
+        (whole) shapes only, sends nothing; raises InvalidArgument where
+        send() would refuse the filter's choice. One-rank producers only
+        (Unsupported for a sharded one: its manifest merges every rank's list)."""
         c = self._live()
+        if self.world_size > 1:
+            raise _C.Unsupported("sync_names() of a sharded producer: a round's manifest merges every rank's list "
+                                 "(rank 0 orders it), which one rank cannot know")
         items = list(named_tensors.items()) if isinstance(named_tensors, Mapping) else list(named_tensors)
         if not self._quantizing:
             return [n for n, _ in items]

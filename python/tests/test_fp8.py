@@ -141,6 +141,10 @@ def test_sync_names_are_the_manifests(region):
                           quantize_filter=lambda name, shape: len(shape) == 1) as prod:
         with pytest.raises(shmcast.InvalidArgument, match=r"input_layernorm.weight.*only 2-D bf16, f16 or f32"):
             prod.sync_names(named)
+    # A sharded producer's manifest merges every rank's list: one rank cannot name it.
+    with shmcast.Producer(region, slot_bytes=roles.SLOT, slots=4, rank=0, world_size=2, quantize="fp8-block128") as prod:
+        with pytest.raises(shmcast.Unsupported, match="sharded producer"):
+            prod.sync_names(named)
 
 
 def test_default_filter_is_the_librarys():

@@ -356,6 +356,39 @@ TEST(QuantSync, MisalignedSourcesOfQuantizedTensorsAreRefused) {
   EXPECT_EQ(read_and_check(c, expected(m, false)), "");
 }
 
+// A send() made while a sync is open (refused: a sync is in progress) must
+// not touch that sync's maps of caller tensors to manifest tensors (its
+// scale pass once rewrote them, and the open sync's next write took the
+// layer norm for a quantized tensor); an index past the caller's list is
+// refused as out of range (not taken as a manifest index), which aborts
+// the sync.
+TEST(QuantSync, ASendOrAWrongIndexDuringASyncLeavesItsMapsAlone) {
+  RegionDir dir("quant");
+  const std::string name = unique_name("quantmaps");
+  RegionGuard guard{name};
+  Producer p = Producer::create(name, popts(Quantize::kFp8Block128));
+  Consumer c = Consumer::open(name, copts());
+  Model m(1);
+  const std::vector<const void*> ptrs = m.ptrs();
+  ASSERT_TRUE(quantized(0) && !quantized(1));
+  EXPECT_EQ(p.begin_sync(m.specs), 1u);
+  p.write(0, ptrs[0]);
+  const std::vector<TensorSpec> other{m.specs[1], m.specs[0]};  // another selection order
+  EXPECT_EQ(code_of([&] { p.send(other, std::vector<const void*>{ptrs[1], ptrs[0]}); }), Errc::kInvalidArgument);
+  for (std::size_t i = 1; i < m.specs.size(); ++i) p.write(i, ptrs[i]);
+  p.end_sync();
+  EXPECT_EQ(read_and_check(c, expected(m, false)), "");
+  EXPECT_EQ(p.begin_sync(m.specs), 2u);
+  try {
+    p.write(m.specs.size(), ptrs[0]);
+    FAIL() << "an index past the caller's tensors was written";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), Errc::kInvalidArgument);
+    EXPECT_NE(std::string(e.what()).find("out of range"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(code_of([&] { p.write(0, ptrs[0]); }), Errc::kInvalidArgument);  // the sync was aborted
+}
+
 // send()'s scales are computed before its sync begins; when that
 // begin_sync() then throws (a version not above the last), the scales must
 // die with it: a later sync written by hand from the same pointers, after

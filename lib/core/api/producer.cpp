@@ -96,8 +96,8 @@ std::uint64_t Producer::send(std::span<const TensorSpec> tensors, std::span<cons
     // The scales first: a NaN or Inf fails the send with nothing announced.
     try {
       impl_->prescale(tensors, srcs);
-    } catch (const Error& e) {
-      skip_sync(e.what(), version);  // a sharded rank still takes its round
+    } catch (const std::exception& e) {  // an Error, or an allocation that failed
+      skip_sync(e.what(), version);      // a sharded rank still takes its round
       throw;
     }
   }

@@ -203,6 +203,10 @@ std::vector<TensorSpec> Producer::Impl::quant_specs(std::span<const TensorSpec> 
 
 std::vector<TensorSpec> Producer::manifest_specs(std::span<const TensorSpec> tensors) const {
   impl_->require_open();
+  if (impl_->world > 1)
+    throw Error(Errc::kUnsupported, "manifest_specs() of a sharded producer: a round's manifest merges every rank's "
+                                    "list (rank 0 orders it), which one rank cannot know; announce the names from "
+                                    "the unsharded model's list on a one-rank producer, or not at all");
   if (!impl_->quantizing()) return {tensors.begin(), tensors.end()};
   return wire_specs(impl_->opts, tensors, nullptr, nullptr);
 }
@@ -212,11 +216,14 @@ std::vector<TensorSpec> Producer::manifest_specs(std::span<const TensorSpec> ten
 // announced. The writes of the sync that follows use them.
 void Producer::Impl::prescale(std::span<const TensorSpec> tensors, std::span<const void* const> srcs) {
   quant.pre_pending = false;
-  (void)quant_specs(tensors);
+  // Its own selection: the maps of a sync in progress (quant.at/selected)
+  // stay that sync's (a send() during it is refused later, by begin_sync).
+  std::vector<std::uint8_t> selected;
+  (void)wire_specs(opts, tensors, nullptr, &selected);
   quant.pre.assign(tensors.size(), quant::Scales{});
   quant.pre_src.assign(tensors.size(), nullptr);
   for (std::size_t i = 0; i < tensors.size(); ++i) {
-    if (!quant.selected[i] || srcs[i] == nullptr) continue;  // a null source: its write() refuses it
+    if (!selected[i] || srcs[i] == nullptr) continue;  // a null source: its write() refuses it
     const quant::Matrix m = matrix_of(tensors[i], srcs[i], Strided2D{});
     scales_of(tensors[i], m, opts.quantize, &quant.pre[i], true);
     quant.pre_src[i] = srcs[i];
@@ -233,12 +240,13 @@ void Producer::Impl::prescale_device(std::span<const TensorSpec> tensors, std::s
   if (!engine->is_cuda())
     throw Error(Errc::kInvalidArgument, "prepare_device() on a producer with the host copy engine: create it with "
                                         "engine = CopyEngine::kCuda (or kAuto on a machine with a GPU)");
-  (void)quant_specs(tensors);
+  std::vector<std::uint8_t> selected;
+  (void)wire_specs(opts, tensors, nullptr, &selected);
   std::vector<quant::Matrix>& ms = quant.dpre_m;
   ms.assign(tensors.size(), quant::Matrix{});
   std::vector<const quant::Matrix*> pick(tensors.size(), nullptr);
   for (std::size_t i = 0; i < tensors.size(); ++i) {
-    if (!quant.selected[i] || srcs[i] == nullptr) continue;
+    if (!selected[i] || srcs[i] == nullptr) continue;
     ms[i] = matrix_of(tensors[i], srcs[i], Strided2D{});
     pick[i] = &ms[i];
   }
@@ -261,8 +269,15 @@ void Producer::Impl::prescale_device(std::span<const TensorSpec> tensors, std::s
 // write(i) and its kin, of the caller's tensor i.
 void Producer::Impl::write_user(std::size_t index, const Buffer& src, void* stream, std::uint64_t from,
                                 std::uint64_t len) {
-  if (!quantizing() || !in_sync || index >= quant.at.size() || !quant.selected[index]) {
-    write_tensor(quantizing() && in_sync && index < quant.at.size() ? quant.at[index] : index, src, stream, from, len);
+  if (quantizing() && in_sync && index >= quant.at.size()) {
+    // Not a manifest index either (the manifest holds the scales too).
+    const std::string why = "tensor index " + std::to_string(index) + " is out of range: this sync has " +
+                            std::to_string(quant.at.size()) + " tensors";
+    abort(why, Errc::kInvalidArgument);
+    throw Error(Errc::kInvalidArgument, why);
+  }
+  if (!quantizing() || !in_sync || !quant.selected[index]) {
+    write_tensor(quantizing() && in_sync ? quant.at[index] : index, src, stream, from, len);
     return;
   }
   try {

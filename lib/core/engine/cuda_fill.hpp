@@ -29,7 +29,9 @@ class FillStage {
   FillStage& operator=(const FillStage&) = delete;
 
   // Bytes [first, first + n) of the fill's tensor into host memory at
-  // `dst` (a pinned slot), after the work the lane's streams wait for.
+  // `dst` (a pinned slot), after the caller's stream's work as of the
+  // lane's last begin(stream) (its order event): call begin() before each
+  // tensor's fills, as the producer's writes do.
   void fill(std::byte* dst, const DeviceFill& f, std::uint64_t first, std::uint64_t n);
 
  private:

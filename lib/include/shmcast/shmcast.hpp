@@ -428,8 +428,10 @@ struct ProducerOptions {
   // into the slots as the engine copies (docs/protocol.md §14). A NaN or Inf
   // in it fails that write (kInvalidArgument naming the tensor; send(), and
   // prepare_device() before a sync of GPU tensors, find it before the sync
-  // begins, so consumers keep the last version). Not with fill_spans(),
-  // lend_chunk() or begin_forwarded().
+  // begins, so consumers keep the last version). Its source (pointer and
+  // pitch) must be aligned to its elements (2 or 4 bytes), as a framework's
+  // tensors are: another is refused with kInvalidArgument before it is read.
+  // Not with fill_spans(), lend_chunk() or begin_forwarded().
   // Sharded producers: each rank quantizes its own rows, so a shard must
   // start and (unless it is the tensor's end) end on a multiple of 128 along
   // its dim: begin_sync() refuses one that does not, naming the tensor and
@@ -539,6 +541,8 @@ class SHMCAST_API Producer {
   // plane that announces a sync's names (a count, a digest) before sending
   // it. Throws kInvalidArgument where begin_sync() would refuse the
   // selection. Calls the filter once per tensor; changes nothing.
+  // kUnsupported for a sharded producer (world_size > 1): a round's manifest
+  // merges every rank's list, which one rank cannot know.
   std::vector<TensorSpec> manifest_specs(std::span<const TensorSpec> tensors) const;
   void write_device_strided(std::size_t index, const void* src, const Strided2D& layout,
                             void* cuda_stream);
