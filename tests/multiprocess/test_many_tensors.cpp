@@ -11,6 +11,8 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <atomic>
+#include <chrono>
 #include <cstring>
 #include <functional>
 #include <memory>
@@ -61,15 +63,33 @@ ProducerOptions many_opts() {
   return o;
 }
 
+// The next sync, waiting as long as the producer has not finished sending
+// it: `sent` (shared with the producer's process, nullptr: not known)
+// counts its completed send()s. Building and encoding 100,000 tensors is
+// CPU-bound work of another process, which beside stress-ng (scripts/soak)
+// took longer than any fixed wait; once the producer has sent sync s, one
+// more wait must see it. A backstop of 600 s (times kSlowdown) stays.
+const SyncInfo& next_sync(Consumer& c, int s, const std::atomic<int>* sent) {
+  const auto end = std::chrono::steady_clock::now() + 600s * kSlowdown;
+  for (;;) {
+    const bool was_sent = sent == nullptr || sent->load() > s;
+    try {
+      return c.wait_sync(was_sent ? 60s * kSlowdown : 10s);
+    } catch (const Error& e) {
+      if (e.code() != Errc::kTimeout || was_sent || std::chrono::steady_clock::now() > end) throw;
+    }
+  }
+}
+
 // Reads `syncs` syncs of `count` tensors and checks every byte of each
 // against the pattern of its version. Exit code 0 when all match.
-int read_many(const std::string& name, std::uint32_t count, int syncs) {
+int read_many(const std::string& name, std::uint32_t count, int syncs, const std::atomic<int>* sent = nullptr) {
   ConsumerOptions co;
   co.pin = Pin::kNo;
   co.open_timeout = 30s * kSlowdown;
   Consumer c = Consumer::open(name, co);
   for (int s = 0; s < syncs; ++s) {
-    const SyncInfo& info = c.wait_sync(60s * kSlowdown);
+    const SyncInfo& info = next_sync(c, s, sent);
     if (info.tensors.size() != count) return 2;
     std::vector<std::uint8_t> all;
     std::vector<void*> dsts(count);
@@ -101,11 +121,13 @@ void many_ring(std::uint32_t count, ProducerOptions o, int syncs = 1) {
   const std::string name = unique_name("many");
   RegionGuard g{name};
   Producer p = Producer::create(name, o);
-  Child cons = Child::spawn([&] { return read_many(name, count, syncs); });
+  SharedFlags* flags = SharedFlags::make();  // v[0]: the producer's completed send()s
+  Child cons = Child::spawn([&] { return read_many(name, count, syncs, &flags->v[0]); });
   p.wait_for_consumers(1, 30s * kSlowdown);
   for (int s = 1; s <= syncs; ++s) {
     ManySync m(count, static_cast<std::uint64_t>(s));
     ASSERT_EQ(p.send(m.specs, m.ptrs), static_cast<std::uint64_t>(s));
+    flags->v[0].store(s);
   }
   EXPECT_EQ(cons.wait(120s), 0);
 }
