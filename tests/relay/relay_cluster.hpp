@@ -207,6 +207,10 @@ inline bool upstream_connected(const json& j) {
          j["region_state"].value("ready", false);
 }
 inline bool downstream_ready(const json& j, int n = 1) { return j.value("downstream_ready", 0) >= n; }
+// The node's region is ready: a source node has attached to the trainer's
+// region (wait for it before a downstream connects: then the welcome
+// carries the slot size and the downstream makes its region at once).
+inline bool region_ready(const json& j) { return j["region_state"].value("ready", false); }
 
 // Starts trainer, relays and one worker per downstream node; returns the
 // listen ports. The trainer waits for the files go.<v>.

@@ -53,11 +53,7 @@ TEST(RelayDelta, DeltasReachTwoNodesBitExact) {
   c.relay(0, 0, true, kKey, 0, {"--max-lag", "30"});
   const int port = c.listen_port(0);
   ASSERT_NE(port, 0);
-  // The source node attached to the trainer's region before a downstream
-  // connects: its welcome then carries the slot size, and the downstream's
-  // region is made at once (one that connects first waits for the next
-  // sync, which the trainer sends only after the checks below).
-  ASSERT_FALSE(c.wait_status(0, [](const json& j) { return j["region_state"].value("ready", false); }).is_null());
+  ASSERT_FALSE(c.wait_status(0, region_ready).is_null());  // before a downstream connects
   c.relay(1, port, false, kKey, 0, {"--direct-receive"});
   c.relay(2, port, false);
   for (int i : {1, 2}) ASSERT_FALSE(c.wait_status(i, [](const json& j) { return upstream_connected(j); }).is_null());
@@ -207,11 +203,7 @@ void start_chain(Cluster& c, int n, const std::vector<std::string>& extra, Proc*
   c.relay(0, 0, true);
   const int p0 = c.listen_port(0);
   ASSERT_NE(p0, 0);
-  // The source node attached to the trainer's region before a downstream
-  // connects: its welcome then carries the slot size, and the downstream's
-  // region is made at once (one that connects first waits for the next
-  // sync, which the trainer sends only after the checks below).
-  ASSERT_FALSE(c.wait_status(0, [](const json& j) { return j["region_state"].value("ready", false); }).is_null());
+  ASSERT_FALSE(c.wait_status(0, region_ready).is_null());  // before a downstream connects
   c.relay(1, p0, true);
   ASSERT_FALSE(c.wait_status(1, [](const json& j) { return upstream_connected(j); }).is_null());
   const int p1 = c.listen_port(1);
@@ -278,11 +270,7 @@ TEST(RelayDelta, CorruptedDeltaBlobIsRejectedAndFollowedByAFullSync) {
   c.relay(0, 0, true, kKey, 0, {"--no-checksums"});
   const int port = c.listen_port(0);
   ASSERT_NE(port, 0);
-  // The source node attached to the trainer's region before a downstream
-  // connects: its welcome then carries the slot size, and the downstream's
-  // region is made at once (one that connects first waits for the next
-  // sync, which the trainer sends only after the checks below).
-  ASSERT_FALSE(c.wait_status(0, [](const json& j) { return j["region_state"].value("ready", false); }).is_null());
+  ASSERT_FALSE(c.wait_status(0, region_ready).is_null());  // before a downstream connects
   c.relay(1, port, false, kKey, 0, {"--no-checksums"});
   ASSERT_FALSE(c.wait_status(1, [](const json& j) { return upstream_connected(j); }).is_null());
   ASSERT_FALSE(c.wait_status(0, [](const json& j) { return downstream_ready(j, 1); }).is_null());
