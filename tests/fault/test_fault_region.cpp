@@ -322,13 +322,18 @@ TEST(FaultMatrix, FullShmStatvfsPrecheck) {
   RegionGuard guard{name};
   struct statvfs vfs {};
   ASSERT_EQ(::statvfs(region_dir().c_str(), &vfs), 0);
-  const std::uint64_t free = static_cast<std::uint64_t>(vfs.f_bavail) * vfs.f_frsize;
-  // Two slots of just over half the free space each.
+  // Two slots of just over half the filesystem's whole size each: more than
+  // it can ever have free, so the pre-check refuses whatever other processes
+  // free meanwhile. (Asking just over the free space, as before, let a
+  // region that another test removed between the two statvfs calls pass
+  // the pre-check: posix_fallocate then filled the filesystem until it
+  // failed, and a process beside it that wrote there got ENOSPC or SIGBUS.)
+  const std::uint64_t size = static_cast<std::uint64_t>(vfs.f_blocks) * vfs.f_frsize;
   ProducerOptions o = popts(2);
-  o.slot_bytes = d::align_up(free / 2 + (4 << 20), d::kDataAlign);
+  o.slot_bytes = d::align_up(size / 2 + (4 << 20), d::kDataAlign);
   if (o.slot_bytes > d::kMaxSlotBytes) {
     o.slot_bytes = d::kMaxSlotBytes;
-    o.slots = static_cast<std::uint32_t>(free / d::kMaxSlotBytes + 2);
+    o.slots = static_cast<std::uint32_t>(size / d::kMaxSlotBytes + 2);
   }
   if (o.slots > d::kMaxSlots) GTEST_SKIP() << "region directory too large to fill with one request";
   for (int i = 0; i < 3; ++i) {
