@@ -99,8 +99,15 @@ for t in "${targets[@]}"; do
     status=fail
     failed=$((failed + 1))
     echo "---- fuzz_$t failed (exit $rc); last lines of $log:"
+    grep -m1 'INFO: Seed:' "$log" || true
     tail -40 "$log"
     ls -1 "$art" | sed 's/^/artifact: /'
+    # Each input on one line, gzip + base64: a CI machine is gone after its
+    # run, its log is all that is left. To replay it:
+    #   echo '<gz_b64>' | base64 -d | gunzip > in; build/tests/fuzz/fuzz_<t>_replay in
+    for a in "$art"/*; do
+      [ -f "$a" ] && echo "FUZZ-ARTIFACT target=$t file=$(basename "$a") bytes=$(wc -c <"$a") gz_b64=$(gzip -9nc "$a" | base64 -w0)"
+    done
   fi
   all_runs=$((all_runs + ${runs:-0}))
   echo "FUZZ-SUMMARY target=$t status=$status seconds=$per runs=${runs:-0} cov=$(field cov) ft=$(field ft)" \
