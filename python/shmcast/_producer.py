@@ -304,13 +304,18 @@ class Producer(_Closing):
         (whole) shapes only, sends nothing; raises InvalidArgument where
         send() would refuse the filter's choice. One-rank producers only
         (Unsupported for a sharded one: its manifest merges every rank's list)."""
+        return [s[0] for s in self._manifest_specs(named_tensors, "sync_names()")]
+
+    def _manifest_specs(self, named_tensors, what: str) -> list:
+        """(name, dtype name, shape) of each tensor of the manifest that
+        send(named_tensors) announces (sync_names; roll's bucket check lays
+        them out): with quantize, the selected ones in float8 and their
+        scales. One-rank producers only."""
         c = self._live()
         if self.world_size > 1:
-            raise _C.Unsupported("sync_names() of a sharded producer: a round's manifest merges every rank's list "
+            raise _C.Unsupported(f"{what} of a sharded producer: a round's manifest merges every rank's list "
                                  "(rank 0 orders it), which one rank cannot know")
         items = list(named_tensors.items()) if isinstance(named_tensors, Mapping) else list(named_tensors)
-        if not self._quantizing:
-            return [n for n, _ in items]
         specs = []
         for name, t in items:
             if type(t) is Shard:
@@ -321,7 +326,9 @@ class Producer(_Closing):
             if d is None:
                 raise TypeError(f"'{name}': shmcast cannot carry torch dtype {dt}")
             specs.append((name, d, tuple(int(x) for x in shape)))
-        return list(c.manifest_names(specs))
+        if not self._quantizing:
+            return specs
+        return list(c.manifest_specs(specs))
 
     def _send_batched(self, c, names: list, ts: list, want: int) -> Optional[int]:
         """_send() for the common case, checked by one C++ loop over the

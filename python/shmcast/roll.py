@@ -56,7 +56,7 @@ import torch
 
 from . import _shmcast as _C
 from ._load import ConsumerCache, check_manifest, names_digest, wait_for
-from ._torch import Consumer, Producer, dtype_name
+from ._torch import Consumer, Producer
 
 __all__ = [
     "ShmcastTicket",
@@ -162,8 +162,10 @@ def serialize_named_weights(
         consumers = _env_int("SHMCAST_ROLL_CONSUMERS", 0)
     consumers = _C.check_int(consumers, "consumers", 0, _C.limits["max_consumers"])
     prod = _producer(region, producer_options)
-    specs = [(n, dtype_name(t.dtype), tuple(t.shape)) for n, t in named]
-    stream, _payload, _chunks, _ = _C.stream_layout(specs, prod.slot_bytes)
+    # What the sync will carry (with quantize: float8 and the scales, about
+    # half the bytes), laid out as send() will lay it out.
+    wire = prod._manifest_specs(named, "a ROLL bucket")
+    stream, _payload, _chunks, _ = _C.stream_layout(wire, prod.slot_bytes)
     capacity = prod.slot_bytes * prod.slots
     if stream > capacity:
         raise _C.InvalidArgument(
@@ -172,7 +174,7 @@ def serialize_named_weights(
             "a larger region (slot_bytes/slots, or $SHMCAST_ROLL_SLOT_BYTES / $SHMCAST_ROLL_SLOTS)")
     if consumers > 0 and prod.consumers < consumers:
         prod.wait_for_consumers(consumers, timeout)
-    names = prod.sync_names(named)  # with quantize, each selected tensor's scales too
+    names = [w[0] for w in wire]  # with quantize, each selected tensor's scales too
     version = prod.send(named)
     s = prod.last_layout
     ticket = ShmcastTicket(

@@ -171,6 +171,38 @@ def test_roll_ticket_names_what_a_quantizing_producer_sends(region):
         roll.close(region)
 
 
+def test_roll_bucket_check_lays_out_what_a_quantizing_producer_sends(region):
+    """The bucket-fits check lays out the sync that goes out: with quantize,
+    float8 weights and their scales, about half the bf16 bytes. A bucket
+    whose bf16 bytes overflow the region but whose FP8 sync fits is sent
+    (it was refused when the check laid out the bf16 tensors); the same
+    bucket to a region that does not quantize is refused."""
+    import fp8_roles as fr
+
+    named = fr.model(9) + [("model.layers.0.mlp.up_proj.weight", torch.randn(1024, 1024).to(torch.bfloat16))]
+    C = shmcast._shmcast
+    bf16 = C.stream_layout([(n, fr._dt(t), tuple(t.shape)) for n, t in named], roles.SLOT)[0]
+    assert bf16 > 2 * roles.SLOT  # does not fit in the two slots below
+    other = region + "p"
+    try:
+        prod = roll.create_region(region, slot_bytes=roles.SLOT, slots=2, quantize="fp8-block128")
+        con = C.Consumer(region, pin="no")
+        t = roll.load_ticket(roll.serialize_named_weights(named, "vllm", region=region, consumers=1))
+        got = fr.read_raw(con, 30)
+        con.close()
+        assert fr.compare(got, fr.expected(named, False)) == []
+        names = [n for n, _, _ in got]
+        assert (t.count, t.names_digest) == (len(names), shmcast._load.names_digest(names))
+        stream, payload, chunks, _ = C.stream_layout(prod._manifest_specs(named, "test"), roles.SLOT)
+        assert stream <= 2 * roles.SLOT and (t.chunks, t.payload_bytes) == (chunks, payload)
+        roll.create_region(other, slot_bytes=roles.SLOT, slots=2)
+        with pytest.raises(shmcast.InvalidArgument, match="does not fit"):
+            roll.serialize_named_weights(named, "vllm", region=other)
+    finally:
+        roll.close(region)
+        roll.close(other)
+
+
 def test_roll_worker_receives_with_a_one_line_patch(region):
     """ROLL's vLLM worker (stand-in of roll/third_party/vllm/worker.py @
     8eb27cc2) with its update_parameter_in_bucket replaced by one line that

@@ -84,14 +84,15 @@ class PyProducer : Owned {
     return locked([&](Producer&) { return begin_locked(std::move(s), v); });
   }
 
-  // The names, in order, of the manifest a sync of `specs` would announce
-  // (Producer::manifest_specs: with quantize, each selected tensor's scales
-  // follow it).
-  py::list manifest_names(py::handle specs) {
+  // The tensors, in order, of the manifest a sync of `specs` would announce
+  // (Producer::manifest_specs: with quantize, the selected tensors in
+  // float8 and each one's scales after it), as (name, dtype, shape).
+  py::list manifest_specs(py::handle specs) {
     std::vector<TensorSpec> s = to_specs(specs);
     const std::vector<TensorSpec> wire = locked([&](Producer& p) { return p.manifest_specs(s); });
     py::list out;
-    for (const TensorSpec& t : wire) out.append(py::str(t.name));
+    for (const TensorSpec& t : wire)
+      out.append(py::make_tuple(py::str(t.name), py::str(std::string(dtype_name(t.dtype))), shape_tuple(t.shape)));
     return out;
   }
 
@@ -359,9 +360,10 @@ void bind_producer(py::module_& m) {
            "specs: sequence of (name, dtype, shape), or (name, dtype, full shape, dim, start, length) for a shard "
            "(sharded producers). version: 0 (the next), or the sync's version (greater than the last; sharded "
            "producers: the same on every rank). Returns the sync's version.")
-      .def("manifest_names", &PyProducer::manifest_names, py::arg("specs"),
-           "The names, in order, that a sync of `specs` (as begin_sync takes them) announces: with quantize, each "
-           "tensor the filter selects is followed by its scales. Changes nothing.")
+      .def("manifest_specs", &PyProducer::manifest_specs, py::arg("specs"),
+           "The (name, dtype, shape) of each tensor, in order, that a sync of `specs` (as begin_sync takes them) "
+           "announces: with quantize, each tensor the filter selects in float8, followed by its scales. Changes "
+           "nothing.")
       .def("skip_sync", &PyProducer::skip_sync, py::arg("why"), py::arg("version") = 0,
            "Sharded producers: takes this rank's next sync round and fails it on every rank with `why` (the caller "
            "could not begin it), so the ranks stay in step. One rank: does nothing.")
