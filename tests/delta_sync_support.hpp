@@ -43,16 +43,12 @@ struct Model {
   void step(std::uint64_t v, double max_fraction = 0.30, double min_fraction = 0.005) {
     for (std::size_t i = 0; i < specs.size(); ++i) {
       const std::size_t z = dtype_size(specs[i].dtype);
-      std::mt19937_64 rng(v * 7919 + i);
-      const double f =
-          min_fraction + (max_fraction - min_fraction) * static_cast<double>(rng() % 10001) / 10000.0;
-      std::bernoulli_distribution hit(f);
-      std::vector<std::uint8_t>& d = data[i];
-      for (std::size_t e = 0; e + z <= d.size(); e += z) {
-        if (!hit(rng)) continue;
-        const std::uint64_t x = rng() | 1;  // never zero: the element changes
-        for (std::size_t b = 0; b < z; ++b) d[e + b] ^= static_cast<std::uint8_t>(x >> (8 * (b % 8)));
-      }
+      // Each version's fractions as these tests have always drawn them; the
+      // positions from a faster stream.
+      const double f = min_fraction + (max_fraction - min_fraction) *
+                                          static_cast<double>(std::mt19937_64(v * 7919 + i)() % 10001) / 10000.0;
+      shmcast_test::SplitMix rng{v * 7919 + i};
+      shmcast_test::change_elements(data[i].data(), data[i].size(), z, f, rng);
     }
   }
   // Every element changed (deltas cannot pay).

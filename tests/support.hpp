@@ -9,6 +9,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <cmath>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -132,6 +133,39 @@ struct Child {
     return -2;
   }
 };
+
+// splitmix64: a fast deterministic stream for test data.
+struct SplitMix {
+  std::uint64_t s;
+  std::uint64_t operator()() {
+    std::uint64_t z = (s += 0x9E3779B97F4A7C15ull);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+  }
+  double unit() { return static_cast<double>((*this)() >> 11) * 0x1.0p-53; }  // [0, 1)
+};
+
+// Changes each `z`-byte element of d[0, bytes) with probability f, to other
+// bits (XOR with a value whose low byte is odd), deterministic in `rng`. The
+// changed elements are found by geometric gaps, so the cost is in the
+// elements changed, not in the buffer: the delta tests' weights changed
+// element by element with a draw each took most of their CPU (about 75 % of
+// ShardedDelta's, more under ASan and qemu).
+inline void change_elements(std::uint8_t* d, std::size_t bytes, std::size_t z, double f, SplitMix& rng) {
+  const std::size_t n = z ? bytes / z : 0;
+  if (n == 0 || !(f > 0)) return;
+  const double l = f < 1 ? std::log1p(-f) : 0;  // < 0
+  for (std::size_t e = 0; e < n; ++e) {
+    if (f < 1) {
+      const double g = std::floor(std::log(1.0 - rng.unit()) / l);  // elements left alone before the next change
+      if (!(g < static_cast<double>(n - e))) return;
+      e += static_cast<std::size_t>(g);
+    }
+    const std::uint64_t x = rng() | 1;  // never zero: the element changes
+    for (std::size_t b = 0; b < z; ++b) d[e * z + b] ^= static_cast<std::uint8_t>(x >> (8 * (b % 8)));
+  }
+}
 
 // Deterministic bytes for tensor i of sync `version` (so both sides can
 // generate and compare without talking).

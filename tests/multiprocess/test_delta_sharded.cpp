@@ -18,6 +18,7 @@
 #include <chrono>
 #include <cstring>
 #include <memory>
+#include <cmath>
 #include <random>
 
 #include "protocol/rounds.hpp"
@@ -66,7 +67,8 @@ std::uint64_t numel(const std::vector<std::int64_t>& s) {
 
 // The logical tensors at each version: version v changes a random 0.5-30 %
 // of each tensor's elements (every 7th version 70 % of "big": its blobs then
-// exceed a slot) to other bits. Deterministic in the version.
+// exceed a slot) to other bits. Deterministic in the version (support.hpp's
+// change_elements).
 struct Weights {
   std::vector<TDef> m = model();
   std::vector<std::vector<std::uint8_t>> data;
@@ -80,18 +82,15 @@ struct Weights {
   void step(std::uint64_t v) {
     for (std::size_t i = 0; i < m.size(); ++i) {
       const std::size_t z = dtype_size(m[i].dt);
-      std::vector<std::uint8_t>& d = data[i];
-      const std::uint64_t n = d.size() / z;
-      if (n == 0) continue;
-      std::mt19937_64 rng(v * 7919 + i);
-      double f = 0.005 + 0.295 * static_cast<double>(rng() % 10001) / 10000.0;
+      // Each version's fractions as this test has always drawn them (its
+      // kinds of rounds depend on them); the positions from a faster stream.
+      double f = 0.005 + 0.295 * static_cast<double>(std::mt19937_64(v * 7919 + i)() % 10001) / 10000.0;
+      SplitMix rng{v * 7919 + i};
       if (m[i].name == "big" && v % 7 == 0) f = 0.70;
-      const auto k = static_cast<std::uint64_t>(f * static_cast<double>(n));
-      for (std::uint64_t j = 0; j < k; ++j) {
-        const std::uint64_t e = rng() % n;
-        const std::uint64_t x = rng() | 1;
-        for (std::size_t b = 0; b < z; ++b) d[e * z + b] ^= static_cast<std::uint8_t>(x >> (8 * (b % 8)));
-      }
+      // f * n changes at random positions, some on the same element, as
+      // this test first drew them: 1 - e^-f of the elements, about half of
+      // "big" in its 70 % versions.
+      change_elements(data[i].data(), data[i].size(), z, 1.0 - std::exp(-f), rng);
     }
   }
   void advance_to(std::uint64_t v) {
