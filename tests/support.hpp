@@ -11,6 +11,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
@@ -115,10 +116,43 @@ struct Child {
       }
       std::this_thread::sleep_for(std::chrono::milliseconds(2));
     }
+    // What the process was doing, before the kill: a hang under load
+    // (scripts/soak) is otherwise a bare count.
+    if (timeout.count() > 0) std::fprintf(stderr, "%s", proc_report(pid).c_str());
     ::kill(pid, SIGKILL);
     ::waitpid(pid, &status, 0);
     waited = true;
     return -1;
+  }
+  // Each thread's state and wait channel, and the kernel stack when it can
+  // be read (root), of a process that did not end in time.
+  static std::string proc_report(pid_t p) {
+    auto first_line = [](const std::string& path) {
+      std::FILE* f = std::fopen(path.c_str(), "r");
+      if (!f) return std::string("?");
+      char b[512] = {};
+      const std::size_t n = std::fread(b, 1, sizeof b - 1, f);
+      std::fclose(f);
+      std::string l(b, n);
+      if (auto e = l.find('\n'); e != std::string::npos) l.resize(e);
+      return l;
+    };
+    const std::string dir = "/proc/" + std::to_string(p);
+    std::string out = "child " + std::to_string(p) + " did not end in time:\n";
+    std::error_code ec;
+    for (const auto& t : std::filesystem::directory_iterator(dir + "/task", ec)) {
+      const std::string stat = first_line(t.path().string() + "/stat");
+      const auto rp = stat.rfind(')');
+      out += "  task " + t.path().filename().string() + " state " +
+             (rp != std::string::npos && rp + 2 < stat.size() ? stat.substr(rp + 2, 1) : "?") + " wchan " +
+             first_line(t.path().string() + "/wchan") + "\n";
+      std::FILE* f = std::fopen((t.path().string() + "/stack").c_str(), "r");
+      if (!f) continue;
+      char line[256];
+      for (int i = 0; i < 12 && std::fgets(line, sizeof line, f); ++i) out += std::string("    ") + line;
+      std::fclose(f);
+    }
+    return out;
   }
   void kill9() { ::kill(pid, SIGKILL); }
   ~Child() {
