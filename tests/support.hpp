@@ -120,7 +120,16 @@ struct Child {
     // (scripts/soak) is otherwise a bare count.
     if (timeout.count() > 0) std::fprintf(stderr, "%s", proc_report(pid).c_str());
     ::kill(pid, SIGKILL);
-    ::waitpid(pid, &status, 0);
+    // Bounded too: a process that SIGKILL does not end (stuck in the
+    // kernel) is reported again and left, not waited for without end.
+    const auto kill_end = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+    while (::waitpid(pid, &status, WNOHANG) == 0) {
+      if (std::chrono::steady_clock::now() >= kill_end) {
+        std::fprintf(stderr, "SIGKILL did not end it in 60 s: %s", proc_report(pid).c_str());
+        break;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    }
     waited = true;
     return -1;
   }
@@ -140,7 +149,9 @@ struct Child {
     const std::string dir = "/proc/" + std::to_string(p);
     std::string out = "child " + std::to_string(p) + " did not end in time:\n";
     std::error_code ec;
-    for (const auto& t : std::filesystem::directory_iterator(dir + "/task", ec)) {
+    std::filesystem::directory_iterator it(dir + "/task", ec), none;
+    for (; !ec && it != none; it.increment(ec)) {
+      const std::filesystem::directory_entry& t = *it;
       const std::string stat = first_line(t.path().string() + "/stat");
       const auto rp = stat.rfind(')');
       out += "  task " + t.path().filename().string() + " state " +

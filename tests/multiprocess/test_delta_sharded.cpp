@@ -65,10 +65,11 @@ std::uint64_t numel(const std::vector<std::int64_t>& s) {
   return n;
 }
 
-// The logical tensors at each version: version v changes a random 0.5-30 %
-// of each tensor's elements (every 7th version 70 % of "big": its blobs then
-// exceed a slot) to other bits. Deterministic in the version (support.hpp's
-// change_elements).
+// The logical tensors at each version: version v makes f * n changes, f a
+// random 0.5-30 % (every 7th version 70 % for "big": its blobs then exceed a
+// slot), at random elements, some twice: 1 - e^-f of the elements, 0.5-26 %
+// (about half of "big"), change to other bits. Deterministic in the version
+// (support.hpp's change_elements).
 struct Weights {
   std::vector<TDef> m = model();
   std::vector<std::vector<std::uint8_t>> data;
