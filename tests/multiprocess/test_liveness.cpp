@@ -8,6 +8,7 @@
 
 #include "base/layout.hpp"
 #include "protocol/manifest.hpp"
+#include "protocol/rounds.hpp"  // detail::take_over_stale: the takeover test pauses inside it
 #include "support.hpp"
 
 using namespace shmcast;
@@ -266,6 +267,55 @@ TEST(Liveness, ConsumerReattachesAfterProducerRestart) {
   });
   EXPECT_EQ(cons.wait(), 0);
   EXPECT_EQ(second.wait(), 0);
+}
+
+// A consumer that opens the name while a new producer takes over the stale
+// region (it holds the old file's lock byte 0, as proof that the old
+// producer is dead, until the name is removed) must not take that lock for
+// a live producer: it waits, and joins the new region. Before the fix it
+// joined the old file and got PeerDied once the takeover let go (the soak
+// caught ConsumerReattachesAfterProducerRestart in that window). The
+// takeover is paused inside, with both locks held (detail::take_over_stale's
+// test hook); the consumer's open_timeout is 300 ms there, sixty of its
+// looks at the path.
+TEST(Liveness, ConsumerOpeningDuringATakeoverWaitsForTheNewRegion) {
+  const std::string name = unique_name("takeover");
+  RegionGuard g{name};
+  SharedFlags* f = SharedFlags::make();
+  Child dead = Child::spawn([&] {
+    Producer p = Producer::create(name, opts());
+    f->v[0].store(1);
+    ::pause();
+    return 0;
+  });
+  ASSERT_TRUE(f->wait(0, 1));
+  dead.kill9();
+  dead.wait();
+  Child taker = Child::spawn([&] {
+    detail::take_over_stale(region_dir(), name, true, false, [&] {
+      f->v[1].store(1);
+      if (!f->wait(2, 1)) std::_Exit(3);
+    });
+    Producer p = Producer::create(name, opts());
+    p.wait_for_consumers(1, 60s);
+    PatternSync s(2, 1000, 1);
+    p.send(s.specs, s.ptrs);
+    p.wait_drained(60s);
+    return 0;
+  });
+  ASSERT_TRUE(f->wait(1, 1)) << "the takeover never paused";
+  try {
+    Consumer c = Consumer::open(name, copts(300ms));
+    ADD_FAILURE() << "joined the old file while a takeover held it";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), Errc::kPeerDied) << e.what();
+  }
+  f->v[2].store(1);
+  Consumer c = Consumer::open(name, copts());
+  std::uint64_t v = 0;
+  EXPECT_EQ(receive_checked(c, &v), 0);
+  EXPECT_EQ(v, 1u);
+  EXPECT_EQ(taker.wait(), 0);
 }
 
 TEST(Liveness, OpeningARegionWhoseProducerIsDeadTimesOutWithPeerDied) {

@@ -134,7 +134,10 @@ Consumer Consumer::open(std::string_view name, const ConsumerOptions& o) {
           waiting_code = Errc::kNotFound;
         } else {
           const Geometry g = checked_geometry(f, snap);
-          const Alive a = peer_alive(f.fd(), kProducerLockByte, live.producer);
+          // A producer replacing a dead one holds the old file's byte 0
+          // for a moment: that is not a live producer (a consumer that
+          // joined the old file then got PeerDied, scripts/soak).
+          const Alive a = producer_alive_for_join(f.fd(), live.producer);
           // A store region keeps its newest version for readers after its
           // producer closed or died: such a region is open for reading. One
           // whose producer died inside its record flip left the record torn:
@@ -147,7 +150,12 @@ Consumer Consumer::open(std::string_view name, const ConsumerOptions& o) {
             else if (a == Alive::kNo)
               kept = recover_store_record(f.data(), g, &stored);
           }
-          if ((init == kInitReady && a != Alive::kNo) || kept) {
+          if (!f.still_at_path()) {
+            // Replaced since it was opened (a takeover has just finished):
+            // the next look opens the new file.
+            waiting_for = "a new producer (the region file was replaced)";
+            waiting_code = Errc::kPeerDied;
+          } else if ((init == kInitReady && a != Alive::kNo) || kept) {
             impl->checksums = (snap.features & kFeatureChecksums) != 0;
             impl->delta_region = (snap.features & kFeatureDelta) != 0;
             // Delta syncs come from ring regions only (Producer::create

@@ -111,9 +111,10 @@ namespace {
 // takeover byte free means byte 0 is rank 0's own, or the takeover has
 // finished, and then the path names another file.
 std::string live_region_problem(const MappedFile& f, const Header& h) {
-  if (peer_alive(f.fd(), kProducerLockByte, h.producer) == Alive::kNo) return "a live rank 0 (the region's rank 0 is dead)";
-  if (lock_held(f.fd(), kTakeoverLockByte) == Alive::kYes)
-    return "rank 0 to finish replacing the region (a new rank 0 is taking over the stale one)";
+  if (producer_alive_for_join(f.fd(), h.producer) == Alive::kNo)
+    return lock_held(f.fd(), kTakeoverLockByte) == Alive::kYes
+               ? "rank 0 to finish replacing the region (a new rank 0 is taking over the stale one)"
+               : "a live rank 0 (the region's rank 0 is dead)";
   if (!f.still_at_path()) return "rank 0 to create the region again (this file was removed or replaced)";
   return "";
 }

@@ -133,6 +133,12 @@ Alive any_lock_held(int fd) {
   return fl.l_type == F_UNLCK ? Alive::kNo : Alive::kYes;
 }
 
+Alive producer_alive_for_join(int fd, const Identity& id) {
+  const Alive a = peer_alive(fd, kProducerLockByte, id);
+  if (a == Alive::kNo) return a;
+  return lock_held(fd, kTakeoverLockByte) == Alive::kYes ? Alive::kNo : a;
+}
+
 Alive peer_alive(int fd, std::int64_t byte, const Identity& id) {
   Alive a = lock_held(fd, byte);
   if (a != Alive::kUnknown) return a;
