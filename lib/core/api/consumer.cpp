@@ -151,10 +151,11 @@ Consumer Consumer::open(std::string_view name, const ConsumerOptions& o) {
               kept = recover_store_record(f.data(), g, &stored);
           }
           if (!f.still_at_path()) {
-            // Replaced since it was opened (a takeover has just finished):
-            // the next look opens the new file.
-            waiting_for = "a new producer (the region file was replaced)";
-            waiting_code = Errc::kPeerDied;
+            // Removed or replaced since it was opened (a takeover has just
+            // finished, or the producer closed): the next look opens the path.
+            waiting_for = init == kInitClosed ? "a new producer (the region was closed and removed)"
+                                              : "a new producer (the region file was replaced)";
+            waiting_code = init == kInitClosed ? Errc::kClosed : Errc::kPeerDied;
           } else if ((init == kInitReady && a != Alive::kNo) || kept) {
             impl->checksums = (snap.features & kFeatureChecksums) != 0;
             impl->delta_region = (snap.features & kFeatureDelta) != 0;
@@ -185,7 +186,9 @@ Consumer Consumer::open(std::string_view name, const ConsumerOptions& o) {
             }
           } else {
             waiting_for = init == kInitClosed ? "a new producer (the region is closed)"
-                                              : "a new producer (the region's producer is dead)";
+                          : lock_held(f.fd(), kTakeoverLockByte) == Alive::kYes
+                              ? "a new producer (one is taking over the region: lock byte 129 is held)"
+                              : "a new producer (the region's producer is dead)";
             waiting_code = init == kInitClosed ? Errc::kClosed : Errc::kPeerDied;
           }
         }
@@ -194,7 +197,9 @@ Consumer Consumer::open(std::string_view name, const ConsumerOptions& o) {
         // then sets the whole size at once (posix_fallocate): size 0 is a
         // region being created, a short non-empty file was cut. (The size
         // seen at open may predate the allocation: re-read it.)
-        const bool held = lock_held(f.fd(), kProducerLockByte) == Alive::kYes;
+        // Held by its producer, not by a takeover of the stale file (§9).
+        const bool held = lock_held(f.fd(), kProducerLockByte) == Alive::kYes &&
+                          lock_held(f.fd(), kTakeoverLockByte) != Alive::kYes;
         const std::uint64_t size_now = f.size_now();
         if (size_now >= kHeaderBytes) {
           waiting_for = "the producer to allocate the region";  // it just did: look again

@@ -47,6 +47,16 @@ bool detail::take_over_stale(const std::string& dir, std::string_view name, bool
   }
   const std::string why = trust_problem(old, TrustPolicy{group_access, {}});
   if (!why.empty()) throw Error(Errc::kPermission, why + "; pick another region name, or have its owner remove it");
+  if (!replace_stale) {
+    // Nothing to take over: the locks would only make consumers opening the
+    // name meanwhile wait (they read a held takeover byte as a replacement).
+    if (lock_held(old.fd(), kProducerLockByte) != Alive::kNo)
+      throw Error(Errc::kExists, "region '" + std::string(name) + "' in " + dir +
+                                     " belongs to a live producer (or its liveness cannot be checked): pick another "
+                                     "name, or stop that producer");
+    throw Error(Errc::kExists, "region '" + std::string(name) + "' exists (its producer is gone); remove it with "
+                               "`shmcast-inspect rm " + std::string(name) + "` or set replace_stale");
+  }
   int rc = lock_byte(old.fd(), kTakeoverLockByte);
   if (rc == -EAGAIN)
     throw Error(Errc::kExists, "region '" + std::string(name) + "' in " + dir +
@@ -60,9 +70,6 @@ bool detail::take_over_stale(const std::string& dir, std::string_view name, bool
     throw Error(Errc::kExists, "region '" + std::string(name) + "' exists and the liveness of its producer cannot be "
                                "checked (" + std::strerror(-rc) + "): it is left alone; remove it with "
                                "`shmcast-inspect rm " + std::string(name) + "` if it is dead");
-  if (!replace_stale)
-    throw Error(Errc::kExists, "region '" + std::string(name) + "' exists (its producer is gone); remove it with "
-                               "`shmcast-inspect rm " + std::string(name) + "` or set replace_stale");
   // The old producer is dead: take the name over. Attached consumers keep
   // the old mapping, see the producer died, and reopen.
   if (before_unlink) before_unlink();

@@ -64,14 +64,17 @@ Alive any_lock_held(int fd);
 // namespace is ours.
 Alive peer_alive(int fd, std::int64_t byte, const Identity& id);
 
-// The producer (rank 0) of a region file opened by name, as a process that
-// joins it must judge it (docs/protocol.md §8-9): kNo when lock byte 0 is
-// free or, after it, kTakeoverLockByte is held (a new producer has proven
-// the old one dead and is replacing the file: it holds byte 0 itself). In
-// that order: a takeover locks its byte before byte 0 and removes the name
-// before it lets go of either, so byte 0 held and then the takeover byte
-// free means the producer's own lock, or a takeover that has finished; the
-// caller then checks that the path still names its file.
+// The producer (rank 0) of a region file opened by name, as a process about
+// to join it must judge it (docs/protocol.md §8-9). kNo means "do not join
+// now, look at the path again": lock byte 0 is free, or, after it,
+// kTakeoverLockByte is held (a new producer replacing a stale file holds
+// byte 0 itself; a create() that finds a live producer holds both for a
+// moment). In that order: a takeover locks its byte before byte 0 and
+// removes the name before it lets go of either, so byte 0 held and then the
+// takeover byte free means the producer's own lock, or a takeover that has
+// finished; the caller then checks that the path still names its file. Not
+// for peers already attached (ring.cpp): a passing create() attempt would
+// make a live producer look dead to them.
 Alive producer_alive_for_join(int fd, const Identity& id);
 
 }  // namespace shmcast::detail
