@@ -677,8 +677,11 @@ TEST(ShardedLateRank, ReadIntoWithChecksumsReadsTheOtherRanksChunksFirst) {
 
 // Rank 1 is killed after its first two chunks were read out of order and
 // while rank 0's first is still missing: the sync fails for the consumer
-// (PeerDied: a rank that owes chunks is dead; or Aborted by rank 0) and for
-// rank 0 (PeerDied), never tears.
+// (PeerDied: a rank that owes chunks is dead; or Aborted by rank 0; or
+// Closed: rank 0's process ends right after it aborted the sync, and a
+// consumer that looks after that finds the region closed: the AArch64
+// stage's qemu, beside the under-load tests, once did) and for rank 0
+// (PeerDied), never tears.
 TEST(ShardedLateRank, RankKilledWhileAnotherIsLateFailsTheSync) {
   const std::string name = unique_name("latekill");
   RegionGuard g{name};
@@ -705,10 +708,11 @@ TEST(ShardedLateRank, RankKilledWhileAnotherIsLateFailsTheSync) {
   r1.kill9();  // it waits for the slot of seq 6 by now, or is about to
   EXPECT_EQ(r1.wait(10s), 128 + SIGKILL);
   go.send(1);
-  const int died = 20 + static_cast<int>(Errc::kPeerDied), aborted = 20 + static_cast<int>(Errc::kAborted);
+  const int died = 20 + static_cast<int>(Errc::kPeerDied), aborted = 20 + static_cast<int>(Errc::kAborted),
+            closed = 20 + static_cast<int>(Errc::kClosed);
   EXPECT_EQ(r0.wait(60s), died) << "rank 0 must see rank 1 die";
   const int rc = c.wait(60s);
-  EXPECT_TRUE(rc == died || rc == aborted) << "consumer exit " << rc << ": the sync must fail, never tear";
+  EXPECT_TRUE(rc == died || rc == aborted || rc == closed) << "consumer exit " << rc << ": the sync must fail, never tear";
 }
 
 // Rank 1 flips a byte of its first chunk after publishing it; rank 0 is late.
