@@ -227,6 +227,7 @@ int run_rank(const Script& sc, Board* b, int r) {
 
 struct ConsumerHooks {
   std::function<void(int c, std::uint64_t version)> took;                // after wait_sync
+  std::function<void(int c, std::uint64_t version)> ready;               // destinations made, before read_into
   std::function<void(int c, std::uint64_t version, int rc)> read_done;  // after the read, 0 or 20 + Errc
 };
 
@@ -254,6 +255,7 @@ int run_consumer(const std::string& name, Board* b, int c, std::uint64_t until_e
         std::vector<void*> dsts;
         for (const TensorInfo& t : info.tensors) got.emplace_back(t.nbytes, 0xEE);
         for (auto& g : got) dsts.push_back(g.data());
+        if (hooks.ready) hooks.ready(c, v);
         int rc = 0;
         try {
           cons.read_into(dsts);
@@ -517,6 +519,14 @@ TEST(ShardedRounds, RefusedPiecesFailOneSyncOnly) {
 // cannot: they wait for rank 1's first chunk. Blame goes to rank 1 (Timeout
 // naming it, on both ranks), never to the consumers, which are not evicted
 // (stall policy evict) and read every later sync on the same seat.
+//
+// Rank 0 writes only once both consumers are in read_into() for sync 2.
+// Before they can wait for rank 1 they must copy rank 0's first chunk, the
+// one slot they can free, within consumer_timeout; that is their job, and
+// the library blames a consumer that does not. But the test's consumer
+// first makes 16 MiB of destinations, and at nice 10 beside the CI's
+// sanitizer builds (nice 15 beside 8 CPU hogs: every run) that took more
+// than the 3 s, and both consumers were rightly evicted for it.
 void stalled_rank(StallPolicy policy) {
   Board* b = Board::make();
   Script sc;
@@ -528,10 +538,15 @@ void stalled_rank(StallPolicy policy) {
     o.stall_policy = policy;
   };
   sc.after_begin = [b](int r, int s) {
+    if (r == 0 && s == 2) wait_until_true([b] { return b->flag[2].load() != 0 && b->flag[3].load() != 0; }, 120s);
     if (r == 1 && s == 2) wait_until_true([b] { return b->rc[0][2].load() != 0; }, 120s);
   };
+  ConsumerHooks hooks;
+  hooks.ready = [b](int c, std::uint64_t v) {
+    if (v == 2) b->flag[2 + c].store(1);
+  };
   Procs ps;
-  ps.start_consumers(sc.name, b, 2, 1, 7, false);  // no reopen: an evicted consumer fails
+  ps.start_consumers(sc.name, b, 2, 1, 7, false, hooks);  // no reopen: an evicted consumer fails
   ps.start_ranks(sc, b);
   ps.expect_all_exit_0();
   EXPECT_EQ(b->result(0, 2), code(Errc::kTimeout)) << b->text(0, 2);
