@@ -314,7 +314,12 @@ def role_sharded_rank(q, region, rank, world, seed, n_syncs=2, consumers=0, time
         if rank == 0 and consumers:
             p.wait_for_consumers(consumers, timeout)
         if skip_send:
-            time.sleep(timeout)
+            # Attached, never sending, until the test says it is done (its
+            # inbox), or for `timeout` without one.
+            if _inbox is not None:
+                _inbox.get(timeout=timeout)
+            else:
+                time.sleep(timeout)
             return {"versions": versions}
         for k in range(n_syncs):
             versions.append(p.send(sharded_items(seed + k, rank, world, device)))
