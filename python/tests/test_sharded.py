@@ -29,12 +29,14 @@ def test_rank_that_never_sends_is_a_timeout_naming_it(region, procs):
     done = procs.queue()  # rank 1 stays attached, sending nothing, until rank 0 has failed
     late = procs.start("sharded_rank", inbox=done, region=region, rank=1, world=2, seed=0, skip_send=True,
                        timeout=60.0)
-    with shmcast.Producer(region, rank=0, world_size=2, slot_bytes=2 << 20, slots=4, pin=False,
-                          rank_timeout=1.0) as p:
-        procs.ready(late)
-        with pytest.raises(shmcast.Timeout, match="rank 1 is attached but did not begin"):
-            p.send([("w", torch.zeros(4))])
-    done.put("done")
+    try:
+        with shmcast.Producer(region, rank=0, world_size=2, slot_bytes=2 << 20, slots=4, pin=False,
+                              rank_timeout=1.0) as p:
+            procs.ready(late)
+            with pytest.raises(shmcast.Timeout, match="rank 1 is attached but did not begin"):
+                p.send([("w", torch.zeros(4))])
+    finally:
+        done.put("done")
     assert procs.get(late)["versions"] == []
 
 

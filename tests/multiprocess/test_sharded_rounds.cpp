@@ -520,7 +520,8 @@ TEST(ShardedRounds, RefusedPiecesFailOneSyncOnly) {
 // naming it, on both ranks), never to the consumers, which are not evicted
 // (stall policy evict) and read every later sync on the same seat.
 //
-// Rank 0 writes only once both consumers are in read_into() for sync 2.
+// Rank 0 writes only once both consumers have made their destinations for
+// sync 2 and are about to call read_into().
 // Before they can wait for rank 1 they must copy rank 0's first chunk, the
 // one slot they can free, within consumer_timeout; that is their job, and
 // the library blames a consumer that does not. But the test's consumer
